@@ -1,0 +1,111 @@
+#include "mailbox.h"
+
+#include <cstring>
+
+namespace jcm {
+
+Mailbox::Channel& Mailbox::GetChannel(ChannelKey key) {
+  std::lock_guard<std::mutex> lock(map_mu_);
+  auto& slot = channels_[key];
+  if (!slot) slot = std::make_unique<Channel>();
+  return *slot;
+}
+
+void Mailbox::Send(ChannelKey key, const void* data, size_t bytes,
+                   const std::string& sender_desc) {
+  Channel& ch = GetChannel(key);
+  std::unique_lock<std::mutex> lock(ch.mu);
+  if (!ch.posted.empty()) {
+    // The receiver is already waiting: copy straight into its output buffer.
+    PostedRecv* recv = ch.posted.front();
+    ch.posted.pop_front();
+    recv->state = PostState::kClaimed;
+    lock.unlock();
+    if (recv->bytes == bytes) {
+      if (bytes > 0) std::memcpy(recv->out, data, bytes);
+      recv->outcome.status = RecvStatus::kOk;
+    } else {
+      recv->outcome.status = RecvStatus::kSizeMismatch;
+      recv->outcome.sender_bytes = bytes;
+      recv->outcome.sender_desc = sender_desc;
+    }
+    lock.lock();
+    recv->state = PostState::kDone;
+    ch.cv.notify_all();
+    return;
+  }
+  Message msg;
+  msg.bytes = bytes;
+  msg.sender_desc = sender_desc;
+  if (bytes > 0) {
+    msg.data = std::make_unique_for_overwrite<std::byte[]>(bytes);
+    std::memcpy(msg.data.get(), data, bytes);
+  }
+  ch.queued.push_back(std::move(msg));
+  ch.cv.notify_all();
+}
+
+RecvOutcome Mailbox::Recv(ChannelKey key, void* out, size_t bytes,
+                          std::chrono::steady_clock::time_point deadline) {
+  Channel& ch = GetChannel(key);
+  std::unique_lock<std::mutex> lock(ch.mu);
+  if (ch.queued.empty()) {
+    PostedRecv recv;
+    recv.out = out;
+    recv.bytes = bytes;
+    ch.posted.push_back(&recv);
+    bool done = ch.cv.wait_until(lock, deadline,
+                                 [&] { return recv.state == PostState::kDone; });
+    if (!done) {
+      if (recv.state == PostState::kPosted) {
+        // Withdraw: no sender has seen this receive.
+        for (auto it = ch.posted.begin(); it != ch.posted.end(); ++it) {
+          if (*it == &recv) {
+            ch.posted.erase(it);
+            break;
+          }
+        }
+        RecvOutcome timeout;
+        timeout.status = RecvStatus::kTimeout;
+        return timeout;
+      }
+      // A sender is copying into `out` right now: wait for it to finish.
+      ch.cv.wait(lock, [&] { return recv.state == PostState::kDone; });
+    }
+    return std::move(recv.outcome);
+  }
+  Message msg = std::move(ch.queued.front());
+  ch.queued.pop_front();
+  lock.unlock();
+  RecvOutcome outcome;
+  if (msg.bytes != bytes) {
+    outcome.status = RecvStatus::kSizeMismatch;
+    outcome.sender_bytes = msg.bytes;
+    outcome.sender_desc = std::move(msg.sender_desc);
+    return outcome;
+  }
+  if (bytes > 0) std::memcpy(out, msg.data.get(), bytes);
+  return outcome;
+}
+
+size_t Mailbox::queued_messages() const {
+  std::lock_guard<std::mutex> lock(map_mu_);
+  size_t n = 0;
+  for (const auto& [key, ch] : channels_) {
+    std::lock_guard<std::mutex> ch_lock(ch->mu);
+    n += ch->queued.size();
+  }
+  return n;
+}
+
+size_t Mailbox::queued_bytes() const {
+  std::lock_guard<std::mutex> lock(map_mu_);
+  size_t n = 0;
+  for (const auto& [key, ch] : channels_) {
+    std::lock_guard<std::mutex> ch_lock(ch->mu);
+    for (const auto& m : ch->queued) n += m.bytes;
+  }
+  return n;
+}
+
+}  // namespace jcm

@@ -1,0 +1,130 @@
+// The nanobind extension `jax_cpu_mpi._jax_cpu_mpi`: the low-level handles behind the Python
+// package. It exposes the FFI handler capsules and the runtime controls; all policy (when to
+// attach MPI, which communicator, configuration from the environment) lives in Python.
+#include <mpi.h>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "p2p_handlers.h"
+#include "runtime.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+template <typename T>
+nb::capsule EncapsulateFfiHandler(T* fn) {
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, T, XLA_FFI_CallFrame*>,
+                "Encapsulated function must be an XLA FFI handler");
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+std::string MpiLibraryVersion() {
+  char version[MPI_MAX_LIBRARY_VERSION_STRING] = {0};
+  int len = 0;
+  MPI_Get_library_version(version, &len);
+  return std::string(version, len);
+}
+
+// Which MPI the extension was compiled against: vendor, MPI standard version, and the
+// size of the handle types (an ABI fingerprint: MPICH uses int handles, Open MPI pointers).
+nb::dict BuildMpiInfo() {
+  nb::dict info;
+#if defined(MPICH_VERSION)
+  info["vendor"] = "MPICH";
+  info["vendor_version"] = MPICH_VERSION;
+#elif defined(OMPI_MAJOR_VERSION)
+  info["vendor"] = "Open MPI";
+  info["vendor_version"] = std::to_string(OMPI_MAJOR_VERSION) + "." +
+                           std::to_string(OMPI_MINOR_VERSION) + "." +
+                           std::to_string(OMPI_RELEASE_VERSION);
+#else
+  info["vendor"] = "unknown";
+  info["vendor_version"] = "";
+#endif
+  info["mpi_version"] = std::to_string(MPI_VERSION) + "." + std::to_string(MPI_SUBVERSION);
+  info["comm_handle_bytes"] = sizeof(MPI_Comm);
+#if defined(JAX_CPU_MPI_MPI_FROM_WHEEL)
+  info["from_mpich_wheel"] = true;
+#else
+  info["from_mpich_wheel"] = false;
+#endif
+  return info;
+}
+
+}  // namespace
+
+NB_MODULE(_jax_cpu_mpi, m) {
+  m.doc() = "Low-level handles of jax_cpu_mpi: XLA FFI handlers and runtime controls.";
+
+  m.def("registrations", [] {
+    nb::dict d;
+    d["jax_cpu_mpi_psend"] = EncapsulateFfiHandler(JcmPsend);
+    d["jax_cpu_mpi_precv"] = EncapsulateFfiHandler(JcmPrecv);
+    return d;
+  }, "FFI handler capsules by target name.");
+
+  m.def("set_process_index",
+        [](int64_t index) { jcm::Runtime::Get().set_process_index(index); },
+        nb::arg("index"));
+  m.def("configure",
+        [](double recv_timeout_s, uint64_t max_inflight_bytes) {
+          if (!(recv_timeout_s > 0)) throw nb::value_error("recv_timeout_s must be > 0");
+          if (max_inflight_bytes == 0) throw nb::value_error("max_inflight_bytes must be > 0");
+          jcm::Config c;
+          c.recv_timeout_s = recv_timeout_s;
+          c.max_inflight_bytes = max_inflight_bytes;
+          jcm::Runtime::Get().set_config(c);
+        },
+        nb::arg("recv_timeout_s"), nb::arg("max_inflight_bytes"));
+  m.def("get_config", [] {
+    jcm::Config c = jcm::Runtime::Get().config();
+    nb::dict d;
+    d["recv_timeout_s"] = c.recv_timeout_s;
+    d["max_inflight_bytes"] = c.max_inflight_bytes;
+    return d;
+  });
+
+  m.def("attach_mpi",
+        [](int64_t comm_fortran_handle, std::vector<int> rank_of_process) {
+          MPI_Comm comm = MPI_Comm_f2c(static_cast<MPI_Fint>(comm_fortran_handle));
+          std::string error;
+          auto transport = jcm::MpiTransport::Create(comm, std::move(rank_of_process), &error);
+          if (!transport) throw std::runtime_error("jax_cpu_mpi: cannot attach MPI: " + error);
+          jcm::Runtime::Get().attach_mpi(std::move(transport));
+        },
+        nb::arg("comm_fortran_handle"), nb::arg("rank_of_process"),
+        "Duplicate the communicator (given as its Fortran handle, see mpi4py's Comm.py2f) "
+        "for our point-to-point traffic.");
+  m.def("mpi_attached", [] { return jcm::Runtime::Get().mpi() != nullptr; });
+  m.def("detach_mpi",
+        [](double timeout_s) {
+          nb::gil_scoped_release release;
+          return jcm::Runtime::Get().detach_mpi(timeout_s);
+        },
+        nb::arg("timeout_s"),
+        "Complete outstanding sends (up to timeout_s) and free the communicator. Returns a "
+        "report of undelivered messages, empty if none.");
+
+  m.def("stats", [] {
+    jcm::Runtime& rt = jcm::Runtime::Get();
+    nb::dict d;
+    d["mailbox_queued_messages"] = rt.mailbox().queued_messages();
+    d["mailbox_queued_bytes"] = rt.mailbox().queued_bytes();
+    auto mpi = rt.mpi();
+    d["mpi_inflight_sends"] = mpi ? mpi->inflight_sends() : 0;
+    d["mpi_inflight_bytes"] = mpi ? mpi->inflight_bytes() : 0;
+    d["mpi_sends_completed"] = mpi ? mpi->sends_completed() : 0;
+    return d;
+  });
+
+  m.def("mpi_library_version", &MpiLibraryVersion,
+        "MPI_Get_library_version() of the libmpi the extension is linked to.");
+  m.def("mpi_build_info", &BuildMpiInfo, "Which MPI the extension was compiled against.");
+}

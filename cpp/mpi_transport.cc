@@ -1,0 +1,243 @@
+#include "mpi_transport.h"
+
+#include <sched.h>
+
+#include <climits>
+#include <cstring>
+#include <thread>
+
+namespace jcm {
+namespace {
+
+bool MpiIsUsable() {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  return initialized && !finalized;
+}
+
+// Adaptive wait used by every polling loop: spin first (lowest latency), then yield the core
+// (ranks may share cores), then sleep a little (long waits must not burn a core).
+class Backoff {
+ public:
+  void Pause() {
+    ++iterations_;
+    if (iterations_ < 2000) return;
+    if (iterations_ < 200000) {
+      sched_yield();
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+
+ private:
+  uint64_t iterations_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<MpiTransport> MpiTransport::Create(MPI_Comm comm,
+                                                   std::vector<int> rank_of_process,
+                                                   std::string* error) {
+  if (!MpiIsUsable()) {
+    *error = "MPI is not initialized (or already finalized)";
+    return nullptr;
+  }
+  auto t = std::make_unique<MpiTransport>(PrivateTag{});
+  int rc = MPI_Comm_dup(comm, &t->comm_);
+  if (rc != MPI_SUCCESS) {
+    *error = "MPI_Comm_dup failed: " + t->ErrorString(rc);
+    return nullptr;
+  }
+  // Errors on our communicator come back as codes, never abort the job behind our back.
+  MPI_Comm_set_errhandler(t->comm_, MPI_ERRORS_RETURN);
+  MPI_Comm_rank(t->comm_, &t->rank_);
+  MPI_Comm_size(t->comm_, &t->size_);
+  void* attr = nullptr;
+  int flag = 0;
+  MPI_Comm_get_attr(t->comm_, MPI_TAG_UB, &attr, &flag);
+  if (flag && attr) t->tag_ub_ = *static_cast<int*>(attr);
+  int provided = MPI_THREAD_SINGLE;
+  MPI_Query_thread(&provided);
+  t->thread_multiple_ = provided >= MPI_THREAD_MULTIPLE;
+  t->rank_of_process_ = std::move(rank_of_process);
+  return t;
+}
+
+MpiTransport::~MpiTransport() {
+  if (comm_ != MPI_COMM_NULL && MpiIsUsable()) MPI_Comm_free(&comm_);
+}
+
+int MpiTransport::RankOfProcess(int64_t process_index) const {
+  if (process_index < 0 || process_index >= static_cast<int64_t>(rank_of_process_.size())) {
+    return -1;
+  }
+  return rank_of_process_[process_index];
+}
+
+std::string MpiTransport::ErrorString(int code) const {
+  char text[MPI_MAX_ERROR_STRING] = {0};
+  int len = 0;
+  MPI_Error_string(code, text, &len);
+  return std::string(text, len);
+}
+
+MpiResult MpiTransport::ProgressLocked() {
+  // Sends to different peers complete in any order: test them all.
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    int done = 0;
+    int rc = MPI_Testall(static_cast<int>(it->requests.size()), it->requests.data(), &done,
+                         MPI_STATUSES_IGNORE);
+    if (rc != MPI_SUCCESS) return MpiResult::Error("MPI_Testall failed: " + ErrorString(rc));
+    if (done) {
+      inflight_bytes_ -= it->bytes;
+      ++sends_completed_;
+      it = pending_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return MpiResult::Ok();
+}
+
+MpiResult MpiTransport::Send(int dest_rank, int tag, const void* data, size_t bytes,
+                             uint64_t max_inflight_bytes,
+                             std::chrono::steady_clock::time_point deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!MpiIsUsable()) return MpiResult::Error("MPI is not initialized or already finalized");
+  if (MpiResult r = ProgressLocked(); !r.ok) return r;
+  // Bound the memory of undelivered sends: wait for older ones to complete first.
+  Backoff backoff;
+  while (!pending_.empty() && inflight_bytes_ + bytes > max_inflight_bytes) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      return MpiResult::Error(
+          "gave up waiting for earlier sends to be received: " +
+          std::to_string(inflight_bytes_) + " bytes in " + std::to_string(pending_.size()) +
+          " sends are undelivered and the limit is " + std::to_string(max_inflight_bytes) +
+          " bytes (JAX_CPU_MPI_MAX_INFLIGHT_BYTES); the receivers never posted their precv");
+    }
+    lock.unlock();
+    backoff.Pause();
+    lock.lock();
+    if (MpiResult r = ProgressLocked(); !r.ok) return r;
+  }
+
+  PendingSend send;
+  send.bytes = bytes;
+  if (bytes > 0) {
+    send.buffer = std::make_unique_for_overwrite<std::byte[]>(bytes);
+    std::memcpy(send.buffer.get(), data, bytes);
+  }
+#if MPI_VERSION >= 4
+  send.requests.resize(1);
+  int rc = MPI_Isend_c(send.buffer.get(), static_cast<MPI_Count>(bytes), MPI_BYTE, dest_rank,
+                       tag, comm_, &send.requests[0]);
+#else
+  if (bytes > static_cast<size_t>(INT_MAX)) {
+    return MpiResult::Error("message of " + std::to_string(bytes) +
+                            " bytes exceeds what this MPI (< MPI-4, no large counts) can send");
+  }
+  send.requests.resize(1);
+  int rc = MPI_Isend(send.buffer.get(), static_cast<int>(bytes), MPI_BYTE, dest_rank, tag, comm_,
+                     &send.requests[0]);
+#endif
+  if (rc != MPI_SUCCESS) return MpiResult::Error("MPI_Isend failed: " + ErrorString(rc));
+  inflight_bytes_ += bytes;
+  pending_.push_back(std::move(send));
+  // Small messages often complete at once (eager protocol): free them now.
+  return ProgressLocked();
+}
+
+MpiResult MpiTransport::Recv(int source_rank, int tag, void* out, size_t bytes,
+                             std::chrono::steady_clock::time_point deadline) {
+  MPI_Message message = MPI_MESSAGE_NULL;
+  MPI_Status status;
+  Backoff backoff;
+  uint64_t polls = 0;
+  while (true) {
+    int flag = 0;
+    {
+      std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
+      if (!thread_multiple_) lock.lock();
+      if (!MpiIsUsable()) return MpiResult::Error("MPI is not initialized or already finalized");
+      int rc = MPI_Improbe(source_rank, tag, comm_, &flag, &message, &status);
+      if (rc != MPI_SUCCESS) return MpiResult::Error("MPI_Improbe failed: " + ErrorString(rc));
+    }
+    if (flag) break;
+    if ((++polls & 63) == 0) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (MpiResult r = ProgressLocked(); !r.ok) return r;
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        MpiResult r;
+        r.ok = false;
+        r.timed_out = true;
+        return r;
+      }
+    }
+    backoff.Pause();
+  }
+
+  std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
+  if (!thread_multiple_) lock.lock();
+#if MPI_VERSION >= 4
+  MPI_Count count = 0;
+  MPI_Get_count_c(&status, MPI_BYTE, &count);
+#else
+  int count = 0;
+  MPI_Get_count(&status, MPI_BYTE, &count);
+#endif
+  if (static_cast<size_t>(count) != bytes) {
+    // Drain the message so the channel stays usable, then report.
+    auto scratch = std::make_unique_for_overwrite<std::byte[]>(count > 0 ? count : 1);
+#if MPI_VERSION >= 4
+    MPI_Mrecv_c(scratch.get(), count, MPI_BYTE, &message, MPI_STATUS_IGNORE);
+#else
+    MPI_Mrecv(scratch.get(), count, MPI_BYTE, &message, MPI_STATUS_IGNORE);
+#endif
+    MpiResult r;
+    r.ok = false;
+    r.size_mismatch = true;
+    r.sender_bytes = static_cast<size_t>(count);
+    return r;
+  }
+#if MPI_VERSION >= 4
+  int rc = MPI_Mrecv_c(out, count, MPI_BYTE, &message, MPI_STATUS_IGNORE);
+#else
+  int rc = MPI_Mrecv(out, count, MPI_BYTE, &message, MPI_STATUS_IGNORE);
+#endif
+  if (rc != MPI_SUCCESS) return MpiResult::Error("MPI_Mrecv failed: " + ErrorString(rc));
+  return MpiResult::Ok();
+}
+
+size_t MpiTransport::Drain(std::chrono::steady_clock::time_point deadline) {
+  Backoff backoff;
+  while (true) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!MpiIsUsable()) return pending_.size();
+      ProgressLocked();
+      if (pending_.empty()) return 0;
+      if (std::chrono::steady_clock::now() > deadline) return pending_.size();
+    }
+    backoff.Pause();
+  }
+}
+
+size_t MpiTransport::inflight_sends() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return pending_.size();
+}
+
+uint64_t MpiTransport::inflight_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return inflight_bytes_;
+}
+
+uint64_t MpiTransport::sends_completed() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return sends_completed_;
+}
+
+}  // namespace jcm

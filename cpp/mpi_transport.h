@@ -1,0 +1,94 @@
+// MPI transport: point-to-point between processes on a communicator owned by this package
+// (a duplicate of MPI_COMM_WORLD made by mpi4py, never the user's communicator).
+//
+// Sends are copy-and-Isend: a psend copies its operand into a buffer the transport owns and
+// returns without waiting for the receiver, so that two devices that both send before they
+// receive never deadlock, whatever the message size. The bytes of undelivered sends are
+// bounded (Config::max_inflight_bytes). Receives probe with a deadline (MPI_Improbe) so a
+// receive that nothing matches fails instead of hanging, and check the byte count.
+#pragma once
+
+#include <mpi.h>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace jcm {
+
+struct MpiResult {
+  bool ok = true;
+  std::string error;        // set when !ok
+  bool timed_out = false;   // receive deadline passed
+  bool size_mismatch = false;
+  size_t sender_bytes = 0;  // for size_mismatch
+  static MpiResult Ok() { return {}; }
+  static MpiResult Error(std::string message) {
+    MpiResult r;
+    r.ok = false;
+    r.error = std::move(message);
+    return r;
+  }
+};
+
+class MpiTransport {
+ public:
+  // `comm` is duplicated again, so the transport owns its communicator; `rank_of_process`
+  // maps jax.process_index() to the rank in `comm`.
+  static std::unique_ptr<MpiTransport> Create(MPI_Comm comm, std::vector<int> rank_of_process,
+                                              std::string* error);
+  struct PrivateTag {};
+  explicit MpiTransport(PrivateTag) {}
+  ~MpiTransport();
+  MpiTransport(const MpiTransport&) = delete;
+  MpiTransport& operator=(const MpiTransport&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  int64_t tag_ub() const { return tag_ub_; }
+  // The MPI rank of a JAX process, or -1 if unknown.
+  int RankOfProcess(int64_t process_index) const;
+
+  MpiResult Send(int dest_rank, int tag, const void* data, size_t bytes,
+                 uint64_t max_inflight_bytes, std::chrono::steady_clock::time_point deadline);
+  MpiResult Recv(int source_rank, int tag, void* out, size_t bytes,
+                 std::chrono::steady_clock::time_point deadline);
+
+  // Completes every outstanding send, or gives up at the deadline. Returns how many were
+  // left undelivered.
+  size_t Drain(std::chrono::steady_clock::time_point deadline);
+
+  size_t inflight_sends() const;
+  uint64_t inflight_bytes() const;
+  uint64_t sends_completed() const;
+
+ private:
+  struct PendingSend {
+    std::unique_ptr<std::byte[]> buffer;
+    size_t bytes = 0;
+    std::vector<MPI_Request> requests;  // one per chunk
+  };
+
+  // Frees completed sends; caller holds mu_.
+  MpiResult ProgressLocked();
+  std::string ErrorString(int code) const;
+
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0;
+  int size_ = 0;
+  int64_t tag_ub_ = 32767;
+  bool thread_multiple_ = false;
+  std::vector<int> rank_of_process_;
+
+  mutable std::mutex mu_;       // guards the pending list (and MPI, if not THREAD_MULTIPLE)
+  std::deque<PendingSend> pending_;
+  uint64_t inflight_bytes_ = 0;
+  uint64_t sends_completed_ = 0;
+};
+
+}  // namespace jcm

@@ -1,0 +1,238 @@
+// XLA FFI handlers for psend and precv on CPU.
+//
+// Both handlers learn which device (partition) they run as from an operand (the partition id
+// of the SPMD program), look up their peer in the source-target pairs that the lowering
+// computed with JAX's own helper, and route the bytes:
+//   - peer device in this process  -> Mailbox (direct copy between device threads);
+//   - peer device in another process -> MpiTransport (point-to-point on our communicator).
+// Nothing about the process (communicators, pointers) is baked into the executable: the
+// attributes only hold partition -> (global device index, process index) tables.
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <string_view>
+
+#include "p2p_handlers.h"
+#include "runtime.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jcm {
+namespace {
+
+using I64Span = ffi::Span<const int64_t>;
+
+// Everything the lowering tells a handler about one psend/precv.
+struct OpInfo {
+  std::string_view op;       // e.g. "psend(axis_name=('x',), perm=((0, 1),))"
+  std::string_view operand;  // e.g. "float32[4]"
+  I64Span pairs;             // flat (source, destination) partition ids
+  I64Span device_index;      // partition -> dense global device index
+  I64Span device_process;    // partition -> jax.process_index()
+  int64_t num_devices;       // devices in the whole job (for MPI tags)
+};
+
+std::string ProcessSuffix(const OpInfo& info, int64_t partition) {
+  std::ostringstream s;
+  s << "partition " << partition;
+  if (partition >= 0 && partition < static_cast<int64_t>(info.device_process.size())) {
+    s << " (process " << info.device_process[partition] << ")";
+  }
+  return s.str();
+}
+
+ffi::Error CheckTables(const OpInfo& info, int64_t me) {
+  const int64_t n = static_cast<int64_t>(info.device_index.size());
+  if (info.pairs.size() % 2 != 0 || static_cast<int64_t>(info.device_process.size()) != n) {
+    return ffi::Error::Internal(std::string(info.op) + ": malformed attributes");
+  }
+  if (me < 0 || me >= n) {
+    std::ostringstream s;
+    s << info.op << ": running as partition " << me << " but the program was lowered for " << n
+      << " partitions";
+    return ffi::Error::Internal(s.str());
+  }
+  for (int64_t p : info.pairs) {
+    if (p < 0 || p >= n) {
+      std::ostringstream s;
+      s << info.op << ": source-target pair names partition " << p << " outside [0, " << n
+        << ")";
+      return ffi::Error::InvalidArgument(s.str());
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// The partition at the other end of `me` (as source if `me_is_source`), or -1.
+int64_t FindPeer(const OpInfo& info, int64_t me, bool me_is_source) {
+  for (size_t i = 0; i + 1 < info.pairs.size(); i += 2) {
+    int64_t src = info.pairs[i], dst = info.pairs[i + 1];
+    if (me_is_source && src == me) return dst;
+    if (!me_is_source && dst == me) return src;
+  }
+  return -1;
+}
+
+// Tags keep device pairs apart between one pair of processes.
+ffi::ErrorOr<int> MpiTag(const OpInfo& info, const MpiTransport& mpi, int64_t src_dev,
+                         int64_t dst_dev) {
+  int64_t tag = src_dev * info.num_devices + dst_dev;
+  if (tag > mpi.tag_ub()) {
+    std::ostringstream s;
+    s << info.op << ": " << info.num_devices << " devices need MPI tags up to "
+      << info.num_devices * info.num_devices << " but this MPI's MPI_TAG_UB is " << mpi.tag_ub();
+    return ffi::Unexpected(ffi::Error::Internal(s.str()));
+  }
+  return static_cast<int>(tag);
+}
+
+std::string MpiMissing(const OpInfo& info, int64_t me, int64_t peer) {
+  std::ostringstream s;
+  s << info.op << ": " << ProcessSuffix(info, me) << " and its peer " << ProcessSuffix(info, peer)
+    << " live in different processes, but this process has no MPI communicator attached. "
+       "Launch every process with mpirun/srun, call jax.distributed.initialize() before "
+       "creating the mesh, and import jax_cpu_mpi before lowering the program.";
+  return s.str();
+}
+
+ffi::Error PsendImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
+                     ffi::Result<ffi::Token> /*token*/, I64Span pairs, I64Span device_index,
+                     I64Span device_process, int64_t num_devices, std::string_view op,
+                     std::string_view operand) {
+  const OpInfo info{op, operand, pairs, device_index, device_process, num_devices};
+  const int64_t me = static_cast<int64_t>(partition.typed_data()[0]);
+  if (ffi::Error e = CheckTables(info, me); e.failure()) return e;
+  const int64_t peer = FindPeer(info, me, /*me_is_source=*/true);
+  if (peer < 0) return ffi::Error::Success();  // not a source: sends nothing
+
+  Runtime& rt = Runtime::Get();
+  const size_t bytes = x.size_bytes();
+  const int64_t my_dev = device_index[me], peer_dev = device_index[peer];
+  if (device_process[peer] == device_process[me]) {
+    rt.mailbox().Send({my_dev, peer_dev}, x.untyped_data(), bytes, std::string(operand));
+    return ffi::Error::Success();
+  }
+  std::shared_ptr<MpiTransport> mpi = rt.mpi();
+  if (!mpi) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, MpiMissing(info, me, peer));
+  ffi::ErrorOr<int> tag = MpiTag(info, *mpi, my_dev, peer_dev);
+  if (tag.has_error()) return tag.error();
+  const int dest = mpi->RankOfProcess(device_process[peer]);
+  if (dest < 0) {
+    return ffi::Error::Internal(std::string(op) + ": no MPI rank known for " +
+                                ProcessSuffix(info, peer));
+  }
+  const Config config = rt.config();
+  MpiResult r = mpi->Send(dest, *tag, x.untyped_data(), bytes, config.max_inflight_bytes,
+                          DeadlineAfter(config.recv_timeout_s));
+  if (!r.ok) {
+    std::ostringstream s;
+    s << op << " of " << operand << " from " << ProcessSuffix(info, me) << " to "
+      << ProcessSuffix(info, peer) << " (MPI rank " << dest << ") failed: " << r.error;
+    return ffi::Error::Internal(s.str());
+  }
+  return ffi::Error::Success();
+}
+
+std::string SizeMismatch(const OpInfo& info, int64_t me, int64_t peer, size_t expected,
+                         size_t got, std::string_view sender_desc) {
+  std::ostringstream s;
+  s << info.op << " on " << ProcessSuffix(info, me) << " expected " << info.operand << " ("
+    << expected << " bytes) from " << ProcessSuffix(info, peer) << ", but the matching psend sent ";
+  if (!sender_desc.empty()) s << sender_desc << " (" << got << " bytes)";
+  else s << got << " bytes";
+  s << ". psend's operand and precv's out_shape must have the same shape and dtype.";
+  return s.str();
+}
+
+std::string Timeout(const OpInfo& info, int64_t me, int64_t peer, double seconds) {
+  std::ostringstream s;
+  s << info.op << " on " << ProcessSuffix(info, me) << " waited " << seconds
+    << " s for " << info.operand << " from " << ProcessSuffix(info, peer)
+    << " and no message arrived: no psend with the pair (" << peer << ", " << me
+    << ") ran. Make sure a psend with the same axis and pairs runs on the source device "
+       "(set JAX_CPU_MPI_RECV_TIMEOUT to wait longer).";
+  return s.str();
+}
+
+ffi::Error PrecvImpl(ffi::Token /*token*/, ffi::Buffer<ffi::U32> partition,
+                     ffi::Result<ffi::AnyBuffer> out, I64Span pairs, I64Span device_index,
+                     I64Span device_process, int64_t num_devices, std::string_view op,
+                     std::string_view operand) {
+  const OpInfo info{op, operand, pairs, device_index, device_process, num_devices};
+  const int64_t me = static_cast<int64_t>(partition.typed_data()[0]);
+  if (ffi::Error e = CheckTables(info, me); e.failure()) return e;
+  const size_t bytes = out->size_bytes();
+  const int64_t peer = FindPeer(info, me, /*me_is_source=*/false);
+  if (peer < 0) {  // not a destination: zeros, like ppermute
+    if (bytes > 0) std::memset(out->untyped_data(), 0, bytes);
+    return ffi::Error::Success();
+  }
+
+  Runtime& rt = Runtime::Get();
+  const Config config = rt.config();
+  const auto deadline = DeadlineAfter(config.recv_timeout_s);
+  const int64_t my_dev = device_index[me], peer_dev = device_index[peer];
+  if (device_process[peer] == device_process[me]) {
+    RecvOutcome r = rt.mailbox().Recv({peer_dev, my_dev}, out->untyped_data(), bytes, deadline);
+    switch (r.status) {
+      case RecvStatus::kOk:
+        return ffi::Error::Success();
+      case RecvStatus::kSizeMismatch:
+        return ffi::Error::InvalidArgument(
+            SizeMismatch(info, me, peer, bytes, r.sender_bytes, r.sender_desc));
+      case RecvStatus::kTimeout:
+        return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
+                          Timeout(info, me, peer, config.recv_timeout_s));
+    }
+  }
+  std::shared_ptr<MpiTransport> mpi = rt.mpi();
+  if (!mpi) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, MpiMissing(info, me, peer));
+  ffi::ErrorOr<int> tag = MpiTag(info, *mpi, peer_dev, my_dev);
+  if (tag.has_error()) return tag.error();
+  const int source = mpi->RankOfProcess(device_process[peer]);
+  if (source < 0) {
+    return ffi::Error::Internal(std::string(op) + ": no MPI rank known for " +
+                                ProcessSuffix(info, peer));
+  }
+  MpiResult r = mpi->Recv(source, *tag, out->untyped_data(), bytes, deadline);
+  if (r.ok) return ffi::Error::Success();
+  if (r.size_mismatch) {
+    return ffi::Error::InvalidArgument(SizeMismatch(info, me, peer, bytes, r.sender_bytes, ""));
+  }
+  if (r.timed_out) {
+    return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
+                      Timeout(info, me, peer, config.recv_timeout_s));
+  }
+  std::ostringstream s;
+  s << op << " of " << operand << " on " << ProcessSuffix(info, me) << " from "
+    << ProcessSuffix(info, peer) << " (MPI rank " << source << ") failed: " << r.error;
+  return ffi::Error::Internal(s.str());
+}
+
+}  // namespace
+}  // namespace jcm
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JcmPsend, jcm::PsendImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::Token>()
+                                  .Attr<jcm::I64Span>("pairs")
+                                  .Attr<jcm::I64Span>("device_index")
+                                  .Attr<jcm::I64Span>("device_process")
+                                  .Attr<int64_t>("num_devices")
+                                  .Attr<std::string_view>("op")
+                                  .Attr<std::string_view>("operand"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JcmPrecv, jcm::PrecvImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Token>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<jcm::I64Span>("pairs")
+                                  .Attr<jcm::I64Span>("device_index")
+                                  .Attr<jcm::I64Span>("device_process")
+                                  .Attr<int64_t>("num_devices")
+                                  .Attr<std::string_view>("op")
+                                  .Attr<std::string_view>("operand"));

@@ -1,0 +1,44 @@
+"""jax_cpu_mpi: ``jax.lax.psend`` / ``jax.lax.precv`` on CPU.
+
+Importing the package registers CPU lowerings for JAX's point-to-point primitives:
+
+* between devices of one process (``--xla_force_host_platform_device_count=N``), messages
+  are copied directly between the device threads;
+* between processes (``mpirun -n P`` + ``jax.distributed.initialize()``), they travel over
+  MPI point-to-point on a communicator of our own.
+
+The results are those of the GPU lowering: ``precv(psend(x, perm), perm)`` equals
+``lax.ppermute(x, perm)``. See the README for configuration and launch instructions.
+"""
+
+from __future__ import annotations
+
+from . import _jax_cpu_mpi as _ext
+from . import config as _config
+from . import lowering as _lowering
+from .config import Config, configure
+from .mpi_runtime import MpiSetupError
+
+__version__ = "0.1.0"
+
+_installed = False
+
+
+def install() -> None:
+    """Register the CPU lowerings (done on import; calling again is harmless)."""
+    global _installed
+    if _installed:
+        return
+    _config.apply()
+    _lowering.register()
+    _installed = True
+
+
+def stats() -> dict[str, int]:
+    """Counters of this process: queued in-process messages, undelivered MPI sends."""
+    return dict(_ext.stats())
+
+
+install()
+
+__all__ = ["Config", "MpiSetupError", "__version__", "configure", "install", "stats"]

@@ -1,0 +1,106 @@
+"""Runtime configuration, from environment variables or :func:`configure`.
+
+=================================  ==========  ================================================
+Environment variable               Default     Meaning
+=================================  ==========  ================================================
+``JAX_CPU_MPI_RECV_TIMEOUT``       ``300``     Seconds a precv waits for its message before it
+                                               fails with an error naming the op and the peer.
+``JAX_CPU_MPI_MAX_INFLIGHT_BYTES`` ``1GiB``    Bytes of MPI sends copied and not yet received.
+                                               A psend beyond it waits for older sends first.
+``JAX_CPU_MPI_EXIT_TIMEOUT``       ``60``      Seconds the process waits at exit for its
+                                               undelivered MPI sends before MPI finalizes.
+=================================  ==========  ================================================
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, replace
+
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """Parse ``"1073741824"``, ``"512MiB"``, ``"1G"``, ``"64k"`` into a byte count."""
+    match = re.fullmatch(r"\s*(\d+)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", text)
+    if not match:
+        raise ValueError(f"cannot parse a byte count from {text!r} (examples: 1048576, 64MiB, 1G)")
+    return int(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
+
+
+@dataclass(frozen=True)
+class Config:
+    """The runtime settings of jax_cpu_mpi."""
+
+    #: Seconds a precv waits for a matching psend before raising.
+    recv_timeout: float = 300.0
+    #: Bound on the bytes of undelivered MPI sends held by this process.
+    max_inflight_bytes: int = 1 << 30
+    #: Seconds to wait at interpreter exit for undelivered MPI sends.
+    exit_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not self.recv_timeout > 0:
+            raise ValueError(f"recv_timeout must be > 0 seconds, got {self.recv_timeout}")
+        if not self.max_inflight_bytes > 0:
+            raise ValueError(f"max_inflight_bytes must be > 0, got {self.max_inflight_bytes}")
+        if not self.exit_timeout >= 0:
+            raise ValueError(f"exit_timeout must be >= 0 seconds, got {self.exit_timeout}")
+
+
+def _env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a number of seconds") from None
+
+
+def from_environment() -> Config:
+    """The configuration described by the ``JAX_CPU_MPI_*`` environment variables."""
+    inflight = os.environ.get("JAX_CPU_MPI_MAX_INFLIGHT_BYTES")
+    try:
+        max_inflight = parse_bytes(inflight) if inflight else Config.max_inflight_bytes
+    except ValueError as e:
+        raise ValueError(f"JAX_CPU_MPI_MAX_INFLIGHT_BYTES: {e}") from None
+    return Config(
+        recv_timeout=_env_float("JAX_CPU_MPI_RECV_TIMEOUT", Config.recv_timeout),
+        max_inflight_bytes=max_inflight,
+        exit_timeout=_env_float("JAX_CPU_MPI_EXIT_TIMEOUT", Config.exit_timeout),
+    )
+
+
+_current: Config | None = None
+
+
+def current() -> Config:
+    """The configuration in force."""
+    global _current
+    if _current is None:
+        _current = from_environment()
+    return _current
+
+
+def configure(**changes: float | int) -> Config:
+    """Change settings for this process, e.g. ``configure(recv_timeout=30)``.
+
+    Takes effect for every psend/precv executed afterwards (compiled programs included).
+    """
+    global _current
+    from . import _jax_cpu_mpi as ext
+
+    new = replace(current(), **changes)  # type: ignore[arg-type]
+    ext.configure(new.recv_timeout, new.max_inflight_bytes)
+    _current = new
+    return new
+
+
+def apply() -> None:
+    """Push the current configuration into the extension."""
+    from . import _jax_cpu_mpi as ext
+
+    cfg = current()
+    ext.configure(cfg.recv_timeout, cfg.max_inflight_bytes)

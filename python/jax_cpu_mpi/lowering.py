@@ -1,0 +1,82 @@
+"""CPU lowerings of ``jax.lax.psend`` / ``jax.lax.precv`` to our XLA FFI custom calls.
+
+Each rule computes the source-target pairs with JAX's own helper (the same pairs, the same
+validation and the same errors as JAX's GPU lowering), then emits a typed-FFI custom call
+whose operands are the data (or token) and the partition id of the running device:
+
+* ``jax_cpu_mpi_psend(x, partition_id) -> token``: sends ``x`` if this device is a source;
+* ``jax_cpu_mpi_precv(token, partition_id) -> out``: receives if this device is a
+  destination, zeros otherwise (like ``ppermute``).
+
+The token that psend returns is a result of its custom call, and precv takes it as an
+operand, so XLA cannot reorder a precv before the psend it depends on. Both calls are
+side-effecting, so a psend whose token is dropped still runs.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from . import _jax_cpu_mpi as ext
+from . import mpi_runtime
+from ._compat import core, hlo, mlir, pcollectives_lowering_common, precv_p, psend_p
+from .topology import PartitionTables, partition_tables
+
+PSEND_TARGET = "jax_cpu_mpi_psend"
+PRECV_TARGET = "jax_cpu_mpi_precv"
+
+_PARTITION_ID_AVAL = core.ShapedArray((), np.uint32)
+
+
+def _describe(aval: core.ShapedArray) -> str:
+    return f"{aval.dtype.name}[{','.join(map(str, aval.shape))}]"
+
+
+def _routing(ctx: mlir.LoweringRuleContext, op_name: str, axis_name, perm):
+    full_perm, _ = pcollectives_lowering_common(
+        ctx, axis_name=axis_name, perm=perm, op_name=op_name
+    )
+    tables = partition_tables(ctx.module_context.axis_context, op_name)
+    if tables.spans_processes:
+        mpi_runtime.ensure_attached(op_name, int(np.unique(tables.device_process).size))
+    return np.asarray(full_perm, dtype=np.int64).reshape(-1), tables
+
+
+def _attributes(pairs: np.ndarray, tables: PartitionTables, op: str, operand: str) -> dict:
+    return dict(
+        pairs=pairs,
+        device_index=tables.device_index,
+        device_process=tables.device_process,
+        num_devices=np.int64(tables.num_devices),
+        op=op,
+        operand=operand,
+    )
+
+
+def _psend_lowering_cpu(ctx: mlir.LoweringRuleContext, x, *, axis_name, perm):
+    pairs, tables = _routing(ctx, "psend", axis_name, perm)
+    (x_aval,) = ctx.avals_in
+    op = f"psend(axis_name={axis_name!r}, perm={list(map(tuple, perm))!r})"
+    sub_ctx = ctx.replace(avals_in=[x_aval, _PARTITION_ID_AVAL])
+    rule = jax.ffi.ffi_lowering(PSEND_TARGET, has_side_effect=True)
+    return rule(sub_ctx, x, hlo.partition_id(),
+                **_attributes(pairs, tables, op, _describe(x_aval)))
+
+
+def _precv_lowering_cpu(ctx: mlir.LoweringRuleContext, token, *, out_shape, axis_name, perm):
+    pairs, tables = _routing(ctx, "precv", axis_name, perm)
+    (token_aval,) = ctx.avals_in
+    op = f"precv(axis_name={axis_name!r}, perm={list(map(tuple, perm))!r})"
+    sub_ctx = ctx.replace(avals_in=[token_aval, _PARTITION_ID_AVAL])
+    rule = jax.ffi.ffi_lowering(PRECV_TARGET, has_side_effect=True)
+    return rule(sub_ctx, token, hlo.partition_id(),
+                **_attributes(pairs, tables, op, _describe(out_shape)))
+
+
+def register() -> None:
+    """Register the FFI targets and the CPU lowerings (idempotent)."""
+    for name, capsule in ext.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    mlir.register_lowering(psend_p, _psend_lowering_cpu, platform="cpu")
+    mlir.register_lowering(precv_p, _precv_lowering_cpu, platform="cpu")
