@@ -1,0 +1,44 @@
+"""Shared setup of the programs that tests launch under mpirun.
+
+Import this first: it sets the number of CPU devices per process (from the launcher),
+starts the JAX distributed runtime from MPI, and imports jax_cpu_mpi.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_devices = int(os.environ.get("JCM_TEST_DEVICES_PER_PROCESS", "1"))
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_devices}"
+)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+jax.distributed.initialize(cluster_detection_method="mpi4py")
+
+import jax_cpu_mpi  # noqa: E402, F401
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+
+def global_array(mesh: jax.sharding.Mesh, spec: P, value: np.ndarray) -> jax.Array:
+    """A global array equal to ``value`` everywhere, sharded by ``spec`` over ``mesh``."""
+    return jax.make_array_from_callback(
+        value.shape, NamedSharding(mesh, spec), lambda index: value[index]
+    )
+
+
+def gather(x: jax.Array) -> np.ndarray:
+    """The full value of a (possibly multi-process) global array, on every process."""
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def ok() -> None:
+    """Report success (the launcher counts one JCM-OK line per rank)."""
+    print(f"process {jax.process_index()}: JCM-OK", flush=True)
+    sys.stdout.flush()

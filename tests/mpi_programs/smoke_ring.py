@@ -1,0 +1,28 @@
+"""Ring psend/precv over all devices of the job equals ppermute."""
+
+import _mpi_common as common
+import jax
+import numpy as np
+from _mpi_common import P
+
+n = jax.device_count()
+mesh = jax.make_mesh((n,), ("x",))
+perm = [(i, (i + 1) % n) for i in range(n)]
+
+
+def ours(x):
+    tok = jax.lax.psend(x, "x", perm)
+    return jax.lax.precv(tok, jax.ShapeDtypeStruct(x.shape, x.dtype), "x", perm)
+
+
+def ref(x):
+    return jax.lax.ppermute(x, "x", perm)
+
+
+x = common.global_array(mesh, P("x"), np.arange(2 * n, dtype=np.float32))
+run = lambda f: common.gather(  # noqa: E731
+    jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P("x")))(x))
+got, want = run(ours), run(ref)
+np.testing.assert_array_equal(got, want)
+np.testing.assert_array_equal(got, np.roll(np.arange(2 * n, dtype=np.float32), 2))
+common.ok()
