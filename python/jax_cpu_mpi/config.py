@@ -9,14 +9,20 @@ Environment variable               Default     Meaning
                                                A psend beyond it waits for older sends first.
 ``JAX_CPU_MPI_EXIT_TIMEOUT``       ``60``      Seconds the process waits at exit for its
                                                undelivered MPI sends before MPI finalizes.
+``JAX_CPU_MPI_GPU_PARITY``         ``1``       ``1``: reject at lowering what XLA GPU rejects
+                                               at compile time (cyclic pairs in one op,
+                                               unmatched psend/precv). ``0``: run every
+                                               pattern the CPU transport can run.
 =================================  ==========  ================================================
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from dataclasses import dataclass, replace
+from collections.abc import Iterator
+from dataclasses import dataclass, fields, replace
 
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -39,6 +45,8 @@ class Config:
     max_inflight_bytes: int = 1 << 30
     #: Seconds to wait at interpreter exit for undelivered MPI sends.
     exit_timeout: float = 60.0
+    #: Reject, when a program is lowered, the psend/precv patterns XLA GPU rejects.
+    gpu_parity: bool = True
 
     def __post_init__(self) -> None:
         if not self.recv_timeout > 0:
@@ -59,6 +67,17 @@ def _env_float(name: str, default: float) -> float:
         raise ValueError(f"{name}={value!r} is not a number of seconds") from None
 
 
+def _env_bool(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={value!r} is not a boolean (use 1 or 0)")
+
+
 def from_environment() -> Config:
     """The configuration described by the ``JAX_CPU_MPI_*`` environment variables."""
     inflight = os.environ.get("JAX_CPU_MPI_MAX_INFLIGHT_BYTES")
@@ -70,6 +89,7 @@ def from_environment() -> Config:
         recv_timeout=_env_float("JAX_CPU_MPI_RECV_TIMEOUT", Config.recv_timeout),
         max_inflight_bytes=max_inflight,
         exit_timeout=_env_float("JAX_CPU_MPI_EXIT_TIMEOUT", Config.exit_timeout),
+        gpu_parity=_env_bool("JAX_CPU_MPI_GPU_PARITY", Config.gpu_parity),
     )
 
 
@@ -84,7 +104,7 @@ def current() -> Config:
     return _current
 
 
-def configure(**changes: float | int) -> Config:
+def configure(**changes: float | int | bool) -> Config:
     """Change settings for this process, e.g. ``configure(recv_timeout=30)``.
 
     Takes effect for every psend/precv executed afterwards (compiled programs included).
@@ -96,6 +116,16 @@ def configure(**changes: float | int) -> Config:
     ext.configure(new.recv_timeout, new.max_inflight_bytes)
     _current = new
     return new
+
+
+@contextlib.contextmanager
+def overrides(**changes: float | int | bool) -> Iterator[Config]:
+    """Temporarily change settings: ``with overrides(gpu_parity=False): ...``."""
+    before = current()
+    try:
+        yield configure(**changes)
+    finally:
+        configure(**{f.name: getattr(before, f.name) for f in fields(before)})
 
 
 def apply() -> None:
