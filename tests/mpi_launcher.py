@@ -1,8 +1,9 @@
 """Launch a test program under ``mpirun`` from pytest, with a hard timeout.
 
 A deadlock must become a failing test that shows what every rank printed, never a hung CI:
-the job runs in its own process group, is killed at the timeout, and the assertion message
-holds each rank's output (MPICH's ``-prepend-rank`` / Open MPI's ``--tag-output`` prefix).
+the job runs in its own process group and is killed at the timeout. Each rank writes its
+stdout and stderr to a file of its own (``_rank_output.py`` redirects them before the program
+starts), so the report shows every rank's output whole, never interleaved.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import shutil
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 PROGRAMS = Path(__file__).parent / "mpi_programs"
+_RANK_OUTPUT = PROGRAMS / "_rank_output.py"
 
 
 def mpirun_executable() -> str:
@@ -29,40 +32,37 @@ def mpirun_executable() -> str:
     return found
 
 
-def _is_open_mpi(mpirun: str) -> bool:
+def _open_mpi_flags(mpirun: str) -> list[str]:
     try:
         out = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
-        return False
-    return "Open MPI" in (out.stdout + out.stderr)
+        return []
+    if "Open MPI" not in out.stdout + out.stderr:
+        return []
+    flags = ["--oversubscribe"]
+    if os.geteuid() == 0:
+        flags.append("--allow-run-as-root")
+    return flags
 
 
 @dataclass
 class MpiRun:
     command: list[str]
     returncode: int | None  # None: killed at the timeout
-    output: str
+    launcher_output: str
+    rank_output: dict[int, str] = field(default_factory=dict)
 
     def by_rank(self) -> dict[int, list[str]]:
-        """Output lines grouped by rank (from the launcher's rank prefix)."""
-        ranks: dict[int, list[str]] = {}
-        for line in self.output.splitlines():
-            if line.startswith("[") and "]" in line:
-                head, _, rest = line.partition("]")
-                tag = head.strip("[").split(",")[-1].split(":")[0].strip()
-                if tag.isdigit():
-                    ranks.setdefault(int(tag), []).append(rest.lstrip(" :<stdout>stderr"))
-                    continue
-            ranks.setdefault(-1, []).append(line)
-        return ranks
+        """Output lines of each rank."""
+        return {rank: text.splitlines() for rank, text in self.rank_output.items()}
 
     def report(self) -> str:
         status = "killed at timeout" if self.returncode is None else f"exit {self.returncode}"
-        parts = [f"$ {' '.join(self.command)}  ({status})"]
-        for rank, lines in sorted(self.by_rank().items()):
-            name = "launcher" if rank < 0 else f"rank {rank}"
-            parts.append(f"----- {name} -----")
-            parts.extend(lines[-200:])
+        parts = [f"$ {' '.join(self.command)}  ({status})", "----- launcher -----",
+                 self.launcher_output[-5000:]]
+        for rank, text in sorted(self.rank_output.items()):
+            parts.append(f"----- rank {rank} -----")
+            parts.append("\n".join(text.splitlines()[-200:]))
         return "\n".join(parts)
 
 
@@ -73,14 +73,15 @@ def run_mpi(
     devices_per_process: int = 1,
     timeout: float = 120.0,
     env: dict[str, str] | None = None,
+    module: bool = False,
 ) -> MpiRun:
-    """Run ``tests/mpi_programs/<program>`` on ``nprocs`` ranks; never hangs past ``timeout``."""
+    """Run ``tests/mpi_programs/<program>`` (or ``python -m <program>`` if ``module``) on
+    ``nprocs`` ranks; never hangs past ``timeout`` seconds."""
     mpirun = mpirun_executable()
-    tag = ["--tag-output", "--oversubscribe"] if _is_open_mpi(mpirun) else ["-prepend-rank"]
-    if _is_open_mpi(mpirun) and os.geteuid() == 0:
-        tag.append("--allow-run-as-root")
-    command = [mpirun, "-n", str(nprocs), *tag, sys.executable, "-u",
-               str(PROGRAMS / program), *args]
+    target = program if module else str(PROGRAMS / program)
+    outdir = tempfile.mkdtemp(prefix="jcm-mpirun-")
+    command = [mpirun, "-n", str(nprocs), *_open_mpi_flags(mpirun), sys.executable, "-u",
+               str(_RANK_OUTPUT), outdir, "-m" if module else "-f", target, *args]
     full_env = dict(os.environ)
     full_env.update({
         "JCM_TEST_DEVICES_PER_PROCESS": str(devices_per_process),
@@ -88,17 +89,23 @@ def run_mpi(
         "JAX_CPU_MPI_RECV_TIMEOUT": full_env.get("JAX_CPU_MPI_RECV_TIMEOUT", "60"),
         "PYTHONPATH": os.pathsep.join(
             p for p in [str(PROGRAMS), full_env.get("PYTHONPATH", "")] if p),
+        "PYTHONUNBUFFERED": "1",
     })
     full_env.update(env or {})
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=full_env, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=timeout)
-        return MpiRun(command, proc.returncode, output)
+        returncode: int | None = proc.returncode
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
-        return MpiRun(command, None, output)
+        returncode = None
+    ranks = {}
+    for path in sorted(Path(outdir).glob("rank-*.log")):
+        ranks[int(path.stem.split("-")[1])] = path.read_text(errors="replace")
+    shutil.rmtree(outdir, ignore_errors=True)
+    return MpiRun(command, returncode, output, ranks)
 
 
 def assert_mpi_ok(run: MpiRun, nprocs: int) -> None:

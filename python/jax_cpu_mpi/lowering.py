@@ -20,7 +20,15 @@ import numpy as np
 
 from . import _jax_cpu_mpi as ext
 from . import mpi_runtime
-from ._compat import core, hlo, mlir, pcollectives_lowering_common, precv_p, psend_p
+from ._compat import (
+    SPMDAxisContext,
+    core,
+    hlo,
+    mlir,
+    pcollectives_lowering_common,
+    precv_p,
+    psend_p,
+)
 from .topology import PartitionTables, partition_tables
 
 PSEND_TARGET = "jax_cpu_mpi_psend"
@@ -33,7 +41,20 @@ def _describe(aval: core.ShapedArray) -> str:
     return f"{aval.dtype.name}[{','.join(map(str, aval.shape))}]"
 
 
+def _check_inside_shard_map(ctx: mlir.LoweringRuleContext, op_name: str, axis_name) -> None:
+    """Outside shard_map, fail as JAX's psend does at trace time (precv has no such check)."""
+    axis_context = ctx.module_context.axis_context
+    manual = axis_context.manual_axes if isinstance(axis_context, SPMDAxisContext) else ()
+    for name in axis_name:
+        if name not in manual:
+            raise NameError(
+                f"Found an unbound axis name: {name}. To fix this, please call {op_name} under "
+                "`jax.shard_map`."
+            )
+
+
 def _routing(ctx: mlir.LoweringRuleContext, op_name: str, axis_name, perm):
+    _check_inside_shard_map(ctx, op_name, axis_name)
     full_perm, _ = pcollectives_lowering_common(
         ctx, axis_name=axis_name, perm=perm, op_name=op_name
     )

@@ -1,0 +1,24 @@
+"""Run a program with this rank's stdout/stderr redirected to ``<outdir>/rank-<rank>.log``.
+
+Usage (by tests/mpi_launcher.py): ``python _rank_output.py OUTDIR (-f FILE | -m MODULE) ARGS``.
+"""
+
+import os
+import runpy
+import sys
+
+outdir, kind, target, *args = sys.argv[1:]
+rank = next((os.environ[v] for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK",
+                                     "SLURM_PROCID") if v in os.environ), "0")
+fd = os.open(os.path.join(outdir, f"rank-{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+             0o644)
+os.dup2(fd, 1)
+os.dup2(fd, 2)
+os.close(fd)
+if kind == "-m":
+    sys.argv = [target, *args]
+    runpy.run_module(target, run_name="__main__", alter_sys=True)
+else:
+    sys.argv = [target, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+    runpy.run_path(target, run_name="__main__")

@@ -1,0 +1,223 @@
+"""psend/precv scenarios shared by the single-process tests and the mpirun programs.
+
+Each case builds a jitted ``shard_map`` program over ``mesh``, runs it, and returns
+``(got, want)`` as full numpy arrays; ``want`` comes from ``lax.ppermute`` or from a numpy
+simulation, never from our own transport. ``gather`` turns a (possibly multi-process) global
+array into numpy on every process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+Gather = Callable[[jax.Array], np.ndarray]
+Perm = Sequence[tuple[int, int]]
+
+ALL_DTYPES = [
+    np.float16, np.float32, np.float64, jnp.bfloat16,
+    np.int8, np.int16, np.int32, np.int64,
+    np.uint8, np.uint16, np.uint32, np.uint64,
+    np.bool_, np.complex64, np.complex128,
+]
+
+
+def put(mesh: jax.sharding.Mesh, spec: P, value: np.ndarray) -> jax.Array:
+    return jax.make_array_from_callback(
+        value.shape, NamedSharding(mesh, spec), lambda index: value[index])
+
+
+def sample(shape: tuple[int, ...], dtype, seed: int = 0) -> np.ndarray:
+    """Distinct, non-zero values of any dtype (so a lost or misplaced block shows)."""
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return rng.integers(0, 2, size=shape).astype(bool) | (np.arange(
+            int(np.prod(shape))).reshape(shape) % 3 == 0)
+    if np.issubdtype(dtype, np.complexfloating):
+        return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
+    if np.issubdtype(dtype, np.integer):
+        info = np.iinfo(dtype)
+        return rng.integers(max(info.min, -100), min(info.max, 100), size=shape, dtype=dtype) | 1
+    return (rng.standard_normal(shape) + 3).astype(dtype)
+
+
+def sendrecv(x, axis, perm):
+    tok = jax.lax.psend(x, axis, perm)
+    return jax.lax.precv(tok, jax.ShapeDtypeStruct(x.shape, x.dtype), axis, perm)
+
+
+def _run(mesh, fn, spec, x, gather: Gather, out_spec=None, check_vma=True):
+    f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=out_spec or spec,
+                              check_vma=check_vma))
+    return gather(f(x))
+
+
+def permute_vs_ppermute(mesh, gather: Gather, *, axis, perm: Perm, dtype=np.float32,
+                        block=(3,), spec=None):
+    """precv(psend(x)) against lax.ppermute(x) on the same input, bit for bit."""
+    spec = spec or P(tuple(mesh.axis_names))
+    n = mesh.devices.size
+    x = put(mesh, spec, sample((n * block[0], *block[1:]), dtype))
+    got = _run(mesh, lambda v: sendrecv(v, axis, perm), spec, x, gather)
+    want = _run(mesh, lambda v: jax.lax.ppermute(v, axis, perm), spec, x, gather)
+    return got, want
+
+
+def scalar_blocks(mesh, gather: Gather, *, dtype=np.float32):
+    """0-d arrays: each device sends one scalar around a ring."""
+    n = mesh.devices.size
+    axis = mesh.axis_names[0]
+    perm = [(i, (i + 1) % n) for i in range(n)]
+    x = put(mesh, P(axis), sample((n,), dtype, seed=3))
+
+    def body(v):
+        s = v.reshape(())
+        tok = jax.lax.psend(s, axis, perm)
+        r = jax.lax.precv(tok, jax.ShapeDtypeStruct((), s.dtype), axis, perm)
+        return r.reshape((1,))
+
+    got = _run(mesh, body, P(axis), x, gather)
+    return got, np.roll(gather(x), 1)
+
+
+def ring_perm(n: int) -> list[tuple[int, int]]:
+    return [(i, (i + 1) % n) for i in range(n)]
+
+
+def loop_hops(mesh, gather: Gather, *, kind: str, hops: int = 5):
+    """``hops`` ring shifts inside scan / fori_loop / while_loop, or under cond."""
+    axis = mesh.axis_names[0]
+    n = mesh.shape[axis]
+    perm = ring_perm(n)
+    x = put(mesh, P(axis), np.arange(n * 2, dtype=np.float32))
+
+    def shift(v):
+        return jax.lax.pcast(sendrecv(v, axis, perm), axis, to="varying")
+
+    def body(v):
+        if kind == "scan":
+            return jax.lax.scan(lambda c, _: (shift(c) + 1, None), v, None, length=hops)[0]
+        if kind == "fori_loop":
+            return jax.lax.fori_loop(0, hops, lambda i, c: shift(c) + 1, v)
+        if kind == "while_loop":
+            def step(state):
+                i, c = state
+                return i + 1, shift(c) + 1
+            return jax.lax.while_loop(lambda s: s[0] < hops, step, (0, v))[1]
+        if kind == "cond":
+            # The predicate is the same on every device (as it must be around collectives).
+            return jax.lax.cond(v.sum() > -1e9, lambda c: shift(c) + 1, lambda c: c, v)
+        raise ValueError(kind)
+
+    got = _run(mesh, body, P(axis), x, gather)
+    steps = 1 if kind == "cond" else hops
+    want = gather(x)
+    for _ in range(steps):
+        want = np.roll(want, 2) + 1
+    return got, want
+
+
+def manual_pipeline(mesh, gather: Gather, *, steps: int = 4):
+    """The manually pipelined pattern of JAX's GPU performance tips.
+
+    A priming precv before the loop, psend at the top of each step, compute, precv at the
+    bottom, a final psend after the loop, along the chain 0 -> 1 -> ... -> n-1. Checked
+    against a numpy simulation of the same schedule (FIFO per device pair).
+    """
+    axis = mesh.axis_names[0]
+    n = mesh.shape[axis]
+    chain = [(i, i + 1) for i in range(n - 1)]
+    block = 4
+    x0 = np.arange(n * block, dtype=np.float32).reshape(n, block) / 7.0
+    x = put(mesh, P(axis), x0.reshape(-1))
+    shape = jax.ShapeDtypeStruct((block,), np.float32)
+
+    def g(h, r):
+        return 0.5 * h + r + 1.0
+
+    def body(h):
+        r = jax.lax.precv(jax.lax.create_token(), shape, axis, chain)  # priming
+        r = jax.lax.pcast(r, axis, to="varying")
+
+        def step(carry, _):
+            h, r = carry
+            tok = jax.lax.psend(h, axis, chain)
+            h_next = g(h, r)
+            r_next = jax.lax.pcast(jax.lax.precv(tok, shape, axis, chain), axis, to="varying")
+            return (h_next, r_next), None
+
+        (h, r), _ = jax.lax.scan(step, (h, r), None, length=steps)
+        jax.lax.psend(h, axis, chain)  # final send, matched by the last step's precv
+        return h
+
+    got = _run(mesh, body, P(axis), x, gather).reshape(n, block)
+    # Simulation: device d sends h_0, ..., h_steps; its t-th receive is h_t of d-1.
+    h = [x0[d].astype(np.float32) for d in range(n)]
+    for _t in range(steps):
+        r = [np.zeros(block, np.float32) if d == 0 else h[d - 1] for d in range(n)]
+        h = [(0.5 * h[d] + r[d] + 1.0).astype(np.float32) for d in range(n)]
+    return got, np.stack(h)
+
+
+def fifo_same_pair(mesh, gather: Gather):
+    """Two psends on the same pairs before their precvs: received in send order."""
+    axis = mesh.axis_names[0]
+    n = mesh.shape[axis]
+    perm = ring_perm(n)
+    x = put(mesh, P(axis), np.arange(n * 2, dtype=np.float32))
+
+    def body(v):
+        t1 = jax.lax.psend(v, axis, perm)
+        t2 = jax.lax.psend(v * 10, axis, perm)
+        r1 = jax.lax.precv(t1, jax.ShapeDtypeStruct(v.shape, v.dtype), axis, perm)
+        r2 = jax.lax.precv(t2, jax.ShapeDtypeStruct(v.shape, v.dtype), axis, perm)
+        return jnp.concatenate([r1, r2])
+
+    got = _run(mesh, body, P(axis), x, gather).reshape(n, 2, 2)
+    base = np.roll(np.arange(n * 2, dtype=np.float32).reshape(n, 2), 1, axis=0)
+    return got, np.stack([base, base * 10], axis=1)
+
+
+def two_way_exchange(mesh, gather: Gather, *, nbytes: int = 32 << 20):
+    """Both devices send before either receives (``nbytes`` per message): must not deadlock."""
+    axis = mesh.axis_names[0]
+    count = nbytes // 4
+    x = put(mesh, P(axis), np.arange(2 * count, dtype=np.float32) % 1000)
+    fwd, bwd = [(0, 1)], [(1, 0)]
+
+    def body(a):
+        t1 = jax.lax.psend(a, axis, fwd)
+        t2 = jax.lax.psend(a + 1, axis, bwd)
+        r1 = jax.lax.precv(t1, jax.ShapeDtypeStruct(a.shape, a.dtype), axis, fwd)
+        r2 = jax.lax.precv(t2, jax.ShapeDtypeStruct(a.shape, a.dtype), axis, bwd)
+        return r1 + r2
+
+    got = _run(mesh, body, P(axis), x, gather)
+    full = np.arange(2 * count, dtype=np.float32) % 1000
+    a0, a1 = full[:count], full[count:]
+    want = np.concatenate([a1 + 1, a0])  # dev0 gets a1+1 (bwd), dev1 gets a0 (fwd)
+    return got, want
+
+
+def send_compute_send_back(mesh, gather: Gather):
+    """JAX's two-device test: send, compute on the receiver, send the result back."""
+    axis = mesh.axis_names[0]
+    w = np.linspace(-1, 1, 4, dtype=np.float32).reshape(2, 2)
+    a0 = np.arange(4, dtype=np.float32).reshape(2, 2)
+    x = put(mesh, P(axis, None), a0)
+
+    def body(a):
+        data = sendrecv(a, axis, [(0, 1)])
+        res = jnp.dot(data, w)
+        return sendrecv(res, axis, [(1, 0)])
+
+    got = _run(mesh, body, P(axis, None), x, gather)
+    want = np.zeros_like(a0)
+    want[0] = a0[0] @ w  # device 1 computed on device 0's row and sent it back
+    return got, want

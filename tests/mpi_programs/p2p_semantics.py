@@ -1,0 +1,72 @@
+"""Every psend/precv scenario over all devices of an mpirun job (1 or 2 devices per rank).
+
+Run by tests/test_p2p_mpi.py. Prints one line per scenario, then JCM-OK.
+"""
+
+import sys
+
+import _mpi_common as common
+import jax
+import numpy as np
+import p2p_cases as cases
+
+from jax_cpu_mpi import config
+
+n = jax.device_count()
+mesh = jax.make_mesh((n,), ("x",))
+gather = common.gather
+failures = []
+
+
+def check(name, pair, exact=True):
+    got, want = pair
+    try:
+        if exact:
+            assert got.dtype == want.dtype, (got.dtype, want.dtype)
+            np.testing.assert_array_equal(got, want)
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+        print(f"ok   {name}", flush=True)
+    except AssertionError as e:
+        failures.append(name)
+        print(f"FAIL {name}: {e}", flush=True)
+
+
+ring = [(i, (i + 1) % n) for i in range(n)]
+check("ring", cases.permute_vs_ppermute(mesh, gather, axis="x", perm=ring))
+check("reverse ring", cases.permute_vs_ppermute(
+    mesh, gather, axis="x", perm=[((i + 1) % n, i) for i in range(n)]))
+check("partial (zeros at non-destinations)", cases.permute_vs_ppermute(
+    mesh, gather, axis="x", perm=[(n - 1, 0)]))
+jax.config.update("jax_enable_x64", True)
+for dtype in cases.ALL_DTYPES:
+    check(f"dtype {np.dtype(dtype).name}", cases.permute_vs_ppermute(
+        mesh, gather, axis="x", perm=ring, dtype=dtype, block=(2, 3)))
+check("0-d arrays", cases.scalar_blocks(mesh, gather, dtype=np.float64))
+jax.config.update("jax_enable_x64", False)
+for kind in ("scan", "fori_loop", "while_loop", "cond"):
+    check(f"control flow {kind}", cases.loop_hops(mesh, gather, kind=kind))
+check("manual pipeline", cases.manual_pipeline(mesh, gather), exact=False)
+check("fifo on one pair", cases.fifo_same_pair(mesh, gather))
+
+if n >= 4:
+    mesh2 = jax.make_mesh((2, n // 2), ("x", "y"))
+    spec = jax.sharding.PartitionSpec(("x", "y"))
+    for axis, size in (("x", 2), ("y", n // 2), (("x", "y"), n)):
+        perm = [(i, (i + 1) % size) for i in range(size)]
+        check(f"2-D mesh axis {axis}", cases.permute_vs_ppermute(
+            mesh2, gather, axis=axis, perm=perm, spec=spec))
+
+# Pairs whose devices sit in different processes (first device of rank 0 and of rank 1).
+per_process = n // jax.process_count()
+cross = jax.make_mesh((2,), ("x",), devices=[jax.devices()[0], jax.devices()[per_process]])
+assert cross.devices.flat[0].process_index != cross.devices.flat[1].process_index
+check("send, compute, send back", cases.send_compute_send_back(cross, gather), exact=False)
+with config.overrides(gpu_parity=False):
+    check("two-way 32 MiB exchange, sends first",
+          cases.two_way_exchange(cross, gather, nbytes=32 << 20))
+
+if failures:
+    print("FAILED:", failures, flush=True)
+    sys.exit(1)
+common.ok()

@@ -1,0 +1,105 @@
+"""Bad input gets a clear Python error, never a hang or a silent wrong answer."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_cpu_mpi import config
+
+
+def _shmap(mesh, body):
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+
+
+def test_byte_count_mismatch_names_op_pair_and_shapes():
+    mesh = make_mesh((2, "x"))
+
+    def body(v):  # sends float32[4], receives float32[2]
+        tok = jax.lax.psend(v, "x", [(0, 1)])
+        r = jax.lax.precv(tok, jax.ShapeDtypeStruct((2,), jnp.float32), "x", [(0, 1)])
+        return jnp.concatenate([r, r])
+
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))
+    with pytest.raises(jax.errors.JaxRuntimeError) as err:
+        np.asarray(_shmap(mesh, body)(x))
+    msg = str(err.value)
+    for part in ("precv", "partition 1", "partition 0", "float32[2]", "float32[4]",
+                 "8 bytes", "16 bytes", "same shape and dtype"):
+        assert part in msg, (part, msg)
+
+
+def test_outside_shard_map_keeps_jax_message():
+    with pytest.raises(NameError, match="unbound axis name: x"):
+        jax.jit(lambda v: jax.lax.psend(v, "x", [(0, 1)])).lower(jnp.ones(2))
+    with pytest.raises(NameError, match="unbound axis name: x.*call precv under `jax.shard_map`"):
+        jax.jit(lambda: jax.lax.precv(jax.lax.create_token(),
+                                      jax.ShapeDtypeStruct((2,), jnp.float32), "x",
+                                      [(0, 1)])).lower()
+
+
+def test_duplicate_pairs_keep_jax_value_error():
+    mesh = make_mesh((2, "x"))
+    x = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P("x")))
+    f = _shmap(mesh, lambda v: jax.lax.precv(jax.lax.psend(v, "x", [(0, 1), (0, 1)]),
+                                             jax.ShapeDtypeStruct(v.shape, v.dtype), "x",
+                                             [(0, 1)]))
+    with pytest.raises(ValueError, match=r"psend sources and destinations must be unique"):
+        f.lower(x)
+
+
+def test_unmatched_precv_times_out_with_op_and_peer(short_recv_timeout):
+    mesh = make_mesh((2, "x"))
+
+    def body(v):
+        return jax.lax.precv(jax.lax.create_token(), jax.ShapeDtypeStruct(v.shape, v.dtype),
+                             "x", [(0, 1)])
+
+    x = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P("x")))
+    with config.overrides(gpu_parity=False):  # GPU rejects this at compile time already
+        f = _shmap(mesh, body)
+        with pytest.raises(jax.errors.JaxRuntimeError) as err:
+            np.asarray(f(x))
+    msg = str(err.value)
+    for part in ("precv", "partition 1", "from partition 0", "waited 2",
+                 "JAX_CPU_MPI_RECV_TIMEOUT", "(0, 1)"):
+        assert part in msg, (part, msg)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(120)
+def test_mesh_spanning_processes_without_mpirun_says_how_to_launch():
+    """Two JAX processes joined by jax.distributed, but not an MPI job: a clear error."""
+    program = Path(__file__).parent / "mpi_programs" / "no_mpirun.py"
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "HYDRA"))}
+    procs = [subprocess.Popen([sys.executable, str(program), str(i), str(port)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for i in range(2)]
+    outputs = []
+    for p in procs:
+        try:
+            outputs.append(p.communicate(timeout=100)[0])
+        except subprocess.TimeoutExpired:
+            p.kill()
+            outputs.append(p.communicate()[0])
+    report = "\n".join(f"--- process {i} ---\n{o}" for i, o in enumerate(outputs))
+    for out in outputs:
+        assert "GOT MpiSetupError" in out, report
+        assert "mpirun" in out and "singleton" in out, report

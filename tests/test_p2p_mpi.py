@@ -1,0 +1,25 @@
+"""psend/precv across processes: mpirun -n 2, one or two devices per rank."""
+
+from __future__ import annotations
+
+import pytest
+from mpi_launcher import assert_mpi_ok, run_mpi
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("devices_per_process", [1, 2])
+def test_all_scenarios_over_mpi(devices_per_process):
+    run = run_mpi("p2p_semantics.py", nprocs=2, devices_per_process=devices_per_process,
+                  timeout=220)
+    assert_mpi_ok(run, 2)
+    lines = [line for lines in run.by_rank().values() for line in lines]
+    assert sum(line.startswith("ok ") for line in lines) >= 2 * 25, run.report()
+
+
+@pytest.mark.timeout(180)
+def test_errors_over_mpi():
+    run = run_mpi("p2p_errors.py", nprocs=2, timeout=160,
+                  env={"JAX_CPU_MPI_RECV_TIMEOUT": "3"})
+    assert_mpi_ok(run, 2)

@@ -1,0 +1,151 @@
+"""psend/precv between the virtual CPU devices of one process (no MPI).
+
+Values are compared with lax.ppermute on the same input or with numpy simulations.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import p2p_cases as cases
+import pytest
+from conftest import make_mesh
+from jax.sharding import PartitionSpec as P
+
+import jax_cpu_mpi
+from jax_cpu_mpi import config
+
+
+def gather(x: jax.Array) -> np.ndarray:
+    return np.asarray(x)
+
+
+def assert_equal(pair):
+    got, want = pair
+    assert got.dtype == want.dtype, (got.dtype, want.dtype)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("kind", ["ring", "reverse_ring", "partial", "single_pair", "shift2"])
+def test_matches_ppermute(n, kind):
+    perms = {
+        "ring": [(i, (i + 1) % n) for i in range(n)],
+        "reverse_ring": [((i + 1) % n, i) for i in range(n)],
+        # Devices that are no destination get zeros; devices that are no source send nothing.
+        "partial": [(i, i + 1) for i in range(0, n - 1, 2)],
+        "single_pair": [(n - 1, 0)],
+        "shift2": [(i, (i + 2) % n) for i in range(n)],
+    }
+    mesh = make_mesh((n, "x"))
+    got, want = cases.permute_vs_ppermute(mesh, gather, axis="x", perm=perms[kind])
+    assert_equal((got, want))
+    if kind == "partial":
+        assert not got.reshape(n, -1)[0].any(), "device 0 is no destination: zeros"
+
+
+@pytest.mark.parametrize("dtype", cases.ALL_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_every_dtype(dtype):
+    jax.config.update("jax_enable_x64", True)
+    try:
+        mesh = make_mesh((4, "x"))
+        perm = [(0, 2), (2, 1), (1, 3)]
+        assert_equal(cases.permute_vs_ppermute(mesh, gather, axis="x", perm=perm, dtype=dtype,
+                                               block=(2, 3)))
+        assert_equal(cases.scalar_blocks(mesh, gather, dtype=dtype))
+    finally:
+        jax.config.update("jax_enable_x64", False)
+
+
+def test_empty_array():
+    mesh = make_mesh((2, "x"))
+    x = jax.device_put(jnp.zeros((2, 0), jnp.float32),
+                       jax.sharding.NamedSharding(mesh, P("x")))
+    f = jax.jit(jax.shard_map(lambda v: cases.sendrecv(v, "x", [(0, 1)]), mesh=mesh,
+                              in_specs=P("x"), out_specs=P("x")))
+    assert f(x).shape == (2, 0)
+
+
+@pytest.mark.parametrize("axis", ["x", "y", ("x", "y"), ("y", "x")])
+def test_2d_mesh_axes(axis):
+    mesh = make_mesh((2, "x"), (4, "y"))
+    size = 8 if isinstance(axis, tuple) else mesh.shape[axis]
+    perms = [[(i, (i + 1) % size) for i in range(size)], [(size - 1, 0), (0, size // 2)]]
+    for perm in perms:
+        got, want = cases.permute_vs_ppermute(mesh, gather, axis=axis, perm=perm,
+                                              spec=P(("x", "y")))
+        assert_equal((got, want))
+        assert got.any()
+
+
+@pytest.mark.parametrize("kind", ["scan", "fori_loop", "while_loop", "cond"])
+def test_control_flow(kind):
+    assert_equal(cases.loop_hops(make_mesh((4, "x")), gather, kind=kind))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_manual_pipeline_pattern(n):
+    got, want = cases.manual_pipeline(make_mesh((n, "x")), gather)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_fifo_on_one_pair():
+    assert_equal(cases.fifo_same_pair(make_mesh((4, "x")), gather))
+
+
+def test_send_compute_send_back():
+    np.testing.assert_allclose(*cases.send_compute_send_back(make_mesh((2, "x")), gather),
+                               rtol=1e-6)
+
+
+def test_two_way_32mib_exchange_does_not_deadlock():
+    # Both psends before both precvs, 32 MiB each. XLA GPU rejects this program (two sends
+    # in a row whose pairs form a cycle), so run it with GPU parity off.
+    with config.overrides(gpu_parity=False):
+        assert_equal(cases.two_way_exchange(make_mesh((2, "x")), gather))
+    assert jax_cpu_mpi.stats()["mailbox_queued_messages"] == 0
+
+
+def test_token_orders_precv_after_psend():
+    """precv's custom call consumes the token that psend's custom call returns."""
+    mesh = make_mesh((2, "x"))
+    f = jax.jit(jax.shard_map(lambda v: cases.sendrecv(v, "x", [(0, 1)]), mesh=mesh,
+                              in_specs=P("x"), out_specs=P("x")))
+    x = jax.device_put(jnp.ones(4), jax.sharding.NamedSharding(mesh, P("x")))
+    hlo = f.lower(x).compile().as_text()
+    send = [line for line in hlo.splitlines() if "jax_cpu_mpi_psend" in line]
+    recv = [line for line in hlo.splitlines() if "jax_cpu_mpi_precv" in line]
+    assert len(send) == 1 and len(recv) == 1, hlo
+    send_name = send[0].split("=")[0].strip().lstrip("%").split()[-1]
+    assert f"%{send_name}" in recv[0].split("custom-call(")[1], (send[0], recv[0])
+    assert "token[]" in send[0].split("=")[1].split("custom-call")[0]
+
+
+def test_dropped_token_still_sends():
+    """A psend whose token is unused is side-effecting: it is not dead-code eliminated."""
+    mesh = make_mesh((2, "x"))
+
+    def body(v):
+        jax.lax.psend(v, "x", [(0, 1)])
+        return jax.lax.precv(jax.lax.create_token(), jax.ShapeDtypeStruct(v.shape, v.dtype),
+                             "x", [(0, 1)])
+
+    x = jax.device_put(jnp.arange(4.0), jax.sharding.NamedSharding(mesh, P("x")))
+    got = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))(x)
+    np.testing.assert_array_equal(got, [0, 0, 0, 1])
+
+
+def test_programs_on_disjoint_devices_do_not_mix():
+    """Two programs on different devices use different channels even for equal partition ids."""
+    mesh_a = jax.make_mesh((2,), ("x",), devices=jax.devices()[0:2])
+    mesh_b = jax.make_mesh((2,), ("x",), devices=jax.devices()[2:4])
+    outs = []
+    for mesh, base in ((mesh_a, 0.0), (mesh_b, 100.0)):
+        x = jax.device_put(jnp.arange(4.0) + base, jax.sharding.NamedSharding(mesh, P("x")))
+        f = jax.jit(jax.shard_map(lambda v: cases.sendrecv(v, "x", [(0, 1), (1, 0)]), mesh=mesh,
+                                  in_specs=P("x"), out_specs=P("x")))
+        with config.overrides(gpu_parity=False):
+            outs.append(f(x))
+    np.testing.assert_array_equal(outs[0], [2, 3, 0, 1])
+    np.testing.assert_array_equal(outs[1], [102, 103, 100, 101])
