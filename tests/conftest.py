@@ -16,10 +16,10 @@ os.environ.setdefault("JAX_CPU_MPI_RECV_TIMEOUT", "30")
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent / "mpi_programs"))
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
-import jax_cpu_mpi  # noqa: E402, F401
+import jax_cpu_mpi
 
 
 def make_mesh(*shape_and_names: tuple[int, str]) -> jax.sharding.Mesh:

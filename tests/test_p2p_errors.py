@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from conftest import make_mesh
 from jax_cpu_mpi import config
 
 
@@ -43,7 +43,7 @@ def test_byte_count_mismatch_names_op_pair_and_shapes():
 def test_outside_shard_map_keeps_jax_message():
     with pytest.raises(NameError, match="unbound axis name: x"):
         jax.jit(lambda v: jax.lax.psend(v, "x", [(0, 1)])).lower(jnp.ones(2))
-    with pytest.raises(NameError, match="unbound axis name: x.*call precv under `jax.shard_map`"):
+    with pytest.raises(NameError, match=r"unbound axis name: x.*call precv under `jax\.shard_map`"):
         jax.jit(lambda: jax.lax.precv(jax.lax.create_token(),
                                       jax.ShapeDtypeStruct((2,), jnp.float32), "x",
                                       [(0, 1)])).lower()

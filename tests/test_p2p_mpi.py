@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from mpi_launcher import assert_mpi_ok, run_mpi
 
 pytestmark = pytest.mark.mpi

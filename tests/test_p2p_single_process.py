@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import p2p_cases as cases
 import pytest
-from conftest import make_mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_cpu_mpi
+from conftest import make_mesh
 from jax_cpu_mpi import config
 
 

@@ -4,9 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from conftest import make_mesh
 from mpi_launcher import assert_mpi_ok, run_mpi
 
 

@@ -14,8 +14,10 @@ The results are those of the GPU lowering: ``precv(psend(x, perm), perm)`` equal
 from __future__ import annotations
 
 from . import _jax_cpu_mpi as _ext
+from . import batching as _batching
 from . import config as _config
 from . import lowering as _lowering
+from . import plugin as _plugin
 from .config import Config, configure
 from .mpi_runtime import MpiSetupError
 
@@ -31,6 +33,7 @@ def install() -> None:
         return
     _config.apply()
     _lowering.register()
+    _batching.install()
     _installed = True
 
 
@@ -39,6 +42,8 @@ def stats() -> dict[str, int]:
     return dict(_ext.stats())
 
 
-install()
+# JAX_CPU_MPI_DISABLE=1 turns this off (and the jax_plugins entry point with it).
+if not _plugin.disabled():
+    install()
 
 __all__ = ["Config", "MpiSetupError", "__version__", "configure", "install", "stats"]

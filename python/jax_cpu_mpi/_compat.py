@@ -12,25 +12,50 @@ from jax._src import mesh as mesh_lib
 from jax._src.interpreters import batching as batching
 from jax._src.interpreters import mlir as mlir
 from jax._src.lax import parallel as parallel
+from jax._src.lib.mlir import ir as ir
 from jax._src.lib.mlir.dialects import hlo as hlo
 from jax._src.sharding_impls import SPMDAxisContext as SPMDAxisContext
 
 psend_p = parallel.psend_p
 precv_p = parallel.precv_p
 
+# Batching (jax_cpu_mpi.batching): the primitives whose JAX batchers are placeholders,
+# the rule table, and ppermute's batcher (which JAX lends to psend/precv).
+fancy_primitive_batchers = batching.fancy_primitive_batchers
+all_gather_reduced_p = parallel.all_gather_reduced_p
+unreduced_reduce_scatter_p = parallel.unreduced_reduce_scatter_p
+unreduced_psum_p = parallel.unreduced_psum_p
+preduced_p = parallel.preduced_p
+vary_unreduced_cast_p = parallel.vary_unreduced_cast_p
+reduced_vary_cast_p = core.reduced_vary_cast_p
+ppermute_batcher = parallel._ppermute_batcher
+
 #: JAX's own computation of source-target pairs (with its validation and its
 #: ``ValueError`` for duplicate sources/destinations), shared by ppermute/psend/precv.
 pcollectives_lowering_common = parallel._pcollectives_lowering_common
 
+#: The effect psend and precv carry; jit, shard_map and control flow propagate it, so a
+#: program without it has no psend/precv (validation.py skips such programs).
+single_side_collective_effect = parallel.single_side_collective_effect
+
 __all__ = [
     "SPMDAxisContext",
+    "all_gather_reduced_p",
     "batching",
     "core",
+    "fancy_primitive_batchers",
     "hlo",
+    "ir",
     "mesh_lib",
     "mlir",
     "parallel",
     "pcollectives_lowering_common",
+    "ppermute_batcher",
     "precv_p",
+    "preduced_p",
     "psend_p",
+    "reduced_vary_cast_p",
+    "unreduced_psum_p",
+    "unreduced_reduce_scatter_p",
+    "vary_unreduced_cast_p",
 ]

@@ -15,7 +15,7 @@ message:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import jax
 import numpy as np
@@ -40,7 +40,7 @@ class PartitionTables:
         return bool(np.unique(self.device_process).size > 1)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _global_device_positions(backend_devices: tuple) -> dict[int, int]:
     ids = sorted(d.id for d in backend_devices)
     return {device_id: i for i, device_id in enumerate(ids)}

@@ -19,9 +19,10 @@ import numpy as np  # noqa: E402
 
 jax.distributed.initialize(cluster_detection_method="mpi4py")
 
-import jax_cpu_mpi  # noqa: E402, F401
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_cpu_mpi  # noqa: E402, F401
 
 
 def global_array(mesh: jax.sharding.Mesh, spec: P, value: np.ndarray) -> jax.Array:

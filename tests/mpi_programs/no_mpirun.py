@@ -4,15 +4,16 @@ import os
 import sys
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
 process_id, port = int(sys.argv[1]), int(sys.argv[2])
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                            process_id=process_id)
-import jax_cpu_mpi  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_cpu_mpi  # noqa: E402
 
 mesh = jax.make_mesh((2,), ("x",))
 x = jax.make_array_from_callback((2,), NamedSharding(mesh, P("x")),
