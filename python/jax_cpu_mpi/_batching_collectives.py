@@ -1,0 +1,223 @@
+"""Batching rules for JAX's reduced/unreduced collectives and their no-op casts.
+
+Every rule takes ``(axis_data, vals_in, dims_in, **params)`` like JAX's "fancy" batchers and
+handles two cases:
+
+* the vmapped axis is not one of the collective's axes: the collective is bound once on the
+  batched operand (the batch dimension rides along, one collective for the whole batch);
+* the vmapped axis is one of the collective's axes (``vmap(..., axis_name=a)``): the members
+  of the collective along ``a`` are the batch elements, so that part of the collective is
+  done locally on the batch dimension, the same way JAX's own ``all_gather`` /
+  ``psum_scatter`` batchers do it, and any remaining (mesh) axes of a tuple ``axis_name``
+  are still communicated in one collective.
+
+Tuple axis names are linearized in tuple order (the first name is the major index), as
+JAX's lowering does for replica groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax import lax
+
+from ._compat import (
+    all_gather_reduced_p,
+    core,
+    unreduced_psum_p,
+    unreduced_reduce_scatter_p,
+)
+
+Rule = Callable[..., tuple[Any, Any]]
+
+
+def as_tuple(axis_name: Any) -> tuple:
+    """``axis_name`` as a tuple of names."""
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def split_names(names: tuple, frame: Any) -> tuple[tuple, tuple]:
+    """The names before and after the vmapped axis ``frame`` in ``names``."""
+    k = names.index(frame)
+    return names[:k], names[k + 1:]
+
+
+def group_size(names: tuple) -> int:
+    """The product of the sizes of the named axes (1 for no names)."""
+    return int(np.prod([lax.axis_size(n) for n in names], dtype=np.int64)) if names else 1
+
+
+def batch_first(x: Any, d: int | None, size: int) -> Any:
+    """``x`` with its batch dimension first (broadcast along a new one when unbatched)."""
+    if d is None:
+        return lax.broadcast(x, (size,))
+    return jax.numpy.moveaxis(x, d, 0) if d != 0 else x
+
+
+def _merge(x: Any, start: int, count: int) -> Any:
+    """Merge ``count`` consecutive dimensions of ``x`` starting at ``start`` (row-major)."""
+    shape = x.shape
+    merged = int(np.prod(shape[start:start + count], dtype=np.int64))
+    return lax.reshape(x, (*shape[:start], merged, *shape[start + count:]))
+
+
+def _split(x: Any, dim: int, sizes: Sequence[int]) -> Any:
+    """Split dimension ``dim`` of ``x`` into ``sizes`` (row-major)."""
+    shape = x.shape
+    return lax.reshape(x, (*shape[:dim], *sizes, *shape[dim + 1:]))
+
+
+def _check_group(op: str, names: tuple, frame: Any, frame_size: int, axis_size: int) -> int:
+    """Size of the axes of ``names`` other than ``frame``, checked against ``axis_size``."""
+    before, after = split_names(names, frame)
+    rest = group_size(before + after)
+    if rest * frame_size != axis_size:
+        raise ValueError(
+            f"{op}: vmap over axis {frame!r} of size {frame_size} inside a collective over "
+            f"{names!r} of size {axis_size}, but the other axes have size {rest}: the vmapped "
+            "axis must be the whole axis the collective names (vmap over a shard_map with "
+            "spmd_axis_name splits it; name a mesh axis in the collective instead)."
+        )
+    return rest
+
+
+# ---------------------------------------------------------------- all_gather_reduced
+
+
+def all_gather_reduced_rule(
+    axis_data: Any, vals_in: Sequence[Any], dims_in: Sequence[int | None], *,
+    all_gather_dimension: int, axis_name: Any, axis_size: int, tiled: bool,
+) -> tuple[Any, int | None]:
+    """Batching rule of ``all_gather_reduced_p`` (``all_gather(..., to='reduced')``)."""
+    (x,), (d,) = vals_in, dims_in
+    names = as_tuple(axis_name)
+    params = dict(axis_name=axis_name, axis_size=axis_size, tiled=tiled)
+    if axis_data.name not in names:
+        if d is None:
+            return all_gather_reduced_p.bind(
+                x, all_gather_dimension=all_gather_dimension, **params), None
+        gdim = all_gather_dimension
+        if d <= gdim:
+            gdim += 1
+        elif not tiled:  # the untiled gather inserts a dimension before the batch one
+            d += 1
+        return all_gather_reduced_p.bind(x, all_gather_dimension=gdim, **params), d
+    return _gather_over_vmapped_axis(
+        axis_data, x, d, all_gather_dimension, names, axis_size, tiled), None
+
+
+def _gather_over_vmapped_axis(
+    axis_data: Any, x: Any, d: int | None, gdim: int, names: tuple, axis_size: int,
+    tiled: bool,
+) -> Any:
+    """all_gather over ``names`` where the batch elements are the members along the frame."""
+    frame, frame_size = axis_data.name, axis_data.size
+    rest_size = _check_group("all_gather(to='reduced')", names, frame, frame_size, axis_size)
+    before, after = split_names(names, frame)
+    rest = before + after
+    xb = batch_first(x, d, frame_size)  # (A, *s)
+    if rest:
+        # One collective over the other axes for the whole batch, stacked at 1 + gdim.
+        xb = all_gather_reduced_p.bind(
+            xb, all_gather_dimension=1 + gdim, axis_name=rest, axis_size=rest_size,
+            tiled=False)
+    else:
+        xb = lax.expand_dims(xb, (1 + gdim,))
+    # (A, *s[:gdim], P*S, *s[gdim:]) -> (*s[:gdim], P, A, S, *s[gdim:]) -> merge to N.
+    prefix = group_size(before)
+    xb = _split(xb, 1 + gdim, (prefix, rest_size // prefix))
+    xb = jax.numpy.moveaxis(xb, 0, gdim + 1)
+    y = _merge(xb, gdim, 3)
+    if tiled:  # the stacked axis is major within the tiled dimension
+        y = _merge(y, gdim, 2)
+    return y
+
+
+# ---------------------------------------------------------- unreduced_reduce_scatter
+
+
+def unreduced_reduce_scatter_rule(
+    axis_data: Any, vals_in: Sequence[Any], dims_in: Sequence[int | None], *,
+    axis_name: Any, scatter_dimension: int, axis_size: int, tiled: bool,
+) -> tuple[Any, int | None]:
+    """Batching rule of ``unreduced_reduce_scatter_p`` (``unreduced_psum_scatter``)."""
+    (x,), (d,) = vals_in, dims_in
+    names = as_tuple(axis_name)
+    params = dict(axis_name=axis_name, axis_size=axis_size, tiled=tiled)
+    if axis_data.name not in names:
+        if d is None:
+            return unreduced_reduce_scatter_p.bind(
+                x, scatter_dimension=scatter_dimension, **params), None
+        sdim = scatter_dimension
+        if d <= sdim:
+            sdim += 1
+        elif not tiled:  # the untiled scatter removes a dimension before the batch one
+            d -= 1
+        return unreduced_reduce_scatter_p.bind(x, scatter_dimension=sdim, **params), d
+    return _scatter_over_vmapped_axis(
+        axis_data, x, d, scatter_dimension, names, axis_size, tiled), 0
+
+
+def _scatter_over_vmapped_axis(
+    axis_data: Any, x: Any, d: int | None, sdim: int, names: tuple, axis_size: int,
+    tiled: bool,
+) -> Any:
+    """Reduce-scatter over ``names`` where the batch elements are the members along the frame.
+
+    Returns the result with its batch dimension first.
+    """
+    frame, frame_size = axis_data.name, axis_data.size
+    rest_size = _check_group("unreduced_psum_scatter", names, frame, frame_size, axis_size)
+    before, after = split_names(names, frame)
+    rest = before + after
+    # The sum over the members along the frame is a local sum over the batch.
+    y = x * lax.convert_element_type(frame_size, x.dtype) if d is None else x.sum(axis=d)
+    prefix = group_size(before)
+    n = y.shape[sdim]
+    chunk = n // axis_size
+    # Split the scatter dimension as (P, A, S, chunk); the frame index becomes the batch.
+    y = _split(y, sdim, (prefix, frame_size, rest_size // prefix, chunk))
+    y = jax.numpy.moveaxis(y, sdim + 1, 0)
+    y = _merge(y, 1 + sdim, 3)  # (B, ..., P*S*chunk, ...)
+    if rest:  # one collective over the other axes for the whole batch
+        return unreduced_reduce_scatter_p.bind(
+            y, scatter_dimension=1 + sdim, axis_name=rest, axis_size=rest_size, tiled=tiled)
+    return y if tiled else lax.squeeze(y, (1 + sdim,))
+
+
+# ------------------------------------------------------------------- unreduced_psum
+
+
+def unreduced_psum_rule(
+    axis_data: Any, vals_in: Sequence[Any], dims_in: Sequence[int | None], *, axes: tuple,
+) -> tuple[Any, int | None]:
+    """Batching rule of ``unreduced_psum_p`` (``psum`` of an unreduced value)."""
+    (x,), (d,) = vals_in, dims_in
+    if axis_data.name not in axes:
+        return unreduced_psum_p.bind(x, axes=axes), d
+    y = x * lax.convert_element_type(axis_data.size, x.dtype) if d is None else x.sum(axis=d)
+    rest = tuple(a for a in axes if a != axis_data.name)
+    return (unreduced_psum_p.bind(y, axes=rest) if rest else y), None
+
+
+# ------------------------------------------------------------------------ no-op casts
+
+
+def cast_rule(prim: core.Primitive) -> Rule:
+    """Batching rule of a no-op type cast (``pcast``) over ``axes``.
+
+    The value is unchanged; a vmapped axis is not a mesh axis and has no varying / reduced /
+    unreduced state, so it is dropped from ``axes``.
+    """
+
+    def rule(axis_data: Any, vals_in: Sequence[Any], dims_in: Sequence[int | None], *,
+             axes: tuple) -> tuple[Any, int | None]:
+        (x,), (d,) = vals_in, dims_in
+        rest = tuple(a for a in axes if a != axis_data.name)
+        return (prim.bind(x, axes=rest) if rest else x), d
+
+    rule.__name__ = rule.__qualname__ = f"{prim.name}_batching_rule"
+    return rule

@@ -1,0 +1,160 @@
+"""Batching (``jax.vmap``) rules that JAX lacks, installed on import of jax_cpu_mpi.
+
+JAX 0.10 ships placeholder batchers that only raise ``NotImplementedError`` for the
+reduced / unreduced collectives, so ``vmap`` (and ``vmap`` of ``grad``) of code that uses
+``jax.lax.all_gather(x, axis_name, to='reduced')`` fails on every backend. It also gives
+``psend`` / ``precv`` the batcher of ``ppermute``, which breaks their token semantics.
+
+:func:`install` puts our rules in place, platform-independent (they only rebind JAX
+primitives), and **only where JAX's current rule is still the placeholder**: a rule JAX has
+made real is never overwritten. :func:`status` tells which rules are ours.
+
+=============================  =====================================================
+primitive                      rule
+=============================  =====================================================
+``all_gather_reduced``         one gather of the batched operand, reduced type kept;
+                               over the vmapped axis: the gathered value
+``unreduced_reduce_scatter``   one reduce-scatter of the batched operand; over the
+                               vmapped axis: local sum over the batch, then scatter
+``unreduced_psum``             one psum of the batched operand; over the vmapped
+                               axis: local sum over the batch
+``preduced``,                  no-op casts: the value with its batch dimension (a
+``vary_unreduced_cast``,       vmapped axis has no varying/reduced state and is
+``reduced_vary_cast``          dropped from ``axes``)
+``psend`` / ``precv``          see :mod:`jax_cpu_mpi._batching_p2p`
+=============================  =====================================================
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from . import _batching_collectives as collectives
+from . import _batching_p2p as p2p
+from ._compat import (
+    all_gather_reduced_p,
+    core,
+    fancy_primitive_batchers,
+    ppermute_batcher,
+    precv_p,
+    preduced_p,
+    psend_p,
+    reduced_vary_cast_p,
+    unreduced_psum_p,
+    unreduced_reduce_scatter_p,
+    vary_unreduced_cast_p,
+)
+
+Rule = Callable[..., object]
+
+
+def unwrap_rule(rule: Rule | None) -> Rule | None:
+    """The function behind a registered batcher (through partials and JAX's shims).
+
+    ``batching.primitive_batchers[p] = f`` registers a closure ``wrapped`` around ``f``;
+    this returns ``f``.
+    """
+    seen = 0
+    while rule is not None and seen < 8:
+        seen += 1
+        if isinstance(rule, functools.partial):
+            rule = rule.func
+            continue
+        code = getattr(rule, "__code__", None)
+        closure = getattr(rule, "__closure__", None)
+        if code is not None and closure and "batcher" in code.co_freevars:
+            rule = closure[code.co_freevars.index("batcher")].cell_contents
+            continue
+        break
+    return rule
+
+
+def is_raising_stub(rule: Rule | None) -> bool:
+    """Whether ``rule`` is a placeholder that can only raise ``NotImplementedError``.
+
+    The function may refer to no global name but ``NotImplementedError`` (so it can do
+    nothing else, and calling it is harmless), and calling it must raise that error.
+    """
+    fn = unwrap_rule(rule)
+    code = getattr(fn, "__code__", None)
+    if fn is None or code is None or set(code.co_names) != {"NotImplementedError"}:
+        return False
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    args = [None for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            and p.default is p.empty]
+    kwargs = {p.name: None for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty}
+    try:
+        fn(*args, **kwargs)
+    except NotImplementedError:
+        return True
+    except Exception:
+        return False
+    return False
+
+
+def _is_ppermute_batcher(rule: Rule | None) -> bool:
+    return unwrap_rule(rule) is ppermute_batcher
+
+
+@dataclass(frozen=True)
+class RuleSpec:
+    """One rule of ours and how to recognise the JAX rule it may replace."""
+
+    primitive: core.Primitive
+    rule: Rule
+    replaces: Callable[[Rule | None], bool]
+    why: str
+
+
+RULES: tuple[RuleSpec, ...] = (
+    RuleSpec(all_gather_reduced_p, collectives.all_gather_reduced_rule, is_raising_stub,
+             "JAX's rule raises NotImplementedError('Please file an issue')"),
+    RuleSpec(unreduced_reduce_scatter_p, collectives.unreduced_reduce_scatter_rule,
+             is_raising_stub, "JAX's rule raises NotImplementedError('Please file an issue')"),
+    RuleSpec(unreduced_psum_p, collectives.unreduced_psum_rule, is_raising_stub,
+             "JAX's rule raises NotImplementedError"),
+    RuleSpec(preduced_p, collectives.cast_rule(preduced_p), is_raising_stub,
+             "JAX's rule raises NotImplementedError"),
+    RuleSpec(vary_unreduced_cast_p, collectives.cast_rule(vary_unreduced_cast_p),
+             is_raising_stub, "JAX's rule raises NotImplementedError"),
+    RuleSpec(reduced_vary_cast_p, collectives.cast_rule(reduced_vary_cast_p),
+             is_raising_stub, "JAX's rule raises NotImplementedError"),
+    RuleSpec(psend_p, p2p.psend_rule, _is_ppermute_batcher,
+             "JAX reuses ppermute's rule: vmap(psend) returns data, not a token"),
+    RuleSpec(precv_p, p2p.precv_rule, _is_ppermute_batcher,
+             "JAX reuses ppermute's rule: vmap(precv) is a TypeError"),
+)
+
+#: JAX's rule for each primitive where ours was installed, as it was before.
+UPSTREAM_RULES: dict[core.Primitive, Rule | None] = {}
+
+
+def install() -> dict[str, bool]:
+    """Install every rule of :data:`RULES` whose JAX rule is still the broken one.
+
+    Idempotent. Returns ``{primitive name: ours is installed}``.
+    """
+    for spec in RULES:
+        current = fancy_primitive_batchers.get(spec.primitive)
+        if current is spec.rule:
+            continue
+        if spec.replaces(current):
+            UPSTREAM_RULES[spec.primitive] = current
+            fancy_primitive_batchers[spec.primitive] = spec.rule
+    return status()
+
+
+def status() -> dict[str, bool]:
+    """``{primitive name: our rule is the active one}`` for every rule we provide."""
+    return {spec.primitive.name: fancy_primitive_batchers.get(spec.primitive) is spec.rule
+            for spec in RULES}
+
+
+__all__ = ["RULES", "UPSTREAM_RULES", "RuleSpec", "install", "is_raising_stub", "status",
+           "unwrap_rule"]
