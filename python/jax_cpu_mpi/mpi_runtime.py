@@ -24,7 +24,7 @@ import threading
 import jax
 
 from . import _jax_cpu_mpi as ext
-from . import config
+from . import config, mpi_abi
 
 _lock = threading.Lock()
 
@@ -40,13 +40,17 @@ class MpiSetupError(RuntimeError):
 
 
 def _import_mpi():  # -> module mpi4py.MPI
+    """``mpi4py.MPI``, checked to be the MPI of our extension (:mod:`.mpi_abi`)."""
     import mpi4py
 
     if "mpi4py.MPI" not in sys.modules:
+        # Before mpi4py initializes an MPI of the wrong ABI, when it can tell.
+        mpi_abi.check_before_mpi4py_import()
         # Device threads of one process may call MPI concurrently.
         mpi4py.rc.thread_level = "multiple"
     from mpi4py import MPI
 
+    mpi_abi.check_mpi4py(MPI)
     return MPI
 
 
@@ -67,6 +71,8 @@ def ensure_attached(op_name: str, num_processes_in_mesh: int) -> None:
             MPI = _import_mpi()
         except ImportError as e:  # pragma: no cover - mpi4py is a dependency
             raise MpiSetupError(f"{op_name}: cannot import mpi4py ({e}). {_LAUNCH_HINT}") from e
+        except mpi_abi.MpiMismatchError as e:
+            raise MpiSetupError(f"{op_name}: {e}") from e
         world = MPI.COMM_WORLD
         if world.Get_size() != jax_processes:
             launched = "PMI_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ
