@@ -39,8 +39,10 @@ class MpiSetupError(RuntimeError):
     """MPI cannot serve a program whose mesh spans processes."""
 
 
-def _import_mpi():  # -> module mpi4py.MPI
-    """``mpi4py.MPI``, checked to be the MPI of our extension (:mod:`.mpi_abi`)."""
+def import_mpi4py():  # -> module mpi4py.MPI
+    """``mpi4py.MPI`` (importing it initializes MPI, with every thread allowed to call it),
+    checked to be the MPI of our extension. Raises
+    :class:`~jax_cpu_mpi.mpi_abi.MpiMismatchError` if it is not."""
     import mpi4py
 
     if "mpi4py.MPI" not in sys.modules:
@@ -68,7 +70,7 @@ def ensure_attached(op_name: str, num_processes_in_mesh: int) -> None:
                 f"single process. {_LAUNCH_HINT}"
             )
         try:
-            MPI = _import_mpi()
+            MPI = import_mpi4py()
         except ImportError as e:  # pragma: no cover - mpi4py is a dependency
             raise MpiSetupError(f"{op_name}: cannot import mpi4py ({e}). {_LAUNCH_HINT}") from e
         except mpi_abi.MpiMismatchError as e:

@@ -1,0 +1,96 @@
+"""psend/precv across processes started by a given launcher recipe (tests/test_packaging.py).
+
+``python packaging_p2p.py MODE``; MODE says how ``jax.distributed`` is started:
+
+* ``slurm-env``: as under ``srun``: JAX's Slurm auto-detection, from SLURM_* variables set
+  here with the process indices REVERSED against the MPI ranks (jax_cpu_mpi must route by
+  its own rank map, not assume process index == rank);
+* ``ompi-env``: Open MPI 5 (PRRTE), which JAX does not detect: explicit
+  ``coordinator_address`` / ``num_processes`` / ``process_id`` from OMPI_COMM_WORLD_*.
+
+jax_cpu_mpi is never imported by hand: the jax_plugins entry point activates it. Checks that
+mpi4py is imported only by the first cross-process lowering, then that a chain of psend/precv
+in both directions equals lax.ppermute.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+mode = sys.argv[1]
+rank = int(next(os.environ[v] for v in ("OMPI_COMM_WORLD_RANK", "PMI_RANK") if v in os.environ))
+size = int(next(os.environ[v] for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE") if v in os.environ))
+devices = int(os.environ.get("JCM_TEST_DEVICES_PER_PROCESS", "1"))
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}")
+
+if mode == "slurm-env":
+    expected_index = size - 1 - rank
+    os.environ.update({
+        "SLURM_JOB_ID": os.environ["JCM_TEST_SLURM_JOB_ID"],
+        "SLURM_STEP_NODELIST": "localhost",
+        "SLURM_NTASKS": str(size),
+        "SLURM_PROCID": str(expected_index),
+        "SLURM_LOCALID": str(expected_index),
+    })
+elif mode == "ompi-env":
+    expected_index = rank
+else:
+    raise SystemExit(f"unknown mode {mode!r}")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+if mode == "slurm-env":
+    jax.distributed.initialize()  # JAX's SlurmCluster
+else:
+    jax.distributed.initialize(
+        coordinator_address=f"localhost:{os.environ['JCM_TEST_PORT']}",
+        num_processes=int(os.environ["OMPI_COMM_WORLD_SIZE"]),
+        process_id=int(os.environ["OMPI_COMM_WORLD_RANK"]),
+    )
+assert jax.process_index() == expected_index, (jax.process_index(), expected_index)
+assert jax.process_count() == size
+
+n = len(jax.devices())
+mesh = jax.make_mesh((n,), ("x",), devices=jax.devices())
+assert "jax_cpu_mpi" in sys.modules, "the jax_plugins entry point did not load jax_cpu_mpi"
+assert "mpi4py.MPI" not in sys.modules, "mpi4py.MPI imported before any cross-process psend"
+
+value = np.arange(4.0 * n, dtype=np.float32).reshape(n, 4) + 1  # the global value
+x = jax.make_array_from_callback(value.shape, NamedSharding(mesh, P("x")),
+                                 lambda index: value[index])
+forward = [(i, i + 1) for i in range(n - 1)]
+backward = [(i + 1, i) for i in range(n - 1)]
+
+
+def program(p2p: bool):
+    def body(v):
+        out = []
+        for perm in (forward, backward):
+            if p2p:
+                token = jax.lax.psend(v, "x", perm)
+                out.append(jax.lax.precv(token, jax.ShapeDtypeStruct(v.shape, v.dtype), "x",
+                                         perm))
+            else:
+                out.append(jax.lax.ppermute(v, "x", perm))
+        return out[0] + 10 * out[1]
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+
+
+ours = np.asarray(multihost_utils.process_allgather(program(True)(x), tiled=True))
+ref = np.asarray(multihost_utils.process_allgather(program(False)(x), tiled=True))
+np.testing.assert_array_equal(ours, ref)
+assert np.any(ours != 0)
+assert "mpi4py.MPI" in sys.modules, "a cross-process psend ran without attaching MPI"
+
+from jax_cpu_mpi import _jax_cpu_mpi as ext  # noqa: E402
+
+assert ext.mpi_attached()
+print(f"process {jax.process_index()} (MPI rank {rank}): MPI "
+      f"{ext.mpi_build_info()['vendor']}, JCM-OK", flush=True)
