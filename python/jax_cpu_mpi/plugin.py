@@ -41,6 +41,10 @@ def initialize() -> None:
     """Called by JAX's plugin discovery: register jax_cpu_mpi unless disabled.
 
     Cheap and MPI-free, as JAX asks of plugins (it calls this for every installed plugin).
+    JAX imports this module while it holds its (non-reentrant) plugin lock, inside its first
+    ``backends()`` call: nothing that the package runs at import or in ``install()`` may ask
+    JAX for backends or devices (``jax.devices()``, ``jax.process_count()``...), or the
+    program deadlocks. ``tests/test_packaging.py`` would hang, then time out, on such a change.
     """
     if disabled():
         return
