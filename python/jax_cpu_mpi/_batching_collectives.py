@@ -18,7 +18,7 @@ JAX's lowering does for replica groups.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -29,6 +29,7 @@ from ._compat import (
     core,
     unreduced_psum_p,
     unreduced_reduce_scatter_p,
+    vary_unreduced_cast_p,
 )
 
 Rule = Callable[..., tuple[Any, Any]]
@@ -37,12 +38,6 @@ Rule = Callable[..., tuple[Any, Any]]
 def as_tuple(axis_name: Any) -> tuple:
     """``axis_name`` as a tuple of names."""
     return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-
-
-def split_names(names: tuple, frame: Any) -> tuple[tuple, tuple]:
-    """The names before and after the vmapped axis ``frame`` in ``names``."""
-    k = names.index(frame)
-    return names[:k], names[k + 1:]
 
 
 def group_size(names: tuple) -> int:
@@ -70,18 +65,57 @@ def _split(x: Any, dim: int, sizes: Sequence[int]) -> Any:
     return lax.reshape(x, (*shape[:dim], *sizes, *shape[dim + 1:]))
 
 
-def _check_group(op: str, names: tuple, frame: Any, frame_size: int, axis_size: int) -> int:
-    """Size of the axes of ``names`` other than ``frame``, checked against ``axis_size``."""
-    before, after = split_names(names, frame)
-    rest = group_size(before + after)
-    if rest * frame_size != axis_size:
+def frame_members(axis_data: Any, op: str) -> tuple:
+    """The axes whose members are the batch elements of the vmapped axis, in order.
+
+    Usually just the vmapped axis. Under ``vmap(..., spmd_axis_name=s)`` of a ``shard_map``,
+    JAX splits the batch over the mesh axes ``s`` and batches the body with the local part:
+    then the members along the vmapped axis are (``s``..., local batch element).
+    """
+    frame, local = axis_data.name, axis_data.size
+    full = lax.axis_size(frame)
+    if full == local:
+        return (frame,)
+    spmd = tuple(axis_data.spmd_name or ())
+    if spmd and group_size(spmd) * local == full:
+        return (*spmd, frame)
+    raise ValueError(
+        f"{op}: vmapped axis {frame!r} has size {full} but its batch here has {local} "
+        f"elements, and spmd_axis_name={axis_data.spmd_name!r} does not account for the rest.")
+
+
+class Group(NamedTuple):
+    """A collective's axes around the vmapped one: ``before`` + (vmapped) + ``after``."""
+
+    before: tuple
+    after: tuple
+    rest_size: int  # size of before + after (the part still communicated)
+    prefix: int  # size of before
+    spmd: tuple  # the mesh axes that split the batch (spmd_axis_name), last ones of before
+
+
+def group_around_frame(axis_data: Any, names: tuple, axis_size: int, op: str) -> Group:
+    """Split ``names`` around the vmapped axis (after :func:`frame_members`), checked."""
+    k = names.index(axis_data.name)
+    members = frame_members(axis_data, op)
+    before, after = names[:k] + members[:-1], names[k + 1:]
+    rest_size = group_size(before + after)
+    if rest_size * axis_data.size != axis_size:
         raise ValueError(
-            f"{op}: vmap over axis {frame!r} of size {frame_size} inside a collective over "
-            f"{names!r} of size {axis_size}, but the other axes have size {rest}: the vmapped "
-            "axis must be the whole axis the collective names (vmap over a shard_map with "
-            "spmd_axis_name splits it; name a mesh axis in the collective instead)."
-        )
-    return rest
+            f"{op}: collective over {names!r} of size {axis_size}, but the vmapped axis "
+            f"{axis_data.name!r} (batch of {axis_data.size}) and the other axes "
+            f"{before + after!r} (size {rest_size}) do not make up that size.")
+    return Group(before, after, rest_size, group_size(before), members[:-1])
+
+
+def _partials_over(y: Any, axes: tuple) -> Any:
+    """Type ``y`` as unreduced (partial sums) over those ``axes`` it varies over.
+
+    With spmd_axis_name, the batch is split over mesh axes, so the partials of different
+    batch elements vary over them; a reduction along the vmapped axis reduces them too.
+    """
+    varying = tuple(a for a in axes if a in core.typeof(y).mat.varying)
+    return vary_unreduced_cast_p.bind(y, axes=varying) if varying else y
 
 
 # ---------------------------------------------------------------- all_gather_reduced
@@ -114,11 +148,9 @@ def _gather_over_vmapped_axis(
     tiled: bool,
 ) -> Any:
     """all_gather over ``names`` where the batch elements are the members along the frame."""
-    frame, frame_size = axis_data.name, axis_data.size
-    rest_size = _check_group("all_gather(to='reduced')", names, frame, frame_size, axis_size)
-    before, after = split_names(names, frame)
-    rest = before + after
-    xb = batch_first(x, d, frame_size)  # (A, *s)
+    group = group_around_frame(axis_data, names, axis_size, "all_gather(to='reduced')")
+    rest, rest_size = group.before + group.after, group.rest_size
+    xb = batch_first(x, d, axis_data.size)  # (A, *s)
     if rest:
         # One collective over the other axes for the whole batch, stacked at 1 + gdim.
         xb = all_gather_reduced_p.bind(
@@ -127,8 +159,7 @@ def _gather_over_vmapped_axis(
     else:
         xb = lax.expand_dims(xb, (1 + gdim,))
     # (A, *s[:gdim], P*S, *s[gdim:]) -> (*s[:gdim], P, A, S, *s[gdim:]) -> merge to N.
-    prefix = group_size(before)
-    xb = _split(xb, 1 + gdim, (prefix, rest_size // prefix))
+    xb = _split(xb, 1 + gdim, (group.prefix, rest_size // group.prefix))
     xb = jax.numpy.moveaxis(xb, 0, gdim + 1)
     y = _merge(xb, gdim, 3)
     if tiled:  # the stacked axis is major within the tiled dimension
@@ -169,13 +200,11 @@ def _scatter_over_vmapped_axis(
 
     Returns the result with its batch dimension first.
     """
-    frame, frame_size = axis_data.name, axis_data.size
-    rest_size = _check_group("unreduced_psum_scatter", names, frame, frame_size, axis_size)
-    before, after = split_names(names, frame)
-    rest = before + after
+    frame_size = axis_data.size
+    group = group_around_frame(axis_data, names, axis_size, "unreduced_psum_scatter")
+    rest, rest_size, prefix = group.before + group.after, group.rest_size, group.prefix
     # The sum over the members along the frame is a local sum over the batch.
     y = x * lax.convert_element_type(frame_size, x.dtype) if d is None else x.sum(axis=d)
-    prefix = group_size(before)
     n = y.shape[sdim]
     chunk = n // axis_size
     # Split the scatter dimension as (P, A, S, chunk); the frame index becomes the batch.
@@ -183,6 +212,7 @@ def _scatter_over_vmapped_axis(
     y = jax.numpy.moveaxis(y, sdim + 1, 0)
     y = _merge(y, 1 + sdim, 3)  # (B, ..., P*S*chunk, ...)
     if rest:  # one collective over the other axes for the whole batch
+        y = _partials_over(y, group.spmd)
         return unreduced_reduce_scatter_p.bind(
             y, scatter_dimension=1 + sdim, axis_name=rest, axis_size=rest_size, tiled=tiled)
     return y if tiled else lax.squeeze(y, (1 + sdim,))
@@ -199,7 +229,9 @@ def unreduced_psum_rule(
     if axis_data.name not in axes:
         return unreduced_psum_p.bind(x, axes=axes), d
     y = x * lax.convert_element_type(axis_data.size, x.dtype) if d is None else x.sum(axis=d)
-    rest = tuple(a for a in axes if a != axis_data.name)
+    spmd = frame_members(axis_data, "unreduced_psum")[:-1]
+    rest = tuple(a for a in axes if a != axis_data.name) + spmd
+    y = _partials_over(y, spmd)
     return (unreduced_psum_p.bind(y, axes=rest) if rest else y), None
 
 

@@ -32,7 +32,7 @@ import jax
 import numpy as np
 from jax import lax
 
-from ._batching_collectives import as_tuple, batch_first
+from ._batching_collectives import as_tuple, batch_first, frame_members
 from ._compat import core, precv_p, psend_p
 
 
@@ -80,7 +80,11 @@ def _sources(op: str, perm: Sequence[tuple[int, int]], size: int, axis: Any) -> 
     src_of = np.full(size, -1, dtype=np.int64)
     seen_src: set[int] = set()
     for src, dst in perm:
-        s, t = int(src) % size, int(dst) % size
+        s, t = int(src), int(dst)
+        if not (0 <= s < size and 0 <= t < size):
+            raise ValueError(
+                f"{op} over vmapped axis {axis!r} (size {size}): perm {list(map(tuple, perm))} "
+                f"has an index outside [0, {size}).")
         if s in seen_src or src_of[t] >= 0:
             raise ValueError(
                 f"{op} over vmapped axis {axis!r} (size {size}): sources and destinations "
@@ -105,9 +109,11 @@ def _permute_batch(x: Any, d: int | None, src_of: np.ndarray) -> tuple[Any, int 
 
 def _mixed_axes_error(op: str, names: tuple, frame: Any) -> NotImplementedError:
     return NotImplementedError(
-        f"{op}: vmap over axis {frame!r} with a p2p axis_name {names!r} that also names other "
-        "axes is not supported (the permutation would mix local and remote peers). Use a "
-        f"vmap axis_name other than the p2p axes, or {op} over {frame!r} alone.")
+        f"{op}: vmap over axis {frame!r} with a p2p axis_name {names!r} that also spans other "
+        "axes (more names, or a batch split over devices by spmd_axis_name) is not supported: "
+        "the permutation would mix peers inside this computation and peers on other "
+        f"devices. Use a vmap axis_name other than the p2p axes, or {op} over {frame!r} "
+        "alone without spmd_axis_name.")
 
 
 def psend_rule(
@@ -120,12 +126,12 @@ def psend_rule(
     frame, size = axis_data.name, axis_data.size
     if frame not in names:
         return psend_p.bind(batch_first(x, d, size), axis_name=axis_name, perm=perm), None
-    if len(names) > 1:
+    if len(names) > 1 or len(frame_members(axis_data, "psend")) > 1:
         raise _mixed_axes_error("psend", names, frame)
     value, dim = _permute_batch(x, d, _sources("psend", perm, size, frame))
     token = lax.create_token()
     elt = core.typeof(x)
-    elt_shape = tuple(elt.shape) if d is None else tuple(np.delete(elt.shape, d))
+    elt_shape = tuple(int(s) for i, s in enumerate(elt.shape) if d is None or i != d)
     _post(token, dict(value=value, dim=dim, axis_name=names, perm=tuple(map(tuple, perm)),
                       elt_shape=elt_shape, dtype=np.dtype(elt.dtype)))
     return token, None
@@ -144,7 +150,7 @@ def precv_rule(
     if frame not in names:
         batched = core.ShapedArray((size, *out_shape.shape), out_shape.dtype)
         return precv_p.bind(token, out_shape=batched, axis_name=axis_name, perm=perm), 0
-    if len(names) > 1:
+    if len(names) > 1 or len(frame_members(axis_data, "precv")) > 1:
         raise _mixed_axes_error("precv", names, frame)
     posted = _lookup(token)
     if posted is None:
