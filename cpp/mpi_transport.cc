@@ -2,6 +2,7 @@
 
 #include <sched.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstring>
 #include <thread>
@@ -143,6 +144,7 @@ MpiResult MpiTransport::Send(int dest_rank, int tag, const void* data, size_t by
 #endif
   if (rc != MPI_SUCCESS) return MpiResult::Error("MPI_Isend failed: " + ErrorString(rc));
   inflight_bytes_ += bytes;
+  peak_inflight_bytes_ = std::max(peak_inflight_bytes_, inflight_bytes_);
   pending_.push_back(std::move(send));
   // Small messages often complete at once (eager protocol): free them now.
   return ProgressLocked();
@@ -233,6 +235,11 @@ size_t MpiTransport::inflight_sends() const {
 uint64_t MpiTransport::inflight_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
   return inflight_bytes_;
+}
+
+uint64_t MpiTransport::peak_inflight_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return peak_inflight_bytes_;
 }
 
 uint64_t MpiTransport::sends_completed() const {

@@ -66,6 +66,7 @@ class MpiTransport {
   size_t inflight_sends() const;
   uint64_t inflight_bytes() const;
   uint64_t sends_completed() const;
+  uint64_t peak_inflight_bytes() const;
 
  private:
   struct PendingSend {
@@ -89,6 +90,7 @@ class MpiTransport {
   std::deque<PendingSend> pending_;
   uint64_t inflight_bytes_ = 0;
   uint64_t sends_completed_ = 0;
+  uint64_t peak_inflight_bytes_ = 0;
 };
 
 }  // namespace jcm
