@@ -126,12 +126,12 @@ MpiResult MpiTransport::Send(int dest_rank, int tag, const void* data, size_t by
   PendingSend send;
   send.bytes = bytes;
   if (bytes > 0) {
-    send.buffer = std::make_unique_for_overwrite<std::byte[]>(bytes);
-    std::memcpy(send.buffer.get(), data, bytes);
+    send.buffer = GlobalBufferPool().Acquire(bytes);
+    std::memcpy(send.buffer.data(), data, bytes);
   }
 #if MPI_VERSION >= 4
   send.requests.resize(1);
-  int rc = MPI_Isend_c(send.buffer.get(), static_cast<MPI_Count>(bytes), MPI_BYTE, dest_rank,
+  int rc = MPI_Isend_c(send.buffer.data(), static_cast<MPI_Count>(bytes), MPI_BYTE, dest_rank,
                        tag, comm_, &send.requests[0]);
 #else
   if (bytes > static_cast<size_t>(INT_MAX)) {
@@ -139,7 +139,7 @@ MpiResult MpiTransport::Send(int dest_rank, int tag, const void* data, size_t by
                             " bytes exceeds what this MPI (< MPI-4, no large counts) can send");
   }
   send.requests.resize(1);
-  int rc = MPI_Isend(send.buffer.get(), static_cast<int>(bytes), MPI_BYTE, dest_rank, tag, comm_,
+  int rc = MPI_Isend(send.buffer.data(), static_cast<int>(bytes), MPI_BYTE, dest_rank, tag, comm_,
                      &send.requests[0]);
 #endif
   if (rc != MPI_SUCCESS) return MpiResult::Error("MPI_Isend failed: " + ErrorString(rc));
@@ -192,11 +192,11 @@ MpiResult MpiTransport::Recv(int source_rank, int tag, void* out, size_t bytes,
 #endif
   if (static_cast<size_t>(count) != bytes) {
     // Drain the message so the channel stays usable, then report.
-    auto scratch = std::make_unique_for_overwrite<std::byte[]>(count > 0 ? count : 1);
+    PooledBuffer scratch = GlobalBufferPool().Acquire(static_cast<size_t>(count));
 #if MPI_VERSION >= 4
-    MPI_Mrecv_c(scratch.get(), count, MPI_BYTE, &message, MPI_STATUS_IGNORE);
+    MPI_Mrecv_c(scratch.data(), count, MPI_BYTE, &message, MPI_STATUS_IGNORE);
 #else
-    MPI_Mrecv(scratch.get(), count, MPI_BYTE, &message, MPI_STATUS_IGNORE);
+    MPI_Mrecv(scratch.data(), count, MPI_BYTE, &message, MPI_STATUS_IGNORE);
 #endif
     MpiResult r;
     r.ok = false;

@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include "buffer_pool.h"
+
 namespace jcm {
 
 struct MpiResult {
@@ -70,7 +72,7 @@ class MpiTransport {
 
  private:
   struct PendingSend {
-    std::unique_ptr<std::byte[]> buffer;
+    PooledBuffer buffer;
     size_t bytes = 0;
     std::vector<MPI_Request> requests;  // one per chunk
   };
