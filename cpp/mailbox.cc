@@ -38,8 +38,8 @@ void Mailbox::Send(ChannelKey key, const void* data, size_t bytes,
   msg.bytes = bytes;
   msg.sender_desc = sender_desc;
   if (bytes > 0) {
-    msg.data = std::make_unique_for_overwrite<std::byte[]>(bytes);
-    std::memcpy(msg.data.get(), data, bytes);
+    msg.data = GlobalBufferPool().Acquire(bytes);
+    std::memcpy(msg.data.data(), data, bytes);
   }
   ch.queued.push_back(std::move(msg));
   ch.cv.notify_all();
@@ -84,7 +84,7 @@ RecvOutcome Mailbox::Recv(ChannelKey key, void* out, size_t bytes,
     outcome.sender_desc = std::move(msg.sender_desc);
     return outcome;
   }
-  if (bytes > 0) std::memcpy(out, msg.data.get(), bytes);
+  if (bytes > 0) std::memcpy(out, msg.data.data(), bytes);
   return outcome;
 }
 

@@ -16,6 +16,8 @@
 #include <utility>
 #include <vector>
 
+#include "buffer_pool.h"
+
 namespace jcm {
 
 // A channel is identified by (source device, destination device), as dense global device
@@ -45,7 +47,7 @@ class Mailbox {
 
  private:
   struct Message {
-    std::unique_ptr<std::byte[]> data;
+    PooledBuffer data;
     size_t bytes = 0;
     std::string sender_desc;
   };

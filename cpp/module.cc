@@ -121,6 +121,7 @@ NB_MODULE(_jax_cpu_mpi, m) {
     d["mpi_inflight_sends"] = mpi ? mpi->inflight_sends() : 0;
     d["mpi_inflight_bytes"] = mpi ? mpi->inflight_bytes() : 0;
     d["mpi_sends_completed"] = mpi ? mpi->sends_completed() : 0;
+    d["mpi_peak_inflight_bytes"] = mpi ? mpi->peak_inflight_bytes() : 0;
     return d;
   });
 

@@ -2,6 +2,7 @@
 
 #include <sched.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstring>
 #include <thread>
@@ -125,12 +126,12 @@ MpiResult MpiTransport::Send(int dest_rank, int tag, const void* data, size_t by
   PendingSend send;
   send.bytes = bytes;
   if (bytes > 0) {
-    send.buffer = std::make_unique_for_overwrite<std::byte[]>(bytes);
-    std::memcpy(send.buffer.get(), data, bytes);
+    send.buffer = GlobalBufferPool().Acquire(bytes);
+    std::memcpy(send.buffer.data(), data, bytes);
   }
 #if MPI_VERSION >= 4
   send.requests.resize(1);
-  int rc = MPI_Isend_c(send.buffer.get(), static_cast<MPI_Count>(bytes), MPI_BYTE, dest_rank,
+  int rc = MPI_Isend_c(send.buffer.data(), static_cast<MPI_Count>(bytes), MPI_BYTE, dest_rank,
                        tag, comm_, &send.requests[0]);
 #else
   if (bytes > static_cast<size_t>(INT_MAX)) {
@@ -138,11 +139,12 @@ MpiResult MpiTransport::Send(int dest_rank, int tag, const void* data, size_t by
                             " bytes exceeds what this MPI (< MPI-4, no large counts) can send");
   }
   send.requests.resize(1);
-  int rc = MPI_Isend(send.buffer.get(), static_cast<int>(bytes), MPI_BYTE, dest_rank, tag, comm_,
+  int rc = MPI_Isend(send.buffer.data(), static_cast<int>(bytes), MPI_BYTE, dest_rank, tag, comm_,
                      &send.requests[0]);
 #endif
   if (rc != MPI_SUCCESS) return MpiResult::Error("MPI_Isend failed: " + ErrorString(rc));
   inflight_bytes_ += bytes;
+  peak_inflight_bytes_ = std::max(peak_inflight_bytes_, inflight_bytes_);
   pending_.push_back(std::move(send));
   // Small messages often complete at once (eager protocol): free them now.
   return ProgressLocked();
@@ -190,11 +192,11 @@ MpiResult MpiTransport::Recv(int source_rank, int tag, void* out, size_t bytes,
 #endif
   if (static_cast<size_t>(count) != bytes) {
     // Drain the message so the channel stays usable, then report.
-    auto scratch = std::make_unique_for_overwrite<std::byte[]>(count > 0 ? count : 1);
+    PooledBuffer scratch = GlobalBufferPool().Acquire(static_cast<size_t>(count));
 #if MPI_VERSION >= 4
-    MPI_Mrecv_c(scratch.get(), count, MPI_BYTE, &message, MPI_STATUS_IGNORE);
+    MPI_Mrecv_c(scratch.data(), count, MPI_BYTE, &message, MPI_STATUS_IGNORE);
 #else
-    MPI_Mrecv(scratch.get(), count, MPI_BYTE, &message, MPI_STATUS_IGNORE);
+    MPI_Mrecv(scratch.data(), count, MPI_BYTE, &message, MPI_STATUS_IGNORE);
 #endif
     MpiResult r;
     r.ok = false;
@@ -233,6 +235,11 @@ size_t MpiTransport::inflight_sends() const {
 uint64_t MpiTransport::inflight_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
   return inflight_bytes_;
+}
+
+uint64_t MpiTransport::peak_inflight_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return peak_inflight_bytes_;
 }
 
 uint64_t MpiTransport::sends_completed() const {

@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include "buffer_pool.h"
+
 namespace jcm {
 
 struct MpiResult {
@@ -66,10 +68,11 @@ class MpiTransport {
   size_t inflight_sends() const;
   uint64_t inflight_bytes() const;
   uint64_t sends_completed() const;
+  uint64_t peak_inflight_bytes() const;
 
  private:
   struct PendingSend {
-    std::unique_ptr<std::byte[]> buffer;
+    PooledBuffer buffer;
     size_t bytes = 0;
     std::vector<MPI_Request> requests;  // one per chunk
   };
@@ -89,6 +92,7 @@ class MpiTransport {
   std::deque<PendingSend> pending_;
   uint64_t inflight_bytes_ = 0;
   uint64_t sends_completed_ = 0;
+  uint64_t peak_inflight_bytes_ = 0;
 };
 
 }  // namespace jcm

@@ -1,25 +1,12 @@
 #include "runtime.h"
 
-#include <new>
+#include "immortal.h"
 
 namespace jcm {
 
-namespace {
-// Holds a T that is never destroyed: XLA device threads may still run custom calls while
-// the interpreter shuts down, so the runtime must outlive static destruction.
-template <typename T>
-class NoDestructor {
- public:
-  NoDestructor() { new (storage_) T(); }
-  T& get() { return *std::launder(reinterpret_cast<T*>(storage_)); }
-
- private:
-  alignas(T) unsigned char storage_[sizeof(T)];
-};
-}  // namespace
 
 Runtime& Runtime::Get() {
-  static NoDestructor<Runtime> runtime;
+  static Immortal<Runtime> runtime;
   return runtime.get();
 }
 

@@ -24,3 +24,12 @@ def test_errors_over_mpi():
     run = run_mpi("p2p_errors.py", nprocs=2, timeout=160,
                   env={"JAX_CPU_MPI_RECV_TIMEOUT": "3"})
     assert_mpi_ok(run, 2)
+
+
+@pytest.mark.timeout(180)
+def test_inflight_bound_and_sends_in_flight_at_exit():
+    run = run_mpi("send_lifecycle.py", nprocs=2, timeout=160)
+    assert_mpi_ok(run, 2)
+    everything = run.launcher_output + "".join(run.rank_output.values())
+    for bad in ("undelivered", "never received", "pending", "leaked"):
+        assert bad not in everything.lower(), run.report()
