@@ -104,50 +104,129 @@ MpiResult MpiTransport::ProgressLocked() {
 MpiResult MpiTransport::Send(int dest_rank, int tag, const void* data, size_t bytes,
                              uint64_t max_inflight_bytes,
                              std::chrono::steady_clock::time_point deadline) {
-  std::unique_lock<std::mutex> lock(mu_);
-  if (!MpiIsUsable()) return MpiResult::Error("MPI is not initialized or already finalized");
-  if (MpiResult r = ProgressLocked(); !r.ok) return r;
-  // Bound the memory of undelivered sends: wait for older ones to complete first.
-  Backoff backoff;
-  while (!pending_.empty() && inflight_bytes_ + bytes > max_inflight_bytes) {
-    if (std::chrono::steady_clock::now() > deadline) {
-      return MpiResult::Error(
-          "gave up waiting for earlier sends to be received: " +
-          std::to_string(inflight_bytes_) + " bytes in " + std::to_string(pending_.size()) +
-          " sends are undelivered and the limit is " + std::to_string(max_inflight_bytes) +
-          " bytes (JAX_CPU_MPI_MAX_INFLIGHT_BYTES); the receivers never posted their precv");
-    }
-    lock.unlock();
-    backoff.Pause();
-    lock.lock();
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!MpiIsUsable()) return MpiResult::Error("MPI is not initialized or already finalized");
     if (MpiResult r = ProgressLocked(); !r.ok) return r;
+    // Bound the memory of undelivered sends: wait for older ones to complete first.
+    Backoff backoff;
+    while (!pending_.empty() && inflight_bytes_ + bytes > max_inflight_bytes) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        return MpiResult::Error(
+            "gave up waiting for earlier sends to be received: " +
+            std::to_string(inflight_bytes_) + " bytes in " + std::to_string(pending_.size()) +
+            " sends are undelivered and the limit is " + std::to_string(max_inflight_bytes) +
+            " bytes (JAX_CPU_MPI_MAX_INFLIGHT_BYTES); the receivers never posted their precv");
+      }
+      lock.unlock();
+      backoff.Pause();
+      lock.lock();
+      if (MpiResult r = ProgressLocked(); !r.ok) return r;
+    }
+    inflight_bytes_ += bytes;  // reserved now, released when the send completes
+    peak_inflight_bytes_ = std::max(peak_inflight_bytes_, inflight_bytes_);
   }
 
   PendingSend send;
   send.bytes = bytes;
-  if (bytes > 0) {
-    send.buffer = GlobalBufferPool().Acquire(bytes);
-    std::memcpy(send.buffer.data(), data, bytes);
+  if (bytes > 0) send.buffer = GlobalBufferPool().Acquire(bytes);
+  auto isend = [&](const void* buf, size_t count) -> int {
+    std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
+    if (!thread_multiple_) lock.lock();
+    send.requests.emplace_back();
+    return MPI_Isend(buf, static_cast<int>(count), MPI_BYTE, dest_rank, tag, comm_,
+                     &send.requests.back());
+  };
+  int rc = MPI_SUCCESS;
+  if (bytes < kChunkedThreshold) {
+    // One message: copy, send.
+    if (bytes > 0) std::memcpy(send.buffer.data(), data, bytes);
+    rc = isend(send.buffer.data(), bytes);
+  } else {
+    // A header, then the payload in chunks, each sent as soon as it is copied: the receiver
+    // pulls chunk k while this thread copies chunk k+1, so the copy costs little time.
+    send.header = std::make_unique<ChunkHeader>();
+    send.header->magic = kChunkMagic;
+    send.header->total_bytes = bytes;
+    send.header->chunk_bytes = kChunkBytes;
+    rc = isend(send.header.get(), sizeof(ChunkHeader));
+    const auto* src = static_cast<const std::byte*>(data);
+    for (size_t offset = 0; offset < bytes && rc == MPI_SUCCESS; offset += kChunkBytes) {
+      const size_t n = std::min(kChunkBytes, bytes - offset);
+      std::memcpy(send.buffer.data() + offset, src + offset, n);
+      rc = isend(send.buffer.data() + offset, n);
+    }
   }
-#if MPI_VERSION >= 4
-  send.requests.resize(1);
-  int rc = MPI_Isend_c(send.buffer.data(), static_cast<MPI_Count>(bytes), MPI_BYTE, dest_rank,
-                       tag, comm_, &send.requests[0]);
-#else
-  if (bytes > static_cast<size_t>(INT_MAX)) {
-    return MpiResult::Error("message of " + std::to_string(bytes) +
-                            " bytes exceeds what this MPI (< MPI-4, no large counts) can send");
+  std::lock_guard<std::mutex> lock(mu_);
+  if (rc != MPI_SUCCESS) {
+    // Requests already started keep referring to the buffer: keep it until they complete.
+    send.requests.pop_back();
+    pending_.push_back(std::move(send));
+    return MpiResult::Error("MPI_Isend failed: " + ErrorString(rc));
   }
-  send.requests.resize(1);
-  int rc = MPI_Isend(send.buffer.data(), static_cast<int>(bytes), MPI_BYTE, dest_rank, tag, comm_,
-                     &send.requests[0]);
-#endif
-  if (rc != MPI_SUCCESS) return MpiResult::Error("MPI_Isend failed: " + ErrorString(rc));
-  inflight_bytes_ += bytes;
-  peak_inflight_bytes_ = std::max(peak_inflight_bytes_, inflight_bytes_);
   pending_.push_back(std::move(send));
   // Small messages often complete at once (eager protocol): free them now.
   return ProgressLocked();
+}
+
+MpiResult MpiTransport::WaitAll(std::vector<MPI_Request>& requests,
+                                std::chrono::steady_clock::time_point deadline) {
+  Backoff backoff;
+  uint64_t polls = 0;
+  while (true) {
+    int done = 0;
+    {
+      std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
+      if (!thread_multiple_) lock.lock();
+      int rc = MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
+                           MPI_STATUSES_IGNORE);
+      if (rc != MPI_SUCCESS) return MpiResult::Error("MPI_Testall failed: " + ErrorString(rc));
+    }
+    if (done) return MpiResult::Ok();
+    if ((++polls & 63) == 0 && std::chrono::steady_clock::now() > deadline) {
+      // Never leave a receive pointing into a buffer that XLA will reuse.
+      std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
+      if (!thread_multiple_) lock.lock();
+      for (MPI_Request& r : requests) {
+        if (r != MPI_REQUEST_NULL) MPI_Cancel(&r);
+      }
+      MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE);
+      MpiResult r;
+      r.ok = false;
+      r.timed_out = true;
+      r.error = "the message started to arrive but its payload did not complete in time";
+      return r;
+    }
+    backoff.Pause();
+  }
+}
+
+MpiResult MpiTransport::ReceiveChunks(int source_rank, int tag, std::byte* out, size_t total,
+                                      size_t chunk_bytes,
+                                      std::chrono::steady_clock::time_point deadline) {
+  if (chunk_bytes == 0 || chunk_bytes > static_cast<size_t>(INT_MAX)) {
+    return MpiResult::Error("corrupt chunk header (chunk size " + std::to_string(chunk_bytes) +
+                            ")");
+  }
+  std::vector<MPI_Request> requests;
+  requests.reserve(total / chunk_bytes + 1);
+  {
+    std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
+    if (!thread_multiple_) lock.lock();
+    for (size_t offset = 0; offset < total; offset += chunk_bytes) {
+      const size_t n = std::min(chunk_bytes, total - offset);
+      requests.emplace_back();
+      int rc = MPI_Irecv(out + offset, static_cast<int>(n), MPI_BYTE, source_rank, tag, comm_,
+                         &requests.back());
+      if (rc != MPI_SUCCESS) {
+        requests.pop_back();
+        lock.unlock();
+        WaitAll(requests, std::chrono::steady_clock::now());  // cancels what was posted
+        return MpiResult::Error("MPI_Irecv failed: " + ErrorString(rc));
+      }
+    }
+  }
+  return WaitAll(requests, deadline);
 }
 
 MpiResult MpiTransport::Recv(int source_rank, int tag, void* out, size_t bytes,
@@ -181,35 +260,51 @@ MpiResult MpiTransport::Recv(int source_rank, int tag, void* out, size_t bytes,
     backoff.Pause();
   }
 
-  std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
-  if (!thread_multiple_) lock.lock();
-#if MPI_VERSION >= 4
-  MPI_Count count = 0;
-  MPI_Get_count_c(&status, MPI_BYTE, &count);
-#else
   int count = 0;
   MPI_Get_count(&status, MPI_BYTE, &count);
-#endif
-  if (static_cast<size_t>(count) != bytes) {
-    // Drain the message so the channel stays usable, then report.
-    PooledBuffer scratch = GlobalBufferPool().Acquire(static_cast<size_t>(count));
-#if MPI_VERSION >= 4
-    MPI_Mrecv_c(scratch.data(), count, MPI_BYTE, &message, MPI_STATUS_IGNORE);
-#else
-    MPI_Mrecv(scratch.data(), count, MPI_BYTE, &message, MPI_STATUS_IGNORE);
-#endif
+  auto mismatch = [](size_t sender_bytes) {
     MpiResult r;
     r.ok = false;
     r.size_mismatch = true;
-    r.sender_bytes = static_cast<size_t>(count);
+    r.sender_bytes = sender_bytes;
     return r;
+  };
+  auto mrecv = [&](void* buf, int n) -> int {
+    std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
+    if (!thread_multiple_) lock.lock();
+    return MPI_Mrecv(buf, n, MPI_BYTE, &message, MPI_STATUS_IGNORE);
+  };
+
+  if (static_cast<size_t>(count) == sizeof(ChunkHeader)) {
+    // Either the header of a chunked message or a payload of exactly that size.
+    ChunkHeader header;
+    if (int rc = mrecv(&header, count); rc != MPI_SUCCESS) {
+      return MpiResult::Error("MPI_Mrecv failed: " + ErrorString(rc));
+    }
+    if (header.magic != kChunkMagic) {
+      if (bytes != sizeof(ChunkHeader)) return mismatch(sizeof(ChunkHeader));
+      std::memcpy(out, &header, sizeof(ChunkHeader));
+      return MpiResult::Ok();
+    }
+    if (header.total_bytes != bytes) {
+      // Drain the payload so the channel stays usable, then report.
+      PooledBuffer scratch = GlobalBufferPool().Acquire(header.total_bytes);
+      MpiResult r = ReceiveChunks(source_rank, tag, scratch.data(), header.total_bytes,
+                                  header.chunk_bytes, deadline);
+      if (!r.ok) return r;
+      return mismatch(header.total_bytes);
+    }
+    return ReceiveChunks(source_rank, tag, static_cast<std::byte*>(out), bytes,
+                         header.chunk_bytes, deadline);
   }
-#if MPI_VERSION >= 4
-  int rc = MPI_Mrecv_c(out, count, MPI_BYTE, &message, MPI_STATUS_IGNORE);
-#else
-  int rc = MPI_Mrecv(out, count, MPI_BYTE, &message, MPI_STATUS_IGNORE);
-#endif
-  if (rc != MPI_SUCCESS) return MpiResult::Error("MPI_Mrecv failed: " + ErrorString(rc));
+  if (static_cast<size_t>(count) != bytes) {
+    PooledBuffer scratch = GlobalBufferPool().Acquire(static_cast<size_t>(count));
+    mrecv(scratch.data(), count);
+    return mismatch(static_cast<size_t>(count));
+  }
+  if (int rc = mrecv(out, count); rc != MPI_SUCCESS) {
+    return MpiResult::Error("MPI_Mrecv failed: " + ErrorString(rc));
+  }
   return MpiResult::Ok();
 }
 

@@ -1,6 +1,11 @@
 // MPI transport: point-to-point between processes on a communicator owned by this package
 // (a duplicate of MPI_COMM_WORLD made by mpi4py, never the user's communicator).
 //
+// Messages of kChunkedThreshold bytes or more travel as a 32-byte header (magic, total size,
+// chunk size) and chunks of kChunkBytes: the copy of chunk k+1 overlaps the transfer of
+// chunk k, every MPI count fits an int (messages over 2 GiB work on any MPI), and the
+// receiver learns the sender's size before it touches its output buffer.
+//
 // Sends are copy-and-Isend: a psend copies its operand into a buffer the transport owns and
 // returns without waiting for the receiver, so that two devices that both send before they
 // receive never deadlock, whatever the message size. The bytes of undelivered sends are
@@ -71,11 +76,28 @@ class MpiTransport {
   uint64_t peak_inflight_bytes() const;
 
  private:
+  struct ChunkHeader {
+    uint64_t magic = 0;
+    uint64_t total_bytes = 0;
+    uint64_t chunk_bytes = 0;
+    uint64_t reserved = 0;
+  };
+  static constexpr uint64_t kChunkMagic = 0x6a636d2d6368756bULL;  // "jcm-chuk"
+  static constexpr size_t kChunkedThreshold = size_t{4} << 20;
+  static constexpr size_t kChunkBytes = size_t{1} << 20;
+
   struct PendingSend {
     PooledBuffer buffer;
+    std::unique_ptr<ChunkHeader> header;  // chunked messages only
     size_t bytes = 0;
-    std::vector<MPI_Request> requests;  // one per chunk
+    std::vector<MPI_Request> requests;  // header and chunks, or the one message
   };
+
+  // Polls `requests` to completion; at the deadline cancels them and reports a timeout.
+  MpiResult WaitAll(std::vector<MPI_Request>& requests,
+                    std::chrono::steady_clock::time_point deadline);
+  MpiResult ReceiveChunks(int source_rank, int tag, std::byte* out, size_t total,
+                          size_t chunk_bytes, std::chrono::steady_clock::time_point deadline);
 
   // Frees completed sends; caller holds mu_.
   MpiResult ProgressLocked();

@@ -52,6 +52,25 @@ expect_error(mismatch, ["precv", "partition 1 (process 1)", "partition 0 (proces
 barrier("after mismatch")
 
 
+def sizes(send_count, recv_count):
+    """psend float32[send_count] into precv float32[recv_count] on pair (0, 1)."""
+    def body(v):
+        payload = jnp.broadcast_to(v[:1], (send_count,))
+        tok = jax.lax.psend(payload, "x", [(0, 1)])
+        r = jax.lax.precv(tok, jax.ShapeDtypeStruct((recv_count,), jnp.float32), "x", [(0, 1)])
+        return v + r[:1]
+    return body
+
+
+# Chunked sender (8 MiB) into a smaller chunked receiver, into a header-sized receiver, and a
+# plain sender into a chunked receiver: each is reported, and the channel stays in sync.
+for send_count, recv_count in [(2 << 20, 6 << 18), (2 << 20, 8), (8, 2 << 20)]:
+    expect_error(sizes(send_count, recv_count),
+                 ["precv", f"float32[{recv_count}]", f"({4 * recv_count} bytes)",
+                  f"sent {4 * send_count} bytes"])
+    barrier(f"after {send_count}->{recv_count}")
+
+
 def dangling(v):
     return jax.lax.precv(jax.lax.create_token(), jax.ShapeDtypeStruct(v.shape, v.dtype), "x",
                          [(0, 1)])

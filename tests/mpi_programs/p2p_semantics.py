@@ -45,6 +45,12 @@ jax.config.update("jax_enable_x64", True)
 for dtype in cases.ALL_DTYPES:
     check(f"dtype {np.dtype(dtype).name}", cases.permute_vs_ppermute(
         mesh, gather, axis="x", perm=ring, dtype=dtype, block=(2, 3)))
+# 32 bytes: the size of the chunked protocol's header, must still arrive as plain data.
+check("32-byte messages", cases.permute_vs_ppermute(mesh, gather, axis="x", perm=ring,
+                                                      dtype=np.float32, block=(8,)))
+# Above the chunking threshold (4 MiB), with a ragged last chunk.
+check("chunked 9 MiB + 12 B messages", cases.permute_vs_ppermute(
+    mesh, gather, axis="x", perm=ring, dtype=np.float32, block=((9 << 18) + 3,)))
 check("0-d arrays", cases.scalar_blocks(mesh, gather, dtype=np.float64))
 jax.config.update("jax_enable_x64", False)
 for kind in ("scan", "fori_loop", "while_loop", "cond"):
