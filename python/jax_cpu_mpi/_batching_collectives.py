@@ -133,6 +133,8 @@ def all_gather_reduced_rule(
         if d is None:
             return all_gather_reduced_p.bind(
                 x, all_gather_dimension=all_gather_dimension, **params), None
+        if d == 0 or (d == all_gather_dimension and not tiled):
+            return _gather_major(x, d, all_gather_dimension, names, axis_size, tiled)
         gdim = all_gather_dimension
         if d <= gdim:
             gdim += 1
@@ -141,6 +143,26 @@ def all_gather_reduced_rule(
         return all_gather_reduced_p.bind(x, all_gather_dimension=gdim, **params), d
     return _gather_over_vmapped_axis(
         axis_data, x, d, all_gather_dimension, names, axis_size, tiled), None
+
+
+def _gather_major(
+    x: Any, d: int, gdim: int, names: tuple, axis_size: int, tiled: bool,
+) -> tuple[Any, int]:
+    """The batched gather with the gathered dimension in front of the batch dimension.
+
+    XLA lays an all-gather out with its gathered dimension major. Gathering along dimension
+    ``gdim + 1`` (behind the batch, as JAX's all_gather batcher does) makes XLA transpose
+    both the operand and the result; gathering in front of the batch needs no transpose
+    when the batch stays behind the gathered dimension (untiled, ``d == gdim``), and one
+    transpose of the result otherwise.
+    """
+    y = all_gather_reduced_p.bind(x, all_gather_dimension=d, axis_name=names,
+                                  axis_size=axis_size, tiled=False)  # (..., N, B, ...)
+    if not tiled and d == gdim:
+        return y, d + 1
+    # d == 0: (N, B, *s) -> (B, *s[:gdim], N, *s[gdim:]), then N folds into s[gdim].
+    y = jax.numpy.moveaxis(y, 0, gdim + 1)
+    return (_merge(y, gdim + 1, 2) if tiled else y), 0
 
 
 def _gather_over_vmapped_axis(
