@@ -18,6 +18,7 @@ from . import batching as _batching
 from . import config as _config
 from . import lowering as _lowering
 from . import plugin as _plugin
+from . import validation as _validation
 from .config import Config, configure
 from .mpi_runtime import MpiSetupError
 
@@ -33,6 +34,7 @@ def install() -> None:
         return
     _config.apply()
     _lowering.register()
+    _validation.install()
     _batching.install()
     _installed = True
 

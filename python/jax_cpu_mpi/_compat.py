@@ -11,6 +11,7 @@ from jax._src import core as core
 from jax._src import mesh as mesh_lib
 from jax._src.interpreters import batching as batching
 from jax._src.interpreters import mlir as mlir
+from jax._src.lax import lax as lax_internal
 from jax._src.lax import parallel as parallel
 from jax._src.lib.mlir import ir as ir
 from jax._src.lib.mlir.dialects import hlo as hlo
@@ -38,6 +39,10 @@ pcollectives_lowering_common = parallel._pcollectives_lowering_common
 #: program without it has no psend/precv (validation.py skips such programs).
 single_side_collective_effect = parallel.single_side_collective_effect
 
+#: optimization_barrier and JAX's lowering rule for it (_barrier_tokens.py wraps it).
+optimization_barrier_p = lax_internal.optimization_barrier_p
+optimization_barrier_lowering = lax_internal._optimization_barrier_lowering_rule
+
 __all__ = [
     "SPMDAxisContext",
     "all_gather_reduced_p",
@@ -48,6 +53,8 @@ __all__ = [
     "ir",
     "mesh_lib",
     "mlir",
+    "optimization_barrier_lowering",
+    "optimization_barrier_p",
     "parallel",
     "pcollectives_lowering_common",
     "ppermute_batcher",

@@ -1,0 +1,122 @@
+"""``jax.lax.optimization_barrier`` over tokens: lowerable on CPU, and really ordering.
+
+JAX's GPU performance tips ("Using psend and precv") order a psend, a ppermute and a
+precv inside a loop step with ``optimization_barrier((x, psend_token))`` (the ppermute of
+``x`` comes after the psend) and ``optimization_barrier((create_token(), y))`` (the precv
+taking that token comes after the ppermute producing ``y``). On CPU this fails twice:
+
+1. JAX 0.10's lowering rule of the barrier calls ``lower_with_sharding_in_types`` on every
+   result, and a token has no sharding: ``AttributeError: 'AbstractToken' object has no
+   attribute 'sharding'``;
+2. XLA CPU deletes optimization barriers before scheduling (``OptimizationBarrierExpander``),
+   so nothing orders a precv after a ppermute: a precv that blocks first while its peer
+   waits in the ppermute for this device deadlocks.
+
+For a CPU barrier inside ``shard_map`` that holds tokens and arrays, this lowering keeps
+the ``stablehlo.optimization_barrier`` and adds data dependencies XLA keeps: each token
+result also waits for every array of the barrier, each array result for every token.
+
+* token after array: our psend custom call with no source-target pairs (it sends nothing
+  and returns a token that depends on the array);
+* array after token: our precv custom call with no pairs returns a ``u32`` zero that
+  depends on the token; the array's bits are OR-ed with it (the bits do not change, and
+  XLA cannot fold the dependency away). Complex arrays are left unordered.
+
+Both calls carry ``op=ORDERING_OP``, by which :mod:`jax_cpu_mpi.validation` skips them.
+Every other barrier keeps JAX's rule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._compat import (
+    SPMDAxisContext,
+    core,
+    hlo,
+    ir,
+    mlir,
+    optimization_barrier_lowering,
+    optimization_barrier_p,
+)
+from .lowering import PRECV_TARGET, PSEND_TARGET
+from .topology import partition_tables
+
+#: The ``op`` attribute of the psend/precv calls that only order a barrier's values.
+ORDERING_OP = "optimization_barrier ordering (no pairs, moves no data)"
+
+_NO_PAIRS = np.zeros((0,), np.int64)
+_U32 = core.ShapedArray((), np.uint32)
+
+
+def _attributes(ctx: Any, operand: str) -> dict[str, Any]:
+    tables = partition_tables(ctx.module_context.axis_context, "optimization_barrier")
+    return dict(pairs=_NO_PAIRS, device_index=tables.device_index,
+                device_process=tables.device_process,
+                num_devices=np.int64(tables.num_devices), op=ORDERING_OP, operand=operand)
+
+
+def _token_after(ctx: Any, value: Any, aval: Any) -> Any:
+    sub = ctx.replace(avals_in=[aval, _U32], avals_out=[core.abstract_token])
+    rule = jax.ffi.ffi_lowering(PSEND_TARGET, has_side_effect=True)
+    (token,) = rule(sub, value, hlo.partition_id(), **_attributes(ctx, str(aval)))
+    return token
+
+
+def _zero_after(ctx: Any, token: Any) -> Any:
+    sub = ctx.replace(avals_in=[core.abstract_token, _U32], avals_out=[_U32])
+    rule = jax.ffi.ffi_lowering(PRECV_TARGET, has_side_effect=True)
+    (zero,) = rule(sub, token, hlo.partition_id(), **_attributes(ctx, "uint32[]"))
+    return zero
+
+
+def _array_after(value: Any, aval: Any, zero: Any) -> Any:
+    """``value`` with its bits unchanged, computed after ``zero`` (a u32 zero) exists."""
+    dtype = np.dtype(aval.dtype)
+    if dtype.kind == "c":
+        return value
+    shape = list(aval.shape)
+    if dtype == np.bool_:
+        bits_type = value.type
+        mask = hlo.convert(ir.RankedTensorType.get([], ir.IntegerType.get_signless(1)), zero)
+    else:
+        width = dtype.itemsize * 8
+        bits_type = ir.RankedTensorType.get(shape, ir.IntegerType.get_unsigned(width))
+        mask = hlo.convert(ir.RankedTensorType.get([], ir.IntegerType.get_unsigned(width)),
+                           zero)
+    bits = value if dtype == np.bool_ else hlo.bitcast_convert(bits_type, value)
+    mask = hlo.broadcast_in_dim(bits_type, mask, mlir.dense_int_array([]))
+    ored = hlo.or_(bits, mask)
+    return ored if dtype == np.bool_ else hlo.bitcast_convert(value.type, ored)
+
+
+def _ordered(ctx: Any, results: list[Any]) -> list[Any]:
+    avals = ctx.avals_out
+    tokens = [r for r, a in zip(results, avals, strict=True) if a is core.abstract_token]
+    arrays = [(r, a) for r, a in zip(results, avals, strict=True)
+              if a is not core.abstract_token]
+    after_arrays = hlo.after_all([*tokens, *(_token_after(ctx, r, a) for r, a in arrays)])
+    zero = _zero_after(ctx, hlo.after_all(tokens)) if arrays else None
+    return [after_arrays if a is core.abstract_token else _array_after(r, a, zero)
+            for r, a in zip(results, avals, strict=True)]
+
+
+def _lowering(ctx: Any, *args: Any) -> Any:
+    is_token = [a is core.abstract_token for a in ctx.avals_out]
+    if not any(is_token) or not all(isinstance(a, ir.Value) for a in args):
+        return optimization_barrier_lowering(ctx, *args)
+    results = list(hlo.OptimizationBarrierOp(list(args)).results)
+    axis_context = ctx.module_context.axis_context
+    if not all(is_token) and isinstance(axis_context, SPMDAxisContext) and (
+            axis_context.manual_axes):
+        results = _ordered(ctx, results)
+    return [r if token else mlir.lower_with_sharding_in_types(ctx, r, aval)
+            for r, aval, token in zip(results, ctx.avals_out, is_token, strict=True)]
+
+
+def install() -> None:
+    """Register the CPU lowering of ``optimization_barrier`` (idempotent)."""
+    mlir.register_lowering(optimization_barrier_p, _lowering, platform="cpu")
