@@ -1,0 +1,420 @@
+"""One function per benchmark method: ``method(ctx) -> Measurement``.
+
+``ctx.kind`` says what to measure:
+
+* ``latency``: a ping-pong; the sample is half a round trip (OSU's ``osu_latency``), or,
+  for ``/scan`` methods, one hop of a scan of ``plan.hops`` hops (call time / hops);
+* ``bandwidth``: a window of ``plan.window`` one-way messages, then an acknowledgement back;
+  the sample is the window's time / ``plan.window`` (OSU's ``osu_bw``).
+
+Cross-process methods run on every rank in lockstep; the samples of rank 0 are reported and
+the wrong-byte counts of all ranks are summed by the runner. Only rank 0 runs the in-process
+(``-local``) methods.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import programs
+from .options import Plan
+from .programs import ACK_BYTES, count_wrong, pattern, shard_on
+from .session import Session
+from .stats import Measurement
+
+
+@dataclass(frozen=True)
+class Context:
+    """What one method call measures."""
+
+    session: Session
+    plan: Plan
+    kind: str  # "latency" | "bandwidth"
+
+
+def _timed(step: Callable[[], None], count: int, warmup: int,
+           sync: Callable[[], None]) -> np.ndarray:
+    """Runs ``step`` ``warmup`` times, meets the other ranks, then times ``count`` steps."""
+    for _ in range(warmup):
+        step()
+    sync()
+    seconds = np.empty(count)
+    clock = time.perf_counter
+    for i in range(count):
+        start = clock()
+        step()
+        seconds[i] = clock() - start
+    return seconds
+
+
+def _no_sync() -> None:
+    return None
+
+
+def _measurement(ctx: Context, method: str, seconds: np.ndarray, warmup: int, messages: int,
+                 wrong: int, mode: str, description: str, **extra: Any) -> Measurement:
+    return Measurement(method=method, kind=ctx.kind, size=ctx.plan.size, seconds=seconds,
+                       warmup=warmup, messages_per_sample=messages, wrong=wrong, mode=mode,
+                       description=description, extra=extra)
+
+
+# --------------------------------------------------------------------------- JAX, SPMD
+
+
+def _jax_p2p(ctx: Context, method: str, pair: tuple[Any, Any], transport: str, scan: bool,
+             mode: str, description: str) -> Measurement:
+    """psend/precv or ppermute between the two devices of ``pair`` (see :mod:`.programs`)."""
+    plan, n = ctx.plan, ctx.plan.size
+    mesh = programs.mesh_of(pair)
+    x = programs.sharded_pattern(mesh, n)
+    sync = _no_sync if mode == "local" else ctx.session.barrier
+    expected, expected_ack = pattern(n), pattern(n)[:ACK_BYTES]
+    outputs: list[Any] = []
+
+    if ctx.kind == "latency":
+        if scan:
+            fn = programs.pingpong_scan(mesh, transport, plan.hops)
+            count, per_sample = plan.scan_samples, plan.hops
+        else:
+            fn = programs.pingpong(mesh, transport)
+            count, per_sample = plan.iters, 2
+
+        def step() -> None:
+            outputs[:] = [jax.block_until_ready(fn(x))]
+
+        seconds = _timed(step, count, plan.warmup, sync) / per_sample
+        z, y = outputs[0]
+        wrong = count_wrong(shard_on(z, pair[0]), expected) + count_wrong(
+            shard_on(y, pair[1]), expected)
+        return _measurement(ctx, method, seconds, plan.warmup, per_sample, wrong, mode,
+                            description, hops_per_call=per_sample if scan else None)
+
+    window = plan.window
+    if scan:
+        stream = programs.stream_scan(mesh, transport, window)
+
+        def step() -> None:
+            outputs[:] = list(jax.block_until_ready(stream(x)))
+    else:
+        one, back = programs.one_way(mesh, transport), programs.ack(mesh, transport)
+
+        def step() -> None:
+            y = None
+            for _ in range(window):
+                y = one(x)
+            outputs[:] = [y, jax.block_until_ready(back(y))]
+
+    seconds = _timed(step, plan.window_samples, max(1, plan.warmup // window), sync) / window
+    y, acknowledgement = outputs
+    wrong = count_wrong(shard_on(y, pair[1]), expected) + count_wrong(
+        shard_on(acknowledgement, pair[0]), expected_ack)
+    return _measurement(ctx, method, seconds, max(1, plan.warmup // window), window, wrong,
+                        mode, description, window=window)
+
+
+def _jit_floor(ctx: Context, method: str, pair: tuple[Any, Any], mode: str) -> Measurement:
+    plan, n = ctx.plan, ctx.plan.size
+    mesh = programs.mesh_of(pair)
+    x = programs.sharded_pattern(mesh, n)
+    fn = programs.floor(mesh)
+    outputs: list[Any] = []
+
+    def step() -> None:
+        outputs[:] = [jax.block_until_ready(fn(x))]
+
+    sync = _no_sync if mode == "local" else ctx.session.barrier
+    seconds = _timed(step, plan.iters, plan.warmup, sync)
+    expected = pattern(n) + np.uint8(1)
+    wrong = sum(count_wrong(shard_on(outputs[0], d), expected) for d in pair)
+    return _measurement(ctx, method, seconds, plan.warmup, 0, wrong, mode,
+                        "jitted call on the same two devices that writes a fresh output of "
+                        "the message size (x + 1), no communication: JAX's per-call floor")
+
+
+def psend_call(ctx: Context) -> Measurement:
+    return _jax_p2p(ctx, "psend/call", ctx.session.pair, "psend", False, "mpi",
+                    "jax_cpu_mpi psend/precv over MPI, one jitted call per round trip "
+                    "(latency) or per message (bandwidth)")
+
+
+def psend_scan(ctx: Context) -> Measurement:
+    return _jax_p2p(ctx, "psend/scan", ctx.session.pair, "psend", True, "mpi",
+                    "jax_cpu_mpi psend/precv over MPI, hops inside one jitted lax.scan")
+
+
+def gloo_call(ctx: Context) -> Measurement:
+    return _jax_p2p(ctx, "gloo/call", ctx.session.pair, "ppermute", False, "mpi",
+                    "jax.lax.ppermute across processes (XLA CPU collectives over gloo), one "
+                    "jitted call per round trip / message")
+
+
+def gloo_scan(ctx: Context) -> Measurement:
+    return _jax_p2p(ctx, "gloo/scan", ctx.session.pair, "ppermute", True, "mpi",
+                    "jax.lax.ppermute over gloo, hops inside one jitted lax.scan")
+
+
+def jit_floor(ctx: Context) -> Measurement:
+    return _jit_floor(ctx, "jit-floor", ctx.session.pair, "mpi")
+
+
+def psend_local_call(ctx: Context) -> Measurement:
+    return _jax_p2p(ctx, "psend-local/call", ctx.session.local_pair, "psend", False, "local",
+                    "jax_cpu_mpi psend/precv between two devices of one process, one "
+                    "jitted call per round trip / message")
+
+
+def psend_local_scan(ctx: Context) -> Measurement:
+    return _jax_p2p(ctx, "psend-local/scan", ctx.session.local_pair, "psend", True, "local",
+                    "jax_cpu_mpi psend/precv between two devices of one process, hops "
+                    "inside one jitted lax.scan")
+
+
+def ppermute_local_call(ctx: Context) -> Measurement:
+    return _jax_p2p(ctx, "ppermute-local/call", ctx.session.local_pair, "ppermute", False,
+                    "local", "jax.lax.ppermute between two devices of one process (XLA's "
+                    "in-process collectives), one jitted call per round trip / message")
+
+
+def ppermute_local_scan(ctx: Context) -> Measurement:
+    return _jax_p2p(ctx, "ppermute-local/scan", ctx.session.local_pair, "ppermute", True,
+                    "local", "jax.lax.ppermute between two devices of one process, hops "
+                    "inside one jitted lax.scan")
+
+
+def jit_floor_local(ctx: Context) -> Measurement:
+    return _jit_floor(ctx, "jit-floor-local", ctx.session.local_pair, "local")
+
+
+def psend_nccl_call(ctx: Context) -> Measurement:
+    return _jax_p2p(ctx, "psend-nccl/call", ctx.session.pair, "psend", False, "gpu",
+                    "jax.lax.psend/precv on GPUs (JAX's NCCL lowering), one jitted call per "
+                    "round trip / message")
+
+
+def psend_nccl_scan(ctx: Context) -> Measurement:
+    return _jax_p2p(ctx, "psend-nccl/scan", ctx.session.pair, "psend", True, "gpu",
+                    "jax.lax.psend/precv on GPUs (NCCL), hops inside one jitted lax.scan")
+
+
+def ppermute_nccl_call(ctx: Context) -> Measurement:
+    return _jax_p2p(ctx, "ppermute-nccl/call", ctx.session.pair, "ppermute", False, "gpu",
+                    "jax.lax.ppermute on GPUs (NCCL), one jitted call per round trip / message")
+
+
+def ppermute_nccl_scan(ctx: Context) -> Measurement:
+    return _jax_p2p(ctx, "ppermute-nccl/scan", ctx.session.pair, "ppermute", True, "gpu",
+                    "jax.lax.ppermute on GPUs (NCCL), hops inside one jitted lax.scan")
+
+
+def jit_floor_gpu(ctx: Context) -> Measurement:
+    return _jit_floor(ctx, "jit-floor-gpu", ctx.session.pair, "gpu")
+
+
+# --------------------------------------------------------------------------- raw MPI, numpy
+
+
+def mpi4py_p2p(ctx: Context) -> Measurement:
+    """mpi4py Send/Recv on numpy buffers: ping-pong, or a window of Isend + acknowledgement."""
+    session, plan, n = ctx.session, ctx.plan, ctx.plan.size
+    comm = session.pair_comm
+    rank = session.rank
+    send = pattern(n)
+    recv = np.zeros(n, np.uint8)
+    ack = np.zeros(ACK_BYTES, np.uint8)
+    peer = 1 - rank
+
+    if ctx.kind == "latency":
+        if rank == 0:
+            def step() -> None:
+                comm.Send(send, peer, 1)
+                comm.Recv(recv, peer, 1)
+        else:
+            def step() -> None:
+                comm.Recv(recv, peer, 1)
+                comm.Send(recv, peer, 1)
+        seconds = _timed(step, plan.iters, plan.warmup, session.barrier) / 2
+        return _measurement(ctx, "mpi4py", seconds, plan.warmup, 2, count_wrong(recv, send),
+                            "mpi", "mpi4py comm.Send/comm.Recv of numpy buffers "
+                            "(the MPI library's limit, plus mpi4py's call overhead)")
+
+    window = plan.window
+    if rank == 0:
+        def step() -> None:
+            from mpi4py import MPI
+
+            MPI.Request.Waitall([comm.Isend(send, peer, 2) for _ in range(window)])
+            comm.Recv(ack, peer, 3)
+    else:
+        def step() -> None:
+            from mpi4py import MPI
+
+            MPI.Request.Waitall([comm.Irecv(recv, peer, 2) for _ in range(window)])
+            comm.Send(recv[:ACK_BYTES], peer, 3)
+    warmup = max(1, plan.warmup // window)
+    seconds = _timed(step, plan.window_samples, warmup, session.barrier) / window
+    got = ack if rank == 0 else recv
+    expected = send[:ACK_BYTES] if rank == 0 else send
+    return _measurement(ctx, "mpi4py", seconds, warmup, window, count_wrong(got, expected),
+                        "mpi", "mpi4py window of comm.Isend/comm.Irecv, then an "
+                        "acknowledgement (OSU osu_bw)", window=window)
+
+
+# --------------------------------------------------------------------------- mpi4jax
+
+
+def mpi4jax_available() -> str | None:
+    """None if mpi4jax imports, else why not."""
+    try:
+        import mpi4jax  # noqa: F401
+    except Exception as e:  # ImportError, or its own checks failing
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _mpi4jax_programs(ctx: Context, scan: bool) -> tuple[Callable, Callable | None]:
+    """The per-rank jitted functions (rank 0 and rank 1 run different programs)."""
+    import mpi4jax
+
+    comm = ctx.session.pair_comm
+    rank, plan = ctx.session.rank, ctx.plan
+    peer = 1 - rank
+    send = lambda v: mpi4jax.send(v, peer, tag=4, comm=comm)  # noqa: E731
+    recv = lambda v: mpi4jax.recv(v, peer, tag=4, comm=comm)  # noqa: E731
+
+    if ctx.kind == "latency":
+        def round_trip(c):
+            if rank == 0:
+                send(c)
+                return recv(c)
+            c = recv(c)
+            send(c)
+            return c
+
+        if not scan:
+            return jax.jit(round_trip), None
+
+        def loop(c):
+            return jax.lax.scan(lambda c, _: (round_trip(c), None), c, None,
+                                length=plan.hops // 2)[0]
+
+        return jax.jit(loop), None
+
+    ack_send = lambda v: mpi4jax.send(v[:ACK_BYTES], 0, tag=5, comm=comm)  # noqa: E731
+    ack_recv = lambda v: mpi4jax.recv(v[:ACK_BYTES], 1, tag=5, comm=comm)  # noqa: E731
+    if scan:
+        if rank == 0:
+            def stream(x):
+                def body(c, _):
+                    send(x)
+                    return c, None
+                jax.lax.scan(body, 0, None, length=plan.window)
+                return ack_recv(x)
+        else:
+            def stream(x):
+                c = jax.lax.scan(lambda c, _: (recv(c), None), x, None, length=plan.window)[0]
+                ack_send(c)
+                return c
+        return jax.jit(stream), None
+    if rank == 0:
+        def one(x):
+            send(x)
+            return x[:1]
+        return jax.jit(one), jax.jit(ack_recv)
+
+    def back(y):
+        ack_send(y)
+        return y[:1]
+    return jax.jit(recv), jax.jit(back)
+
+
+def _mpi4jax(ctx: Context, method: str, scan: bool) -> Measurement:
+    session, plan, n = ctx.session, ctx.plan, ctx.plan.size
+    device = session.pair[session.rank]
+    x = jax.device_put(pattern(n), device)
+    fn, back = _mpi4jax_programs(ctx, scan)
+    expected = pattern(n)
+    out: list[Any] = []
+    how = "hops inside one jitted lax.scan" if scan else "one jitted call per round trip / message"
+    description = f"mpi4jax send/recv (its sendrecv's transport), {how}"
+
+    if ctx.kind == "latency":
+        def step() -> None:
+            out[:] = [jax.block_until_ready(fn(x))]
+        per_sample = plan.hops if scan else 2
+        count = plan.scan_samples if scan else plan.iters
+        seconds = _timed(step, count, plan.warmup, session.barrier) / per_sample
+        wrong = count_wrong(np.asarray(out[0]), expected)
+        return _measurement(ctx, method, seconds, plan.warmup, per_sample, wrong, "mpi",
+                            description)
+
+    window = plan.window
+    if scan:
+        def step() -> None:
+            out[:] = [jax.block_until_ready(fn(x))]
+    else:
+        def step() -> None:
+            y = None
+            for _ in range(window):
+                y = fn(x)
+            out[:] = [jax.block_until_ready(back(x if session.rank == 0 else y)), y]
+    warmup = max(1, plan.warmup // window)
+    seconds = _timed(step, plan.window_samples, warmup, session.barrier) / window
+    if session.rank == 0:
+        wrong = count_wrong(np.asarray(out[0]), expected[:ACK_BYTES])
+    else:
+        wrong = count_wrong(np.asarray(out[0] if scan else out[1]), expected)
+    return _measurement(ctx, method, seconds, warmup, window, wrong, "mpi", description,
+                        window=window)
+
+
+def mpi4jax_call(ctx: Context) -> Measurement:
+    return _mpi4jax(ctx, "mpi4jax/call", scan=False)
+
+
+def mpi4jax_scan(ctx: Context) -> Measurement:
+    return _mpi4jax(ctx, "mpi4jax/scan", scan=True)
+
+
+# --------------------------------------------------------------------------- memcpy
+
+
+def memcpy(ctx: Context) -> Measurement:
+    """numpy copy of the message's bytes into a preallocated buffer (the in-process limit)."""
+    plan, n = ctx.plan, ctx.plan.size
+    source = pattern(n)
+    target = np.zeros(n, np.uint8)
+    seconds = _timed(lambda: np.copyto(target, source), plan.iters, plan.warmup, _no_sync)
+    return _measurement(ctx, "memcpy", seconds, plan.warmup, 1, count_wrong(target, source),
+                        "local", "numpy.copyto between two preallocated buffers of one process")
+
+
+METHODS: dict[str, Callable[[Context], Measurement]] = {
+    "mpi4py": mpi4py_p2p,
+    "psend/call": psend_call,
+    "psend/scan": psend_scan,
+    "mpi4jax/call": mpi4jax_call,
+    "mpi4jax/scan": mpi4jax_scan,
+    "gloo/call": gloo_call,
+    "gloo/scan": gloo_scan,
+    "jit-floor": jit_floor,
+    "memcpy": memcpy,
+    "psend-local/call": psend_local_call,
+    "psend-local/scan": psend_local_scan,
+    "ppermute-local/call": ppermute_local_call,
+    "ppermute-local/scan": ppermute_local_scan,
+    "jit-floor-local": jit_floor_local,
+    "psend-nccl/call": psend_nccl_call,
+    "psend-nccl/scan": psend_nccl_scan,
+    "ppermute-nccl/call": ppermute_nccl_call,
+    "ppermute-nccl/scan": ppermute_nccl_scan,
+    "jit-floor-gpu": jit_floor_gpu,
+}
+
+#: Methods that measure one kind only.
+LATENCY_ONLY = frozenset({"jit-floor", "jit-floor-local", "jit-floor-gpu"})

@@ -1,0 +1,127 @@
+"""The jitted SPMD programs the JAX methods time, on a mesh of two devices.
+
+Device 0 of the mesh is the sender, device 1 the receiver. A *hop* moves one message one
+way, with ``psend``+``precv`` (this package on CPU, NCCL on GPU) or with ``ppermute``
+(gloo across processes, XLA's in-process collectives within one):
+
+* ``pingpong``: a hop 0 -> 1 then a hop 1 -> 0 (one round trip), returning ``(z, y)``:
+  ``z`` is what came back to device 0 and ``y`` what device 1 received;
+* ``pingpong_scan``: ``hops / 2`` round trips inside one ``lax.scan`` (what pipelines do);
+* ``one_way`` + ``ack``: one message 0 -> 1 per call; a few bytes back once the window of
+  calls is done;
+* ``stream_scan``: a window of hops 0 -> 1 inside one ``lax.scan``, then the acknowledgement.
+
+Every message carries :func:`pattern`, so the receivers' bytes can be checked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+AXIS = "x"
+FORWARD = [(0, 1)]
+BACKWARD = [(1, 0)]
+ACK_BYTES = 8
+
+
+def pattern(n: int) -> np.ndarray:
+    """The bytes every message of ``n`` bytes carries (few zeros: a missed receive shows)."""
+    return ((np.arange(n, dtype=np.int64) * 131 + 7 + n) % 251 + 1).astype(np.uint8)
+
+
+def mesh_of(pair: tuple[Any, Any]) -> Mesh:
+    return Mesh(np.array(pair), (AXIS,))
+
+
+def sharded_pattern(mesh: Mesh, n: int) -> jax.Array:
+    """A global ``uint8[2n]`` whose shard on each device of ``mesh`` is ``pattern(n)``."""
+    value = pattern(n)
+    return jax.make_array_from_callback((2 * n,), NamedSharding(mesh, P(AXIS)),
+                                        lambda index: value)
+
+
+def shard_on(array: jax.Array, device: Any) -> np.ndarray | None:
+    """The shard of ``array`` on ``device``, or None if this process does not hold it."""
+    for shard in array.addressable_shards:
+        if shard.device == device:
+            return np.asarray(shard.data)
+    return None
+
+
+def count_wrong(got: np.ndarray | None, expected: np.ndarray) -> int:
+    """Bytes of ``got`` that differ from ``expected`` (0 when ``got`` is not held here)."""
+    if got is None:
+        return 0
+    got = np.asarray(got).reshape(-1)
+    if got.shape != expected.shape:
+        return int(expected.size)
+    return int(np.count_nonzero(got != expected))
+
+
+def _hop(transport: str, x: jax.Array, perm: list[tuple[int, int]]) -> jax.Array:
+    if transport == "ppermute":
+        return jax.lax.ppermute(x, AXIS, perm)
+    token = jax.lax.psend(x, AXIS, perm)
+    y = jax.lax.precv(token, jax.ShapeDtypeStruct(x.shape, x.dtype), AXIS, perm)
+    # precv's result is typed as invariant over the axis; loop carries need it varying.
+    return jax.lax.pcast(y, AXIS, to="varying")
+
+
+def _spmd(mesh: Mesh, body: Callable, outputs: int) -> Callable:
+    out_specs = P(AXIS) if outputs == 1 else tuple(P(AXIS) for _ in range(outputs))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=out_specs))
+
+
+def pingpong(mesh: Mesh, transport: str) -> Callable:
+    def body(x):
+        y = _hop(transport, x, FORWARD)
+        z = _hop(transport, y, BACKWARD)
+        return z, y
+
+    return _spmd(mesh, body, 2)
+
+
+def pingpong_scan(mesh: Mesh, transport: str, hops: int) -> Callable:
+    def body(x):
+        def round_trip(carry, _):
+            z, _ = carry
+            y = _hop(transport, z, FORWARD)
+            return (_hop(transport, y, BACKWARD), y), None
+
+        (z, y), _ = jax.lax.scan(round_trip, (x, x), None, length=hops // 2)
+        return z, y
+
+    return _spmd(mesh, body, 2)
+
+
+def one_way(mesh: Mesh, transport: str) -> Callable:
+    return _spmd(mesh, lambda x: _hop(transport, x, FORWARD), 1)
+
+
+def ack(mesh: Mesh, transport: str) -> Callable:
+    return _spmd(mesh, lambda y: _hop(transport, y[:ACK_BYTES], BACKWARD), 1)
+
+
+def stream_scan(mesh: Mesh, transport: str, window: int) -> Callable:
+    def body(x):
+        def send(carry, _):
+            source, _ = carry
+            # Keeps XLA from hoisting a loop-invariant ppermute out of the loop.
+            source = jax.lax.optimization_barrier(source)
+            return (source, _hop(transport, source, FORWARD)), None
+
+        (_, y), _ = jax.lax.scan(send, (x, x), None, length=window)
+        return y, _hop(transport, y[:ACK_BYTES], BACKWARD)
+
+    return _spmd(mesh, body, 2)
+
+
+def floor(mesh: Mesh) -> Callable:
+    """No communication: a fresh output of the message size (JAX's per-call floor)."""
+    return _spmd(mesh, lambda x: x + np.uint8(1), 1)

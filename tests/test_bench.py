@@ -1,0 +1,155 @@
+"""Smoke tests of the benchmark tool, ``python -m jax_cpu_mpi.bench``.
+
+Tiny sizes and few iterations: the tables and the JSON must be well-formed and every received
+byte must pass validation. No assertion on timings.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jax_cpu_mpi.bench import options, report, targets
+from jax_cpu_mpi.bench.stats import Measurement
+from mpi_launcher import run_mpi
+
+SIZES = [8, 4096]
+
+
+def _measurement(method: str, kind: str, size: int, microseconds: list[float],
+                 wrong: int = 0) -> Measurement:
+    return Measurement(method=method, kind=kind, size=size,
+                       seconds=np.array(microseconds) * 1e-6, warmup=1,
+                       messages_per_sample=2, wrong=wrong, mode="mpi", description="test")
+
+
+def test_sizes_are_anchored_at_the_top():
+    assert options.size_range(8, 64 << 20, 4) == [8] + [4**k for k in range(2, 14)]
+    assert options.size_range(8, 64, 2) == [8, 16, 32, 64]
+    assert options.parse_sizes("16MiB,8,1K") == [8, 1024, 16 << 20]
+    plan = options.parse(["--sizes", "8,16M"]).plan(16 << 20)
+    assert (plan.iters, plan.window, plan.hops % 2) == (32, 16, 0)
+
+
+def test_osu_and_nccl_rows_hold_the_statistics():
+    lat = _measurement("psend/scan", "latency", 8, [3.0, 1.0, 2.0])
+    bw = _measurement("mpi4py", "bandwidth", 1 << 20, [1000.0, 500.0, 2000.0], wrong=3)
+    osu = report.osu_tables([lat, bw]).splitlines()
+    assert osu[1].split()[:4] == ["#", "Size", "Latency", "(us)"]
+    row = osu[2].split()
+    assert [row[0], *map(float, row[1:4]), row[-1]] == ["8", 2.0, 1.0, 3.0, "Pass"]
+    bw_row = next(line for line in osu if line.startswith("1048576")).split()
+    # 2^20 bytes in 1 ms -> 1048.58 MB/s (10^6 bytes/s), worst 2 ms, best 0.5 ms.
+    assert [float(v) for v in bw_row[1:4]] == [1048.58, 524.29, 2097.15]
+    assert bw_row[-1] == "Fail"
+    nccl = report.nccl_tables([lat, bw]).splitlines()
+    assert "#wrong" in nccl[2] and "algbw" in nccl[2]
+    nccl_row = next(line for line in nccl if line.strip().startswith("1048576")).split()
+    assert nccl_row[:5] == ["1048576", "1048576", "uint8", "none", "-1"]
+    assert [float(v) for v in nccl_row[5:8]] == [1000.0, 1.05, 1.05]
+    assert nccl_row[8] == "3"
+
+
+def test_targets_compare_within_one_run():
+    def goals(scan_us: float) -> dict[str, dict]:
+        results = [_measurement("psend/scan", "latency", 8, [scan_us]),
+                   _measurement("mpi4py", "latency", 8, [1.5]),
+                   _measurement("mpi4jax/scan", "latency", 8, [3.0])]
+        return {t["name"]: t for t in targets.evaluate(results)}
+
+    met = goals(3.0)
+    assert met["scan hop latency @ 8 B vs raw MPI"]["met"] is True
+    assert met["scan hop latency @ 8 B vs mpi4jax"]["met"] is True
+    missed = goals(3.6)
+    assert missed["scan hop latency @ 8 B vs raw MPI"]["met"] is False
+    assert missed["scan hop latency @ 8 B vs mpi4jax"]["met"] is False
+    assert missed["scan hop latency @ 8 B vs raw MPI"]["ratio"] == pytest.approx(3.6 / 1.5)
+    assert missed["bandwidth @ 16 MiB vs raw MPI (psend/scan)"]["met"] is None
+
+
+def _read_outputs(out: Path) -> tuple[dict, list[dict], list[str]]:
+    lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert lines[0]["type"] == "run"
+    results = [r for r in lines if r["type"] == "result"]
+    notes = [r["text"] for r in lines if r["type"] == "note"]
+    assert [r for r in lines if r["type"] == "target"], "no targets in the JSON"
+    return lines[0], results, notes
+
+
+def _check_results(results: list[dict], methods: list[str], out: Path) -> None:
+    got = {(r["method"], r["kind"], r["size"]) for r in results}
+    for method in methods:
+        kinds = ["latency"] if method.startswith("jit-floor") else ["latency", "bandwidth"]
+        for kind in kinds:
+            for size in SIZES:
+                assert (method, kind, size) in got, f"missing {method} {kind} {size}"
+    for r in results:
+        assert r["validation"] == "Pass" and r["wrong"] == 0, r
+        stats = r["latency_us"]
+        assert 0 < stats["min"] <= stats["median"] <= stats["max"], r
+        assert r["samples"] >= 1 and r["size"] == r["count"]
+    osu = (out / "osu.txt").read_text()
+    assert "# Size" in osu and "Latency (us)" in osu and "Bandwidth (MB/s)" in osu
+    rows = [line.split() for line in osu.splitlines() if line and not line.startswith("#")]
+    assert rows and all(row[-1] == "Pass" for row in rows)
+    assert len(rows) == len(results)
+    nccl = (out / "nccl.txt").read_text()
+    assert "#wrong" in nccl and "busbw" in nccl
+    assert "Out of bounds values : 0 OK" in nccl and "FAILED" not in nccl
+    assert "Targets" in (out / "targets.txt").read_text()
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _bench(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_CPU_MPI_RECV_TIMEOUT="60")
+    for var in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK"):
+        env.pop(var, None)
+    return subprocess.run([sys.executable, "-m", "jax_cpu_mpi.bench", *args],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.timeout(150)
+def test_one_process_runs_the_in_process_methods(tmp_path):
+    proc = _bench("--quick", "--sizes", "8,4K", "--out", str(tmp_path), "--format", "osu,nccl",
+                  timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "# Size" in proc.stdout and "#wrong" in proc.stdout and "Targets" in proc.stdout
+    header, results, notes = _read_outputs(tmp_path)
+    assert header["ranks"] == 1 and header["sizes"] == SIZES
+    _check_results(results, list(options.LOCAL_METHODS), tmp_path)
+    assert any("MPI methods skipped" in note for note in notes)
+
+
+@pytest.mark.timeout(60)
+def test_gpu_platform_without_two_gpus_says_so():
+    proc = _bench("--platform", "gpu", "--quick", timeout=50)
+    if proc.returncode == 0:
+        pytest.skip("this machine has two GPUs")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--platform gpu" in proc.stderr and "GPU" in proc.stderr
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_two_ranks_run_every_method(tmp_path):
+    run = run_mpi("jax_cpu_mpi.bench", "--quick", "--sizes", "8,4K", "--out", str(tmp_path),
+                  "--no-progress", nprocs=2, timeout=270, module=True)
+    assert run.returncode == 0, run.report()
+    header, results, notes = _read_outputs(tmp_path)
+    assert header["ranks"] == 2
+    methods = [m for m in options.MPI_METHODS + options.LOCAL_METHODS
+               if not m.startswith("mpi4jax")]
+    if importlib.util.find_spec("mpi4jax") is not None:
+        methods.append("mpi4jax/call")
+        methods.append("mpi4jax/scan")
+    else:
+        assert any("mpi4jax skipped" in note for note in notes)
+    _check_results(results, methods, tmp_path)
