@@ -37,12 +37,39 @@ void Mailbox::Send(ChannelKey key, const void* data, size_t bytes,
   Message msg;
   msg.bytes = bytes;
   msg.sender_desc = sender_desc;
-  if (bytes > 0) {
-    msg.data = GlobalBufferPool().Acquire(bytes);
-    std::memcpy(msg.data.data(), data, bytes);
+  if (bytes < kOfferMinBytes) {
+    if (bytes > 0) {
+      msg.data = GlobalBufferPool().Acquire(bytes);
+      std::memcpy(msg.data.data(), data, bytes);
+    }
+    ch.queued.push_back(std::move(msg));
+    ch.cv.notify_all();
+    return;
   }
+  // Offer the operand itself for about as long as a copy would take.
+  Offer offer;
+  offer.data = data;
+  msg.offer = &offer;
   ch.queued.push_back(std::move(msg));
   ch.cv.notify_all();
+  const auto grace = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      std::chrono::duration<double>(static_cast<double>(bytes) / kGraceBytesPerSecond));
+  ch.cv.wait_for(lock, grace, [&] { return offer.state != PostState::kPosted; });
+  if (offer.state == PostState::kPosted) {
+    // Nobody came: copy the bytes into the queue entry (still in its place in the FIFO).
+    for (Message& queued : ch.queued) {
+      if (queued.offer == &offer) {
+        queued.data = GlobalBufferPool().Acquire(bytes);
+        std::memcpy(queued.data.data(), data, bytes);
+        queued.offer = nullptr;
+        break;
+      }
+    }
+    offer.state = PostState::kDone;
+    return;
+  }
+  // A receiver claimed it and may be copying from `data` right now.
+  ch.cv.wait(lock, [&] { return offer.state == PostState::kDone; });
 }
 
 RecvOutcome Mailbox::Recv(ChannelKey key, void* out, size_t bytes,
@@ -76,15 +103,22 @@ RecvOutcome Mailbox::Recv(ChannelKey key, void* out, size_t bytes,
   }
   Message msg = std::move(ch.queued.front());
   ch.queued.pop_front();
+  Offer* offer = msg.offer;
+  if (offer) offer->state = PostState::kClaimed;  // the sender keeps its operand for us
   lock.unlock();
   RecvOutcome outcome;
   if (msg.bytes != bytes) {
     outcome.status = RecvStatus::kSizeMismatch;
     outcome.sender_bytes = msg.bytes;
     outcome.sender_desc = std::move(msg.sender_desc);
-    return outcome;
+  } else if (bytes > 0) {
+    std::memcpy(out, offer ? offer->data : msg.data.data(), bytes);
   }
-  if (bytes > 0) std::memcpy(out, msg.data.data(), bytes);
+  if (offer) {
+    lock.lock();
+    offer->state = PostState::kDone;
+    ch.cv.notify_all();
+  }
   return outcome;
 }
 

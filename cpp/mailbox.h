@@ -1,7 +1,12 @@
 // In-process transport: messages between devices of one process (device threads of the
-// XLA CPU client). A psend never waits for its receiver: if the receiver is already
-// waiting, the sender copies straight into the receiver's output buffer (one copy);
-// otherwise the bytes are queued (copied) and the receiver copies them out later.
+// XLA CPU client). Every message is copied once when its receiver is in time:
+//   - receiver already waiting: the sender copies straight into the receiver's output;
+//   - otherwise a large message is first *offered*: the sender waits a short grace period
+//     (about the time one copy of the message takes) for the receiver to copy it straight
+//     out of the sender's operand;
+//   - after that (or for small messages at once) the bytes are queued in a pooled buffer
+//     and the receiver copies them out later (two copies, but the sender never waits on its
+//     receiver for longer than one copy would take).
 #pragma once
 
 #include <chrono>
@@ -34,7 +39,8 @@ struct RecvOutcome {
 
 class Mailbox {
  public:
-  // Delivers `bytes` bytes to the channel; never blocks on the receiver.
+  // Delivers `bytes` bytes to the channel; waits for the receiver at most about as long as
+  // one copy of the message takes.
   void Send(ChannelKey key, const void* data, size_t bytes, const std::string& sender_desc);
 
   // Waits until a message arrives on the channel or `deadline` passes.
@@ -46,12 +52,22 @@ class Mailbox {
   size_t queued_bytes() const;
 
  private:
+  enum class PostState { kPosted, kClaimed, kDone };
+  // A large message offered from the sender's own buffer during its grace period.
+  struct Offer {
+    const void* data = nullptr;
+    PostState state = PostState::kPosted;
+  };
   struct Message {
-    PooledBuffer data;
+    PooledBuffer data;       // the copied bytes, unless `offer` is set
+    Offer* offer = nullptr;  // bytes still in the (waiting) sender's operand
     size_t bytes = 0;
     std::string sender_desc;
   };
-  enum class PostState { kPosted, kClaimed, kDone };
+  // Smallest message worth offering before queueing, and the copy rate that sets the grace
+  // period (bytes / rate).
+  static constexpr size_t kOfferMinBytes = size_t{256} << 10;
+  static constexpr double kGraceBytesPerSecond = 4e9;
   struct PostedRecv {
     void* out = nullptr;
     size_t bytes = 0;

@@ -100,8 +100,10 @@ def test_manual_pipeline_pattern(n):
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
-def test_fifo_on_one_pair():
-    assert_equal(cases.fifo_same_pair(make_mesh((4, "x")), gather))
+@pytest.mark.parametrize("counts", [(2, 2), (1 << 18, 3), (3, 1 << 18), (1 << 18, 1 << 19)],
+                         ids=["small-small", "large-small", "small-large", "large-large"])
+def test_fifo_on_one_pair(counts):
+    assert_equal(cases.fifo_same_pair(make_mesh((4, "x")), gather, counts=counts))
 
 
 def test_send_compute_send_back():

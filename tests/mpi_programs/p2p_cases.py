@@ -165,23 +165,30 @@ def manual_pipeline(mesh, gather: Gather, *, steps: int = 4):
     return got, np.stack(h)
 
 
-def fifo_same_pair(mesh, gather: Gather):
-    """Two psends on the same pairs before their precvs: received in send order."""
+def fifo_same_pair(mesh, gather: Gather, *, counts=(2, 2)):
+    """Two psends on the same pairs before their precvs: received in send order.
+
+    ``counts`` are the float32 elements of the two messages (large ones exercise the
+    in-process offer path and MPI's chunked protocol, small ones the plain queue).
+    """
     axis = mesh.axis_names[0]
     n = mesh.shape[axis]
     perm = ring_perm(n)
-    x = put(mesh, P(axis), np.arange(n * 2, dtype=np.float32))
+    c1, c2 = counts
+    x = put(mesh, P(axis), np.arange(n * c1, dtype=np.float32))
 
     def body(v):
         t1 = jax.lax.psend(v, axis, perm)
-        t2 = jax.lax.psend(v * 10, axis, perm)
+        second = jnp.resize(v * 10, (c2,))
+        t2 = jax.lax.psend(second, axis, perm)
         r1 = jax.lax.precv(t1, jax.ShapeDtypeStruct(v.shape, v.dtype), axis, perm)
-        r2 = jax.lax.precv(t2, jax.ShapeDtypeStruct(v.shape, v.dtype), axis, perm)
+        r2 = jax.lax.precv(t2, jax.ShapeDtypeStruct((c2,), v.dtype), axis, perm)
         return jnp.concatenate([r1, r2])
 
-    got = _run(mesh, body, P(axis), x, gather).reshape(n, 2, 2)
-    base = np.roll(np.arange(n * 2, dtype=np.float32).reshape(n, 2), 1, axis=0)
-    return got, np.stack([base, base * 10], axis=1)
+    got = _run(mesh, body, P(axis), x, gather).reshape(n, c1 + c2)
+    blocks = np.arange(n * c1, dtype=np.float32).reshape(n, c1)
+    sent = np.concatenate([blocks, np.stack([np.resize(b * 10, c2) for b in blocks])], axis=1)
+    return got, np.roll(sent, 1, axis=0)
 
 
 def two_way_exchange(mesh, gather: Gather, *, nbytes: int = 32 << 20):

@@ -58,6 +58,8 @@ for kind in ("scan", "fori_loop", "while_loop", "cond"):
 with config.overrides(gpu_parity=True):
     check("manual pipeline", cases.manual_pipeline(mesh, gather), exact=False)
 check("fifo on one pair", cases.fifo_same_pair(mesh, gather))
+check("fifo on one pair, chunked then small",
+      cases.fifo_same_pair(mesh, gather, counts=(3 << 20, 5)))
 
 if n >= 4:
     mesh2 = jax.make_mesh((2, n // 2), ("x", "y"))
