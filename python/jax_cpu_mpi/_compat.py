@@ -43,6 +43,12 @@ single_side_collective_effect = parallel.single_side_collective_effect
 optimization_barrier_p = lax_internal.optimization_barrier_p
 optimization_barrier_lowering = lax_internal._optimization_barrier_lowering_rule
 
+
+def platform_lowering(primitive: core.Primitive, platform: str):
+    """The lowering rule registered for ``primitive`` on ``platform`` (None if none)."""
+    return mlir._platform_specific_lowerings.get(platform, {}).get(primitive)
+
+
 __all__ = [
     "SPMDAxisContext",
     "all_gather_reduced_p",
@@ -57,6 +63,7 @@ __all__ = [
     "optimization_barrier_p",
     "parallel",
     "pcollectives_lowering_common",
+    "platform_lowering",
     "ppermute_batcher",
     "precv_p",
     "preduced_p",

@@ -24,7 +24,7 @@ import jax
 
 from . import _jax_cpu_mpi as ext
 from . import launch, mpi_abi, plugin
-from ._compat import mlir, precv_p, psend_p
+from ._compat import platform_lowering, precv_p, psend_p
 
 #: Device matrices larger than this are summarized by process pair.
 MAX_MATRIX_DEVICES = 32
@@ -64,13 +64,11 @@ def lowerings_active() -> dict[str, bool]:
     """``{primitive: our CPU lowering is the registered one}``."""
     from . import lowering
 
-    table = getattr(mlir, "_platform_specific_lowerings", {}).get("cpu", {})
-    ours = {psend_p: getattr(lowering, "_psend_lowering_cpu", None),
-            precv_p: getattr(lowering, "_precv_lowering_cpu", None)}
+    ours = {psend_p: lowering._psend_lowering_cpu, precv_p: lowering._precv_lowering_cpu}
     result = {}
     for prim, rule in ours.items():
-        entry = table.get(prim)
-        result[prim.name] = rule is not None and getattr(entry, "rule", entry) is rule
+        entry = platform_lowering(prim, "cpu")
+        result[prim.name] = getattr(entry, "rule", entry) is rule
     return result
 
 
