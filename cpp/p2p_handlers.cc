@@ -213,26 +213,28 @@ ffi::Error PrecvImpl(ffi::Token /*token*/, ffi::Buffer<ffi::U32> partition,
 }  // namespace
 }  // namespace jcm
 
+namespace {
+// The attributes every psend/precv custom call carries (see python/jax_cpu_mpi/lowering.py).
+template <typename Binding>
+auto WithRoutingAttributes(Binding binding) {
+  return std::move(binding)
+      .template Attr<jcm::I64Span>("pairs")
+      .template Attr<jcm::I64Span>("device_index")
+      .template Attr<jcm::I64Span>("device_process")
+      .template Attr<int64_t>("num_devices")
+      .template Attr<std::string_view>("op")
+      .template Attr<std::string_view>("operand");
+}
+}  // namespace
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JcmPsend, jcm::PsendImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::Token>()
-                                  .Attr<jcm::I64Span>("pairs")
-                                  .Attr<jcm::I64Span>("device_index")
-                                  .Attr<jcm::I64Span>("device_process")
-                                  .Attr<int64_t>("num_devices")
-                                  .Attr<std::string_view>("op")
-                                  .Attr<std::string_view>("operand"));
+                              WithRoutingAttributes(ffi::Ffi::Bind()
+                                                        .Arg<ffi::AnyBuffer>()
+                                                        .Arg<ffi::Buffer<ffi::U32>>()
+                                                        .Ret<ffi::Token>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JcmPrecv, jcm::PrecvImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Token>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<jcm::I64Span>("pairs")
-                                  .Attr<jcm::I64Span>("device_index")
-                                  .Attr<jcm::I64Span>("device_process")
-                                  .Attr<int64_t>("num_devices")
-                                  .Attr<std::string_view>("op")
-                                  .Attr<std::string_view>("operand"));
+                              WithRoutingAttributes(ffi::Ffi::Bind()
+                                                        .Arg<ffi::Token>()
+                                                        .Arg<ffi::Buffer<ffi::U32>>()
+                                                        .Ret<ffi::AnyBuffer>()));

@@ -75,24 +75,25 @@ def _attributes(pairs: np.ndarray, tables: PartitionTables, op: str, operand: st
     )
 
 
+def _emit(ctx: mlir.LoweringRuleContext, target: str, op_name: str, operand, *, axis_name,
+          perm, data_aval: core.ShapedArray) -> list:
+    """The custom call ``target(operand, partition_id)`` with the routing attributes."""
+    pairs, tables = _routing(ctx, op_name, axis_name, perm)
+    op = f"{op_name}(axis_name={axis_name!r}, perm={list(map(tuple, perm))!r})"
+    sub_ctx = ctx.replace(avals_in=[*ctx.avals_in, _PARTITION_ID_AVAL])
+    rule = jax.ffi.ffi_lowering(target, has_side_effect=True)
+    return rule(sub_ctx, operand, hlo.partition_id(),
+                **_attributes(pairs, tables, op, _describe(data_aval)))
+
+
 def _psend_lowering_cpu(ctx: mlir.LoweringRuleContext, x, *, axis_name, perm):
-    pairs, tables = _routing(ctx, "psend", axis_name, perm)
-    (x_aval,) = ctx.avals_in
-    op = f"psend(axis_name={axis_name!r}, perm={list(map(tuple, perm))!r})"
-    sub_ctx = ctx.replace(avals_in=[x_aval, _PARTITION_ID_AVAL])
-    rule = jax.ffi.ffi_lowering(PSEND_TARGET, has_side_effect=True)
-    return rule(sub_ctx, x, hlo.partition_id(),
-                **_attributes(pairs, tables, op, _describe(x_aval)))
+    return _emit(ctx, PSEND_TARGET, "psend", x, axis_name=axis_name, perm=perm,
+                 data_aval=ctx.avals_in[0])
 
 
 def _precv_lowering_cpu(ctx: mlir.LoweringRuleContext, token, *, out_shape, axis_name, perm):
-    pairs, tables = _routing(ctx, "precv", axis_name, perm)
-    (token_aval,) = ctx.avals_in
-    op = f"precv(axis_name={axis_name!r}, perm={list(map(tuple, perm))!r})"
-    sub_ctx = ctx.replace(avals_in=[token_aval, _PARTITION_ID_AVAL])
-    rule = jax.ffi.ffi_lowering(PRECV_TARGET, has_side_effect=True)
-    return rule(sub_ctx, token, hlo.partition_id(),
-                **_attributes(pairs, tables, op, _describe(out_shape)))
+    return _emit(ctx, PRECV_TARGET, "precv", token, axis_name=axis_name, perm=perm,
+                 data_aval=out_shape)
 
 
 def register() -> None:
