@@ -80,19 +80,19 @@ def _jax_p2p(ctx: Context, method: str, pair: tuple[Any, Any], transport: str, s
     if ctx.kind == "latency":
         if scan:
             fn = programs.pingpong_scan(mesh, transport, plan.hops)
-            count, per_sample = plan.scan_samples, plan.hops
+            count, per_sample, warmup = plan.scan_samples, plan.hops, plan.scan_warmup
         else:
             fn = programs.pingpong(mesh, transport)
-            count, per_sample = plan.iters, 2
+            count, per_sample, warmup = plan.iters, 2, plan.warmup
 
         def step() -> None:
             outputs[:] = [jax.block_until_ready(fn(x))]
 
-        seconds = _timed(step, count, plan.warmup, sync) / per_sample
+        seconds = _timed(step, count, warmup, sync) / per_sample
         z, y = outputs[0]
         wrong = count_wrong(shard_on(z, pair[0]), expected) + count_wrong(
             shard_on(y, pair[1]), expected)
-        return _measurement(ctx, method, seconds, plan.warmup, per_sample, wrong, mode,
+        return _measurement(ctx, method, seconds, warmup, per_sample, wrong, mode,
                             description, hops_per_call=per_sample if scan else None)
 
     window = plan.window
@@ -110,12 +110,12 @@ def _jax_p2p(ctx: Context, method: str, pair: tuple[Any, Any], transport: str, s
                 y = one(x)
             outputs[:] = [y, jax.block_until_ready(back(y))]
 
-    seconds = _timed(step, plan.window_samples, max(1, plan.warmup // window), sync) / window
+    seconds = _timed(step, plan.window_samples, plan.window_warmup, sync) / window
     y, acknowledgement = outputs
     wrong = count_wrong(shard_on(y, pair[1]), expected) + count_wrong(
         shard_on(acknowledgement, pair[0]), expected_ack)
-    return _measurement(ctx, method, seconds, max(1, plan.warmup // window), window, wrong,
-                        mode, description, window=window)
+    return _measurement(ctx, method, seconds, plan.window_warmup, window, wrong, mode,
+                        description, window=window)
 
 
 def _jit_floor(ctx: Context, method: str, pair: tuple[Any, Any], mode: str) -> Measurement:
@@ -256,7 +256,7 @@ def mpi4py_p2p(ctx: Context) -> Measurement:
 
             MPI.Request.Waitall([comm.Irecv(recv, peer, 2) for _ in range(window)])
             comm.Send(recv[:ACK_BYTES], peer, 3)
-    warmup = max(1, plan.warmup // window)
+    warmup = plan.window_warmup
     seconds = _timed(step, plan.window_samples, warmup, session.barrier) / window
     got = ack if rank == 0 else recv
     expected = send[:ACK_BYTES] if rank == 0 else send
@@ -280,12 +280,19 @@ def mpi4jax_available() -> str | None:
 def _mpi4jax_programs(ctx: Context, scan: bool) -> tuple[Callable, Callable | None]:
     """The per-rank jitted functions (rank 0 and rank 1 run different programs)."""
     import mpi4jax
+    from mpi4py import MPI
 
     comm = ctx.session.pair_comm
     rank, plan = ctx.session.rank, ctx.plan
     peer = 1 - rank
-    send = lambda v: mpi4jax.send(v, peer, tag=4, comm=comm)  # noqa: E731
-    recv = lambda v: mpi4jax.recv(v, peer, tag=4, comm=comm)  # noqa: E731
+    null = MPI.PROC_NULL
+
+    # mpi4jax.sendrecv with MPI_PROC_NULL on one side is a plain send or a plain receive.
+    def send(v: Any, dest: int = peer, tag: int = 4) -> Any:
+        return mpi4jax.sendrecv(v, v, source=null, dest=dest, sendtag=tag, comm=comm)
+
+    def recv(v: Any, source: int = peer, tag: int = 4) -> Any:
+        return mpi4jax.sendrecv(v, v, source=source, dest=null, recvtag=tag, comm=comm)
 
     if ctx.kind == "latency":
         def round_trip(c):
@@ -305,8 +312,8 @@ def _mpi4jax_programs(ctx: Context, scan: bool) -> tuple[Callable, Callable | No
 
         return jax.jit(loop), None
 
-    ack_send = lambda v: mpi4jax.send(v[:ACK_BYTES], 0, tag=5, comm=comm)  # noqa: E731
-    ack_recv = lambda v: mpi4jax.recv(v[:ACK_BYTES], 1, tag=5, comm=comm)  # noqa: E731
+    ack_send = lambda v: send(v[:ACK_BYTES], 0, 5)  # noqa: E731
+    ack_recv = lambda v: recv(v[:ACK_BYTES], 1, 5)  # noqa: E731
     if scan:
         if rank == 0:
             def stream(x):
@@ -341,17 +348,19 @@ def _mpi4jax(ctx: Context, method: str, scan: bool) -> Measurement:
     expected = pattern(n)
     out: list[Any] = []
     how = "hops inside one jitted lax.scan" if scan else "one jitted call per round trip / message"
-    description = f"mpi4jax send/recv (its sendrecv's transport), {how}"
+    description = (f"mpi4jax.sendrecv (MPI_PROC_NULL on the idle side: a send, or a receive), "
+                   f"{how}")
 
     if ctx.kind == "latency":
         def step() -> None:
             out[:] = [jax.block_until_ready(fn(x))]
         per_sample = plan.hops if scan else 2
         count = plan.scan_samples if scan else plan.iters
-        seconds = _timed(step, count, plan.warmup, session.barrier) / per_sample
+        warmup = plan.scan_warmup if scan else plan.warmup
+        seconds = _timed(step, count, warmup, session.barrier) / per_sample
         wrong = count_wrong(np.asarray(out[0]), expected)
-        return _measurement(ctx, method, seconds, plan.warmup, per_sample, wrong, "mpi",
-                            description)
+        return _measurement(ctx, method, seconds, warmup, per_sample, wrong, "mpi",
+                            description, hops_per_call=per_sample if scan else None)
 
     window = plan.window
     if scan:
@@ -363,7 +372,7 @@ def _mpi4jax(ctx: Context, method: str, scan: bool) -> Measurement:
             for _ in range(window):
                 y = fn(x)
             out[:] = [jax.block_until_ready(back(x if session.rank == 0 else y)), y]
-    warmup = max(1, plan.warmup // window)
+    warmup = plan.window_warmup
     seconds = _timed(step, plan.window_samples, warmup, session.barrier) / window
     if session.rank == 0:
         wrong = count_wrong(np.asarray(out[0]), expected[:ACK_BYTES])

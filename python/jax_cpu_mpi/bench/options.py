@@ -96,6 +96,8 @@ class Plan:
     scan_samples: int  # scan calls timed
     window: int  # one-way messages per bandwidth sample (then one acknowledgement)
     window_samples: int  # bandwidth samples
+    scan_warmup: int  # untimed scan calls (the first one compiles)
+    window_warmup: int  # untimed windows
 
 
 @dataclass(frozen=True)
@@ -113,9 +115,9 @@ class Options:
     max_iters: int = 1000
     min_iters: int = 20
     iter_bytes: int = 512 << 20
-    max_hops: int = 64
+    max_hops: int = 256
     max_window: int = 64
-    window_bytes: int = 256 << 20
+    window_bytes: int = 512 << 20
     min_samples: int = 10
     local_devices: int = 2
     progress: bool = True
@@ -124,12 +126,14 @@ class Options:
     def plan(self, size: int) -> Plan:
         iters = max(self.min_iters, min(self.max_iters, self.iter_bytes // size))
         warmup = max(2, iters // 10)
-        hops = self.max_hops if iters >= 10 * self.max_hops else max(2, (iters // 10) & ~1)
-        hops = max(2, hops & ~1)
+        # Enough messages per call that the call's own cost (dispatch, fresh buffers) fades.
+        hops = max(2, min(self.max_hops, self.window_bytes // size) & ~1)
         scan_samples = max(self.min_samples, -(-2 * iters // hops))
         window = max(2, min(self.max_window, self.window_bytes // size))
         window_samples = max(self.min_samples, iters // window)
-        return Plan(size, iters, warmup, hops, scan_samples, window, window_samples)
+        return Plan(size, iters, warmup, hops, scan_samples, window, window_samples,
+                    scan_warmup=max(2, -(-2 * warmup // hops)),
+                    window_warmup=max(2, -(-warmup // window)))
 
 
 def _select_methods(text: str, platform: str) -> tuple[str, ...]:
@@ -182,11 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-iters", type=int, default=20, help="samples at the largest sizes")
     p.add_argument("--iter-bytes", type=_bytes_arg, default=512 << 20,
                    help="iterations of a size: this many bytes / size, within the bounds above")
-    p.add_argument("--max-hops", type=int, default=64, help="messages inside one scan call")
+    p.add_argument("--max-hops", type=int, default=256,
+                   help="messages inside one scan call (fewer for large sizes: --window-bytes)")
     p.add_argument("--max-window", type=int, default=64,
                    help="messages in flight per bandwidth sample (OSU's window)")
-    p.add_argument("--window-bytes", type=_bytes_arg, default=256 << 20,
-                   help="the window shrinks so that window x size stays under this")
+    p.add_argument("--window-bytes", type=_bytes_arg, default=512 << 20,
+                   help="windows and scans shrink so that messages x size stays under this")
     p.add_argument("--min-samples", type=int, default=10,
                    help="at least this many samples per measurement")
     p.add_argument("--local-devices", type=int, default=2,

@@ -23,6 +23,9 @@ def write_plot(results: list[Measurement], path: str, title: str) -> str | None:
     series: dict[tuple[str, str], list[Measurement]] = {}
     for m in results:
         series.setdefault((m.method, m.kind), []).append(m)
+    names = list(dict.fromkeys(method for method, _ in series))
+    palette = plt.get_cmap("tab20")
+    colors = {name: palette(i % 20) for i, name in enumerate(names)}
     for (method, kind), ms in series.items():
         ms = sorted(ms, key=lambda m: m.size)
         sizes = [m.size for m in ms]
@@ -30,10 +33,10 @@ def write_plot(results: list[Measurement], path: str, title: str) -> str | None:
         marker = "o" if method.startswith("psend") else "."
         if kind == "latency":
             values = [float(np.median(m.seconds)) * 1e6 for m in ms]
-            lat_ax.plot(sizes, values, style, marker=marker, label=method)
+            lat_ax.plot(sizes, values, style, marker=marker, label=method, color=colors[method])
         else:
             values = [m.bandwidth_mbps()["median"] for m in ms]
-            bw_ax.plot(sizes, values, style, marker=marker, label=method)
+            bw_ax.plot(sizes, values, style, marker=marker, label=method, color=colors[method])
     for ax, label in ((lat_ax, "one-way latency (us), median"),
                       (bw_ax, "bandwidth (MB/s), median")):
         ax.set_xscale("log", base=2)

@@ -32,7 +32,8 @@ ACK_BYTES = 8
 
 def pattern(n: int) -> np.ndarray:
     """The bytes every message of ``n`` bytes carries (few zeros: a missed receive shows)."""
-    return ((np.arange(n, dtype=np.int64) * 131 + 7 + n) % 251 + 1).astype(np.uint8)
+    period = ((np.arange(251, dtype=np.int64) * 131 + 7 + n) % 251 + 1).astype(np.uint8)
+    return np.resize(period, n)  # byte i is ((131 i + 7 + n) mod 251) + 1
 
 
 def mesh_of(pair: tuple[Any, Any]) -> Mesh:

@@ -45,6 +45,13 @@ def _runnable(options: Options, session: Session, notes: list[str]) -> tuple[lis
             cross.append(m)
         elif m in LOCAL_METHODS and (session.local_pair is not None or m == "memcpy"):
             local.append(m)
+    if session.nranks > 1 and any(m.startswith("ppermute-local") for m in local):
+        local = [m for m in local if not m.startswith("ppermute-local")]
+        notes.append(
+            "ppermute-local skipped under mpirun: in a multi-process JAX job, XLA runs a "
+            "ppermute between two devices of one process through gloo, which hangs at large "
+            "sizes (jax 0.10.2). Run `python -m jax_cpu_mpi.bench --methods "
+            "memcpy,psend-local,ppermute-local` without mpirun to measure it.")
     if any(m.startswith("mpi4jax") for m in cross):
         why = methods.mpi4jax_available()
         if why is not None:
