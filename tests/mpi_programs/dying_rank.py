@@ -1,0 +1,83 @@
+"""A rank dies in the middle of point-to-point traffic; the job must end, loudly.
+
+``dying_rank.py SCENARIO`` under ``mpirun -n 2`` (one device per rank):
+
+* ``killed-while-peer-receives``: rank 1 waits in a precv for rank 0, which is SIGKILLed
+  (it never sends).
+* ``killed-while-peer-sends``: rank 0 has a 256 MiB psend to rank 1 in flight and waits in
+  a precv for rank 1's reply; rank 1 is SIGKILLed instead of receiving.
+* ``hangs-while-peer-receives``: rank 0 stays alive but never sends (stuck elsewhere):
+  rank 1's precv must give up after ``JAX_CPU_MPI_RECV_TIMEOUT`` with an error naming it.
+* ``exits-while-peer-sends``: like the second, but rank 1 leaves with ``os._exit(0)``: the
+  launcher sees no failure, so rank 0's own precv timeout must end it.
+
+The survivor must not hang: either the launcher aborts the job when it sees a rank die, or
+the survivor's precv gives up after ``JAX_CPU_MPI_RECV_TIMEOUT`` and raises. The test runs
+the job with a hard timeout and checks that it ended on its own, with a failure status.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import _mpi_common as common
+import jax
+import jax.numpy as jnp
+import numpy as np
+from _mpi_common import P
+from jax import lax
+from jax.experimental import multihost_utils
+
+SCENARIO = sys.argv[1]
+me = jax.process_index()
+mesh = jax.make_mesh((2,), ("x",))
+FWD, BWD = [(0, 1)], [(1, 0)]
+MESSAGE_ROWS = 64 << 10 if SCENARIO.endswith("peer-sends") else 1  # rows of 4 KiB
+
+
+def exchange(v):
+    shape = jax.ShapeDtypeStruct(v.shape, v.dtype)
+    got = lax.precv(lax.psend(v, "x", FWD), shape, "x", FWD)  # rank 0 -> rank 1
+    reply = lax.precv(lax.psend(got[:1] + 1, "x", BWD), jax.ShapeDtypeStruct(
+        (1, v.shape[1]), v.dtype), "x", BWD)  # rank 1 -> rank 0
+    return got[:1] + reply
+
+
+x = common.global_array(mesh, P("x"), np.ones((2 * MESSAGE_ROWS, 4096), np.uint8))
+f = jax.jit(jax.shard_map(exchange, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+compiled = f.lower(x).compile()  # attaches MPI on both ranks
+multihost_utils.sync_global_devices("ready")
+print(f"process {me}: ready ({SCENARIO})", flush=True)
+
+
+def die(how: str) -> None:
+    print(f"process {me}: dying now ({how})", flush=True)
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(0)
+
+
+if SCENARIO == "killed-while-peer-receives" and me == 0:
+    time.sleep(2.0)  # rank 1 is in its precv by now
+    die("kill")
+if SCENARIO == "hangs-while-peer-receives" and me == 0:
+    print(f"process {me}: stuck, never sends", flush=True)
+    time.sleep(3600)
+if SCENARIO.endswith("while-peer-sends") and me == 1:
+    time.sleep(3.0)  # rank 0's send is in flight, rank 0 waits for the reply
+    die("kill" if SCENARIO.startswith("killed") else "exit")
+
+start = time.perf_counter()
+try:
+    out = jax.block_until_ready(compiled(x))
+except Exception as e:  # the survivor's error is the point of the test: show it
+    print(f"process {me}: failed after {time.perf_counter() - start:.1f} s: "
+          f"{type(e).__name__}: {e}", flush=True)
+    raise
+print(f"process {me}: completed {jnp.asarray(out).shape} after "
+      f"{time.perf_counter() - start:.1f} s, stats {__import__('jax_cpu_mpi').stats()}",
+      flush=True)
+common.ok()

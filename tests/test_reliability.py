@@ -1,0 +1,322 @@
+"""Reliability: huge messages, long loops, cached executables, dying ranks, concurrency.
+
+The heavy cases run in child processes (``tests/mpi_programs/*.py``, alone or under
+``mpirun``) so that their memory and their MPI job never touch the pytest process; the
+concurrency cases run here, on the 8 virtual devices of conftest.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _reliability import count_bad_rows, pattern, pattern_np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from conftest import make_mesh
+from jax_cpu_mpi import config
+from mpi_launcher import PROGRAMS, assert_mpi_ok, run_mpi
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_alone(program: str, *args: str, timeout: float,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``tests/mpi_programs/<program>`` in a fresh Python process (no mpirun)."""
+    full_env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, str(PROGRAMS / program), *args], env=full_env,
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def output_of(proc: subprocess.CompletedProcess) -> str:
+    return f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
+
+
+def result_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("RESULT ")]
+
+
+# --- the checker the big-message programs rely on ----------------------------------------
+
+
+def test_pattern_checker_sees_one_wrong_byte_anywhere():
+    rows, cols = 37, 64  # blocks of 8 rows: the last block is clamped (overlaps)
+    good = pattern(rows, cols, 5)
+    np.testing.assert_array_equal(np.asarray(good), pattern_np(slice(0, rows), cols, 5))
+    check = jax.jit(lambda y: count_bad_rows(y, 5, block_rows=8))
+    assert int(check(good)) == 0
+    for row, col in [(0, 0), (17, 31), (rows - 1, cols - 1)]:
+        assert int(check(good.at[row, col].add(1))) >= 1, (row, col)
+    # A copy shifted by one row, or another salt, differs everywhere.
+    assert int(check(jnp.roll(good, 1, axis=0))) >= rows
+    assert int(check(pattern(rows, cols, 6))) >= rows
+
+
+# --- 1. messages over 2 GiB ---------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_message_over_2gib_between_two_devices_of_one_process():
+    proc = run_alone("big_message.py", "local", timeout=280)
+    assert proc.returncode == 0 and "JCM-OK" in proc.stdout, output_of(proc)
+    assert "device 1 received all 2147487744 bytes intact" in proc.stdout, output_of(proc)
+    print("\n".join(result_lines(proc.stdout)))
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_message_over_2gib_over_mpi():
+    run = run_mpi("big_message.py", "mpi", nprocs=2, timeout=280,
+                  env={"JAX_CPU_MPI_EXIT_TIMEOUT": "10"})
+    assert_mpi_ok(run, 2)
+    assert "device 1 received all 2147487744 bytes intact" in run.rank_output[1], run.report()
+    print("\n".join(result_lines("".join(run.rank_output.values()))))
+    everything = run.launcher_output + "".join(run.rank_output.values())
+    if "never received" in everything:
+        # The bytes arrived (checked above), but the sender's MPI request did not complete
+        # while the receiver made no further MPI call; see the report of issue 8.
+        pytest.xfail("sender of a large MPI message waits for receiver progress at exit:\n"
+                     + run.report())
+
+
+# --- 2. long loops ------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_ten_thousand_steps_in_one_process_keep_memory_flat():
+    proc = run_alone("long_loop.py", "local", timeout=220)
+    assert proc.returncode == 0 and "JCM-OK" in proc.stdout, output_of(proc)
+    print("\n".join(result_lines(proc.stdout)))
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+def test_ten_thousand_steps_and_back_to_back_programs_over_mpi():
+    run = run_mpi("long_loop.py", "mpi", nprocs=2, devices_per_process=2, timeout=220)
+    assert_mpi_ok(run, 2)
+    for rank in (0, 1):
+        assert "every message matched" in run.rank_output[rank], run.report()
+    print("\n".join(result_lines("".join(run.rank_output.values()))))
+
+
+# --- 6. concurrency in one process ---------------------------------------------------------
+
+
+def _chain(n: int) -> list[tuple[int, int]]:
+    return [(i, i + 1) for i in range(n - 1)]
+
+
+def _payload(program: int, call: int, n: int, width: int) -> np.ndarray:
+    """int32[n * width]: device d's block encodes (program, call, d, element)."""
+    device = np.repeat(np.arange(n), width)
+    element = np.tile(np.arange(width), n)
+    return (program * 10**8 + call * 10**5 + device * 10**4 + element).astype(np.int32)
+
+
+def test_back_to_back_programs_on_same_and_disjoint_devices_never_mix():
+    n, width, calls = 4, 256, 8
+    devices = jax.devices()
+    meshes = {"low": jax.sharding.Mesh(np.array(devices[:n]), ("x",)),
+              "high": jax.sharding.Mesh(np.array(devices[n:2 * n]), ("x",))}
+    perm = _chain(n)
+
+    def transfer(v):
+        tok = lax.psend(v, "x", perm)
+        return lax.precv(tok, jax.ShapeDtypeStruct(v.shape, v.dtype), "x", perm)
+
+    # Programs 0 and 1 use the same devices and channels; program 2 the other 4 devices.
+    plan = {0: "low", 1: "low", 2: "high"}
+    programs = {p: jax.jit(jax.shard_map(transfer, mesh=meshes[m], in_specs=P("x"),
+                                         out_specs=P("x")))
+                for p, m in plan.items()}
+    inputs = {(p, c): jax.device_put(_payload(p, c, n, width),
+                                     NamedSharding(meshes[m], P("x")))
+              for p, m in plan.items() for c in range(calls)}
+    for p in plan:
+        jax.block_until_ready(programs[p](inputs[p, 0]))  # compile outside the burst
+    outputs = {}
+    for c in range(calls):  # dispatched back to back: nothing blocks before the checks
+        for p in plan:
+            outputs[p, c] = programs[p](inputs[p, c])
+    for (p, c), out in outputs.items():
+        sent = _payload(p, c, n, width).reshape(n, width)
+        want = np.concatenate([np.zeros((1, width), np.int32), sent[:-1]])
+        np.testing.assert_array_equal(np.asarray(out).reshape(n, width), want,
+                                      err_msg=f"program {p}, call {c}")
+
+
+def test_many_messages_in_flight_on_eight_devices_never_mix():
+    """Each step, every device sends to each of the 7 others (7 channels each, 56 in all)
+    before it receives, twice; round 1 forwards what round 0 received, so each message
+    carries (source, step, round, shift) and the header of the message before it."""
+    n, steps, rounds = 8, 40, 2
+    shifts = range(1, n)
+    mesh = make_mesh((n, "x"))
+    perms = {k: [(i, (i + k) % n) for i in range(n)] for k in shifts}
+    shape = jax.ShapeDtypeStruct((6,), jnp.int32)
+
+    def body(_):
+        me = lax.axis_index("x").astype(jnp.int32)
+
+        def step(carry, t):
+            received = []
+            previous = {k: jnp.zeros((2,), jnp.int32) for k in shifts}
+            for r in range(rounds):
+                tokens = {}
+                for k in shifts:  # all sends of the round first...
+                    header = jnp.stack([me, t, jnp.int32(r), jnp.int32(k)])
+                    tokens[k] = lax.psend(jnp.concatenate([header, previous[k]]), "x",
+                                          perms[k])
+                got = {}
+                for k in reversed(shifts):  # ...then the receives, in the other order
+                    got[k] = lax.precv(tokens[k], shape, "x", perms[k])
+                received.append(jnp.stack([got[k] for k in shifts]))
+                previous = {k: jnp.stack([got[k][0], got[k][2]]) for k in shifts}
+            return carry, jnp.stack(received)
+
+        _, ys = lax.scan(step, 0, jnp.arange(steps, dtype=jnp.int32))
+        return ys[None]  # [1, steps, rounds, shifts, 6]
+
+    with config.overrides(gpu_parity=False):  # rings are cyclic pairs: GPU rejects them
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
+                                  check_vma=False))
+        got = np.asarray(f(jax.device_put(np.zeros(n, np.int32),
+                                          NamedSharding(mesh, P("x")))))
+
+    want = np.zeros((n, steps, rounds, n - 1, 6), np.int32)
+    for d in range(n):
+        for t in range(steps):
+            for r in range(rounds):
+                for i, k in enumerate(shifts):
+                    src = (d - k) % n
+                    forwarded = [(src - k) % n, 0] if r == 1 else [0, 0]
+                    want[d, t, r, i] = [src, t, r, k, *forwarded]
+    np.testing.assert_array_equal(got, want)
+
+
+# --- 3. persistent compilation cache -------------------------------------------------------
+
+
+def _cache_files(directory: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in directory.iterdir()}
+
+
+@pytest.mark.timeout(180)
+def test_cached_executable_loaded_by_a_new_process_still_communicates(tmp_path):
+    first = run_alone("cached_p2p.py", "local", str(tmp_path), "compile", timeout=80)
+    assert first.returncode == 0 and "JCM-OK" in first.stdout, output_of(first)
+    written = _cache_files(tmp_path)
+    assert any(name.startswith("jit_cached_exchange-") for name in written), written
+    second = run_alone("cached_p2p.py", "local", str(tmp_path), "hit", timeout=80)
+    assert second.returncode == 0 and "JCM-OK" in second.stdout, output_of(second)
+    assert "loaded from the cache, results correct" in second.stdout, output_of(second)
+    assert _cache_files(tmp_path) == written  # read, not rewritten
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+def test_cached_executable_loaded_by_a_new_mpi_job_still_communicates(tmp_path):
+    first = run_mpi("cached_p2p.py", "mpi", str(tmp_path), "compile", nprocs=2,
+                    devices_per_process=2, timeout=100)
+    assert_mpi_ok(first, 2)
+    written = _cache_files(tmp_path)
+    assert any(name.startswith("jit_cached_exchange-") for name in written), written
+    second = run_mpi("cached_p2p.py", "mpi", str(tmp_path), "hit", nprocs=2,
+                     devices_per_process=2, timeout=100)
+    assert_mpi_ok(second, 2)
+    # Process 0 ran the executable it loaded from disk against process 1's.
+    assert "loaded from the cache, results correct" in second.rank_output[0], second.report()
+    assert _cache_files(tmp_path) == written
+
+
+# --- 4. a rank dies mid-transfer -----------------------------------------------------------
+
+DYING_TIMEOUT = 120  # hard limit of each job; the precv timeout inside is 10 s
+
+
+def _run_dying(scenario: str, *, abort_on_exception: bool = False):
+    env = {"JAX_CPU_MPI_RECV_TIMEOUT": "10", "JAX_CPU_MPI_EXIT_TIMEOUT": "5"}
+    start = time.monotonic()
+    if abort_on_exception:  # python -m mpi4py: MPI_Abort on an uncaught exception
+        run = run_mpi("mpi4py", str(PROGRAMS / "dying_rank.py"), scenario, nprocs=2,
+                      timeout=DYING_TIMEOUT, env=env, module=True)
+    else:
+        run = run_mpi("dying_rank.py", scenario, nprocs=2, timeout=DYING_TIMEOUT, env=env)
+    elapsed = time.monotonic() - start
+    assert run.returncode is not None, f"job hung ({elapsed:.0f} s):\n{run.report()}"
+    everything = run.launcher_output + "".join(run.rank_output.values())
+    assert "JCM-OK" not in everything and "completed" not in everything, run.report()
+    for rank in (0, 1):
+        assert "ready" in run.rank_output.get(rank, ""), run.report()
+    return run, everything
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(DYING_TIMEOUT + 30)
+@pytest.mark.parametrize("scenario", ["killed-while-peer-receives", "killed-while-peer-sends"])
+def test_rank_killed_mid_transfer_ends_the_job(scenario):
+    run, everything = _run_dying(scenario)
+    assert run.returncode != 0, run.report()
+    assert "dying now (kill)" in everything, run.report()
+    assert re.search(r"signal 9|KILLED|Killed", run.launcher_output), run.report()
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(DYING_TIMEOUT + 30)
+def test_rank_that_exits_early_ends_the_job():
+    # The launcher sees a rank leave without MPI_Finalize and tears the job down; MPICH's
+    # mpirun then reports the status of the rank that left (0), so only "ended" is checked.
+    run, everything = _run_dying("exits-while-peer-sends")
+    assert "dying now (exit)" in everything, run.report()
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(DYING_TIMEOUT + 30)
+def test_stuck_peer_makes_precv_fail_and_the_job_abort():
+    # Rank 0 stays alive and never sends. Rank 1's precv raises after the timeout; without
+    # MPI_Abort its MPI_Finalize would wait for rank 0 forever, hence python -m mpi4py.
+    run, everything = _run_dying("hangs-while-peer-receives", abort_on_exception=True)
+    assert run.returncode != 0, run.report()
+    error = run.rank_output[1]
+    for part in ("DEADLINE_EXCEEDED", "precv(axis_name=('x',), perm=[(0, 1)])",
+                 "partition 1 (process 1) waited 10 s", "from partition 0 (process 0)"):
+        assert part in error, run.report()
+    assert "MPI_Abort" in everything, run.report()
+
+
+# --- 5. sanitizers --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_extension_built_with_asan_and_ubsan_runs_clean():
+    """scripts/sanitize.sh QUICK=1: builds the extension with -DJAX_CPU_MPI_SANITIZE=ON and
+    runs the smoke tests (one process and mpirun -n 2) and the 8-device stress test under
+    ASan + UBSan; it fails on any sanitizer report. Without QUICK it runs more (README)."""
+    pytest.importorskip("nanobind", reason="the build needs nanobind in this environment")
+    for tool in ("cmake", "gcc", "g++"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"the sanitizer build needs {tool}")
+    asan = subprocess.run(["gcc", "-print-file-name=libasan.so"], capture_output=True,
+                          text=True).stdout.strip()
+    if not os.path.isabs(asan):
+        pytest.skip("gcc has no libasan.so")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(PYTHON=sys.executable, QUICK="1")
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "sanitize.sh")], env=env,
+                          capture_output=True, text=True, timeout=580, cwd=ROOT)
+    assert proc.returncode == 0 and "== sanitizers: clean" in proc.stdout, output_of(proc)
