@@ -309,26 +309,46 @@ MpiResult MpiTransport::Recv(int source_rank, int tag, void* out, size_t bytes,
 }
 
 size_t MpiTransport::Drain(std::chrono::steady_clock::time_point deadline) {
+  // Phase 1: complete our own sends. Phase 2: a barrier (non-blocking, polled) with every
+  // other rank, which keeps each rank's progress engine running until all have drained: a
+  // receiver that already has all its bytes may owe its sender the acknowledgement that
+  // completes the sender's request (MPICH's CMA rendezvous sends it on a later progress
+  // call), and without this it would leave before sending it.
   Backoff backoff;
+  MPI_Request barrier = MPI_REQUEST_NULL;
   while (true) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!MpiIsUsable()) return pending_.size();
       ProgressLocked();
-      if (pending_.empty()) return 0;
-      if (std::chrono::steady_clock::now() > deadline) return pending_.size();
+      const bool sends_done = pending_.empty();
+      if (sends_done && barrier == MPI_REQUEST_NULL) {
+        if (MPI_Ibarrier(comm_, &barrier) != MPI_SUCCESS) return 0;
+      }
+      if (barrier != MPI_REQUEST_NULL) {
+        int done = 0;
+        MPI_Test(&barrier, &done, MPI_STATUS_IGNORE);
+        if (done) return 0;
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        // A peer never reached its exit (or died): report only our own undelivered sends.
+        // The barrier request is left to MPI_Finalize.
+        return pending_.size();
+      }
     }
     backoff.Pause();
   }
 }
 
-size_t MpiTransport::inflight_sends() const {
+size_t MpiTransport::inflight_sends() {
   std::lock_guard<std::mutex> lock(mu_);
+  if (MpiIsUsable()) ProgressLocked();  // count only what is really still in flight
   return pending_.size();
 }
 
-uint64_t MpiTransport::inflight_bytes() const {
+uint64_t MpiTransport::inflight_bytes() {
   std::lock_guard<std::mutex> lock(mu_);
+  if (MpiIsUsable()) ProgressLocked();
   return inflight_bytes_;
 }
 

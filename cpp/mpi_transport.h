@@ -66,12 +66,14 @@ class MpiTransport {
   MpiResult Recv(int source_rank, int tag, void* out, size_t bytes,
                  std::chrono::steady_clock::time_point deadline);
 
-  // Completes every outstanding send, or gives up at the deadline. Returns how many were
-  // left undelivered.
+  // At exit (collective over the communicator): completes every outstanding send and waits
+  // for every rank to get there, or gives up at the deadline. Returns how many of our sends
+  // were left undelivered.
   size_t Drain(std::chrono::steady_clock::time_point deadline);
 
-  size_t inflight_sends() const;
-  uint64_t inflight_bytes() const;
+  // Sends not yet completed (after testing them) and their bytes.
+  size_t inflight_sends();
+  uint64_t inflight_bytes();
   uint64_t sends_completed() const;
   uint64_t peak_inflight_bytes() const;
 

@@ -86,11 +86,8 @@ def test_message_over_2gib_over_mpi():
     assert "device 1 received all 2147487744 bytes intact" in run.rank_output[1], run.report()
     print("\n".join(result_lines("".join(run.rank_output.values()))))
     everything = run.launcher_output + "".join(run.rank_output.values())
-    if "never received" in everything:
-        # The bytes arrived (checked above), but the sender's MPI request did not complete
-        # while the receiver made no further MPI call; see the report of issue 8.
-        pytest.xfail("sender of a large MPI message waits for receiver progress at exit:\n"
-                     + run.report())
+    # The exit barrier keeps the receiver progressing until the sender's request completes.
+    assert "never received" not in everything, run.report()
 
 
 # --- 2. long loops ------------------------------------------------------------------------
@@ -248,14 +245,10 @@ def test_cached_executable_loaded_by_a_new_mpi_job_still_communicates(tmp_path):
 DYING_TIMEOUT = 120  # hard limit of each job; the precv timeout inside is 10 s
 
 
-def _run_dying(scenario: str, *, abort_on_exception: bool = False):
+def _run_dying(scenario: str):
     env = {"JAX_CPU_MPI_RECV_TIMEOUT": "10", "JAX_CPU_MPI_EXIT_TIMEOUT": "5"}
     start = time.monotonic()
-    if abort_on_exception:  # python -m mpi4py: MPI_Abort on an uncaught exception
-        run = run_mpi("mpi4py", str(PROGRAMS / "dying_rank.py"), scenario, nprocs=2,
-                      timeout=DYING_TIMEOUT, env=env, module=True)
-    else:
-        run = run_mpi("dying_rank.py", scenario, nprocs=2, timeout=DYING_TIMEOUT, env=env)
+    run = run_mpi("dying_rank.py", scenario, nprocs=2, timeout=DYING_TIMEOUT, env=env)
     elapsed = time.monotonic() - start
     assert run.returncode is not None, f"job hung ({elapsed:.0f} s):\n{run.report()}"
     everything = run.launcher_output + "".join(run.rank_output.values())
@@ -288,14 +281,15 @@ def test_rank_that_exits_early_ends_the_job():
 @pytest.mark.timeout(DYING_TIMEOUT + 30)
 def test_stuck_peer_makes_precv_fail_and_the_job_abort():
     # Rank 0 stays alive and never sends. Rank 1's precv raises after the timeout; without
-    # MPI_Abort its MPI_Finalize would wait for rank 0 forever, hence python -m mpi4py.
-    run, everything = _run_dying("hangs-while-peer-receives", abort_on_exception=True)
+    # MPI_Abort its MPI_Finalize would wait for rank 0 forever: jax_cpu_mpi's excepthook
+    # (JAX_CPU_MPI_ABORT_ON_ERROR, on by default) aborts the job.
+    run, everything = _run_dying("hangs-while-peer-receives")
     assert run.returncode != 0, run.report()
     error = run.rank_output[1]
     for part in ("DEADLINE_EXCEEDED", "precv(axis_name=('x',), perm=[(0, 1)])",
                  "partition 1 (process 1) waited 10 s", "from partition 0 (process 0)"):
         assert part in error, run.report()
-    assert "MPI_Abort" in everything, run.report()
+    assert "aborting the MPI job (MPI_Abort)" in everything, run.report()
 
 
 # --- 5. sanitizers --------------------------------------------------------------------------

@@ -9,6 +9,10 @@ Environment variable               Default     Meaning
                                                A psend beyond it waits for older sends first.
 ``JAX_CPU_MPI_EXIT_TIMEOUT``       ``60``      Seconds the process waits at exit for its
                                                undelivered MPI sends before MPI finalizes.
+``JAX_CPU_MPI_ABORT_ON_ERROR``     ``1``       In an MPI job (once MPI is attached), an uncaught
+                                               Python exception aborts the whole job
+                                               (``MPI_Abort``) instead of leaving the other
+                                               ranks waiting for this one forever.
 ``JAX_CPU_MPI_GPU_PARITY``         ``1``       ``1``: reject at lowering what XLA GPU rejects
                                                at compile time (cyclic pairs in one op,
                                                unmatched psend/precv). ``0``: run every
@@ -47,6 +51,8 @@ class Config:
     exit_timeout: float = 60.0
     #: Reject, when a program is lowered, the psend/precv patterns XLA GPU rejects.
     gpu_parity: bool = True
+    #: In an MPI job, abort the job on an uncaught Python exception.
+    abort_on_error: bool = True
 
     def __post_init__(self) -> None:
         if not self.recv_timeout > 0:
@@ -90,6 +96,7 @@ def from_environment() -> Config:
         max_inflight_bytes=max_inflight,
         exit_timeout=_env_float("JAX_CPU_MPI_EXIT_TIMEOUT", Config.exit_timeout),
         gpu_parity=_env_bool("JAX_CPU_MPI_GPU_PARITY", Config.gpu_parity),
+        abort_on_error=_env_bool("JAX_CPU_MPI_ABORT_ON_ERROR", Config.abort_on_error),
     )
 
 

@@ -101,6 +101,31 @@ def ensure_attached(op_name: str, num_processes_in_mesh: int) -> None:
         ext.attach_mpi(world.py2f(), rank_of_process)
         # Registered after mpi4py's own finalization hook, so it runs before MPI_Finalize.
         atexit.register(_detach_at_exit)
+        if config.current().abort_on_error:
+            _abort_job_on_uncaught_exception(MPI)
+
+
+def _abort_job_on_uncaught_exception(MPI) -> None:
+    """Make an uncaught exception end the whole MPI job, as ``python -m mpi4py`` does.
+
+    Otherwise the failing rank reaches ``MPI_Finalize`` at exit and waits there for ranks
+    that wait for it (in a precv, a collective, or their own finalize): the job hangs.
+    """
+    previous = sys.excepthook
+
+    def excepthook(exc_type, exc, tb) -> None:
+        previous(exc_type, exc, tb)
+        print(
+            f"jax_cpu_mpi: uncaught {exc_type.__name__} on MPI rank "
+            f"{MPI.COMM_WORLD.Get_rank()}: aborting the MPI job (MPI_Abort) so that the other "
+            "ranks do not wait for this one forever (JAX_CPU_MPI_ABORT_ON_ERROR=0 disables "
+            "this).",
+            file=sys.stderr,
+            flush=True,
+        )
+        MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = excepthook
 
 
 def _detach_at_exit() -> None:
