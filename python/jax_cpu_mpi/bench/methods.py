@@ -14,6 +14,7 @@ the wrong-byte counts of all ranks are summed by the runner. Only rank 0 runs th
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +52,10 @@ def _timed(step: Callable[[], None], count: int, warmup: int,
         step()
         seconds[i] = clock() - start
     return seconds
+
+
+#: Calls in flight at once in the in-process per-call bandwidth test (must stay < 32).
+_LOCAL_INFLIGHT = int(os.environ.get("JAX_CPU_MPI_BENCH_LOCAL_INFLIGHT", "8"))
 
 
 def _no_sync() -> None:
@@ -104,11 +109,23 @@ def _jax_p2p(ctx: Context, method: str, pair: tuple[Any, Any], transport: str, s
     else:
         one, back = programs.one_way(mesh, transport), programs.ack(mesh, transport)
 
+        # Calls run asynchronously. Between two devices of one process, more than 32 calls
+        # in flight (XLA's per-device limit of running computations) deadlock: precvs
+        # blocked in device threads hold every slot while the launch of their psends
+        # waits behind them (see benchmarks/README.md). Bound them.
+        inflight = _LOCAL_INFLIGHT if mode == "local" else window
+
         def step() -> None:
-            y = None
-            for _ in range(window):
-                y = one(x)
-            outputs[:] = [y, jax.block_until_ready(back(y))]
+            ys: list[Any] = []
+            for i in range(window):
+                if i >= inflight:
+                    jax.block_until_ready(ys[i - inflight])
+                ys.append(one(x))
+            acknowledgement = back(ys[-1])
+            # Every call, not only the last: no message of this window may still be in
+            # flight when the next measurement starts.
+            jax.block_until_ready(ys)
+            outputs[:] = [ys[-1], jax.block_until_ready(acknowledgement)]
 
     seconds = _timed(step, plan.window_samples, plan.window_warmup, sync) / window
     y, acknowledgement = outputs
@@ -368,10 +385,10 @@ def _mpi4jax(ctx: Context, method: str, scan: bool) -> Measurement:
             out[:] = [jax.block_until_ready(fn(x))]
     else:
         def step() -> None:
-            y = None
-            for _ in range(window):
-                y = fn(x)
-            out[:] = [jax.block_until_ready(back(x if session.rank == 0 else y)), y]
+            ys = [fn(x) for _ in range(window)]
+            acknowledgement = back(x if session.rank == 0 else ys[-1])
+            jax.block_until_ready(ys)
+            out[:] = [jax.block_until_ready(acknowledgement), ys[-1]]
     warmup = plan.window_warmup
     seconds = _timed(step, plan.window_samples, warmup, session.barrier) / window
     if session.rank == 0:
