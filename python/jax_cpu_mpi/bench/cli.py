@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import sys
 import traceback
@@ -64,8 +65,18 @@ def main(argv: list[str] | None = None) -> int:
                                     *(sys.argv[1:] if argv is None else argv)]),
                   sizes=list(opts.sizes), methods=list(opts.methods), kinds=list(opts.kinds),
                   repeat=opts.repeat, load_average_start=list(os.getloadavg()))
+    on_result = None
+    if opts.out and sess.is_root:
+        # Each result is on disk as soon as it is measured: a failure late in a long run
+        # keeps what was measured before it.
+        os.makedirs(opts.out, exist_ok=True)
+        partial = open(os.path.join(opts.out, "results.partial.jsonl"), "w")
+
+        def on_result(m: Any) -> None:
+            partial.write(json.dumps(m.to_json()) + "\n")
+            partial.flush()
     try:
-        outcome = runner.run(opts, sess)
+        outcome = runner.run(opts, sess, on_result)
     except Exception:
         traceback.print_exc()
         sys.stderr.flush()
@@ -75,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if not sess.is_root:
         return 0
+    if on_result is not None:
+        partial.close()
+        os.remove(os.path.join(opts.out, "results.partial.jsonl"))
     header["load_average_end"] = list(os.getloadavg())
     goals = targets.evaluate(outcome.results)
     for note in _write_outputs(opts, header, outcome, goals):

@@ -7,6 +7,7 @@ while the other ranks wait asleep.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -90,8 +91,16 @@ def _measure(options: Options, session: Session, method: str, kind: str, size: i
     return best
 
 
-def run(options: Options, session: Session) -> Outcome:
+def run(options: Options, session: Session,
+        on_result: Callable[[Measurement], None] | None = None) -> Outcome:
+    """Measures everything; ``on_result`` sees each result on rank 0 as soon as it exists."""
     outcome = Outcome(notes=list(session.notes))
+
+    def keep(m: Measurement) -> None:
+        outcome.results.append(m)
+        if on_result is not None:
+            on_result(m)
+
     cross, local = _runnable(options, session, outcome.notes)
     if not session.is_root:
         local = []
@@ -108,11 +117,13 @@ def run(options: Options, session: Session) -> Outcome:
             wrong = session.allreduce_sum(m.wrong if m is not None else 0)
             if m is not None and session.is_root:
                 m.wrong = wrong
-                outcome.results.append(m)
+                keep(m)
     for size in options.sizes:
         for method, kind in local_tasks:
             progress.step(f"{method} {kind} {format_size(size)}")
-            outcome.results.append(_measure(options, session, method, kind, size, True))
+            m = _measure(options, session, method, kind, size, True)
+            if m is not None:
+                keep(m)
     if session.comm is not None and any(m in LOCAL_METHODS for m in options.methods):
         session.idle_barrier()
     progress.close()
