@@ -93,6 +93,7 @@ class Session:
             pair=[str(d) for d in self.pair] if self.pair else None,
             local_pair=[str(d) for d in self.local_pair] if self.local_pair else None,
         )
+        info.update(_package_build())
         if self.comm is not None:
             from mpi4py import MPI
 
@@ -101,6 +102,31 @@ class Session:
             hosts = self.comm.allgather(socket.gethostname())
             info["hosts"] = sorted(set(hosts))
         return info
+
+
+def _package_build() -> dict[str, Any]:
+    """Which jax_cpu_mpi was measured: version, extension build time, git commit."""
+    import datetime
+    import subprocess
+
+    from .. import __version__
+    from .. import _jax_cpu_mpi as ext
+
+    info: dict[str, Any] = dict(jax_cpu_mpi=__version__)
+    try:
+        built = os.path.getmtime(ext.__file__)
+        info["extension_built"] = datetime.datetime.fromtimestamp(built).isoformat(
+            timespec="seconds")
+    except (OSError, AttributeError):
+        pass
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=5, cwd=os.path.dirname(__file__))
+        if head.returncode == 0:
+            info["git_commit"] = head.stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return info
 
 
 def _first_device_of_each_process(devices: list[Any]) -> tuple[Any, Any]:
