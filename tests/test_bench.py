@@ -154,3 +154,22 @@ def test_two_ranks_run_every_method(tmp_path):
     else:
         assert any("mpi4jax skipped" in note for note in notes)
     _check_results(results, methods, tmp_path)
+
+
+def test_gpu_methods_run_their_programs_on_any_two_devices():
+    """The --platform gpu methods are the CPU programs on other devices: run them here on two
+    CPU devices (JAX's NCCL lowering needs GPUs, this package's lowering stands in)."""
+    import jax
+
+    from jax_cpu_mpi.bench import methods
+    from jax_cpu_mpi.bench.session import Session
+
+    session = Session(platform="gpu", pair=(jax.devices()[0], jax.devices()[1]))
+    plan = options.Options(sizes=(64,), methods=(), kinds=(), max_iters=3, min_iters=3,
+                           max_hops=4, max_window=4, min_samples=2).plan(64)
+    for name in options.GPU_METHODS:
+        kinds = ["latency"] if name.startswith("jit-floor") else ["latency", "bandwidth"]
+        for kind in kinds:
+            m = methods.METHODS[name](methods.Context(session, plan, kind))
+            assert (m.method, m.kind, m.mode, m.size) == (name, kind, "gpu", 64)
+            assert m.valid and m.samples >= 2 and (m.seconds > 0).all(), (name, kind)
