@@ -81,6 +81,12 @@ RecvOutcome Mailbox::Recv(ChannelKey key, void* out, size_t bytes,
     recv.out = out;
     recv.bytes = bytes;
     ch.posted.push_back(&recv);
+    lock.unlock();
+    const auto spin_until = std::chrono::steady_clock::now() + kSpinBeforeSleep;
+    while (recv.state.load(std::memory_order_acquire) != PostState::kDone &&
+           std::chrono::steady_clock::now() < spin_until) {
+    }
+    lock.lock();
     bool done = ch.cv.wait_until(lock, deadline,
                                  [&] { return recv.state == PostState::kDone; });
     if (!done) {

@@ -9,6 +9,7 @@
 //     receiver for longer than one copy would take).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -68,10 +69,14 @@ class Mailbox {
   // period (bytes / rate).
   static constexpr size_t kOfferMinBytes = size_t{256} << 10;
   static constexpr double kGraceBytesPerSecond = 4e9;
+  // A waiting receiver spins this long before it sleeps on the condition variable: a wake-up
+  // costs a context switch (tens of microseconds on a busy machine), a hop a few.
+  static constexpr std::chrono::microseconds kSpinBeforeSleep{30};
   struct PostedRecv {
     void* out = nullptr;
     size_t bytes = 0;
-    PostState state = PostState::kPosted;
+    // Written under the channel lock; read without it while the receiver spins.
+    std::atomic<PostState> state{PostState::kPosted};
     RecvOutcome outcome;
   };
   struct Channel {
