@@ -10,8 +10,10 @@ process (the same SPMD program is lowered everywhere), this module
 4. hands ``MPI_COMM_WORLD`` to the extension, which duplicates it: our traffic never shares
    a communicator with the user's.
 
-At interpreter exit, before mpi4py finalizes MPI, outstanding sends are completed (up to
-``JAX_CPU_MPI_EXIT_TIMEOUT`` seconds) and our communicator is freed.
+At interpreter exit, before mpi4py finalizes MPI, outstanding sends are completed and every
+rank meets the others in a polled barrier (up to ``JAX_CPU_MPI_EXIT_TIMEOUT`` seconds), then
+our communicator is freed. Once attached, an uncaught exception aborts the whole job
+(``JAX_CPU_MPI_ABORT_ON_ERROR``) rather than leaving the other ranks waiting for this one.
 """
 
 from __future__ import annotations
