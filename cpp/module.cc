@@ -70,9 +70,6 @@ NB_MODULE(_jax_cpu_mpi, m) {
     return d;
   }, "FFI handler capsules by target name.");
 
-  m.def("set_process_index",
-        [](int64_t index) { jcm::Runtime::Get().set_process_index(index); },
-        nb::arg("index"));
   m.def("configure",
         [](double recv_timeout_s, uint64_t max_inflight_bytes) {
           if (!(recv_timeout_s > 0)) throw nb::value_error("recv_timeout_s must be > 0");

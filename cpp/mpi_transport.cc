@@ -83,6 +83,12 @@ std::string MpiTransport::ErrorString(int code) const {
   return std::string(text, len);
 }
 
+std::unique_lock<std::mutex> MpiTransport::MpiCallLock() {
+  std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
+  if (!thread_multiple_) lock.lock();  // this MPI only takes one thread at a time
+  return lock;
+}
+
 MpiResult MpiTransport::ProgressLocked() {
   // Sends to different peers complete in any order: test them all.
   for (auto it = pending_.begin(); it != pending_.end();) {
@@ -131,8 +137,7 @@ MpiResult MpiTransport::Send(int dest_rank, int tag, const void* data, size_t by
   send.bytes = bytes;
   if (bytes > 0) send.buffer = GlobalBufferPool().Acquire(bytes);
   auto isend = [&](const void* buf, size_t count) -> int {
-    std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
-    if (!thread_multiple_) lock.lock();
+    std::unique_lock<std::mutex> lock = MpiCallLock();
     send.requests.emplace_back();
     return MPI_Isend(buf, static_cast<int>(count), MPI_BYTE, dest_rank, tag, comm_,
                      &send.requests.back());
@@ -176,8 +181,7 @@ MpiResult MpiTransport::WaitAll(std::vector<MPI_Request>& requests,
   while (true) {
     int done = 0;
     {
-      std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
-      if (!thread_multiple_) lock.lock();
+      std::unique_lock<std::mutex> lock = MpiCallLock();
       int rc = MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
                            MPI_STATUSES_IGNORE);
       if (rc != MPI_SUCCESS) return MpiResult::Error("MPI_Testall failed: " + ErrorString(rc));
@@ -185,8 +189,7 @@ MpiResult MpiTransport::WaitAll(std::vector<MPI_Request>& requests,
     if (done) return MpiResult::Ok();
     if ((++polls & 63) == 0 && std::chrono::steady_clock::now() > deadline) {
       // Never leave a receive pointing into a buffer that XLA will reuse.
-      std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
-      if (!thread_multiple_) lock.lock();
+      std::unique_lock<std::mutex> lock = MpiCallLock();
       for (MPI_Request& r : requests) {
         if (r != MPI_REQUEST_NULL) MPI_Cancel(&r);
       }
@@ -211,8 +214,7 @@ MpiResult MpiTransport::ReceiveChunks(int source_rank, int tag, std::byte* out, 
   std::vector<MPI_Request> requests;
   requests.reserve(total / chunk_bytes + 1);
   {
-    std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
-    if (!thread_multiple_) lock.lock();
+    std::unique_lock<std::mutex> lock = MpiCallLock();
     for (size_t offset = 0; offset < total; offset += chunk_bytes) {
       const size_t n = std::min(chunk_bytes, total - offset);
       requests.emplace_back();
@@ -238,8 +240,7 @@ MpiResult MpiTransport::Recv(int source_rank, int tag, void* out, size_t bytes,
   while (true) {
     int flag = 0;
     {
-      std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
-      if (!thread_multiple_) lock.lock();
+      std::unique_lock<std::mutex> lock = MpiCallLock();
       if (!MpiIsUsable()) return MpiResult::Error("MPI is not initialized or already finalized");
       int rc = MPI_Improbe(source_rank, tag, comm_, &flag, &message, &status);
       if (rc != MPI_SUCCESS) return MpiResult::Error("MPI_Improbe failed: " + ErrorString(rc));
@@ -270,8 +271,7 @@ MpiResult MpiTransport::Recv(int source_rank, int tag, void* out, size_t bytes,
     return r;
   };
   auto mrecv = [&](void* buf, int n) -> int {
-    std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
-    if (!thread_multiple_) lock.lock();
+    std::unique_lock<std::mutex> lock = MpiCallLock();
     return MPI_Mrecv(buf, n, MPI_BYTE, &message, MPI_STATUS_IGNORE);
   };
 

@@ -101,6 +101,8 @@ class MpiTransport {
   MpiResult ReceiveChunks(int source_rank, int tag, std::byte* out, size_t total,
                           size_t chunk_bytes, std::chrono::steady_clock::time_point deadline);
 
+  // Held around an MPI call when the library is not MPI_THREAD_MULTIPLE (else unlocked).
+  std::unique_lock<std::mutex> MpiCallLock();
   // Frees completed sends; caller holds mu_.
   MpiResult ProgressLocked();
   std::string ErrorString(int code) const;

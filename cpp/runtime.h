@@ -29,10 +29,6 @@ class Runtime {
   Config config() const;
   void set_config(const Config& config);
 
-  // jax.process_index() of this process.
-  int64_t process_index() const { return process_index_.load(std::memory_order_relaxed); }
-  void set_process_index(int64_t index) { process_index_.store(index, std::memory_order_relaxed); }
-
   Mailbox& mailbox() { return mailbox_; }
 
   // The MPI transport, or nullptr until Python attaches a communicator.
@@ -44,7 +40,6 @@ class Runtime {
  private:
   mutable std::mutex mu_;
   Config config_;
-  std::atomic<int64_t> process_index_{0};
   Mailbox mailbox_;
   std::shared_ptr<MpiTransport> mpi_;
 };
