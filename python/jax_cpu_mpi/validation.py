@@ -27,6 +27,7 @@ import numpy as np
 from . import _barrier_tokens, config
 from ._compat import ir, mlir, single_side_collective_effect
 from ._deadlock_check import Collective, Event, P2POp, Violation, check, format_pairs
+from ._xla_order import ModuleOrder
 from .lowering import PRECV_TARGET, PSEND_TARGET
 
 __all__ = ["GpuParityError", "collect_events", "install", "validate_module"]
@@ -96,8 +97,21 @@ def _pairs(attr: Any) -> tuple[tuple[int, int], ...]:
     return tuple(map(tuple, flat.reshape(-1, 2).tolist()))
 
 
+def _is_ordering_call(op: Any) -> bool:
+    """Our psend/precv calls that only order a barrier's values (absent on GPU)."""
+    target = ir.StringAttr(op.attributes["call_target_name"]).value
+    if target not in (PSEND_TARGET, PRECV_TARGET):
+        return False
+    attrs = ir.DictAttr(op.attributes["mhlo.backend_config"])
+    return ir.StringAttr(attrs["op"]).value == _barrier_tokens.ORDERING_OP
+
+
 class _Walker:
     """Our custom calls and the other collectives, in the order XLA's check visits them.
+
+    The order is XLA's instruction order (:mod:`jax_cpu_mpi._xla_order`); the check
+    descends into the computations an op calls (loop body then condition, branches in
+    order, reductions) at the op's place, once per occurrence.
 
     Without ``details``, events carry only what the check needs (kinds, names, pairs);
     types, source lines and HLO-like texts are read only to explain an error.
@@ -105,11 +119,7 @@ class _Walker:
 
     def __init__(self, module: Any, details: bool) -> None:
         self.details = details
-        self.functions = {
-            ir.StringAttr(op.attributes["sym_name"]).value: op
-            for op in module.body.operations
-            if op.operation.name == "func.func"
-        }
+        self.order = ModuleOrder(module, _is_ordering_call)
         self.counts: dict[str, int] = {}
 
     def name(self, base: str) -> str:
@@ -118,8 +128,8 @@ class _Walker:
         self.counts[base] = count + 1
         return base if count == 0 else f"{base}.{count}"
 
-    def block(self, block: Any) -> Iterator[Event]:
-        for op in block.operations:
+    def computation(self, block: Any) -> Iterator[Event]:
+        for op in self.order.computation(block):
             name = op.operation.name
             if name == "stablehlo.custom_call":
                 event = self.custom_call(op)
@@ -129,20 +139,11 @@ class _Walker:
             if name in _OTHER_COLLECTIVES:
                 yield self.collective(op, _OTHER_COLLECTIVES[name])
                 continue
-            if name == "func.call":
-                callee = ir.FlatSymbolRefAttr(op.attributes["callee"]).value
-                function = self.functions.get(callee)
-                if function is not None:
-                    for region in function.regions:
-                        for inner in region.blocks:
-                            yield from self.block(inner)
-                continue
-            regions = list(op.regions)
+            regions = list(op.operation.regions)
             if name == "stablehlo.while":  # XLA's while calls (body, condition)
                 regions.reverse()
             for region in regions:
-                for inner in region.blocks:
-                    yield from self.block(inner)
+                yield from self.computation(region.blocks[0])
 
     def custom_call(self, op: Any) -> Event | None:
         target = ir.StringAttr(op.attributes["call_target_name"]).value
@@ -181,16 +182,14 @@ class _Walker:
 def collect_events(module: Any, details: bool = True) -> list[Event]:
     """The psends/precvs and other collectives of a lowered module, in checking order.
 
-    Starts at ``main`` and descends into every region (loop bodies, conditional branches,
-    shard_map bodies) and every called function, once per occurrence.
+    Starts at ``main``; the order is the one XLA GPU's verifier walks (see
+    :mod:`jax_cpu_mpi._xla_order`), not program order: e.g. each precv comes right after
+    the psend whose token it takes.
     """
     with module.context:
         walker = _Walker(module, details)
-        main = walker.functions.get("main")
-        if main is None:
-            return []
-        return [event for region in main.regions for block in region.blocks
-                for event in walker.block(block)]
+        main = walker.order.entry_block("main")
+        return [] if main is None else list(walker.computation(main))
 
 
 def validate_module(module: Any) -> None:

@@ -1,0 +1,308 @@
+"""The order in which XLA GPU's deadlock verifier meets the ops of a lowered module.
+
+``VerifyNoCollectiveDeadlocks`` (XLA's ``hlo_verifier.cc``, at the commit jaxlib 0.10.2
+pins, openxla/xla 5a9e73cb) walks ``computation->instructions()``: the order in which
+instructions were *inserted* into each HLO computation, not the order JAX emitted them.
+By the time the GPU compiler verifies, the computations holding psend/precv have been
+rebuilt by passes that visit them depth-first from the root:
+
+* ``CallInliner`` clones each callee (a ``func.call``, the body of a ``shard_map``) into
+  its caller with ``HloComputation::Accept`` and appends the clones at the end of the
+  caller's instruction list;
+* the SPMD partitioner rebuilds every computation it partitions (the entry computation,
+  loop bodies and conditions, conditional branches) from ``Accept`` as well:
+  instructions enter the new computation in the order the visit finishes them.
+
+``Accept`` first visits the *unreachable roots* (instructions that nothing uses: after
+``HloDCE`` only side-effecting ones survive, e.g. a psend whose token is dropped), in
+instruction-list order, then the root; each visit is a post-order depth-first search,
+operands in operand order. So a precv comes right after the psend its token comes from,
+whatever order JAX emitted them in. Later passes keep this order (a pass that rebuilds a
+computation from ``MakeInstructionPostOrder`` reproduces it, since the list is already in
+that post-order), so it is the order the verifier walks.
+
+This module models that order on the StableHLO module JAX lowers (the CPU module holds
+our custom calls where the GPU module holds ``send``/``recv``; the graphs are the same):
+
+* ``func.call`` and ``sdy.manual_computation`` are inlined: a use of their result ``i``
+  is a use of the callee's returned value ``i`` (XLA's tuple simplifier folds the
+  ``get-tuple-element(tuple(...))`` the inliner leaves), and their side-effecting ops
+  come after the caller's own in the list of unreachable roots;
+* every other op with regions (``while``, ``case``, ``if``, reductions) stays one node, its
+  inputs being its operands then the values its regions use from outside (XLA's export
+  passes them as operands); its regions are ordered as computations of their own;
+* an op is side-effecting if it is a custom call with ``has_side_effect`` (not the
+  ordering-only calls of ``_barrier_tokens``, which do not exist on GPU), a
+  send/recv/infeed/outfeed, or an op with regions that holds one.
+
+What XLA versions after 5a9e73cb change (their verifier walks the *schedule* when the
+module has one, test ``VerifySendRecvDeadlockOnScheduleButNotInstructionOrder``) is
+described in the README's GPU-parity section; the schedule of XLA's GPU scheduler is not
+something the StableHLO module determines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._compat import ir
+
+#: Ops whose bodies XLA inlines into the enclosing computation before it verifies.
+_INLINED = ("func.call", "sdy.manual_computation", "sdy.named_computation")
+#: StableHLO ops with side effects besides custom calls.
+_SIDE_EFFECT_OPS = frozenset({
+    "stablehlo.send", "stablehlo.recv", "stablehlo.infeed", "stablehlo.outfeed",
+})
+_TERMINATORS = frozenset({"func.return", "stablehlo.return", "sdy.return"})
+
+
+def _key(op: Any) -> Any:
+    return op.operation
+
+
+@dataclass
+class _OpInfo:
+    """What the ordering needs of one op, read from the IR once."""
+
+    op: Any
+    name: str
+    operands: list[Any]
+    #: For an op with regions: the values its regions use from outside it.
+    captures: list[Any] = field(default_factory=list)
+    side_effect: bool = False
+
+
+class ModuleOrder:
+    """Orders the ops of one lowered module as XLA's deadlock verifier meets them.
+
+    ``is_pure_custom_call(op)`` says which side-effecting custom calls to treat as pure
+    (ours that only order values and move no data).
+    """
+
+    def __init__(self, module: Any, is_pure_custom_call: Callable[[Any], bool]) -> None:
+        self.functions = {
+            ir.StringAttr(op.attributes["sym_name"]).value: op
+            for op in module.body.operations
+            if op.operation.name == "func.func"
+        }
+        self._is_pure_custom_call = is_pure_custom_call
+        self._info: dict[Any, _OpInfo] = {}
+        self._function_effects: dict[str, bool] = {}
+
+    # ---------------------------------------------------------------- reading the IR
+
+    def entry_block(self, name: str = "main") -> Any | None:
+        function = self.functions.get(name)
+        return None if function is None else function.regions[0].blocks[0]
+
+    def info(self, op: Any) -> _OpInfo:
+        key = _key(op)
+        cached = self._info.get(key)
+        if cached is not None:
+            return cached
+        operation = op.operation
+        info = _OpInfo(op=op, name=operation.name, operands=list(operation.operands),
+                       side_effect=self._own_effect(op))
+        if len(operation.regions) and info.name not in _INLINED:
+            info.captures, nested_effect = self._captures_and_effect(operation)
+            info.side_effect = info.side_effect or nested_effect
+        self._info[key] = info
+        return info
+
+    def _own_effect(self, op: Any) -> bool:
+        operation = op.operation
+        name = operation.name
+        if name == "stablehlo.custom_call":
+            if "has_side_effect" not in operation.attributes:
+                return False
+            flag = ir.BoolAttr(operation.attributes["has_side_effect"]).value
+            return bool(flag) and not self._is_pure_custom_call(op)
+        if name == "func.call":
+            return self._function_has_effect(self.callee(op))
+        return name in _SIDE_EFFECT_OPS
+
+    def _captures_and_effect(self, operation: Any) -> tuple[list[Any], bool]:
+        """The values the regions of ``operation`` use from outside it (in program
+        order), and whether an op inside them has a side effect."""
+        defined: set[Any] = set()
+        captures: dict[Any, None] = {}  # ordered set
+        effect = self._scan_regions(operation, defined, captures)
+        return [v for v in captures if v not in defined], effect
+
+    def _scan_regions(self, operation: Any, defined: set[Any],
+                      captures: dict[Any, None]) -> bool:
+        effect = False
+        for region in operation.regions:
+            for block in region.blocks:
+                defined.update(block.arguments)
+                for inner in block.operations:
+                    for value in inner.operation.operands:
+                        if value not in defined:
+                            captures.setdefault(value)
+                    effect = self._own_effect(inner) or effect
+                    if len(inner.operation.regions) and inner.operation.name != "func.call":
+                        effect = self._scan_regions(inner.operation, defined,
+                                                    captures) or effect
+                    defined.update(inner.operation.results)
+        return effect
+
+    def callee(self, call: Any) -> str:
+        return ir.FlatSymbolRefAttr(call.operation.attributes["callee"]).value
+
+    def _function_has_effect(self, name: str) -> bool:
+        if name in self._function_effects:
+            return self._function_effects[name]
+        self._function_effects[name] = False  # recursion guard
+        block = self.entry_block(name)
+        effect = block is not None and any(self.info(op).side_effect
+                                           for op in block.operations)
+        self._function_effects[name] = effect
+        return effect
+
+    def inlined_block(self, op: Any) -> Any | None:
+        """The body XLA inlines for ``op`` (a call or manual computation), or None."""
+        name = op.operation.name
+        if name == "func.call":
+            return self.entry_block(self.callee(op))
+        if name in _INLINED:
+            return op.operation.regions[0].blocks[0]
+        return None
+
+    # ---------------------------------------------------------------- ordering
+
+    def computation(self, block: Any) -> list[Any]:
+        """The ops of the computation whose body is ``block``, in the verifier's order.
+
+        Inlined bodies are expanded in place (an op of a callee appears once per call
+        site); ops with regions of their own appear once, their regions ordered by
+        calling this again on each region's block.
+        """
+        return _Computation(self, block).order()
+
+
+@dataclass(frozen=True)
+class _Node:
+    context: tuple[Any, ...]  # the inlined call sites, outermost first
+    op: Any
+
+
+class _Computation:
+    """One HLO computation: ``block`` with every inlined body expanded."""
+
+    def __init__(self, order: ModuleOrder, block: Any) -> None:
+        self.order_of = order
+        self.block = block
+        # context -> (body block, the inlining op, the parent context)
+        self.contexts: dict[tuple[Any, ...], tuple[Any, Any, tuple[Any, ...]]] = {
+            (): (block, None, ())}
+
+    def _body(self, context: tuple[Any, ...]) -> Any:
+        return self.contexts[context][0]
+
+    def nodes(self) -> list[_Node]:
+        """Every node in instruction-list order: the block's own ops in program order,
+        then each inlined body's (appended by the inliner, in call order)."""
+        listed: list[_Node] = []
+        pending: list[tuple[Any, ...]] = [()]
+        while pending:
+            context = pending.pop(0)
+            body = self._body(context)
+            inlined: list[tuple[Any, ...]] = []
+            for op in body.operations:
+                inner = self.order_of.inlined_block(op)
+                if inner is not None:
+                    child = (*context, _key(op))
+                    self.contexts[child] = (inner, op, context)
+                    inlined.append(child)
+                elif op.operation.name not in _TERMINATORS:
+                    listed.append(_Node(context, op))
+            pending[0:0] = inlined
+        return listed
+
+    def resolve(self, value: Any, context: tuple[Any, ...]) -> _Node | None:
+        """The node that produces ``value`` in ``context``; None for a parameter."""
+        while True:
+            owner = value.owner
+            body, inliner, parent = self.contexts[context]
+            if isinstance(owner, ir.Block):
+                if owner != body or inliner is None:
+                    return None  # a parameter of this computation (or from outside it)
+                value = inliner.operation.operands[ir.BlockArgument(value).arg_number]
+                context = parent
+                continue
+            op = owner
+            if op.operation.block != body:
+                return None  # defined outside this computation: reaches it as operand
+            inner = self.order_of.inlined_block(op)
+            if inner is None:
+                return _Node(context, op)
+            child = (*context, _key(op))
+            if child not in self.contexts:
+                self.contexts[child] = (inner, op, context)
+            returned = inner.operations[len(inner.operations) - 1]
+            value = returned.operation.operands[ir.OpResult(value).result_number]
+            context = child
+
+    def inputs(self, node: _Node) -> Iterator[_Node]:
+        info = self.order_of.info(node.op)
+        for value in (*info.operands, *info.captures):
+            producer = self.resolve(value, node.context)
+            if producer is not None:
+                yield producer
+
+    def order(self) -> list[Any]:
+        listed = self.nodes()
+        terminator = self.block.operations[len(self.block.operations) - 1]
+        root_inputs = [n for v in terminator.operation.operands
+                       if (n := self.resolve(v, ())) is not None]
+        effects = [n for n in listed if self.order_of.info(n.op).side_effect]
+        used = self._used(root_inputs, effects)
+        unreachable_roots = [n for n in effects if _node_key(n) not in used]
+        visited: set[Any] = set()
+        ordered: list[Any] = []
+        for start in (*unreachable_roots, *root_inputs):
+            self._post_order(start, visited, ordered)
+        return ordered
+
+    def _used(self, root_inputs: list[_Node], effects: list[_Node]) -> set[Any]:
+        """Nodes that a live node (or the root) uses, after XLA's dead-code removal."""
+        used = {_node_key(n) for n in root_inputs}
+        live: set[Any] = set()
+        stack = [*root_inputs, *effects]
+        while stack:
+            node = stack.pop()
+            key = _node_key(node)
+            if key in live:
+                continue
+            live.add(key)
+            for producer in self.inputs(node):
+                used.add(_node_key(producer))
+                stack.append(producer)
+        return used
+
+    def _post_order(self, start: _Node, visited: set[Any], ordered: list[Any]) -> None:
+        # Iterative depth-first search, operands in order, as HloInstruction::Accept.
+        stack: list[tuple[_Node, Iterator[_Node] | None]] = [(start, None)]
+        while stack:
+            node, children = stack[-1]
+            if children is None:
+                key = _node_key(node)
+                if key in visited:
+                    stack.pop()
+                    continue
+                visited.add(key)
+                children = self.inputs(node)
+                stack[-1] = (node, children)
+            child = next(children, None)
+            if child is None:
+                stack.pop()
+                ordered.append(node.op)
+            elif _node_key(child) not in visited:
+                stack.append((child, None))
+
+
+def _node_key(node: _Node) -> tuple[Any, ...]:
+    return (*node.context, _key(node.op))
+
