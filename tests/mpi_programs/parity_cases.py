@@ -30,6 +30,7 @@ MISMATCH = "Deadlock detected. Last checked instructions: %psend"
 BETWEEN = ("Expected send and recv instructions to have the same source-target pairs, but "
            "could not match some instructions. Introducing the following instruction will "
            "cause a deadlock:\n%collective-permute")
+TWO_SENDS = "Expected recv, but found %psend.1 = "
 
 
 def put(mesh: jax.sharding.Mesh, spec: P, value: np.ndarray) -> jax.Array:
@@ -79,16 +80,34 @@ def _mismatched(a):  # JAX: test_psend_precv_basic_with_non_matching_source_targ
 
 
 def _collective_between(a):
+    # The barrier puts the ppermute between the psend and the precv in XLA's order too
+    # (the precv's token is the barrier's): psend, ppermute, precv.
     token = jax.lax.psend(a, "x", [(0, 1)])
     b = jax.lax.ppermute(a, "x", [(1, 0)])
+    token, b = jax.lax.optimization_barrier((token, b))
     return jax.lax.precv(token, like(a), "x", [(0, 1)]) + b
 
 
-def _two_sends_forming_a_cycle(a):
+def _two_sends_joined_by_a_barrier(a):
+    # Both tokens pass through one barrier before the precvs: XLA visits the barrier's
+    # operands (both psends) before either precv, so it sees send, send, recv, recv.
     t1 = jax.lax.psend(a, "x", [(0, 1)])
-    t2 = jax.lax.psend(a, "x", [(1, 0)])
+    t2 = jax.lax.psend(a + 1, "x", [(1, 0)])
+    t1, t2 = jax.lax.optimization_barrier((t1, t2))
     return (jax.lax.precv(t1, like(a), "x", [(0, 1)])
             + jax.lax.precv(t2, like(a), "x", [(1, 0)]))
+
+
+def _dropped_token_psend_is_visited_first(a):
+    # A psend whose token nothing uses is an "unreachable root" of the computation: XLA
+    # visits it before everything the result depends on, so the verifier sees
+    # psend([(1, 0)]), psend([(0, 1)]), precv, precv: two psends in a row that form a
+    # cycle. In program order (psend, precv, psend, precv) it would pass.
+    t1 = jax.lax.psend(a, "x", [(0, 1)])
+    r1 = jax.lax.precv(t1, like(a), "x", [(0, 1)])
+    jax.lax.psend(a + 1, "x", [(1, 0)])
+    r2 = jax.lax.precv(jax.lax.create_token(), like(a), "x", [(1, 0)])
+    return r1 + r2
 
 
 def _cycle_in_scan(a):
@@ -143,9 +162,12 @@ REJECTED: dict[str, Rejected] = {
     "mismatched": Rejected(_mismatched, jax.errors.JaxRuntimeError, _exact(MISMATCH)),
     "collective_between": Rejected(_collective_between, jax.errors.JaxRuntimeError,
                                    _exact(BETWEEN)),
-    "two_sends_forming_a_cycle": Rejected(_two_sends_forming_a_cycle,
-                                          jax.errors.JaxRuntimeError,
-                                          _exact("Expected recv, but found %psend.1 = ")),
+    "two_sends_joined_by_a_barrier": Rejected(_two_sends_joined_by_a_barrier,
+                                              jax.errors.JaxRuntimeError,
+                                              _exact(TWO_SENDS)),
+    "dropped_token_psend_is_visited_first": Rejected(
+        _dropped_token_psend_is_visited_first, jax.errors.JaxRuntimeError,
+        _exact(TWO_SENDS)),
     "cycle_in_scan": Rejected(_cycle_in_scan, jax.errors.JaxRuntimeError, _exact(CYCLE)),
     "psend_in_loop_precv_nowhere": Rejected(_psend_in_loop_precv_nowhere,
                                             jax.errors.JaxRuntimeError, _exact(NO_RECV)),
@@ -209,6 +231,75 @@ def accepted_precv_before_psend(mesh, gather: Gather):
     n = mesh.shape["x"]
     got = gather(program(mesh, _precv_before_psend)(put(mesh, ROWS, rows(n))))
     return got, np.zeros((n, 2), np.float32)
+
+
+def _two_sends_then_two_precvs(a):
+    # issue 12: JAX emits psend, psend, precv, precv; XLA's verifier sees each precv
+    # right after the psend whose token it takes (psend, precv, psend, precv).
+    t1 = jax.lax.psend(a, "x", [(0, 1)])
+    t2 = jax.lax.psend(a + 1, "x", [(1, 0)])
+    r1 = jax.lax.precv(t1, like(a), "x", [(0, 1)])
+    r2 = jax.lax.precv(t2, like(a), "x", [(1, 0)])
+    return jnp.concatenate([r1, r2], axis=1)
+
+
+def accepted_two_sends_then_two_precvs(mesh, gather: Gather, width: int = 2):
+    """Both directions of the issue's program, and what they must be (numpy)."""
+    x = put(mesh, ROWS, rows(2, width))
+    got = gather(program(mesh, _two_sends_then_two_precvs)(x))
+    sent = rows(2, width)
+    expected = np.zeros((2, 2 * width), np.float32)
+    expected[1, :width] = sent[0]  # pair (0, 1) carries row 0 to device 1
+    expected[0, width:] = sent[1] + np.float32(1)  # pair (1, 0) carries row 1 + 1 back
+    return got, expected
+
+
+def _opposite_order(a):
+    # psend A, psend B, precv B, precv A: in program order two psends in a row whose
+    # pairs form the cycle 0 -> 1 -> 0, but XLA rebuilds the computation depth-first
+    # from its root, so each precv directly follows its own psend: B, B, A, A
+    # (the result uses rB first). XLA accepts it, and so do we.
+    t_a = jax.lax.psend(a, "x", [(0, 1)])
+    t_b = jax.lax.psend(a * 10, "x", [(1, 0)])
+    r_b = jax.lax.precv(t_b, like(a), "x", [(1, 0)])
+    r_a = jax.lax.precv(t_a, like(a), "x", [(0, 1)])
+    return jnp.concatenate([r_b, r_a], axis=1)
+
+
+def accepted_opposite_order(mesh, gather: Gather):
+    x = put(mesh, ROWS, rows(2))
+    got = gather(program(mesh, _opposite_order)(x))
+    want = gather(program(mesh, lambda a: jnp.concatenate(
+        [ppermute(a * 10, [(1, 0)]), ppermute(a, [(0, 1)])], axis=1))(x))
+    return got, want
+
+
+def _ppermute_between_in_program_order(a):
+    # A ppermute between a psend and its precv in program order only: the precv's
+    # token comes straight from the psend, so XLA visits precv right after psend and
+    # the ppermute after both. XLA accepts it (the psend never waits).
+    token = jax.lax.psend(a, "x", [(0, 1)])
+    b = jax.lax.ppermute(a, "x", [(1, 0)])
+    return jax.lax.precv(token, like(a), "x", [(0, 1)]) + b
+
+
+def accepted_ppermute_between_in_program_order(mesh, gather: Gather):
+    x = put(mesh, ROWS, rows(2))
+    got = gather(program(mesh, _ppermute_between_in_program_order)(x))
+    want = gather(program(mesh, lambda a: ppermute(a, [(0, 1)]) + ppermute(a, [(1, 0)]))(x))
+    return got, want
+
+
+#: Accepted programs whose order XLA's verifier sees differs from JAX's program order,
+#: for the order tests and scripts/gpu_parity_check.py: name -> (fn, the kinds in XLA's
+#: order).
+REORDERED: dict[str, tuple[Callable, tuple[str, ...]]] = {
+    "two_sends_then_two_precvs": (_two_sends_then_two_precvs,
+                                  ("psend", "precv", "psend", "precv")),
+    "opposite_order": (_opposite_order, ("psend", "precv", "psend", "precv")),
+    "ppermute_between_in_program_order": (
+        _ppermute_between_in_program_order, ("psend", "precv", "collective-permute")),
+}
 
 
 # ------------------------------------------- JAX GPU performance tips: manual pipelining
@@ -309,3 +400,34 @@ def accepted_pipeline(mesh, gather: Gather):
     got = [gather(v) for v in pipeline_program(mesh, manual=True)(*args)]
     want = [gather(v) for v in pipeline_program(mesh, manual=False)(*args)]
     return got, want
+
+
+# ---------------------------------------------------------------- the whole corpus
+
+
+@dataclass(frozen=True)
+class Program:
+    """One program of the corpus, ready to lower: ``jitted.lower(*args)``."""
+
+    name: str
+    jitted: Callable
+    args: tuple
+    #: None if XLA GPU compiles it; else the start of the error message (a regex).
+    rejected: str | None
+
+
+def corpus(mesh) -> list[Program]:
+    """Every 2-device program of this file (for scripts/gpu_parity_check.py)."""
+    n = mesh.shape["x"]
+    x = put(mesh, ROWS, rows(n))
+    weights = np.random.default_rng(0).uniform(size=(n, 1)).astype(np.float32)
+    out = [Program(name, program(mesh, case.fn), (x,), case.message)
+           for name, case in sorted(REJECTED.items())]
+    out += [Program(name, program(mesh, fn), (x,), None)
+            for name, (fn, _) in sorted(REORDERED.items())]
+    out.append(Program("chain_then_back_edge",
+                       program(mesh, _chain_then_back_edge(p2p, n, weights)), (x,), None))
+    out.append(Program("precv_before_psend", program(mesh, _precv_before_psend), (x,), None))
+    out.append(Program("pipeline_of_the_gpu_performance_tips",
+                       pipeline_program(mesh, manual=True), pipeline_inputs(mesh), None))
+    return out
