@@ -43,8 +43,8 @@ something the StableHLO module determines.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ._compat import ir
@@ -58,20 +58,33 @@ _SIDE_EFFECT_OPS = frozenset({
 _TERMINATORS = frozenset({"func.return", "stablehlo.return", "sdy.return"})
 
 
-def _key(op: Any) -> Any:
-    return op.operation
+#: Where an operand comes from: ``(True, block, argument number, None)`` for a block
+#: argument, ``(False, producing op, result number, the op's block)`` for a result.
+_Source = tuple[bool, Any, int, Any]
+#: A node of a computation: the inlined call sites (keys, outermost first) and the op.
+_Node = tuple[tuple[Any, ...], Any]
+
+
+def _source(value: Any) -> _Source:
+    owner = value.owner
+    if isinstance(owner, ir.Block):
+        return (True, owner, ir.BlockArgument(value).arg_number, None)
+    operation = owner.operation
+    return (False, operation, ir.OpResult(value).result_number, operation.block)
 
 
 @dataclass
 class _OpInfo:
     """What the ordering needs of one op, read from the IR once."""
 
-    op: Any
+    op: Any  # the op view (what callers get back)
     name: str
-    operands: list[Any]
-    #: For an op with regions: the values its regions use from outside it.
-    captures: list[Any] = field(default_factory=list)
+    #: Sources of the operands then, for an op with regions, of the values its regions
+    #: use from outside it (XLA's export makes those operands too).
+    sources: list[_Source]
     side_effect: bool = False
+    #: The body XLA inlines in place of this op (func.call, manual computation).
+    inlined: Any | None = None
 
 
 class ModuleOrder:
@@ -98,17 +111,24 @@ class ModuleOrder:
         return None if function is None else function.regions[0].blocks[0]
 
     def info(self, op: Any) -> _OpInfo:
-        key = _key(op)
-        cached = self._info.get(key)
+        """``op`` may be an op view or an operation (the cache is keyed by operation)."""
+        operation = op.operation
+        cached = self._info.get(operation)
         if cached is not None:
             return cached
-        operation = op.operation
-        info = _OpInfo(op=op, name=operation.name, operands=list(operation.operands),
-                       side_effect=self._own_effect(op))
-        if len(operation.regions) and info.name not in _INLINED:
-            info.captures, nested_effect = self._captures_and_effect(operation)
+        name = operation.name
+        values = list(operation.operands)
+        info = _OpInfo(op=op, name=name, sources=[], side_effect=self._own_effect(op))
+        if name == "func.call":
+            info.inlined = self.entry_block(self.callee(op))
+        elif name in _INLINED:
+            info.inlined = operation.regions[0].blocks[0]
+        elif len(operation.regions):
+            captures, nested_effect = self._captures_and_effect(operation)
+            values += captures
             info.side_effect = info.side_effect or nested_effect
-        self._info[key] = info
+        info.sources = [_source(v) for v in values]
+        self._info[operation] = info
         return info
 
     def _own_effect(self, op: Any) -> bool:
@@ -161,15 +181,6 @@ class ModuleOrder:
         self._function_effects[name] = effect
         return effect
 
-    def inlined_block(self, op: Any) -> Any | None:
-        """The body XLA inlines for ``op`` (a call or manual computation), or None."""
-        name = op.operation.name
-        if name == "func.call":
-            return self.entry_block(self.callee(op))
-        if name in _INLINED:
-            return op.operation.regions[0].blocks[0]
-        return None
-
     # ---------------------------------------------------------------- ordering
 
     def computation(self, block: Any) -> list[Any]:
@@ -182,127 +193,114 @@ class ModuleOrder:
         return _Computation(self, block).order()
 
 
-@dataclass(frozen=True)
-class _Node:
-    context: tuple[Any, ...]  # the inlined call sites, outermost first
-    op: Any
-
-
 class _Computation:
     """One HLO computation: ``block`` with every inlined body expanded."""
 
     def __init__(self, order: ModuleOrder, block: Any) -> None:
         self.order_of = order
         self.block = block
-        # context -> (body block, the inlining op, the parent context)
-        self.contexts: dict[tuple[Any, ...], tuple[Any, Any, tuple[Any, ...]]] = {
+        # context -> (body block, info of the inlining op, parent context)
+        self.contexts: dict[tuple[Any, ...], tuple[Any, _OpInfo | None, tuple[Any, ...]]] = {
             (): (block, None, ())}
+        self._inputs: dict[_Node, list[_Node]] = {}
 
-    def _body(self, context: tuple[Any, ...]) -> Any:
-        return self.contexts[context][0]
+    def _enter(self, context: tuple[Any, ...], info: _OpInfo) -> tuple[Any, ...]:
+        child = (*context, info.op.operation)
+        if child not in self.contexts:
+            self.contexts[child] = (info.inlined, info, context)
+        return child
 
     def nodes(self) -> list[_Node]:
         """Every node in instruction-list order: the block's own ops in program order,
-        then each inlined body's (appended by the inliner, in call order)."""
+        then each inlined body's (the inliner appends them, in call order)."""
+        info_of = self.order_of.info
         listed: list[_Node] = []
         pending: list[tuple[Any, ...]] = [()]
         while pending:
             context = pending.pop(0)
-            body = self._body(context)
             inlined: list[tuple[Any, ...]] = []
-            for op in body.operations:
-                inner = self.order_of.inlined_block(op)
-                if inner is not None:
-                    child = (*context, _key(op))
-                    self.contexts[child] = (inner, op, context)
-                    inlined.append(child)
-                elif op.operation.name not in _TERMINATORS:
-                    listed.append(_Node(context, op))
+            for op in self.contexts[context][0].operations:
+                info = info_of(op)
+                if info.inlined is not None:
+                    inlined.append(self._enter(context, info))
+                elif info.name not in _TERMINATORS:
+                    listed.append((context, op.operation))
             pending[0:0] = inlined
         return listed
 
-    def resolve(self, value: Any, context: tuple[Any, ...]) -> _Node | None:
-        """The node that produces ``value`` in ``context``; None for a parameter."""
+    def resolve(self, source: _Source, context: tuple[Any, ...]) -> _Node | None:
+        """The node that produces ``source`` in ``context``; None for a parameter."""
+        info_of = self.order_of.info
         while True:
-            owner = value.owner
+            is_argument, owner, index, owner_block = source
             body, inliner, parent = self.contexts[context]
-            if isinstance(owner, ir.Block):
-                if owner != body or inliner is None:
+            if is_argument:
+                if inliner is None or owner != body:
                     return None  # a parameter of this computation (or from outside it)
-                value = inliner.operation.operands[ir.BlockArgument(value).arg_number]
+                source = inliner.sources[index]
                 context = parent
                 continue
-            op = owner
-            if op.operation.block != body:
+            if owner_block != body:
                 return None  # defined outside this computation: reaches it as operand
-            inner = self.order_of.inlined_block(op)
-            if inner is None:
-                return _Node(context, op)
-            child = (*context, _key(op))
-            if child not in self.contexts:
-                self.contexts[child] = (inner, op, context)
-            returned = inner.operations[len(inner.operations) - 1]
-            value = returned.operation.operands[ir.OpResult(value).result_number]
-            context = child
+            info = info_of(owner)
+            if info.inlined is None:
+                return (context, owner)
+            context = self._enter(context, info)
+            operations = info.inlined.operations
+            source = info_of(operations[len(operations) - 1]).sources[index]
 
-    def inputs(self, node: _Node) -> Iterator[_Node]:
-        info = self.order_of.info(node.op)
-        for value in (*info.operands, *info.captures):
-            producer = self.resolve(value, node.context)
-            if producer is not None:
-                yield producer
+    def inputs(self, node: _Node) -> list[_Node]:
+        cached = self._inputs.get(node)
+        if cached is None:
+            context, operation = node
+            cached = [producer for source in self.order_of.info(operation).sources
+                      if (producer := self.resolve(source, context)) is not None]
+            self._inputs[node] = cached
+        return cached
 
     def order(self) -> list[Any]:
+        info_of = self.order_of.info
         listed = self.nodes()
-        terminator = self.block.operations[len(self.block.operations) - 1]
-        root_inputs = [n for v in terminator.operation.operands
-                       if (n := self.resolve(v, ())) is not None]
-        effects = [n for n in listed if self.order_of.info(n.op).side_effect]
+        operations = self.block.operations
+        root_inputs = [n for source in info_of(operations[len(operations) - 1]).sources
+                       if (n := self.resolve(source, ())) is not None]
+        effects = [n for n in listed if info_of(n[1]).side_effect]
         used = self._used(root_inputs, effects)
-        unreachable_roots = [n for n in effects if _node_key(n) not in used]
-        visited: set[Any] = set()
-        ordered: list[Any] = []
+        unreachable_roots = [n for n in effects if n not in used]
+        visited: set[_Node] = set()
+        ordered: list[_Node] = []
         for start in (*unreachable_roots, *root_inputs):
             self._post_order(start, visited, ordered)
-        return ordered
+        return [info_of(operation).op for _, operation in ordered]
 
-    def _used(self, root_inputs: list[_Node], effects: list[_Node]) -> set[Any]:
+    def _used(self, root_inputs: list[_Node], effects: list[_Node]) -> set[_Node]:
         """Nodes that a live node (or the root) uses, after XLA's dead-code removal."""
-        used = {_node_key(n) for n in root_inputs}
-        live: set[Any] = set()
+        used = set(root_inputs)
+        live: set[_Node] = set()
         stack = [*root_inputs, *effects]
         while stack:
             node = stack.pop()
-            key = _node_key(node)
-            if key in live:
+            if node in live:
                 continue
-            live.add(key)
-            for producer in self.inputs(node):
-                used.add(_node_key(producer))
-                stack.append(producer)
+            live.add(node)
+            producers = self.inputs(node)
+            used.update(producers)
+            stack.extend(producers)
         return used
 
-    def _post_order(self, start: _Node, visited: set[Any], ordered: list[Any]) -> None:
+    def _post_order(self, start: _Node, visited: set[_Node], ordered: list[_Node]) -> None:
         # Iterative depth-first search, operands in order, as HloInstruction::Accept.
-        stack: list[tuple[_Node, Iterator[_Node] | None]] = [(start, None)]
+        if start in visited:
+            return
+        visited.add(start)
+        stack = [(start, iter(self.inputs(start)))]
         while stack:
             node, children = stack[-1]
-            if children is None:
-                key = _node_key(node)
-                if key in visited:
-                    stack.pop()
-                    continue
-                visited.add(key)
-                children = self.inputs(node)
-                stack[-1] = (node, children)
-            child = next(children, None)
-            if child is None:
+            for child in children:
+                if child not in visited:
+                    visited.add(child)
+                    stack.append((child, iter(self.inputs(child))))
+                    break
+            else:
                 stack.pop()
-                ordered.append(node.op)
-            elif _node_key(child) not in visited:
-                stack.append((child, None))
-
-
-def _node_key(node: _Node) -> tuple[Any, ...]:
-    return (*node.context, _key(node.op))
-
+                ordered.append(node)
