@@ -122,6 +122,121 @@ def test_pipeline_of_the_gpu_performance_tips():
     assert np.abs(want_out[1:]).min(axis=(1, 2, 3)).max() > 0  # stages 1.. got real data
 
 
+# ------------------------------------------- the order XLA's verifier walks (issue 12)
+
+#: 32 MiB of float32 per device and direction.
+BIG_WIDTH = 8 * 1024 * 1024
+
+
+def xla_order(mesh, fn, *args) -> list[str]:
+    """Names of the psends/precvs/collectives in the order the check visits them."""
+    with config.overrides(gpu_parity=False):
+        module = cases.program(mesh, fn).lower(*args).compiler_ir("stablehlo")
+    return [event.name for event in validation.collect_events(module)]
+
+
+def test_two_psends_then_two_precvs_lower_with_the_check_on_and_move_32_mib_each_way(mesh2):
+    # The issue's program: psend, psend, precv, precv in JAX's order. XLA GPU's verifier
+    # sees psend, precv, psend, precv (each precv right after the psend of its token)
+    # and compiles it, so the check must accept it too.
+    assert config.current().gpu_parity
+    got, expected = cases.accepted_two_sends_then_two_precvs(mesh2, gather, BIG_WIDTH)
+    assert got.shape == (2, 2 * BIG_WIDTH) and got.dtype == np.float32
+    np.testing.assert_array_equal(got, expected)
+    assert expected[1, :BIG_WIDTH].min() > 0 and expected[0, BIG_WIDTH:].min() > 0
+
+
+def test_the_same_sends_joined_by_one_barrier_are_rejected_when_lowered(mesh2):
+    # optimization_barrier((t1, t2)) makes both precvs depend on both psends: XLA visits
+    # the barrier's operands first and sees send, send, recv, recv.
+    x = cases.put(mesh2, cases.ROWS, cases.rows(2))
+    f = cases.program(mesh2, cases.REJECTED["two_sends_joined_by_a_barrier"].fn)
+    with pytest.raises(validation.GpuParityError) as info:
+        f.lower(x)
+    assert info.value.xla_message == (
+        "Expected recv, but found %psend.1 = token[] psend(f32[1,2]), "
+        "source_target_pairs={{1,0}}")
+    assert "the cycle" in str(info.value)
+    assert [op.name for op in info.value.ops] == ["psend", "psend.1"]
+
+
+def test_psend_a_psend_b_precv_b_precv_a_is_accepted_as_xla_orders_it(mesh2):
+    # In program order this is two psends in a row whose pairs form the cycle 0 -> 1 -> 0
+    # ("Expected recv, but found ..."). XLA's SPMD partitioner rebuilds the computation
+    # depth-first from its root, so each precv directly follows the psend whose token it
+    # takes: B, B, A, A (the result concatenates rB first). Nothing can come between a
+    # psend and a precv that takes its token directly, so XLA GPU compiles it.
+    x = cases.put(mesh2, cases.ROWS, cases.rows(2))
+    fn, kinds = cases.REORDERED["opposite_order"]
+    assert xla_order(mesh2, fn, x) == ["psend", "precv", "psend.1", "precv.1"]
+    got, want = cases.accepted_opposite_order(mesh2, gather)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got[0, :2], cases.rows(2)[1] * 10)  # B: 1 -> 0
+    np.testing.assert_array_equal(got[1, 2:], cases.rows(2)[0])  # A: 0 -> 1
+
+
+def test_ppermute_between_psend_and_precv_in_program_order_only_is_accepted(mesh2):
+    got, want = cases.accepted_ppermute_between_in_program_order(mesh2, gather)
+    np.testing.assert_array_equal(got, want)
+    fn, _ = cases.REORDERED["ppermute_between_in_program_order"]
+    x = cases.put(mesh2, cases.ROWS, cases.rows(2))
+    assert xla_order(mesh2, fn, x) == ["psend", "precv", "collective-permute"]
+
+
+@pytest.mark.parametrize("name", sorted(cases.REORDERED))
+def test_reordered_programs_are_visited_in_xla_order(mesh2, name):
+    fn, kinds = cases.REORDERED[name]
+    x = cases.put(mesh2, cases.ROWS, cases.rows(2))
+    names = xla_order(mesh2, fn, x)
+    assert [n.split(".")[0] for n in names] == list(kinds)
+    cases.program(mesh2, fn).lower(x)  # accepted with the check on
+
+
+def test_a_psend_whose_token_is_dropped_is_visited_before_the_rest(mesh2):
+    # XLA's Accept visits unreachable roots (instructions nothing uses) before the root.
+    x = cases.put(mesh2, cases.ROWS, cases.rows(2))
+    fn = cases.REJECTED["dropped_token_psend_is_visited_first"].fn
+    with config.overrides(gpu_parity=False):
+        module = cases.program(mesh2, fn).lower(x).compiler_ir("stablehlo")
+    events = validation.collect_events(module)
+    assert [(e.name, e.pairs) for e in events] == [
+        ("psend", ((1, 0),)), ("psend.1", ((0, 1),)), ("precv", ((0, 1),)),
+        ("precv.1", ((1, 0),))]
+
+
+def test_loop_body_then_condition_and_calls_inlined_at_their_use(mesh2):
+    def fn(a):
+        def body(carry):
+            i, v = carry
+            # a jitted callee: XLA inlines it where its result is used
+            got = jax.jit(lambda u: cases.p2p(u, [(0, 1)]))(v)
+            return i + 1, jax.lax.pcast(got, "x", to="varying")
+
+        def cond(carry):
+            return carry[0] < 1
+
+        _, v = jax.lax.while_loop(cond, body, (0, a))
+        return cases.p2p(v, [(1, 0)])
+
+    x = cases.put(mesh2, cases.ROWS, cases.rows(2))
+    assert xla_order(mesh2, fn, x) == ["psend", "precv", "psend.1", "precv.1"]
+    got = gather(cases.program(mesh2, fn)(x))
+    want = np.zeros((2, 2), np.float32)
+    want[0] = cases.rows(2)[0]  # row 0 went 0 -> 1 in the loop, then 1 -> 0 after it
+    np.testing.assert_array_equal(got, want)
+
+
+def test_docs_pipeline_is_visited_in_program_order(mesh2):
+    # The docs' manually pipelined loop is visited as before: priming precv, the scan
+    # body (psend at the top, the ppermute the barrier puts after it, precv at the
+    # bottom), the final psend; its verdict (accepted) is unchanged.
+    with config.overrides(gpu_parity=False):
+        lowered = cases.pipeline_program(mesh2, manual=True).lower(
+            *cases.pipeline_inputs(mesh2))
+    names = [e.name for e in validation.collect_events(lowered.compiler_ir("stablehlo"))]
+    assert names == ["precv", "psend", "collective-permute", "precv.1", "psend.1"]
+
+
 def test_programs_without_psend_precv_are_not_walked(mesh2, monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("walked a program without psend/precv")
@@ -192,6 +307,8 @@ def test_every_two_device_scenario_under_mpirun():
         if rank >= 0:
             rejected = [line for line in lines if "rejected at lowering:" in line]
             assert len(rejected) == len(cases.REJECTED), run.report()
+            assert any("32 MiB each way, values right" in line for line in lines), (
+                run.report())
 
 
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.int8, np.uint16, np.bool_,

@@ -48,6 +48,18 @@ got, want, expected = cases.accepted_chain_then_back_edge(mesh, common.gather)
 np.testing.assert_allclose(got, want, rtol=1e-6)
 np.testing.assert_allclose(got, expected, rtol=1e-6)
 
+# issue 12: accepted because XLA's verifier sees each precv right after its psend.
+big = 8 * 1024 * 1024  # 32 MiB of float32 each way
+got, expected = cases.accepted_two_sends_then_two_precvs(mesh, common.gather, big)
+np.testing.assert_array_equal(got, expected)
+assert got.shape == (2, 2 * big)
+print("two psends then two precvs: 32 MiB each way, values right", flush=True)
+
+got, want = cases.accepted_opposite_order(mesh, common.gather)
+np.testing.assert_array_equal(got, want)
+got, want = cases.accepted_ppermute_between_in_program_order(mesh, common.gather)
+np.testing.assert_array_equal(got, want)
+
 got, want = cases.accepted_precv_before_psend(mesh, common.gather)
 np.testing.assert_array_equal(got, want)
 
