@@ -6,7 +6,11 @@ devices) and, all 2-device scenarios in one job, under ``mpirun -n 2``.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -167,7 +171,7 @@ def test_psend_a_psend_b_precv_b_precv_a_is_accepted_as_xla_orders_it(mesh2):
     # takes: B, B, A, A (the result concatenates rB first). Nothing can come between a
     # psend and a precv that takes its token directly, so XLA GPU compiles it.
     x = cases.put(mesh2, cases.ROWS, cases.rows(2))
-    fn, kinds = cases.REORDERED["opposite_order"]
+    fn, _ = cases.REORDERED["opposite_order"]
     assert xla_order(mesh2, fn, x) == ["psend", "precv", "psend.1", "precv.1"]
     got, want = cases.accepted_opposite_order(mesh2, gather)
     np.testing.assert_array_equal(got, want)
@@ -309,6 +313,25 @@ def test_every_two_device_scenario_under_mpirun():
             assert len(rejected) == len(cases.REJECTED), run.report()
             assert any("32 MiB each way, values right" in line for line in lines), (
                 run.report())
+
+
+def test_gpu_check_script_lists_every_program_with_our_verdict():
+    # scripts/gpu_parity_check.py needs 2 GPUs for XLA's verdicts; here it must still
+    # build the whole corpus, give our verdict for each program (the one the corpus
+    # expects) and say why XLA's are missing.
+    script = Path(__file__).parent.parent / "scripts" / "gpu_parity_check.py"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "needs at least 2 GPUs, found 0" in done.stderr
+    rows = [line.split(" | ") for line in done.stdout.splitlines()
+            if line.startswith("| ") and not line.startswith("| program")]
+    accepted = {p.name: p.rejected is None for p in cases.corpus(make_mesh((2, "x")))}
+    assert [row[0][2:] for row in rows] == list(accepted)
+    for name, xla, ours, agree in rows:
+        assert xla.startswith("not run") and agree == "- |", (name, xla, agree)
+        assert ours.startswith("accepted" if accepted[name[2:]] else "rejected: "), name
 
 
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.int8, np.uint16, np.bool_,
