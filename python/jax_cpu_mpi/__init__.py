@@ -1,6 +1,10 @@
-"""jax_cpu_mpi: ``jax.lax.psend`` / ``jax.lax.precv`` on CPU.
+"""jax_cpu_mpi: point-to-point ``psend`` / ``precv`` on CPU, and beyond JAX's deprecation.
 
-Importing the package registers CPU lowerings for JAX's point-to-point primitives:
+:func:`psend` / :func:`precv` are ``jax.lax.psend`` / ``jax.lax.precv`` (deprecated in JAX
+0.12) without the deprecation: JAX's primitives while JAX has them, ours once it drops them
+(:mod:`jax_cpu_mpi.primitives`), the same program on CPU and GPU.
+
+Importing the package registers CPU lowerings for the point-to-point primitives:
 
 * between devices of one process (``--xla_force_host_platform_device_count=N``), messages
   are copied directly between the device threads;
@@ -21,6 +25,7 @@ from . import plugin as _plugin
 from . import validation as _validation
 from .config import Config, configure
 from .mpi_runtime import MpiSetupError
+from .p2p import precv, psend
 
 __version__ = "0.1.0"
 
@@ -48,4 +53,5 @@ def stats() -> dict[str, int]:
 if not _plugin.disabled():
     install()
 
-__all__ = ["Config", "MpiSetupError", "__version__", "configure", "install", "stats"]
+__all__ = ["Config", "MpiSetupError", "__version__", "configure", "install", "precv", "psend",
+           "stats"]

@@ -33,7 +33,8 @@ import numpy as np
 from jax import lax
 
 from ._batching_collectives import as_tuple, batch_first, frame_members
-from ._compat import core, precv_p, psend_p
+from ._compat import core
+from .primitives import precv_p, psend_p
 
 
 @dataclass(frozen=True)

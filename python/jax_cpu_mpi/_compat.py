@@ -17,9 +17,6 @@ from jax._src.lib.mlir import ir as ir
 from jax._src.lib.mlir.dialects import hlo as hlo
 from jax._src.sharding_impls import SPMDAxisContext as SPMDAxisContext
 
-psend_p = parallel.psend_p
-precv_p = parallel.precv_p
-
 # Batching (jax_cpu_mpi.batching): the primitives whose JAX batchers are placeholders,
 # the rule table, and ppermute's batcher (which JAX lends to psend/precv).
 fancy_primitive_batchers = batching.fancy_primitive_batchers
@@ -37,7 +34,7 @@ pcollectives_lowering_common = parallel._pcollectives_lowering_common
 
 #: The effect psend and precv carry; jit, shard_map and control flow propagate it, so a
 #: program without it has no psend/precv (validation.py skips such programs).
-single_side_collective_effect = parallel.single_side_collective_effect
+single_side_collective_effect = getattr(parallel, "single_side_collective_effect", None)
 
 #: optimization_barrier and JAX's lowering rule for it (_barrier_tokens.py wraps it).
 optimization_barrier_p = lax_internal.optimization_barrier_p
@@ -65,11 +62,89 @@ __all__ = [
     "pcollectives_lowering_common",
     "platform_lowering",
     "ppermute_batcher",
-    "precv_p",
     "preduced_p",
-    "psend_p",
     "reduced_vary_cast_p",
     "unreduced_psum_p",
     "unreduced_reduce_scatter_p",
     "vary_unreduced_cast_p",
+]
+
+
+# --------------------------------------------------------------------------------------
+# psend / precv (jax_cpu_mpi.psend / precv, primitives.py, _own_primitives.py).
+#
+# JAX 0.12 deprecates jax.lax.psend / precv; a later JAX drops them. What jax_cpu_mpi needs
+# to keep them working is resolved here, each name with a fallback: JAX's primitives (None
+# where JAX has dropped them: primitives.py then defines ours), and what our own primitives
+# and our public functions are built from.
+from jax._src import dispatch as dispatch  # noqa: E402
+from jax._src import effects as effects_lib  # noqa: E402
+
+#: JAX's primitives, or None where JAX has dropped them.
+jax_psend_p = getattr(parallel, "psend_p", None)
+jax_precv_p = getattr(parallel, "precv_p", None)
+
+
+def _own_check_axis_names(axes, api_name):
+    """JAX's unbound-axis check (``parallel._check_axis_names``), for a JAX without it."""
+    axis_env = core.get_axis_env()
+    for name in axes:
+        if not isinstance(name, int) and not axis_env.axis_exists(name):
+            raise NameError(
+                f"Found an unbound axis name: {name}. To fix this, please call {api_name} "
+                "under `jax.shard_map`.")
+
+
+#: ``check_axis_names(axes, api_name)``: NameError for an axis name not bound by shard_map.
+check_axis_names = getattr(parallel, "_check_axis_names", _own_check_axis_names)
+
+
+def _own_insert_collective_pvary(axis_name, x):
+    """JAX's ``insert_collective_pvary``: mark ``x`` varying over ``axis_name`` (vma)."""
+    import jax
+    from jax._src import config as jax_config
+
+    if not jax_config.auto_pcast.value or not jax_config._check_vma.value:
+        return x
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    varying = core.typeof(x).vma
+    missing = tuple(n for n in names if n not in varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+#: ``insert_collective_pvary(axis_name, x)``: what JAX's collectives do to their operand.
+insert_collective_pvary = getattr(parallel, "insert_collective_pvary",
+                                  _own_insert_collective_pvary)
+
+
+def _own_single_side_collective_effect() -> core.Effect:
+    """An effect like JAX's ``SingleSideCollectiveEffect``, for a JAX that dropped it."""
+
+    class SingleSideCollectiveEffect(core.Effect):
+        __str__ = lambda _: "one-sided communication"  # noqa: E731
+
+        def __hash__(self):
+            return hash(SingleSideCollectiveEffect)
+
+        def __eq__(self, other):
+            return isinstance(other, SingleSideCollectiveEffect)
+
+    core.effects.control_flow_allowed_effects.add_type(SingleSideCollectiveEffect)
+    effects_lib.lowerable_effects.add_type(SingleSideCollectiveEffect)
+    return SingleSideCollectiveEffect()
+
+
+#: Whether :data:`single_side_collective_effect` is JAX's (False: ours, JAX dropped it).
+jax_has_single_side_effect = single_side_collective_effect is not None
+if single_side_collective_effect is None:
+    single_side_collective_effect = _own_single_side_collective_effect()
+
+__all__ += [
+    "check_axis_names",
+    "dispatch",
+    "effects_lib",
+    "insert_collective_pvary",
+    "jax_has_single_side_effect",
+    "jax_precv_p",
+    "jax_psend_p",
 ]

@@ -39,14 +39,14 @@ from ._compat import (
     core,
     fancy_primitive_batchers,
     ppermute_batcher,
-    precv_p,
     preduced_p,
-    psend_p,
     reduced_vary_cast_p,
     unreduced_psum_p,
     unreduced_reduce_scatter_p,
     vary_unreduced_cast_p,
 )
+from .primitives import OURS as _OUR_PRIMITIVES
+from .primitives import precv_p, psend_p
 
 Rule = Callable[..., object]
 
@@ -99,7 +99,12 @@ def is_raising_stub(rule: Rule | None) -> bool:
 
 
 def _is_ppermute_batcher(rule: Rule | None) -> bool:
-    return unwrap_rule(rule) is ppermute_batcher
+    return rule is not None and unwrap_rule(rule) is ppermute_batcher
+
+
+def _p2p_rule_replaces(rule: Rule | None) -> bool:
+    """JAX's psend/precv carry ppermute's batcher; ours (:mod:`.primitives`) carry none."""
+    return _is_ppermute_batcher(rule) or (_OUR_PRIMITIVES and rule is None)
 
 
 @dataclass(frozen=True)
@@ -125,10 +130,12 @@ RULES: tuple[RuleSpec, ...] = (
              is_raising_stub, "JAX's rule raises NotImplementedError"),
     RuleSpec(reduced_vary_cast_p, collectives.cast_rule(reduced_vary_cast_p),
              is_raising_stub, "JAX's rule raises NotImplementedError"),
-    RuleSpec(psend_p, p2p.psend_rule, _is_ppermute_batcher,
-             "JAX reuses ppermute's rule: vmap(psend) returns data, not a token"),
-    RuleSpec(precv_p, p2p.precv_rule, _is_ppermute_batcher,
-             "JAX reuses ppermute's rule: vmap(precv) is a TypeError"),
+    RuleSpec(psend_p, p2p.psend_rule, _p2p_rule_replaces,
+             "JAX reuses ppermute's rule: vmap(psend) returns data, not a token"
+             if not _OUR_PRIMITIVES else "our psend primitive's rule"),
+    RuleSpec(precv_p, p2p.precv_rule, _p2p_rule_replaces,
+             "JAX reuses ppermute's rule: vmap(precv) is a TypeError"
+             if not _OUR_PRIMITIVES else "our precv primitive's rule"),
 )
 
 #: JAX's rule for each primitive where ours was installed, as it was before.

@@ -1,7 +1,8 @@
 """``python -m jax_cpu_mpi info``: what jax_cpu_mpi is doing in this process, and why.
 
 One report per process: versions (jax, jaxlib, mpi4py, the MPI library and its ABI, as our
-extension and as mpi4py see it), whether the lowerings and each batching rule are active,
+extension and as mpi4py see it), whose psend/precv primitives are in use (JAX's or ours),
+whether the lowerings and each batching rule are active,
 how the process was launched, its devices, and which transport each pair of devices would
 use (``mailbox``: a copy between device threads of one process; ``mpi``: MPI
 point-to-point between processes). Under ``mpirun``/``srun`` every rank builds its report,
@@ -24,7 +25,8 @@ import jax
 
 from . import _jax_cpu_mpi as ext
 from . import launch, mpi_abi, plugin
-from ._compat import platform_lowering, precv_p, psend_p
+from ._compat import platform_lowering
+from .primitives import precv_p, psend_p
 
 #: Device matrices larger than this are summarized by process pair.
 MAX_MATRIX_DEVICES = 32
@@ -70,6 +72,13 @@ def lowerings_active() -> dict[str, bool]:
         entry = platform_lowering(prim, "cpu")
         result[prim.name] = getattr(entry, "rule", entry) is rule
     return result
+
+
+def primitives_in_use() -> dict[str, Any]:
+    """Whose psend/precv primitives ``jax_cpu_mpi.psend``/``precv`` bind (JAX's or ours)."""
+    from . import primitives
+
+    return primitives.in_use()
 
 
 def batching_rules_active() -> dict[str, bool]:
@@ -150,6 +159,7 @@ def local_report(mpi_module=None, mpi_error: str | None = None,
         "activation": {
             "entry_point": entry_point_registered(),
             "disabled_by_env": plugin.disabled(),
+            "primitives": primitives_in_use(),
             "lowerings": lowerings_active(),
             "batching_rules": batching_rules_active(),
         },
@@ -216,6 +226,11 @@ def format_process(report: Report) -> str:
         lines.append("PROBLEM:       " + mpi["problem"].replace("\n", "\n               "))
     lines.append(f"activation:    jax_plugins entry point {_flag(act['entry_point'])}; "
                  f"JAX_CPU_MPI_DISABLE {'set' if act['disabled_by_env'] else 'not set'}")
+    prims = act["primitives"]
+    lines.append("primitives:    " + (
+        "JAX's psend_p/precv_p (jax.lax.psend/precv and jax_cpu_mpi.psend/precv bind the same)"
+        if prims["primitives"] == "jax" else
+        "jax_cpu_mpi's own psend/precv (jax_cpu_mpi.psend/precv)") + f"; {prims['reason']}")
     lines.append("lowerings:     " + ", ".join(
         f"{k} {_flag(v)}" for k, v in act["lowerings"].items()))
     rules = act["batching_rules"]

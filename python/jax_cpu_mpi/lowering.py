@@ -1,4 +1,7 @@
-"""CPU lowerings of ``jax.lax.psend`` / ``jax.lax.precv`` to our XLA FFI custom calls.
+"""CPU lowerings of psend / precv to our XLA FFI custom calls.
+
+The primitives are those of :mod:`jax_cpu_mpi.primitives`: JAX's while JAX has them (so
+``jax.lax.psend`` and ``jax_cpu_mpi.psend`` lower alike), ours once JAX drops them.
 
 Each rule computes the source-target pairs with JAX's own helper (the same pairs, the same
 validation and the same errors as JAX's GPU lowering), then emits a typed-FFI custom call
@@ -26,9 +29,8 @@ from ._compat import (
     hlo,
     mlir,
     pcollectives_lowering_common,
-    precv_p,
-    psend_p,
 )
+from .primitives import precv_p, psend_p
 from .topology import PartitionTables, partition_tables
 
 PSEND_TARGET = "jax_cpu_mpi_psend"

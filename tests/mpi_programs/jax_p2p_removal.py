@@ -1,0 +1,68 @@
+"""Simulate a JAX that has dropped ``psend``/``precv`` (as JAX will after the 0.12 deprecation).
+
+:func:`simulate` deletes JAX's functions and primitives: ``jax._src.lax.parallel.psend``,
+``precv``, ``psend_p``, ``precv_p``, and ``jax.lax.psend``/``precv`` (exports on 0.10-0.11,
+deprecation entries on 0.12). It must run after ``import jax`` and before jax_cpu_mpi is
+imported (by hand, or by JAX's plugin discovery at the first ``jax.devices()``), so that
+jax_cpu_mpi finds no JAX primitive and defines its own.
+
+With :data:`ENV` set to ``1``, the test suite simulates the removal: ``tests/conftest.py``
+and ``_rank_output.py`` (every mpirun rank) call :func:`simulate_if_requested`, and Python
+subprocesses of the tests start through this file::
+
+    python jax_p2p_removal.py (-m MODULE | -f FILE) [ARGS...]
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+ENV = "JCM_TEST_JAX_WITHOUT_P2P"
+NAMES = ("psend", "precv", "psend_p", "precv_p")
+
+
+def requested() -> bool:
+    return os.environ.get(ENV, "") == "1"
+
+
+def simulate() -> None:
+    """Delete JAX's psend/precv functions and primitives; jax_cpu_mpi must not be imported."""
+    if "jax_cpu_mpi" in sys.modules:
+        raise RuntimeError("simulate JAX's psend/precv removal before importing jax_cpu_mpi")
+    import jax.lax
+    from jax._src.lax import parallel
+
+    for name in NAMES:
+        if hasattr(parallel, name):
+            delattr(parallel, name)
+    for name in ("psend", "precv"):
+        jax.lax.__dict__.pop(name, None)  # jax 0.10 / 0.11: plain exports
+        getattr(jax.lax, "_deprecations", {}).pop(name, None)  # jax 0.12: deprecated
+    assert not any(hasattr(parallel, n) for n in NAMES)
+    assert not hasattr(jax.lax, "psend") and not hasattr(jax.lax, "precv")
+
+
+def simulate_if_requested() -> None:
+    if requested():
+        simulate()
+
+
+def python_prefix() -> list[str]:
+    """The command that starts a Python subprocess of the tests (through this file if
+    :data:`ENV` is set, so that the subprocess simulates the removal too)."""
+    if requested():
+        return [sys.executable, os.path.abspath(__file__)]
+    return [sys.executable]
+
+
+if __name__ == "__main__":
+    kind, target, *args = sys.argv[1:]
+    simulate_if_requested()
+    sys.argv = [target, *args]
+    if kind == "-m":
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+        runpy.run_path(target, run_name="__main__")
