@@ -16,9 +16,11 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jax_cpu_mpi
 from conftest import make_mesh
 from jax_cpu_mpi import _batching_p2p, batching
-from jax_cpu_mpi._compat import fancy_primitive_batchers, parallel, psend_p
+from jax_cpu_mpi._compat import fancy_primitive_batchers, parallel
+from jax_cpu_mpi.primitives import psend_p
 from mpi_launcher import assert_mpi_ok, run_mpi
 
 B = cases.B
@@ -324,9 +326,9 @@ def test_p2p_over_the_vmapped_axis_is_a_permutation(perm, wrap):
     x = cases.sample((4, 3), seed=91)
 
     def f(v):
-        tok = jax.lax.psend(v, "a", perm)
+        tok = jax_cpu_mpi.psend(v, "a", perm)
         assert isinstance(jax.typeof(tok), jax.extend.core.AbstractToken)
-        return jax.lax.precv(tok, jax.ShapeDtypeStruct(v.shape, v.dtype), "a", perm)
+        return jax_cpu_mpi.precv(tok, jax.ShapeDtypeStruct(v.shape, v.dtype), "a", perm)
 
     if wrap == "eager":
         got = jax.vmap(f, axis_name="a")(x)
@@ -353,17 +355,17 @@ def test_p2p_over_the_vmapped_axis_unbatched_operand():
 def test_precv_over_vmapped_axis_needs_its_psend():
     x = np.ones((4, 3), np.float32)
     with pytest.raises(NotImplementedError, match="token returned by a psend"):
-        jax.vmap(lambda v: jax.lax.precv(jax.lax.create_token(),
-                                         jax.ShapeDtypeStruct(v.shape, v.dtype), "a",
-                                         [(0, 1)]), axis_name="a")(x)
+        jax.vmap(lambda v: jax_cpu_mpi.precv(jax.lax.create_token(),
+                                             jax.ShapeDtypeStruct(v.shape, v.dtype), "a",
+                                             [(0, 1)]), axis_name="a")(x)
 
 
 def test_precv_over_vmapped_axis_checks_shape_and_perm():
     x = np.ones((4, 3), np.float32)
 
     def f(v):
-        tok = jax.lax.psend(v, "a", [(0, 1)])
-        return jax.lax.precv(tok, jax.ShapeDtypeStruct((2,), v.dtype), "a", [(0, 1)])
+        tok = jax_cpu_mpi.psend(v, "a", [(0, 1)])
+        return jax_cpu_mpi.precv(tok, jax.ShapeDtypeStruct((2,), v.dtype), "a", [(0, 1)])
 
     with pytest.raises(ValueError, match=r"out_shape float32\[2\].*float32\[3\]"):
         jax.vmap(f, axis_name="a")(x)

@@ -205,10 +205,10 @@ def test_barrier_over_a_token_orders_and_keeps_the_bits_of_every_array(mesh2, dt
     x = cases.put(mesh2, cases.ROWS, values)
 
     def f(a):
-        token = jax.lax.psend(a, "x", [(0, 1)])
+        token = jax_cpu_mpi.psend(a, "x", [(0, 1)])
         a2, _ = jax.lax.optimization_barrier((a, token))  # a2 after the psend
         _, token2 = jax.lax.optimization_barrier((a2, jax.lax.create_token()))  # after a2
-        got = jax.lax.precv(token2, cases.like(a), "x", [(0, 1)])
+        got = jax_cpu_mpi.precv(token2, cases.like(a), "x", [(0, 1)])
         return jnp.concatenate([a2, got], axis=1)
 
     out = np.asarray(cases.program(mesh2, f, check_vma=False)(x))

@@ -139,9 +139,9 @@ def test_dropped_token_still_sends():
     mesh = make_mesh((2, "x"))
 
     def body(v):
-        jax.lax.psend(v, "x", [(0, 1)])
-        return jax.lax.precv(jax.lax.create_token(), jax.ShapeDtypeStruct(v.shape, v.dtype),
-                             "x", [(0, 1)])
+        jax_cpu_mpi.psend(v, "x", [(0, 1)])
+        return jax_cpu_mpi.precv(jax.lax.create_token(), jax.ShapeDtypeStruct(v.shape, v.dtype),
+                                 "x", [(0, 1)])
 
     x = jax.device_put(jnp.arange(4.0), jax.sharding.NamedSharding(mesh, P("x")))
     got = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))(x)

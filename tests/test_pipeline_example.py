@@ -12,11 +12,11 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from functools import cache
 
 import numpy as np
 import pytest
+from jax_p2p_removal import python_prefix
 
 from jax_cpu_mpi.examples.pipeline import make_problem
 from mpi_launcher import run_mpi
@@ -66,7 +66,7 @@ def parse_run(output: str) -> np.ndarray:
 def single_process_run() -> np.ndarray:
     env = dict(os.environ, JAX_CPU_MPI_RECV_TIMEOUT="60")
     env.pop("XLA_FLAGS", None)  # the example sets its own device count
-    proc = subprocess.run([sys.executable, "-m", MODULE, *ARGS], capture_output=True,
+    proc = subprocess.run([*python_prefix(), "-m", MODULE, *ARGS], capture_output=True,
                           text=True, env=env, timeout=150)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output

@@ -139,6 +139,18 @@ jax_has_single_side_effect = single_side_collective_effect is not None
 if single_side_collective_effect is None:
     single_side_collective_effect = _own_single_side_collective_effect()
 
+def register_source_exclusion(path: str) -> None:
+    """Treat ``path`` as JAX-internal in source locations and filtered tracebacks, as JAX's
+    own files are, so that a psend traced through our wrapper is located at the user's line
+    (parity messages, lowered locations, errors). A no-op on a JAX without these hooks."""
+    from jax._src import source_info_util, traceback_util
+
+    for module in (source_info_util, traceback_util):
+        register = getattr(module, "register_exclusion", None)
+        if register is not None:
+            register(path)
+
+
 __all__ += [
     "check_axis_names",
     "dispatch",
@@ -147,4 +159,5 @@ __all__ += [
     "jax_has_single_side_effect",
     "jax_precv_p",
     "jax_psend_p",
+    "register_source_exclusion",
 ]

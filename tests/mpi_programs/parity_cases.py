@@ -20,6 +20,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jax_cpu_mpi
+
 Gather = Callable[[jax.Array], np.ndarray]
 ROWS = P("x", None)
 
@@ -55,46 +57,46 @@ def rows(n: int, width: int = 2) -> np.ndarray:
 
 
 def _cycle(a):  # JAX: test_psend_precv_basic_with_deadlock_cycle
-    token = jax.lax.psend(a, "x", [(0, 1), (1, 0)])
-    return jax.lax.precv(token, like(a), "x", [(0, 1), (1, 0)])
+    token = jax_cpu_mpi.psend(a, "x", [(0, 1), (1, 0)])
+    return jax_cpu_mpi.precv(token, like(a), "x", [(0, 1), (1, 0)])
 
 
 def _self_pair(a):  # XLA: a pair (i, i) is a cycle
-    token = jax.lax.psend(a, "x", [(0, 0)])
-    return jax.lax.precv(token, like(a), "x", [(0, 0)])
+    token = jax_cpu_mpi.psend(a, "x", [(0, 0)])
+    return jax_cpu_mpi.precv(token, like(a), "x", [(0, 0)])
 
 
 def _dangling_precv(a):  # JAX: test_psend_precv_basic_with_dangling_recv
-    return jax.lax.precv(jax.lax.create_token(), like(a), "x", [(0, 1)])
+    return jax_cpu_mpi.precv(jax.lax.create_token(), like(a), "x", [(0, 1)])
 
 
 def _dangling_psend(a):
-    jax.lax.psend(a, "x", [(0, 1)])
+    jax_cpu_mpi.psend(a, "x", [(0, 1)])
     return a
 
 
 def _mismatched(a):  # JAX: test_psend_precv_basic_with_non_matching_source_target_pairs
-    token = jax.lax.psend(a, "x", [(0, 1)])
-    return jax.lax.precv(token, like(a), "x", [(1, 0)])
+    token = jax_cpu_mpi.psend(a, "x", [(0, 1)])
+    return jax_cpu_mpi.precv(token, like(a), "x", [(1, 0)])
 
 
 def _collective_between(a):
-    token = jax.lax.psend(a, "x", [(0, 1)])
+    token = jax_cpu_mpi.psend(a, "x", [(0, 1)])
     b = jax.lax.ppermute(a, "x", [(1, 0)])
-    return jax.lax.precv(token, like(a), "x", [(0, 1)]) + b
+    return jax_cpu_mpi.precv(token, like(a), "x", [(0, 1)]) + b
 
 
 def _two_sends_forming_a_cycle(a):
-    t1 = jax.lax.psend(a, "x", [(0, 1)])
-    t2 = jax.lax.psend(a, "x", [(1, 0)])
-    return (jax.lax.precv(t1, like(a), "x", [(0, 1)])
-            + jax.lax.precv(t2, like(a), "x", [(1, 0)]))
+    t1 = jax_cpu_mpi.psend(a, "x", [(0, 1)])
+    t2 = jax_cpu_mpi.psend(a, "x", [(1, 0)])
+    return (jax_cpu_mpi.precv(t1, like(a), "x", [(0, 1)])
+            + jax_cpu_mpi.precv(t2, like(a), "x", [(1, 0)]))
 
 
 def _cycle_in_scan(a):
     def step(carry, _):
-        token = jax.lax.psend(carry, "x", [(0, 1), (1, 0)])
-        out = jax.lax.precv(token, like(carry), "x", [(0, 1), (1, 0)])
+        token = jax_cpu_mpi.psend(carry, "x", [(0, 1), (1, 0)])
+        out = jax_cpu_mpi.precv(token, like(carry), "x", [(0, 1), (1, 0)])
         return jax.lax.pcast(out, "x", to="varying"), None
 
     return jax.lax.scan(step, a, None, length=3)[0]
@@ -102,7 +104,7 @@ def _cycle_in_scan(a):
 
 def _psend_in_loop_precv_nowhere(a):  # the loop body is checked once, psend stays pending
     def step(carry, _):
-        jax.lax.psend(carry, "x", [(0, 1)])
+        jax_cpu_mpi.psend(carry, "x", [(0, 1)])
         return carry * 2, None
 
     return jax.lax.scan(step, a, None, length=3)[0]
@@ -111,15 +113,15 @@ def _psend_in_loop_precv_nowhere(a):  # the loop body is checked once, psend sta
 def _mismatch_in_nested_jit_and_cond(a):
     @jax.jit
     def inner(v):
-        token = jax.lax.psend(v, "x", [(0, 1)])
-        return jax.lax.pcast(jax.lax.precv(token, like(v), "x", [(1, 0)]), "x", to="varying")
+        token = jax_cpu_mpi.psend(v, "x", [(0, 1)])
+        return jax.lax.pcast(jax_cpu_mpi.precv(token, like(v), "x", [(1, 0)]), "x", to="varying")
 
     return jax.lax.cond(a.sum() > 0, inner, lambda v: v, a)
 
 
 def _duplicate_pairs(a):  # JAX: test_psend_precv_basic_with_duplicate_source_target_pairs
-    token = jax.lax.psend(a, "x", [(0, 1), (0, 1)])
-    return jax.lax.precv(token, like(a), "x", [(1, 0)])
+    token = jax_cpu_mpi.psend(a, "x", [(0, 1), (0, 1)])
+    return jax_cpu_mpi.precv(token, like(a), "x", [(1, 0)])
 
 
 @dataclass(frozen=True)
@@ -164,8 +166,8 @@ Shift = Callable[[jax.Array, list[tuple[int, int]]], jax.Array]
 
 
 def p2p(x: jax.Array, perm: list[tuple[int, int]]) -> jax.Array:
-    token = jax.lax.psend(x, "x", perm)
-    return jax.lax.precv(token, like(x), "x", perm)
+    token = jax_cpu_mpi.psend(x, "x", perm)
+    return jax_cpu_mpi.precv(token, like(x), "x", perm)
 
 
 def ppermute(x: jax.Array, perm: list[tuple[int, int]]) -> jax.Array:
@@ -200,8 +202,8 @@ def accepted_chain_then_back_edge(mesh, gather: Gather, width: int = 2):
 
 
 def _precv_before_psend(a):  # JAX: test_psend_precv_reverse_two_gpus
-    dummy = jax.lax.precv(jax.lax.create_token(), like(a), "x", [(0, 1)])
-    jax.lax.psend(dummy, "x", [(0, 1)])
+    dummy = jax_cpu_mpi.precv(jax.lax.create_token(), like(a), "x", [(0, 1)])
+    jax_cpu_mpi.psend(dummy, "x", [(0, 1)])
     return dummy
 
 
@@ -246,7 +248,7 @@ def _pipeline(n: int, s: PipelineSizes, manual: bool) -> Callable:
         input_slice = jax.lax.dynamic_slice(
             input_buffer, (0, (i + 0) % s.microbatches, 0, 0), block)
         if manual:  # send_fwd: matches the precv of the previous step (or the prologue)
-            fwd_send_token = jax.lax.psend(prev_res, "x", fwd_perm)
+            fwd_send_token = jax_cpu_mpi.psend(prev_res, "x", fwd_perm)
         compute_argument = on_first_device(
             on_first_cycle(i, input_slice, prev_bwd), prev_fwd
         ).reshape((1, s.contracting, s.non_contracting))
@@ -262,8 +264,8 @@ def _pipeline(n: int, s: PipelineSizes, manual: bool) -> Callable:
         if manual:  # recv_fwd after the ppermute; the next step's psend matches it
             precv_token, _ = jax.lax.optimization_barrier(
                 (jax.lax.create_token(), bwd_data))
-            fwd_data = jax.lax.precv(precv_token, jax.ShapeDtypeStruct(block, jnp.float32),
-                                     "x", fwd_perm)
+            fwd_data = jax_cpu_mpi.precv(precv_token, jax.ShapeDtypeStruct(block, jnp.float32),
+                                         "x", fwd_perm)
         else:
             fwd_data = jax.lax.ppermute(compute_result, "x", fwd_perm)
         output_buffer = jax.lax.dynamic_update_slice(
@@ -273,14 +275,14 @@ def _pipeline(n: int, s: PipelineSizes, manual: bool) -> Callable:
     def entry(weights, input_buffer, dummy_data):
         output_buffer = jnp.zeros_like(input_buffer)
         if manual:  # start the pipeline: a priming precv
-            first = jax.lax.precv(jax.lax.create_token(), like(dummy_data), "x", fwd_perm)
+            first = jax_cpu_mpi.precv(jax.lax.create_token(), like(dummy_data), "x", fwd_perm)
         else:
             first = dummy_data
         carry = (weights, input_buffer, output_buffer, first, dummy_data, dummy_data)
         steps = s.circ_repeats * s.microbatches + n - 1
         carry, _ = jax.lax.scan(body, carry, xs=jnp.arange(steps))
         if manual:  # the final psend matches the last step's precv
-            jax.lax.psend(carry[3], "x", fwd_perm)
+            jax_cpu_mpi.psend(carry[3], "x", fwd_perm)
         return carry[2], carry[4]
 
     return entry
