@@ -29,6 +29,11 @@ import jax_cpu_mpi  # noqa: E402
 if jax_p2p_removal.requested() and not jax_cpu_mpi.primitives.OURS:
     raise RuntimeError("JAX's psend/precv removal was simulated, but jax_cpu_mpi binds JAX's")
 
+def pytest_report_header(config):
+    use = jax_cpu_mpi.primitives.in_use()
+    return f"jax_cpu_mpi primitives: {use['primitives']} ({use['reason']})"
+
+
 #: Skips a test of plain ``jax.lax.psend``/``precv`` programs where JAX has none.
 needs_jax_p2p = pytest.mark.skipif(
     not jax_cpu_mpi.primitives.in_use()["jax_has_primitives"],

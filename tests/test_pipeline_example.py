@@ -14,6 +14,7 @@ import re
 import subprocess
 from functools import cache
 
+import jax_p2p_removal
 import numpy as np
 import pytest
 from jax_p2p_removal import python_prefix
@@ -62,6 +63,12 @@ def parse_run(output: str) -> np.ndarray:
     return np.array([float(m.group(3)) for m in steps])
 
 
+def assert_primitives(output: str) -> None:
+    """The example binds our own primitives where JAX's removal is simulated."""
+    whose = "jax_cpu_mpi" if jax_p2p_removal.requested() else "JAX"
+    assert f"psend/precv: {whose}'s primitives" in output, output
+
+
 @cache
 def single_process_run() -> np.ndarray:
     env = dict(os.environ, JAX_CPU_MPI_RECV_TIMEOUT="60")
@@ -71,6 +78,7 @@ def single_process_run() -> np.ndarray:
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output
     assert f"{STAGES} stages on 1 process(es) x 4 CPU device(s)" in output, output
+    assert_primitives(output)
     return parse_run(output)
 
 
@@ -83,6 +91,7 @@ def mpi_run(nprocs: int) -> np.ndarray:
     output = "\n".join(by_rank[0])
     assert f"{STAGES} stages on {nprocs} process(es) x {STAGES // nprocs} CPU device(s)" \
         in output, run.report()
+    assert_primitives(output)
     # Only process 0 prints the progress and the check.
     assert not any(_STEP_LINE.match(line) for r in range(1, nprocs) for line in by_rank[r])
     return parse_run(output)

@@ -364,6 +364,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{jax.local_device_count()} CPU device(s), {args.microbatches} microbatches of "
         f"{args.batch // args.microbatches}, width {args.width}, {args.steps} steps, "
         f"lr {args.lr:g}, seed {args.seed}")
+    whose = jax_cpu_mpi.primitives.in_use()["primitives"]
+    say(f"psend/precv: {'JAX' if whose == 'jax' else 'jax_cpu_mpi'}'s primitives")
     losses: list[float] = []
     timed = 0.0
     for i in range(args.steps):
