@@ -129,6 +129,8 @@ def test_no_deprecation_warning_from_ours():
 @pytest.mark.skipif(jax.__version_info__ < (0, 12), reason="JAX deprecates psend in 0.12")
 def test_jax_lax_psend_does_warn():
     """The warning the test above checks for exists (so that test can fail)."""
+    # JAX warns once per process (its module __getattr__ is functools.cache'd): forget that.
+    getattr(jax.lax.__getattr__, "cache_clear", lambda: None)()
     with pytest.warns(DeprecationWarning, match="jax.lax.psend is deprecated"):
         jax.lax.psend  # noqa: B018
 

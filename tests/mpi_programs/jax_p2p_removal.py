@@ -40,6 +40,7 @@ def simulate() -> None:
     for name in ("psend", "precv"):
         jax.lax.__dict__.pop(name, None)  # jax 0.10 / 0.11: plain exports
         getattr(jax.lax, "_deprecations", {}).pop(name, None)  # jax 0.12: deprecated
+    getattr(getattr(jax.lax, "__getattr__", None), "cache_clear", lambda: None)()
     assert not any(hasattr(parallel, n) for n in NAMES)
     assert not hasattr(jax.lax, "psend") and not hasattr(jax.lax, "precv")
 
