@@ -27,7 +27,7 @@ from jax_p2p_removal import python_prefix
 import jax_cpu_mpi
 from conftest import make_mesh, needs_jax_p2p
 from jax_cpu_mpi import config, info, primitives
-from jax_cpu_mpi._compat import core, parallel, single_side_collective_effect
+from jax_cpu_mpi._compat import parallel, single_side_collective_effect
 
 CHAIN = [(0, 1), (1, 2), (2, 3)]
 
@@ -155,7 +155,7 @@ def test_equations_have_jax_params_and_effects():
         assert eqn.params["axis_name"] == ("x",)
         assert eqn.params["perm"] == tuple(CHAIN)
         assert single_side_collective_effect in eqn.effects
-    assert eqns["precv"].params["out_shape"] == core.ShapedArray((2, 2), jnp.float32)
+    assert eqns["precv"].params["out_shape"] == jax.core.ShapedArray((2, 2), jnp.float32)
     assert eqns["psend"].primitive is primitives.psend_p
     assert eqns["precv"].primitive is primitives.precv_p
 

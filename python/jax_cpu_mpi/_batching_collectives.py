@@ -26,7 +26,7 @@ from jax import lax
 
 from ._compat import (
     all_gather_reduced_p,
-    core,
+    available,
     unreduced_psum_p,
     unreduced_reduce_scatter_p,
     vary_unreduced_cast_p,
@@ -114,7 +114,7 @@ def _partials_over(y: Any, axes: tuple) -> Any:
     With spmd_axis_name, the batch is split over mesh axes, so the partials of different
     batch elements vary over them; a reduction along the vmapped axis reduces them too.
     """
-    varying = tuple(a for a in axes if a in core.typeof(y).mat.varying)
+    varying = tuple(a for a in axes if a in jax.typeof(y).mat.varying)
     return vary_unreduced_cast_p.bind(y, axes=varying) if varying else y
 
 
@@ -260,7 +260,7 @@ def unreduced_psum_rule(
 # ------------------------------------------------------------------------ no-op casts
 
 
-def cast_rule(prim: core.Primitive) -> Rule:
+def cast_rule(prim: Any) -> Rule:
     """Batching rule of a no-op type cast (``pcast``) over ``axes``.
 
     The value is unchanged; a vmapped axis is not a mesh axis and has no varying / reduced /
@@ -273,5 +273,5 @@ def cast_rule(prim: core.Primitive) -> Rule:
         rest = tuple(a for a in axes if a != axis_data.name)
         return (prim.bind(x, axes=rest) if rest else x), d
 
-    rule.__name__ = rule.__qualname__ = f"{prim.name}_batching_rule"
+    rule.__name__ = rule.__qualname__ = f"{prim.name if available(prim) else 'cast'}_batching_rule"
     return rule

@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 
-from ._compat import core, insert_collective_pvary, register_source_exclusion
+from ._compat import available, insert_collective_pvary, register_source_exclusion
 from .primitives import precv_p, psend_p
 
 # A psend is located at the user's line, not at the bind below (as jax.lax.psend is).
@@ -35,6 +35,15 @@ def _axis_tuple(axis_name: Any) -> tuple:
 
 def _perm_tuple(perm: Perm) -> tuple[tuple[int, int], ...]:
     return tuple(map(tuple, perm))
+
+
+def _pvary(names: tuple, x: Any) -> Any:
+    """What JAX's psend does to its operand: mark it varying over ``names`` (vma types)."""
+    if available(insert_collective_pvary):
+        return insert_collective_pvary(names, x)
+    varying = getattr(jax.typeof(x), "vma", None)  # a JAX without the helper: public pcast
+    missing = tuple(n for n in names if varying is not None and n not in varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def psend(x: Any, axis_name: AxisName, perm: Perm) -> Any:
@@ -63,8 +72,7 @@ def psend(x: Any, axis_name: AxisName, perm: Perm) -> Any:
     pairs = _perm_tuple(perm)
 
     def send(leaf: Any) -> Any:
-        return psend_p.bind(insert_collective_pvary(names, leaf), axis_name=names,
-                            perm=pairs)
+        return psend_p.bind(_pvary(names, leaf), axis_name=names, perm=pairs)
 
     return jax.tree_util.tree_map(send, x)
 
@@ -98,7 +106,7 @@ def precv(token: Any, out_shape: Any, axis_name: AxisName, perm: Perm) -> Any:
     pairs = _perm_tuple(perm)
 
     def recv(tok: Any, shape: Any) -> Any:
-        aval = core.ShapedArray(shape.shape, shape.dtype)  # as jax.lax.precv builds it
+        aval = jax.core.ShapedArray(shape.shape, shape.dtype)  # as jax.lax.precv builds it
         return precv_p.bind(tok, out_shape=aval, axis_name=names, perm=pairs)
 
     if _is_shape(out_shape):
