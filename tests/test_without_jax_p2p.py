@@ -135,3 +135,81 @@ def test_info_reports_our_primitives():
     assert "primitives:    jax_cpu_mpi's own psend/precv" in proc.stdout, proc.stdout
     assert "lowerings:     psend yes, precv yes" in proc.stdout, proc.stdout
     assert "psend yes, precv yes" in proc.stdout.split("batching:", 1)[1], proc.stdout
+
+
+_FEATURE_PROBE = """
+import json, sys, types, warnings
+import jax
+import jax_p2p_removal
+jax_p2p_removal.simulate()
+hidden_module, hidden = sys.argv[1].split(":")
+real = sys.modules[hidden_module] if hidden_module in sys.modules else __import__(
+    hidden_module, fromlist=["_"])
+
+class Hiding(types.ModuleType):  # the name moved: JAX uses it, jax_cpu_mpi cannot find it
+    def __getattr__(self, name):
+        if name == hidden:
+            raise AttributeError(name)
+        return getattr(real, name)
+
+sys.modules[hidden_module] = Hiding(hidden_module)
+import jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    n = len(jax.devices())  # JAX's plugin discovery imports jax_cpu_mpi here
+import jax_cpu_mpi
+mesh = jax.make_mesh((4,), ("x",))
+x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))
+perm = [(0, 1), (1, 2), (2, 3)]
+step = lambda v: jax_cpu_mpi.precv(jax_cpu_mpi.psend(v, "x", perm),
+                                   jax.ShapeDtypeStruct(v.shape, v.dtype), "x", perm)
+try:
+    out = {"result": np.asarray(jax.jit(jax.shard_map(
+        step, mesh=mesh, in_specs=P("x"), out_specs=P("x")))(x)).tolist()}
+except Exception as e:
+    out = {"error_type": type(e).__name__, "error": str(e)[:1000]}
+out["jit_ok"] = float(jax.jit(lambda v: v.sum())(x)) == 28.0
+out["states"] = {f["feature"]: f["state"] for f in jax_cpu_mpi.features()}
+out["warnings"] = [str(w.message) for w in caught
+                   if issubclass(w.category, jax_cpu_mpi.JaxCompatWarning)]
+print("JCM-FEATURES " + json.dumps(out))
+"""
+
+
+def _feature_probe(hidden: str) -> dict:
+    env = _env()
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in [str(REMOVAL.parent), env.get("PYTHONPATH", "")] if p)
+    proc = subprocess.run([sys.executable, "-c", _FEATURE_PROBE, hidden], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=110)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("JCM-FEATURES ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-4000:] + proc.stderr[-6000:]
+    return json.loads(lines[-1].split(" ", 1)[1])
+
+
+@pytest.mark.timeout(120)
+def test_lowerings_off_gives_jax_error_for_our_primitives():
+    """A name only the CPU lowerings need is gone: our primitives still exist, and on CPU
+    they fail with JAX's NotImplementedError, as JAX's did without jax_cpu_mpi."""
+    out = _feature_probe("jax._src.mesh:get_concrete_mesh")
+    assert out["jit_ok"]
+    assert out["states"]["own_primitives"] == "active", out
+    assert out["states"]["lowerings"] == "off", out
+    assert out["error_type"] == "NotImplementedError", out
+    assert "psend is currently only implemented on GPU" in out["error"], out
+
+
+@pytest.mark.timeout(120)
+def test_own_primitives_off_names_the_missing_jax_name():
+    """A name our primitives are built from is gone too: one warning, JAX keeps working,
+    and jax_cpu_mpi.psend says what is missing."""
+    out = _feature_probe("jax._src.dispatch:apply_primitive")
+    assert out["jit_ok"]
+    assert out["states"]["own_primitives"] == "off", out
+    assert out["states"]["lowerings"] == "off", out  # nothing to attach to
+    assert out["error_type"] == "RuntimeError", out
+    assert "jax_cpu_mpi.primitives:psend_p" in out["error"], out
+    assert "jax._src.dispatch:apply_primitive" in out["error"], out
+    assert any("(own_primitives)" in w and "apply_primitive" in w for w in out["warnings"]), out
