@@ -247,10 +247,13 @@ def format_process(report: Report) -> str:
     lines.append(f"activation:    jax_plugins entry point {_flag(act['entry_point'])}; "
                  f"JAX_CPU_MPI_DISABLE {'set' if act['disabled_by_env'] else 'not set'}")
     prims = act["primitives"]
-    lines.append("primitives:    " + (
-        "JAX's psend_p/precv_p (jax.lax.psend/precv and jax_cpu_mpi.psend/precv bind the same)"
-        if prims["primitives"] == "jax" else
-        "jax_cpu_mpi's own psend/precv (jax_cpu_mpi.psend/precv)") + f"; {prims['reason']}")
+    if prims["primitives"] == "jax":
+        text = "JAX's psend_p/precv_p (jax.lax.psend/precv and jax_cpu_mpi.psend/precv bind them)"
+    elif prims["usable"]:
+        text = f"jax_cpu_mpi's own psend/precv ({prims['reason']})"
+    else:
+        text = f"NONE usable: {prims['reason']}"
+    lines.append(f"primitives:    {text}")
     lines.append("lowerings:     " + ", ".join(
         f"{k} {_flag(v)}" for k, v in act["lowerings"].items()))
     rules = act["batching_rules"]
