@@ -28,6 +28,8 @@ import jax_cpu_mpi  # noqa: E402
 
 if jax_p2p_removal.requested() and not jax_cpu_mpi.primitives.OURS:
     raise RuntimeError("JAX's psend/precv removal was simulated, but jax_cpu_mpi binds JAX's")
+if os.environ.get(jax_p2p_removal.ENV) == "effect":
+    assert jax_cpu_mpi.primitives.in_use()["effect"] == "jax_cpu_mpi"
 
 def pytest_report_header(config):
     use = jax_cpu_mpi.primitives.in_use()

@@ -47,6 +47,7 @@ JAX_NEEDS_ITSELF = frozenset({
     "jax._src.lax.parallel:unreduced_pmin_p",
     # own_primitives (issue 15): what jax_cpu_mpi's own psend/precv are built from.
     "jax._src.core:NamedAxisEffect",
+    "jax._src.core:Primitive",
     "jax._src.interpreters.mlir:aval_to_ir_type",
     "jax._src.lax.parallel:_check_axis_names",
 })

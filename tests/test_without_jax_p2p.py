@@ -31,17 +31,19 @@ REMOVAL = Path(__file__).parent / "mpi_programs" / "jax_p2p_removal.py"
 _SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|deselected|errors?)")
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ, **{ENV: "1"})
+def _env(what: str = "1") -> dict[str, str]:
+    env = dict(os.environ, **{ENV: what})
     env.pop("XLA_FLAGS", None)  # conftest / the programs set their own device counts
     return env
 
 
-def run_suite_part(*targets: str, marks: str | None = None, timeout: float) -> dict[str, int]:
-    """Run pytest on ``targets`` in a subprocess without JAX's psend/precv; the counts."""
+def run_suite_part(*targets: str, marks: str | None = None, timeout: float,
+                   what: str = "1") -> dict[str, int]:
+    """Run pytest on ``targets`` in a subprocess without JAX's psend/precv (``what``:
+    ``effect`` removes their effect too); the counts of passed, failed... tests."""
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs",
                *(["-m", marks] if marks else []), *targets]
-    proc = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True,
+    proc = subprocess.run(command, cwd=ROOT, env=_env(what), capture_output=True, text=True,
                           timeout=timeout)
     output = proc.stdout + proc.stderr
     assert "jax_cpu_mpi primitives: jax_cpu_mpi" in output, output[-5000:]
@@ -69,6 +71,15 @@ def test_batching_rules():
 def test_gpu_parity_rejections():
     counts = run_suite_part("tests/test_gpu_parity.py", marks="not mpi", timeout=580)
     assert counts["passed"] >= 28, counts
+
+
+@pytest.mark.timeout(600)
+def test_without_jax_effect_either():
+    """JAX dropped psend/precv's effect too: ours carries an equivalent, and the parity check
+    (which finds psend/precv programs by that effect), loops and the lowering still work."""
+    counts = run_suite_part("tests/test_gpu_parity.py", "tests/test_p2p_single_process.py",
+                            marks="not mpi", what="effect", timeout=580)
+    assert counts["passed"] >= 75, counts
 
 
 @pytest.mark.timeout(400)

@@ -553,7 +553,8 @@ def _has_send_recv(module: Any) -> str | None:
     return f"it lacks {', '.join(lacking)}" if lacking else None
 
 
-#: What our primitives are built from (public jax.extend.core.Primitive/Effect aside).
+#: What our primitives are built from.
+Primitive = OWN_PRIMITIVES.need("jax._src.core:Primitive", check=is_type)
 apply_primitive = OWN_PRIMITIVES.need("jax._src.dispatch:apply_primitive", check=is_callable)
 NamedAxisEffect = OWN_PRIMITIVES.need("jax._src.core:NamedAxisEffect", check=is_type)
 check_axis_names = OWN_PRIMITIVES.need(
@@ -574,9 +575,24 @@ _need_all([OWN_PRIMITIVES], "jax._src.sharding_impls:SPMDAxisContext", check=is_
 if not available(jax_single_side_collective_effect):
     # JAX dropped the effect too: ours (an equivalent class) must be registered where JAX
     # registered its own, so that jit, loops and lowering accept it.
+    Effect = OWN_PRIMITIVES.need("jax._src.core:Effect", check=is_type)
     control_flow_allowed_effects = OWN_PRIMITIVES.need(
         "jax._src.effects:control_flow_allowed_effects")
     lowerable_effects = OWN_PRIMITIVES.need("jax._src.effects:lowerable_effects")
+
+if (not available(jax_psend_p) and not available(jax_single_side_collective_effect)
+        and OWN_PRIMITIVES.usable):
+    # JAX dropped psend/precv AND their effect: our primitives carry an effect of our own
+    # (_own_primitives.py), and the GPU-parity check recognises psend/precv programs by the
+    # effect they carry, so it looks for ours (the missing JAX effect is then no problem of
+    # gpu_parity's). While JAX has its primitives, a missing effect keeps gpu_parity off:
+    # JAX's primitives would carry an effect we cannot see.
+    from . import _own_effect
+
+    single_side_collective_effect = _own_effect.single_side_collective_effect
+
+    GPU_PARITY.problems[:] = [p for p in GPU_PARITY.problems
+                              if "single_side_collective_effect" not in p]
 
 #: What JAX's psend does to its operand (marks it varying over the axes, the vma type
 #: system); jax_cpu_mpi.psend does the same, through public pcast where JAX lacks it.

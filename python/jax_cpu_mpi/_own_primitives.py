@@ -25,11 +25,10 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from jax.extend.core import Effect, Primitive
-
 from . import _compat
 from ._compat import (
     NamedAxisEffect,
+    Primitive,
     SPMDAxisContext,
     abstract_token,
     apply_primitive,
@@ -44,29 +43,16 @@ from ._compat import (
 _GPU_PLATFORMS = ("cuda", "rocm", "oneapi")
 
 
-class SingleSideCollectiveEffect(Effect):
-    """JAX's effect of psend/precv, for a JAX that has dropped it too."""
-
-    def __str__(self) -> str:
-        return "one-sided communication"
-
-    def __hash__(self) -> int:
-        return hash(SingleSideCollectiveEffect)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, SingleSideCollectiveEffect)
-
-
 def _single_side_collective_effect() -> Any:
     if _compat.available(_compat.jax_single_side_collective_effect):
         return _compat.jax_single_side_collective_effect
-    _compat.control_flow_allowed_effects.add_type(SingleSideCollectiveEffect)
-    _compat.lowerable_effects.add_type(SingleSideCollectiveEffect)
-    return SingleSideCollectiveEffect()
+    from ._own_effect import single_side_collective_effect as ours
+
+    return ours
 
 
 #: The effect our psend/precv carry: JAX's while JAX has it (jax_cpu_mpi's parity check and
-#: JAX's control flow look for it), an equivalent of ours after.
+#: JAX's control flow look for it), an equivalent of ours after (:mod:`._own_effect`).
 single_side_collective_effect = _single_side_collective_effect()
 
 
@@ -126,4 +112,4 @@ precv_p.def_effectful_abstract_eval(_precv_abstract_eval)
 register_lowering(precv_p, _not_implemented("precv"))
 register_lowering(precv_p, _precv_lowering_gpu, platform="gpu")
 
-__all__ = ["SingleSideCollectiveEffect", "precv_p", "psend_p", "single_side_collective_effect"]
+__all__ = ["precv_p", "psend_p", "single_side_collective_effect"]

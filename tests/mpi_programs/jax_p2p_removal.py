@@ -6,9 +6,13 @@ deprecation entries on 0.12). It must run after ``import jax`` and before jax_cp
 imported (by hand, or by JAX's plugin discovery at the first ``jax.devices()``), so that
 jax_cpu_mpi finds no JAX primitive and defines its own.
 
-With :data:`ENV` set to ``1``, the test suite simulates the removal: ``tests/conftest.py``
-and ``_rank_output.py`` (every mpirun rank) call :func:`simulate_if_requested`, and Python
-subprocesses of the tests start through this file::
+With :data:`ENV` set to ``effect``, JAX's ``single_side_collective_effect`` (the effect
+psend/precv carry, which a JAX without them may drop as well) is deleted too.
+
+With :data:`ENV` set to ``1`` (or ``effect``), the test suite simulates the removal:
+``tests/conftest.py`` and ``_rank_output.py`` (every mpirun rank) call
+:func:`simulate_if_requested`, and Python subprocesses of the tests start through this
+file::
 
     python jax_p2p_removal.py (-m MODULE | -f FILE) [ARGS...]
 """
@@ -24,7 +28,7 @@ NAMES = ("psend", "precv", "psend_p", "precv_p")
 
 
 def requested() -> bool:
-    return os.environ.get(ENV, "") == "1"
+    return os.environ.get(ENV, "") in ("1", "effect")
 
 
 def simulate() -> None:
@@ -41,6 +45,8 @@ def simulate() -> None:
         jax.lax.__dict__.pop(name, None)  # jax 0.10 / 0.11: plain exports
         getattr(jax.lax, "_deprecations", {}).pop(name, None)  # jax 0.12: deprecated
     getattr(getattr(jax.lax, "__getattr__", None), "cache_clear", lambda: None)()
+    if os.environ.get(ENV, "") == "effect":
+        delattr(parallel, "single_side_collective_effect")
     assert not any(hasattr(parallel, n) for n in NAMES)
     assert not hasattr(jax.lax, "psend") and not hasattr(jax.lax, "precv")
 
