@@ -97,7 +97,14 @@ def _expected_off(path: str) -> set[str]:
 
 
 def _optional(path: str) -> bool:
+    """Names only some JAX versions have (a feature without them is "not needed")."""
     return "unreduced_pmax_p" in path or "unreduced_pmin_p" in path
+
+
+def _loses_optional(feature: str, path: str) -> bool:
+    """Removing ``path`` (a name or a whole module) removes an optional name of ``feature``."""
+    return any(_optional(p) and (p == path or p.startswith(path + ":"))
+               for p in _compat.features()[feature].names)
 
 
 def _assert_jax_works(facts: dict) -> None:
@@ -139,7 +146,7 @@ def test_missing_private_name_switches_off_only_its_feature(baseline, path):
         if name not in expected or baseline["states"][name] == "not needed":
             want[name] = baseline["states"][name]
         else:
-            want[name] = "not needed" if _optional(path) else "off"
+            want[name] = "not needed" if _loses_optional(name, path) else "off"
     # own_primitives is "not needed" only while jax_cpu_mpi finds JAX's psend_p/precv_p:
     # hiding their module makes it needed (and off, as it needs that module's names too).
     if path == "jax._src.lax.parallel":

@@ -18,6 +18,8 @@ primitive                      rule
                                vmapped axis: local sum over the batch, then scatter
 ``unreduced_psum``             one psum of the batched operand; over the vmapped
                                axis: local sum over the batch
+``unreduced_pmax``,            (JAX >= 0.12) one pmax / pmin of the batched operand;
+``unreduced_pmin``             over the vmapped axis: local max / min over the batch
 ``preduced``,                  no-op casts: the value with its batch dimension (a
 ``vary_unreduced_cast``,       vmapped axis has no varying/reduced state and is
 ``reduced_vary_cast``          dropped from ``axes``)
@@ -43,6 +45,8 @@ from ._compat import (
     ppermute_batcher,
     preduced_p,
     reduced_vary_cast_p,
+    unreduced_pmax_p,
+    unreduced_pmin_p,
     unreduced_psum_p,
     unreduced_reduce_scatter_p,
     vary_unreduced_cast_p,
@@ -133,6 +137,12 @@ _ALL_RULES: tuple[RuleSpec, ...] = (
              _STUB + "('Please file an issue')"),
     RuleSpec("unreduced_psum", unreduced_psum_p, collectives.unreduced_psum_rule,
              is_raising_stub, _STUB),
+    RuleSpec("unreduced_pmax", unreduced_pmax_p,
+             collectives.unreduced_extremum_rule(unreduced_pmax_p, "max"), is_raising_stub,
+             _STUB),
+    RuleSpec("unreduced_pmin", unreduced_pmin_p,
+             collectives.unreduced_extremum_rule(unreduced_pmin_p, "min"), is_raising_stub,
+             _STUB),
     RuleSpec("preduced", preduced_p, collectives.cast_rule(preduced_p), is_raising_stub, _STUB),
     RuleSpec("vary_unreduced_cast", vary_unreduced_cast_p,
              collectives.cast_rule(vary_unreduced_cast_p), is_raising_stub, _STUB),

