@@ -16,9 +16,11 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jax_cpu_mpi
 from conftest import make_mesh
-from jax_cpu_mpi import _batching_p2p, batching
-from jax_cpu_mpi._compat import fancy_primitive_batchers, parallel, psend_p
+from jax_cpu_mpi import _batching_p2p, batching, primitives
+from jax_cpu_mpi._compat import fancy_primitive_batchers, parallel
+from jax_cpu_mpi.primitives import psend_p
 from mpi_launcher import assert_mpi_ok, run_mpi
 
 B = cases.B
@@ -49,6 +51,9 @@ def test_every_rule_is_installed():
 def test_jax_rule_is_still_broken_upstream(spec):
     """Fails when JAX ships a real rule: then drop ours (install() already leaves it alone)."""
     upstream = batching.UPSTREAM_RULES.get(spec.primitive)
+    if primitives.OURS and spec.primitive in (primitives.psend_p, primitives.precv_p):
+        assert upstream is None  # our own primitive: our rule is its only rule
+        return
     assert upstream is not None and spec.replaces(upstream), (
         f"JAX {jax.__version__} now has a real batching rule for {spec.primitive.name}: "
         "remove ours from jax_cpu_mpi.batching.RULES and its tests.")
@@ -324,9 +329,9 @@ def test_p2p_over_the_vmapped_axis_is_a_permutation(perm, wrap):
     x = cases.sample((4, 3), seed=91)
 
     def f(v):
-        tok = jax.lax.psend(v, "a", perm)
+        tok = jax_cpu_mpi.psend(v, "a", perm)
         assert isinstance(jax.typeof(tok), jax.extend.core.AbstractToken)
-        return jax.lax.precv(tok, jax.ShapeDtypeStruct(v.shape, v.dtype), "a", perm)
+        return jax_cpu_mpi.precv(tok, jax.ShapeDtypeStruct(v.shape, v.dtype), "a", perm)
 
     if wrap == "eager":
         got = jax.vmap(f, axis_name="a")(x)
@@ -353,17 +358,17 @@ def test_p2p_over_the_vmapped_axis_unbatched_operand():
 def test_precv_over_vmapped_axis_needs_its_psend():
     x = np.ones((4, 3), np.float32)
     with pytest.raises(NotImplementedError, match="token returned by a psend"):
-        jax.vmap(lambda v: jax.lax.precv(jax.lax.create_token(),
-                                         jax.ShapeDtypeStruct(v.shape, v.dtype), "a",
-                                         [(0, 1)]), axis_name="a")(x)
+        jax.vmap(lambda v: jax_cpu_mpi.precv(jax.lax.create_token(),
+                                             jax.ShapeDtypeStruct(v.shape, v.dtype), "a",
+                                             [(0, 1)]), axis_name="a")(x)
 
 
 def test_precv_over_vmapped_axis_checks_shape_and_perm():
     x = np.ones((4, 3), np.float32)
 
     def f(v):
-        tok = jax.lax.psend(v, "a", [(0, 1)])
-        return jax.lax.precv(tok, jax.ShapeDtypeStruct((2,), v.dtype), "a", [(0, 1)])
+        tok = jax_cpu_mpi.psend(v, "a", [(0, 1)])
+        return jax_cpu_mpi.precv(tok, jax.ShapeDtypeStruct((2,), v.dtype), "a", [(0, 1)])
 
     with pytest.raises(ValueError, match=r"out_shape float32\[2\].*float32\[3\]"):
         jax.vmap(f, axis_name="a")(x)
@@ -388,3 +393,79 @@ def test_batching_rules_over_mpi():
     assert_mpi_ok(run, 2)
     lines = [line for lines in run.by_rank().values() for line in lines]
     assert sum(line.startswith("ok ") for line in lines) >= 2 * 20, run.report()
+
+
+# ------------------------------------------- unreduced_pmax / unreduced_pmin (JAX >= 0.12)
+
+
+def _unreduced_extremum(op: str):
+    """(primitive, UnreducedKind) for ``op``, or skip on a JAX without these primitives."""
+    from jax_cpu_mpi import _compat
+
+    prim = getattr(_compat, f"unreduced_p{op}_p")
+    if not _compat.available(prim):
+        pytest.skip(f"jax {jax.__version__} has no unreduced_p{op} primitive (JAX >= 0.12)")
+    from jax._src.partition_spec import UnreducedKind
+
+    return prim, getattr(UnreducedKind, op)
+
+
+def _explicit_mesh():
+    return jax.make_mesh((4,), ("x",), axis_types=(AxisType.Explicit,),
+                         devices=jax.devices()[:4])
+
+
+def _extremum_program(op: str, kind, body):
+    """Partial maxima/minima unreduced over 'x' (kind ``op``), then ``body`` in shard_map."""
+    def f(a):
+        u = getattr(jax.lax, f"reduce_{op}")(
+            a, axes=(0,), out_sharding=P(None, None, unreduced={"x"}, unreduced_kind=kind))
+        return jax.shard_map(body, out_specs=P())(u)
+    return jax.jit(f)
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+@pytest.mark.parametrize("in_axes", [0, 1])
+def test_unreduced_pmax_pmin_batch_is_one_collective(op, in_axes):
+    prim, kind = _unreduced_extremum(op)
+    reduce = getattr(jax.lax, f"p{op}")
+    a = cases.sample((4, B, 5), seed=11)  # 4 partial results per element, one per device
+
+    def vmapped():  # a new program each time (jit caches traces)
+        return _extremum_program(op, kind, lambda v: jax.vmap(
+            lambda r: reduce(r, "x"), in_axes=in_axes, out_axes=in_axes)(v))
+
+    with jax.set_mesh(_explicit_mesh()):
+        arr = jax.device_put(a, P("x", None, None))
+        batched = vmapped()
+        per_example = _extremum_program(op, kind, lambda v: jnp.stack(
+            [reduce(jax.lax.index_in_dim(v, i, in_axes, keepdims=False), "x")
+             for i in range(v.shape[in_axes])],
+            axis=in_axes))
+        got, want = np.asarray(batched(arr)), np.asarray(per_example(arr))
+        assert cases.count_eqns(batched, arr, name=prim.name) == 1
+        assert cases.count_eqns(per_example, arr, name=prim.name) == (B, 5)[in_axes]
+        # Before: JAX's own rule.
+        ours = fancy_primitive_batchers[prim]
+        fancy_primitive_batchers[prim] = batching.UPSTREAM_RULES[prim]
+        try:
+            with pytest.raises(NotImplementedError):
+                jax.make_jaxpr(vmapped())(arr)
+        finally:
+            fancy_primitive_batchers[prim] = ours
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, getattr(a, op)(axis=0))
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_unreduced_pmax_pmin_over_the_vmapped_and_a_mesh_axis(op):
+    """``lax.pmax(r, ('a', 'x'))`` is refused by JAX's type check (a vmapped axis has no
+    unreduced state), but the primitive bound over both reduces the batch locally."""
+    prim, kind = _unreduced_extremum(op)
+    a = cases.sample((4, B, 5), seed=12)
+    with jax.set_mesh(_explicit_mesh()):
+        arr = jax.device_put(a, P("x", None, None))
+        f = _extremum_program(op, kind, lambda v: jax.vmap(
+            lambda r: prim.bind(r, axes=("a", "x")), axis_name="a", out_axes=None)(v))
+        got = np.asarray(f(arr))
+    np.testing.assert_array_equal(got, getattr(a, op)(axis=(0, 1)))

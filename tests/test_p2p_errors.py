@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jax_cpu_mpi
 from conftest import make_mesh
 from jax_cpu_mpi import config
 
@@ -27,8 +28,8 @@ def test_byte_count_mismatch_names_op_pair_and_shapes():
     mesh = make_mesh((2, "x"))
 
     def body(v):  # sends float32[4], receives float32[2]
-        tok = jax.lax.psend(v, "x", [(0, 1)])
-        r = jax.lax.precv(tok, jax.ShapeDtypeStruct((2,), jnp.float32), "x", [(0, 1)])
+        tok = jax_cpu_mpi.psend(v, "x", [(0, 1)])
+        r = jax_cpu_mpi.precv(tok, jax.ShapeDtypeStruct((2,), jnp.float32), "x", [(0, 1)])
         return jnp.concatenate([r, r])
 
     x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))
@@ -42,19 +43,19 @@ def test_byte_count_mismatch_names_op_pair_and_shapes():
 
 def test_outside_shard_map_keeps_jax_message():
     with pytest.raises(NameError, match="unbound axis name: x"):
-        jax.jit(lambda v: jax.lax.psend(v, "x", [(0, 1)])).lower(jnp.ones(2))
+        jax.jit(lambda v: jax_cpu_mpi.psend(v, "x", [(0, 1)])).lower(jnp.ones(2))
     with pytest.raises(NameError, match=r"unbound axis name: x.*call precv under `jax\.shard_map`"):
-        jax.jit(lambda: jax.lax.precv(jax.lax.create_token(),
-                                      jax.ShapeDtypeStruct((2,), jnp.float32), "x",
-                                      [(0, 1)])).lower()
+        jax.jit(lambda: jax_cpu_mpi.precv(jax.lax.create_token(),
+                                          jax.ShapeDtypeStruct((2,), jnp.float32), "x",
+                                          [(0, 1)])).lower()
 
 
 def test_duplicate_pairs_keep_jax_value_error():
     mesh = make_mesh((2, "x"))
     x = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P("x")))
-    f = _shmap(mesh, lambda v: jax.lax.precv(jax.lax.psend(v, "x", [(0, 1), (0, 1)]),
-                                             jax.ShapeDtypeStruct(v.shape, v.dtype), "x",
-                                             [(0, 1)]))
+    f = _shmap(mesh, lambda v: jax_cpu_mpi.precv(jax_cpu_mpi.psend(v, "x", [(0, 1), (0, 1)]),
+                                                 jax.ShapeDtypeStruct(v.shape, v.dtype), "x",
+                                                 [(0, 1)]))
     with pytest.raises(ValueError, match=r"psend sources and destinations must be unique"):
         f.lower(x)
 
@@ -63,8 +64,8 @@ def test_unmatched_precv_times_out_with_op_and_peer(short_recv_timeout):
     mesh = make_mesh((2, "x"))
 
     def body(v):
-        return jax.lax.precv(jax.lax.create_token(), jax.ShapeDtypeStruct(v.shape, v.dtype),
-                             "x", [(0, 1)])
+        return jax_cpu_mpi.precv(jax.lax.create_token(), jax.ShapeDtypeStruct(v.shape, v.dtype),
+                                 "x", [(0, 1)])
 
     x = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P("x")))
     with config.overrides(gpu_parity=False):  # GPU rejects this at compile time already

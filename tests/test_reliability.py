@@ -24,6 +24,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jax_cpu_mpi
 from conftest import make_mesh
 from jax_cpu_mpi import config
 from mpi_launcher import PROGRAMS, assert_mpi_ok, run_mpi
@@ -132,8 +133,8 @@ def test_back_to_back_programs_on_same_and_disjoint_devices_never_mix():
     perm = _chain(n)
 
     def transfer(v):
-        tok = lax.psend(v, "x", perm)
-        return lax.precv(tok, jax.ShapeDtypeStruct(v.shape, v.dtype), "x", perm)
+        tok = jax_cpu_mpi.psend(v, "x", perm)
+        return jax_cpu_mpi.precv(tok, jax.ShapeDtypeStruct(v.shape, v.dtype), "x", perm)
 
     # Programs 0 and 1 use the same devices and channels; program 2 the other 4 devices.
     plan = {0: "low", 1: "low", 2: "high"}
@@ -176,11 +177,11 @@ def test_many_messages_in_flight_on_eight_devices_never_mix():
                 tokens = {}
                 for k in shifts:  # all sends of the round first...
                     header = jnp.stack([me, t, jnp.int32(r), jnp.int32(k)])
-                    tokens[k] = lax.psend(jnp.concatenate([header, previous[k]]), "x",
-                                          perms[k])
+                    tokens[k] = jax_cpu_mpi.psend(jnp.concatenate([header, previous[k]]), "x",
+                                                  perms[k])
                 got = {}
                 for k in reversed(shifts):  # ...then the receives, in the other order
-                    got[k] = lax.precv(tokens[k], shape, "x", perms[k])
+                    got[k] = jax_cpu_mpi.precv(tokens[k], shape, "x", perms[k])
                 received.append(jnp.stack([got[k] for k in shifts]))
                 previous = {k: jnp.stack([got[k][0], got[k][2]]) for k in shifts}
             return carry, jnp.stack(received)

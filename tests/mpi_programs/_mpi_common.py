@@ -19,10 +19,14 @@ import numpy as np  # noqa: E402
 
 jax.distributed.initialize(cluster_detection_method="mpi4py")
 
+import jax_p2p_removal  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-import jax_cpu_mpi  # noqa: E402, F401
+import jax_cpu_mpi  # noqa: E402
+
+if jax_p2p_removal.requested() and not jax_cpu_mpi.primitives.OURS:
+    raise RuntimeError("JAX's psend/precv removal was simulated, but jax_cpu_mpi binds JAX's")
 
 
 def global_array(mesh: jax.sharding.Mesh, spec: P, value: np.ndarray) -> jax.Array:

@@ -15,6 +15,9 @@ fd = os.open(os.path.join(outdir, f"rank-{rank}.log"), os.O_WRONLY | os.O_CREAT 
 os.dup2(fd, 1)
 os.dup2(fd, 2)
 os.close(fd)
+import jax_p2p_removal  # noqa: E402  (on PYTHONPATH: the mpi_programs folder)
+
+jax_p2p_removal.simulate_if_requested()  # JCM_TEST_JAX_WITHOUT_P2P=1: JAX without psend/precv
 if kind == "-m":
     sys.argv = [target, *args]
     runpy.run_module(target, run_name="__main__", alter_sys=True)

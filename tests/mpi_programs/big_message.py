@@ -55,12 +55,12 @@ def body(salt):
     # Each device takes one branch, so the sender holds only the message and the receiver
     # only its output: the untaken branch's buffers are never touched (not resident).
     def send(salt):
-        lax.psend(pattern(ROWS, COLS, salt[0]), "x", PAIR)
+        jax_cpu_mpi.psend(pattern(ROWS, COLS, salt[0]), "x", PAIR)
         return jnp.zeros((1,), jnp.int32), jnp.zeros((SAMPLE.size, COLS), jnp.uint8)
 
     def receive(salt):
-        y = lax.precv(lax.create_token(), jax.ShapeDtypeStruct((ROWS, COLS), jnp.uint8), "x",
-                      PAIR)
+        y = jax_cpu_mpi.precv(lax.create_token(), jax.ShapeDtypeStruct((ROWS, COLS), jnp.uint8),
+                              "x", PAIR)
         return count_bad_rows(y, SALTS[0])[None], jnp.take(y, jnp.asarray(SAMPLE), axis=0)
 
     return lax.cond(lax.axis_index("x") == 0, send, receive, salt)

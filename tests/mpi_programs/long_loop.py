@@ -79,8 +79,9 @@ def local_shards(x: jax.Array) -> dict[int, np.ndarray]:
 def ping_pong(x):
     def step(carry, i):
         shape = jax.ShapeDtypeStruct(carry.shape, carry.dtype)
-        a = lax.precv(lax.psend(carry + i, "x", FWD), shape, "x", FWD)  # dev 1: dev 0's
-        b = lax.precv(lax.psend(a + 1, "x", BWD), shape, "x", BWD)  # dev 0: dev 1's a + 1
+        # dev 1 gets dev 0's carry + i; dev 0 gets dev 1's a + 1
+        a = jax_cpu_mpi.precv(jax_cpu_mpi.psend(carry + i, "x", FWD), shape, "x", FWD)
+        b = jax_cpu_mpi.precv(jax_cpu_mpi.psend(a + 1, "x", BWD), shape, "x", BWD)
         return lax.pcast(a + b, "x", to="varying"), None
 
     out, _ = lax.scan(step, x, jnp.arange(STEPS, dtype=jnp.int32))
@@ -162,7 +163,7 @@ def payload(program: int, call: int) -> np.ndarray:
 
 def transfer(v):
     shape = jax.ShapeDtypeStruct(v.shape, v.dtype)
-    return lax.precv(lax.psend(v, "x", FWD), shape, "x", FWD)
+    return jax_cpu_mpi.precv(jax_cpu_mpi.psend(v, "x", FWD), shape, "x", FWD)
 
 
 CALLS = 8

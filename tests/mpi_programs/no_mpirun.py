@@ -19,8 +19,8 @@ mesh = jax.make_mesh((2,), ("x",))
 x = jax.make_array_from_callback((2,), NamedSharding(mesh, P("x")),
                                  lambda idx: jnp.zeros(2)[idx])
 f = jax.jit(jax.shard_map(
-    lambda v: jax.lax.precv(jax.lax.psend(v, "x", [(0, 1)]),
-                            jax.ShapeDtypeStruct(v.shape, v.dtype), "x", [(0, 1)]),
+    lambda v: jax_cpu_mpi.precv(jax_cpu_mpi.psend(v, "x", [(0, 1)]),
+                                jax.ShapeDtypeStruct(v.shape, v.dtype), "x", [(0, 1)]),
     mesh=mesh, in_specs=P("x"), out_specs=P("x")))
 try:
     f.lower(x)

@@ -16,6 +16,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jax_cpu_mpi
+
 Gather = Callable[[jax.Array], np.ndarray]
 Perm = Sequence[tuple[int, int]]
 
@@ -48,8 +50,8 @@ def sample(shape: tuple[int, ...], dtype, seed: int = 0) -> np.ndarray:
 
 
 def sendrecv(x, axis, perm):
-    tok = jax.lax.psend(x, axis, perm)
-    return jax.lax.precv(tok, jax.ShapeDtypeStruct(x.shape, x.dtype), axis, perm)
+    tok = jax_cpu_mpi.psend(x, axis, perm)
+    return jax_cpu_mpi.precv(tok, jax.ShapeDtypeStruct(x.shape, x.dtype), axis, perm)
 
 
 def _run(mesh, fn, spec, x, gather: Gather, out_spec=None, check_vma=True):
@@ -78,8 +80,8 @@ def scalar_blocks(mesh, gather: Gather, *, dtype=np.float32):
 
     def body(v):
         s = v.reshape(())
-        tok = jax.lax.psend(s, axis, perm)
-        r = jax.lax.precv(tok, jax.ShapeDtypeStruct((), s.dtype), axis, perm)
+        tok = jax_cpu_mpi.psend(s, axis, perm)
+        r = jax_cpu_mpi.precv(tok, jax.ShapeDtypeStruct((), s.dtype), axis, perm)
         return r.reshape((1,))
 
     got = _run(mesh, body, P(axis), x, gather)
@@ -142,18 +144,18 @@ def manual_pipeline(mesh, gather: Gather, *, steps: int = 4):
         return 0.5 * h + r + 1.0
 
     def body(h):
-        r = jax.lax.precv(jax.lax.create_token(), shape, axis, chain)  # priming
+        r = jax_cpu_mpi.precv(jax.lax.create_token(), shape, axis, chain)  # priming
         r = jax.lax.pcast(r, axis, to="varying")
 
         def step(carry, _):
             h, r = carry
-            tok = jax.lax.psend(h, axis, chain)
+            tok = jax_cpu_mpi.psend(h, axis, chain)
             h_next = g(h, r)
-            r_next = jax.lax.pcast(jax.lax.precv(tok, shape, axis, chain), axis, to="varying")
+            r_next = jax.lax.pcast(jax_cpu_mpi.precv(tok, shape, axis, chain), axis, to="varying")
             return (h_next, r_next), None
 
         (h, r), _ = jax.lax.scan(step, (h, r), None, length=steps)
-        jax.lax.psend(h, axis, chain)  # final send, matched by the last step's precv
+        jax_cpu_mpi.psend(h, axis, chain)  # final send, matched by the last step's precv
         return h
 
     got = _run(mesh, body, P(axis), x, gather).reshape(n, block)
@@ -178,11 +180,11 @@ def fifo_same_pair(mesh, gather: Gather, *, counts=(2, 2)):
     x = put(mesh, P(axis), np.arange(n * c1, dtype=np.float32))
 
     def body(v):
-        t1 = jax.lax.psend(v, axis, perm)
+        t1 = jax_cpu_mpi.psend(v, axis, perm)
         second = jnp.resize(v * 10, (c2,))
-        t2 = jax.lax.psend(second, axis, perm)
-        r1 = jax.lax.precv(t1, jax.ShapeDtypeStruct(v.shape, v.dtype), axis, perm)
-        r2 = jax.lax.precv(t2, jax.ShapeDtypeStruct((c2,), v.dtype), axis, perm)
+        t2 = jax_cpu_mpi.psend(second, axis, perm)
+        r1 = jax_cpu_mpi.precv(t1, jax.ShapeDtypeStruct(v.shape, v.dtype), axis, perm)
+        r2 = jax_cpu_mpi.precv(t2, jax.ShapeDtypeStruct((c2,), v.dtype), axis, perm)
         return jnp.concatenate([r1, r2])
 
     got = _run(mesh, body, P(axis), x, gather).reshape(n, c1 + c2)
@@ -199,10 +201,10 @@ def two_way_exchange(mesh, gather: Gather, *, nbytes: int = 32 << 20):
     fwd, bwd = [(0, 1)], [(1, 0)]
 
     def body(a):
-        t1 = jax.lax.psend(a, axis, fwd)
-        t2 = jax.lax.psend(a + 1, axis, bwd)
-        r1 = jax.lax.precv(t1, jax.ShapeDtypeStruct(a.shape, a.dtype), axis, fwd)
-        r2 = jax.lax.precv(t2, jax.ShapeDtypeStruct(a.shape, a.dtype), axis, bwd)
+        t1 = jax_cpu_mpi.psend(a, axis, fwd)
+        t2 = jax_cpu_mpi.psend(a + 1, axis, bwd)
+        r1 = jax_cpu_mpi.precv(t1, jax.ShapeDtypeStruct(a.shape, a.dtype), axis, fwd)
+        r2 = jax_cpu_mpi.precv(t2, jax.ShapeDtypeStruct(a.shape, a.dtype), axis, bwd)
         return r1 + r2
 
     got = _run(mesh, body, P(axis), x, gather)

@@ -7,6 +7,7 @@ import numpy as np
 from _mpi_common import P
 from jax.experimental import multihost_utils
 
+import jax_cpu_mpi
 from jax_cpu_mpi import config
 
 mesh = jax.make_mesh((2,), ("x",))
@@ -20,8 +21,8 @@ def run(body):
 
 
 def mismatch(v):
-    tok = jax.lax.psend(v, "x", [(0, 1)])
-    r = jax.lax.precv(tok, jax.ShapeDtypeStruct((2,), jnp.float32), "x", [(0, 1)])
+    tok = jax_cpu_mpi.psend(v, "x", [(0, 1)])
+    r = jax_cpu_mpi.precv(tok, jax.ShapeDtypeStruct((2,), jnp.float32), "x", [(0, 1)])
     return jnp.concatenate([r, r])
 
 
@@ -56,8 +57,8 @@ def sizes(send_count, recv_count):
     """psend float32[send_count] into precv float32[recv_count] on pair (0, 1)."""
     def body(v):
         payload = jnp.broadcast_to(v[:1], (send_count,))
-        tok = jax.lax.psend(payload, "x", [(0, 1)])
-        r = jax.lax.precv(tok, jax.ShapeDtypeStruct((recv_count,), jnp.float32), "x", [(0, 1)])
+        tok = jax_cpu_mpi.psend(payload, "x", [(0, 1)])
+        r = jax_cpu_mpi.precv(tok, jax.ShapeDtypeStruct((recv_count,), jnp.float32), "x", [(0, 1)])
         return v + r[:1]
     return body
 
@@ -72,8 +73,8 @@ for send_count, recv_count in [(2 << 20, 6 << 18), (2 << 20, 8), (8, 2 << 20)]:
 
 
 def dangling(v):
-    return jax.lax.precv(jax.lax.create_token(), jax.ShapeDtypeStruct(v.shape, v.dtype), "x",
-                         [(0, 1)])
+    return jax_cpu_mpi.precv(jax.lax.create_token(), jax.ShapeDtypeStruct(v.shape, v.dtype), "x",
+                             [(0, 1)])
 
 
 with config.overrides(gpu_parity=False):
@@ -82,7 +83,7 @@ with config.overrides(gpu_parity=False):
 barrier("after timeout")
 
 # The channel is still usable after both errors.
-got = run(lambda v: jax.lax.precv(jax.lax.psend(v, "x", [(0, 1)]),
-                                  jax.ShapeDtypeStruct(v.shape, v.dtype), "x", [(0, 1)]))
+got = run(lambda v: jax_cpu_mpi.precv(jax_cpu_mpi.psend(v, "x", [(0, 1)]),
+                                      jax.ShapeDtypeStruct(v.shape, v.dtype), "x", [(0, 1)]))
 np.testing.assert_array_equal(got, [0, 0, 0, 0, 0, 1, 2, 3])
 common.ok()

@@ -20,6 +20,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jax_cpu_mpi
+
 Gather = Callable[[jax.Array], np.ndarray]
 ROWS = P("x", None)
 
@@ -56,46 +58,46 @@ def rows(n: int, width: int = 2) -> np.ndarray:
 
 
 def _cycle(a):  # JAX: test_psend_precv_basic_with_deadlock_cycle
-    token = jax.lax.psend(a, "x", [(0, 1), (1, 0)])
-    return jax.lax.precv(token, like(a), "x", [(0, 1), (1, 0)])
+    token = jax_cpu_mpi.psend(a, "x", [(0, 1), (1, 0)])
+    return jax_cpu_mpi.precv(token, like(a), "x", [(0, 1), (1, 0)])
 
 
 def _self_pair(a):  # XLA: a pair (i, i) is a cycle
-    token = jax.lax.psend(a, "x", [(0, 0)])
-    return jax.lax.precv(token, like(a), "x", [(0, 0)])
+    token = jax_cpu_mpi.psend(a, "x", [(0, 0)])
+    return jax_cpu_mpi.precv(token, like(a), "x", [(0, 0)])
 
 
 def _dangling_precv(a):  # JAX: test_psend_precv_basic_with_dangling_recv
-    return jax.lax.precv(jax.lax.create_token(), like(a), "x", [(0, 1)])
+    return jax_cpu_mpi.precv(jax.lax.create_token(), like(a), "x", [(0, 1)])
 
 
 def _dangling_psend(a):
-    jax.lax.psend(a, "x", [(0, 1)])
+    jax_cpu_mpi.psend(a, "x", [(0, 1)])
     return a
 
 
 def _mismatched(a):  # JAX: test_psend_precv_basic_with_non_matching_source_target_pairs
-    token = jax.lax.psend(a, "x", [(0, 1)])
-    return jax.lax.precv(token, like(a), "x", [(1, 0)])
+    token = jax_cpu_mpi.psend(a, "x", [(0, 1)])
+    return jax_cpu_mpi.precv(token, like(a), "x", [(1, 0)])
 
 
 def _collective_between(a):
     # The barrier puts the ppermute between the psend and the precv in XLA's order too
     # (the precv's token is the barrier's): psend, ppermute, precv.
-    token = jax.lax.psend(a, "x", [(0, 1)])
+    token = jax_cpu_mpi.psend(a, "x", [(0, 1)])
     b = jax.lax.ppermute(a, "x", [(1, 0)])
     token, b = jax.lax.optimization_barrier((token, b))
-    return jax.lax.precv(token, like(a), "x", [(0, 1)]) + b
+    return jax_cpu_mpi.precv(token, like(a), "x", [(0, 1)]) + b
 
 
 def _two_sends_joined_by_a_barrier(a):
     # Both tokens pass through one barrier before the precvs: XLA visits the barrier's
     # operands (both psends) before either precv, so it sees send, send, recv, recv.
-    t1 = jax.lax.psend(a, "x", [(0, 1)])
-    t2 = jax.lax.psend(a + 1, "x", [(1, 0)])
+    t1 = jax_cpu_mpi.psend(a, "x", [(0, 1)])
+    t2 = jax_cpu_mpi.psend(a + 1, "x", [(1, 0)])
     t1, t2 = jax.lax.optimization_barrier((t1, t2))
-    return (jax.lax.precv(t1, like(a), "x", [(0, 1)])
-            + jax.lax.precv(t2, like(a), "x", [(1, 0)]))
+    return (jax_cpu_mpi.precv(t1, like(a), "x", [(0, 1)])
+            + jax_cpu_mpi.precv(t2, like(a), "x", [(1, 0)]))
 
 
 def _dropped_token_psend_is_visited_first(a):
@@ -103,17 +105,17 @@ def _dropped_token_psend_is_visited_first(a):
     # visits it before everything the result depends on, so the verifier sees
     # psend([(1, 0)]), psend([(0, 1)]), precv, precv: two psends in a row that form a
     # cycle. In program order (psend, precv, psend, precv) it would pass.
-    t1 = jax.lax.psend(a, "x", [(0, 1)])
-    r1 = jax.lax.precv(t1, like(a), "x", [(0, 1)])
-    jax.lax.psend(a + 1, "x", [(1, 0)])
-    r2 = jax.lax.precv(jax.lax.create_token(), like(a), "x", [(1, 0)])
+    t1 = jax_cpu_mpi.psend(a, "x", [(0, 1)])
+    r1 = jax_cpu_mpi.precv(t1, like(a), "x", [(0, 1)])
+    jax_cpu_mpi.psend(a + 1, "x", [(1, 0)])
+    r2 = jax_cpu_mpi.precv(jax.lax.create_token(), like(a), "x", [(1, 0)])
     return r1 + r2
 
 
 def _cycle_in_scan(a):
     def step(carry, _):
-        token = jax.lax.psend(carry, "x", [(0, 1), (1, 0)])
-        out = jax.lax.precv(token, like(carry), "x", [(0, 1), (1, 0)])
+        token = jax_cpu_mpi.psend(carry, "x", [(0, 1), (1, 0)])
+        out = jax_cpu_mpi.precv(token, like(carry), "x", [(0, 1), (1, 0)])
         return jax.lax.pcast(out, "x", to="varying"), None
 
     return jax.lax.scan(step, a, None, length=3)[0]
@@ -121,7 +123,7 @@ def _cycle_in_scan(a):
 
 def _psend_in_loop_precv_nowhere(a):  # the loop body is checked once, psend stays pending
     def step(carry, _):
-        jax.lax.psend(carry, "x", [(0, 1)])
+        jax_cpu_mpi.psend(carry, "x", [(0, 1)])
         return carry * 2, None
 
     return jax.lax.scan(step, a, None, length=3)[0]
@@ -130,15 +132,15 @@ def _psend_in_loop_precv_nowhere(a):  # the loop body is checked once, psend sta
 def _mismatch_in_nested_jit_and_cond(a):
     @jax.jit
     def inner(v):
-        token = jax.lax.psend(v, "x", [(0, 1)])
-        return jax.lax.pcast(jax.lax.precv(token, like(v), "x", [(1, 0)]), "x", to="varying")
+        token = jax_cpu_mpi.psend(v, "x", [(0, 1)])
+        return jax.lax.pcast(jax_cpu_mpi.precv(token, like(v), "x", [(1, 0)]), "x", to="varying")
 
     return jax.lax.cond(a.sum() > 0, inner, lambda v: v, a)
 
 
 def _duplicate_pairs(a):  # JAX: test_psend_precv_basic_with_duplicate_source_target_pairs
-    token = jax.lax.psend(a, "x", [(0, 1), (0, 1)])
-    return jax.lax.precv(token, like(a), "x", [(1, 0)])
+    token = jax_cpu_mpi.psend(a, "x", [(0, 1), (0, 1)])
+    return jax_cpu_mpi.precv(token, like(a), "x", [(1, 0)])
 
 
 @dataclass(frozen=True)
@@ -186,8 +188,8 @@ Shift = Callable[[jax.Array, list[tuple[int, int]]], jax.Array]
 
 
 def p2p(x: jax.Array, perm: list[tuple[int, int]]) -> jax.Array:
-    token = jax.lax.psend(x, "x", perm)
-    return jax.lax.precv(token, like(x), "x", perm)
+    token = jax_cpu_mpi.psend(x, "x", perm)
+    return jax_cpu_mpi.precv(token, like(x), "x", perm)
 
 
 def ppermute(x: jax.Array, perm: list[tuple[int, int]]) -> jax.Array:
@@ -222,8 +224,8 @@ def accepted_chain_then_back_edge(mesh, gather: Gather, width: int = 2):
 
 
 def _precv_before_psend(a):  # JAX: test_psend_precv_reverse_two_gpus
-    dummy = jax.lax.precv(jax.lax.create_token(), like(a), "x", [(0, 1)])
-    jax.lax.psend(dummy, "x", [(0, 1)])
+    dummy = jax_cpu_mpi.precv(jax.lax.create_token(), like(a), "x", [(0, 1)])
+    jax_cpu_mpi.psend(dummy, "x", [(0, 1)])
     return dummy
 
 
@@ -236,10 +238,10 @@ def accepted_precv_before_psend(mesh, gather: Gather):
 def _two_sends_then_two_precvs(a):
     # issue 12: JAX emits psend, psend, precv, precv; XLA's verifier sees each precv
     # right after the psend whose token it takes (psend, precv, psend, precv).
-    t1 = jax.lax.psend(a, "x", [(0, 1)])
-    t2 = jax.lax.psend(a + 1, "x", [(1, 0)])
-    r1 = jax.lax.precv(t1, like(a), "x", [(0, 1)])
-    r2 = jax.lax.precv(t2, like(a), "x", [(1, 0)])
+    t1 = jax_cpu_mpi.psend(a, "x", [(0, 1)])
+    t2 = jax_cpu_mpi.psend(a + 1, "x", [(1, 0)])
+    r1 = jax_cpu_mpi.precv(t1, like(a), "x", [(0, 1)])
+    r2 = jax_cpu_mpi.precv(t2, like(a), "x", [(1, 0)])
     return jnp.concatenate([r1, r2], axis=1)
 
 
@@ -259,10 +261,10 @@ def _opposite_order(a):
     # pairs form the cycle 0 -> 1 -> 0, but XLA rebuilds the computation depth-first
     # from its root, so each precv directly follows its own psend: B, B, A, A
     # (the result uses rB first). XLA accepts it, and so do we.
-    t_a = jax.lax.psend(a, "x", [(0, 1)])
-    t_b = jax.lax.psend(a * 10, "x", [(1, 0)])
-    r_b = jax.lax.precv(t_b, like(a), "x", [(1, 0)])
-    r_a = jax.lax.precv(t_a, like(a), "x", [(0, 1)])
+    t_a = jax_cpu_mpi.psend(a, "x", [(0, 1)])
+    t_b = jax_cpu_mpi.psend(a * 10, "x", [(1, 0)])
+    r_b = jax_cpu_mpi.precv(t_b, like(a), "x", [(1, 0)])
+    r_a = jax_cpu_mpi.precv(t_a, like(a), "x", [(0, 1)])
     return jnp.concatenate([r_b, r_a], axis=1)
 
 
@@ -278,9 +280,9 @@ def _ppermute_between_in_program_order(a):
     # A ppermute between a psend and its precv in program order only: the precv's
     # token comes straight from the psend, so XLA visits precv right after psend and
     # the ppermute after both. XLA accepts it (the psend never waits).
-    token = jax.lax.psend(a, "x", [(0, 1)])
+    token = jax_cpu_mpi.psend(a, "x", [(0, 1)])
     b = jax.lax.ppermute(a, "x", [(1, 0)])
-    return jax.lax.precv(token, like(a), "x", [(0, 1)]) + b
+    return jax_cpu_mpi.precv(token, like(a), "x", [(0, 1)]) + b
 
 
 def accepted_ppermute_between_in_program_order(mesh, gather: Gather):
@@ -337,7 +339,7 @@ def _pipeline(n: int, s: PipelineSizes, manual: bool) -> Callable:
         input_slice = jax.lax.dynamic_slice(
             input_buffer, (0, (i + 0) % s.microbatches, 0, 0), block)
         if manual:  # send_fwd: matches the precv of the previous step (or the prologue)
-            fwd_send_token = jax.lax.psend(prev_res, "x", fwd_perm)
+            fwd_send_token = jax_cpu_mpi.psend(prev_res, "x", fwd_perm)
         compute_argument = on_first_device(
             on_first_cycle(i, input_slice, prev_bwd), prev_fwd
         ).reshape((1, s.contracting, s.non_contracting))
@@ -353,8 +355,8 @@ def _pipeline(n: int, s: PipelineSizes, manual: bool) -> Callable:
         if manual:  # recv_fwd after the ppermute; the next step's psend matches it
             precv_token, _ = jax.lax.optimization_barrier(
                 (jax.lax.create_token(), bwd_data))
-            fwd_data = jax.lax.precv(precv_token, jax.ShapeDtypeStruct(block, jnp.float32),
-                                     "x", fwd_perm)
+            fwd_data = jax_cpu_mpi.precv(precv_token, jax.ShapeDtypeStruct(block, jnp.float32),
+                                         "x", fwd_perm)
         else:
             fwd_data = jax.lax.ppermute(compute_result, "x", fwd_perm)
         output_buffer = jax.lax.dynamic_update_slice(
@@ -364,14 +366,14 @@ def _pipeline(n: int, s: PipelineSizes, manual: bool) -> Callable:
     def entry(weights, input_buffer, dummy_data):
         output_buffer = jnp.zeros_like(input_buffer)
         if manual:  # start the pipeline: a priming precv
-            first = jax.lax.precv(jax.lax.create_token(), like(dummy_data), "x", fwd_perm)
+            first = jax_cpu_mpi.precv(jax.lax.create_token(), like(dummy_data), "x", fwd_perm)
         else:
             first = dummy_data
         carry = (weights, input_buffer, output_buffer, first, dummy_data, dummy_data)
         steps = s.circ_repeats * s.microbatches + n - 1
         carry, _ = jax.lax.scan(body, carry, xs=jnp.arange(steps))
         if manual:  # the final psend matches the last step's precv
-            jax.lax.psend(carry[3], "x", fwd_perm)
+            jax_cpu_mpi.psend(carry[3], "x", fwd_perm)
         return carry[2], carry[4]
 
     return entry

@@ -35,8 +35,8 @@ x = common.global_array(mesh, P("x"), np.zeros(2 * count, np.float32))
 
 def stream(v):
     def step(i, acc):
-        tok = jax.lax.psend(v + i.astype(v.dtype), "x", pair)
-        r = jax.lax.precv(tok, jax.ShapeDtypeStruct(v.shape, v.dtype), "x", pair)
+        tok = jax_cpu_mpi.psend(v + i.astype(v.dtype), "x", pair)
+        r = jax_cpu_mpi.precv(tok, jax.ShapeDtypeStruct(v.shape, v.dtype), "x", pair)
         return acc + r * (i + 1).astype(v.dtype)
     return jax.lax.fori_loop(0, 16, step, jnp.zeros_like(v))
 
@@ -54,8 +54,8 @@ jax_cpu_mpi.configure(max_inflight_bytes=1 << 30)
 big = 8 << 20  # float32 -> 32 MiB per device
 y = common.global_array(mesh, P("x"), np.arange(2 * big, dtype=np.float32) % 4093)
 f = jax.jit(jax.shard_map(
-    lambda v: jax.lax.precv(jax.lax.psend(v, "x", pair), jax.ShapeDtypeStruct(v.shape, v.dtype),
-                            "x", pair),
+    lambda v: jax_cpu_mpi.precv(jax_cpu_mpi.psend(v, "x", pair),
+                                jax.ShapeDtypeStruct(v.shape, v.dtype), "x", pair),
     mesh=mesh, in_specs=P("x"), out_specs=P("x")))
 f.lower(y).compile()  # both ranks attach/compile before the timing below
 if me == 1:

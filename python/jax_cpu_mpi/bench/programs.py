@@ -24,6 +24,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..p2p import precv, psend
+
 AXIS = "x"
 FORWARD = [(0, 1)]
 BACKWARD = [(1, 0)]
@@ -68,8 +70,10 @@ def count_wrong(got: np.ndarray | None, expected: np.ndarray) -> int:
 def _hop(transport: str, x: jax.Array, perm: list[tuple[int, int]]) -> jax.Array:
     if transport == "ppermute":
         return jax.lax.ppermute(x, AXIS, perm)
-    token = jax.lax.psend(x, AXIS, perm)
-    y = jax.lax.precv(token, jax.ShapeDtypeStruct(x.shape, x.dtype), AXIS, perm)
+    # jax_cpu_mpi.psend/precv: jax.lax.psend/precv without JAX 0.12's deprecation (the same
+    # primitives while JAX has them, so the same programs and timings; ours after).
+    token = psend(x, AXIS, perm)
+    y = precv(token, jax.ShapeDtypeStruct(x.shape, x.dtype), AXIS, perm)
     # precv's result is typed as invariant over the axis; loop carries need it varying.
     return jax.lax.pcast(y, AXIS, to="varying")
 

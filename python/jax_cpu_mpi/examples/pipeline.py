@@ -1,5 +1,8 @@
 """Pipeline-parallel (GPipe) training of a small MLP, with ``psend``/``precv`` between stages.
 
+It uses ``jax_cpu_mpi.psend``/``precv``: ``jax.lax.psend``/``precv`` are deprecated since JAX
+0.12 and will be removed; ours keep the program working, on CPU and on GPU alike.
+
 One process with 4 virtual CPU devices (the file sets the device count itself)::
 
     python -m jax_cpu_mpi.examples.pipeline
@@ -110,7 +113,10 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-import jax_cpu_mpi  # noqa: E402, F401  (registers the CPU lowerings of psend/precv)
+# jax_cpu_mpi.psend/precv: jax.lax.psend/precv (deprecated in JAX 0.12, to be removed) kept
+# alive, the same program on CPU (this package's transport) and GPU (NCCL). The import also
+# registers the CPU lowerings.
+import jax_cpu_mpi  # noqa: E402
 
 AXIS = "stage"
 
@@ -186,8 +192,8 @@ def make_pipeline_step(
         """
         if not perm:
             return jnp.zeros_like(x)
-        token = jax.lax.psend(x, AXIS, perm)
-        y = jax.lax.precv(token, jax.ShapeDtypeStruct(x.shape, x.dtype), AXIS, perm)
+        token = jax_cpu_mpi.psend(x, AXIS, perm)
+        y = jax_cpu_mpi.precv(token, jax.ShapeDtypeStruct(x.shape, x.dtype), AXIS, perm)
         return jax.lax.pcast(y, AXIS, to="varying")  # precv's result is typed as unvarying
 
     def per_stage(w, b, x, y):
@@ -358,6 +364,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{jax.local_device_count()} CPU device(s), {args.microbatches} microbatches of "
         f"{args.batch // args.microbatches}, width {args.width}, {args.steps} steps, "
         f"lr {args.lr:g}, seed {args.seed}")
+    whose = jax_cpu_mpi.primitives.in_use()["primitives"]
+    say(f"psend/precv: {'JAX' if whose == 'jax' else 'jax_cpu_mpi'}'s primitives")
     losses: list[float] = []
     timed = 0.0
     for i in range(args.steps):

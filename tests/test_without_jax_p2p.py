@@ -1,0 +1,226 @@
+"""jax_cpu_mpi on a JAX that has dropped psend/precv (simulated in subprocesses).
+
+JAX 0.12 deprecates ``jax.lax.psend``/``precv``; a later JAX removes them with their
+primitives. Each test here starts a subprocess with ``JCM_TEST_JAX_WITHOUT_P2P=1``: before
+jax_cpu_mpi is imported, JAX's ``psend``/``precv`` functions and ``psend_p``/``precv_p``
+primitives are deleted (``mpi_programs/jax_p2p_removal.py``; every mpirun rank and every
+Python subprocess of those tests does the same), so jax_cpu_mpi defines and lowers its own.
+The subprocesses rerun parts of this suite that way: the p2p scenarios in one process and
+under ``mpirun -n 2`` (1 and 2 devices per rank), the batching rules, the GPU-parity
+rejections and the pipeline example; and the GPU lowering of our own primitives is compared
+with what JAX's lowering produced for the same programs in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import p2p_programs as programs
+import pytest
+from jax_p2p_removal import ENV
+
+from conftest import needs_jax_p2p
+
+ROOT = Path(__file__).resolve().parent.parent
+REMOVAL = Path(__file__).parent / "mpi_programs" / "jax_p2p_removal.py"
+_SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|deselected|errors?)")
+
+
+def _env(what: str = "1") -> dict[str, str]:
+    env = dict(os.environ, **{ENV: what})
+    env.pop("XLA_FLAGS", None)  # conftest / the programs set their own device counts
+    return env
+
+
+def run_suite_part(*targets: str, marks: str | None = None, timeout: float,
+                   what: str = "1") -> dict[str, int]:
+    """Run pytest on ``targets`` in a subprocess without JAX's psend/precv (``what``:
+    ``effect`` removes their effect too); the counts of passed, failed... tests."""
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs",
+               *(["-m", marks] if marks else []), *targets]
+    proc = subprocess.run(command, cwd=ROOT, env=_env(what), capture_output=True, text=True,
+                          timeout=timeout)
+    output = proc.stdout + proc.stderr
+    assert "jax_cpu_mpi primitives: jax_cpu_mpi" in output, output[-5000:]
+    assert proc.returncode == 0, output[-20000:]
+    counts = {kind.rstrip("s"): int(n) for n, kind in _SUMMARY.findall(output.splitlines()[-1])}
+    assert counts.get("failed", 0) == 0 and counts.get("error", 0) == 0, output[-20000:]
+    return counts
+
+
+@pytest.mark.timeout(600)
+def test_p2p_scenarios_in_one_process():
+    counts = run_suite_part("tests/test_p2p_single_process.py", "tests/test_p2p_errors.py",
+                            "tests/test_p2p_api.py", "tests/test_smoke.py", marks="not mpi",
+                            timeout=580)
+    assert counts["passed"] >= 60, counts  # 82 tests; JAX-vs-ours comparisons skip
+
+
+@pytest.mark.timeout(600)
+def test_batching_rules():
+    counts = run_suite_part("tests/test_batching.py", marks="not mpi", timeout=580)
+    assert counts["passed"] >= 65, counts
+
+
+@pytest.mark.timeout(600)
+def test_gpu_parity_rejections():
+    counts = run_suite_part("tests/test_gpu_parity.py", marks="not mpi", timeout=580)
+    assert counts["passed"] >= 28, counts
+
+
+@pytest.mark.timeout(600)
+def test_without_jax_effect_either():
+    """JAX dropped psend/precv's effect too: ours carries an equivalent, and the parity check
+    (which finds psend/precv programs by that effect), loops and the lowering still work."""
+    counts = run_suite_part("tests/test_gpu_parity.py", "tests/test_p2p_single_process.py",
+                            marks="not mpi", what="effect", timeout=580)
+    assert counts["passed"] >= 75, counts
+
+
+@pytest.mark.timeout(400)
+def test_pipeline_example_one_process():
+    counts = run_suite_part(
+        "tests/test_pipeline_example.py::test_one_process_four_devices_matches_reference",
+        timeout=380)
+    assert counts["passed"] == 1, counts
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(900)
+def test_under_mpirun():
+    """p2p scenarios with 1 and 2 devices per rank, batching, parity, pipeline (2 x 2)."""
+    counts = run_suite_part(
+        "tests/test_p2p_mpi.py::test_all_scenarios_over_mpi",
+        "tests/test_batching.py::test_batching_rules_over_mpi",
+        "tests/test_gpu_parity.py::test_every_two_device_scenario_under_mpirun",
+        "tests/test_pipeline_example.py::test_mpirun_matches_reference_and_one_process"
+        "[mpirun-n2x2devices]",
+        timeout=880)
+    assert counts["passed"] == 5, counts
+
+
+def _subprocess_json(args: list[str], marker: str, timeout: float) -> dict:
+    env = _env()
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    proc = subprocess.run([sys.executable, str(REMOVAL), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(marker)]
+    assert proc.returncode == 0 and lines, proc.stdout[-5000:] + proc.stderr[-10000:]
+    return json.loads(lines[-1][len(marker):])
+
+
+@needs_jax_p2p
+@pytest.mark.timeout(300)
+def test_gpu_lowering_of_our_primitives_is_jaxs():
+    """cuda and rocm exports with our own primitives == JAX's lowering of the same programs."""
+    import warnings
+
+    import jax
+
+    ours = _subprocess_json(["-f", str(Path(programs.__file__))], "JCM-EXPORTS ", 280)
+    assert ours["in_use"]["primitives"] == "jax_cpu_mpi", ours["in_use"]
+    assert not ours["in_use"]["jax_has_primitives"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        reference = programs.gpu_exports(jax.lax.psend, jax.lax.precv)
+    assert sorted(ours["exports"]) == sorted(reference)
+    sends = 0
+    for name, by_platform in reference.items():
+        for platform, want in by_platform.items():
+            got = ours["exports"][name][platform]
+            assert got == want, (name, platform)
+            sends += len(want.get("ops", []))
+    assert sends >= 20, reference
+
+
+@pytest.mark.timeout(200)
+def test_info_reports_our_primitives():
+    proc = subprocess.run([sys.executable, str(REMOVAL), "-m", "jax_cpu_mpi", "info"],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "primitives:    jax_cpu_mpi's own psend/precv" in proc.stdout, proc.stdout
+    assert "lowerings:     psend yes, precv yes" in proc.stdout, proc.stdout
+    assert "psend yes, precv yes" in proc.stdout.split("batching:", 1)[1], proc.stdout
+
+
+_FEATURE_PROBE = """
+import json, sys, types, warnings
+import jax
+import jax_p2p_removal
+jax_p2p_removal.simulate()
+hidden_module, hidden = sys.argv[1].split(":")
+real = sys.modules[hidden_module] if hidden_module in sys.modules else __import__(
+    hidden_module, fromlist=["_"])
+
+class Hiding(types.ModuleType):  # the name moved: JAX uses it, jax_cpu_mpi cannot find it
+    def __getattr__(self, name):
+        if name == hidden:
+            raise AttributeError(name)
+        return getattr(real, name)
+
+sys.modules[hidden_module] = Hiding(hidden_module)
+import jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    n = len(jax.devices())  # JAX's plugin discovery imports jax_cpu_mpi here
+import jax_cpu_mpi
+mesh = jax.make_mesh((4,), ("x",))
+x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))
+perm = [(0, 1), (1, 2), (2, 3)]
+step = lambda v: jax_cpu_mpi.precv(jax_cpu_mpi.psend(v, "x", perm),
+                                   jax.ShapeDtypeStruct(v.shape, v.dtype), "x", perm)
+try:
+    out = {"result": np.asarray(jax.jit(jax.shard_map(
+        step, mesh=mesh, in_specs=P("x"), out_specs=P("x")))(x)).tolist()}
+except Exception as e:
+    out = {"error_type": type(e).__name__, "error": str(e)[:1000]}
+out["jit_ok"] = float(jax.jit(lambda v: v.sum())(x)) == 28.0
+out["states"] = {f["feature"]: f["state"] for f in jax_cpu_mpi.features()}
+out["warnings"] = [str(w.message) for w in caught
+                   if issubclass(w.category, jax_cpu_mpi.JaxCompatWarning)]
+print("JCM-FEATURES " + json.dumps(out))
+"""
+
+
+def _feature_probe(hidden: str) -> dict:
+    env = _env()
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in [str(REMOVAL.parent), env.get("PYTHONPATH", "")] if p)
+    proc = subprocess.run([sys.executable, "-c", _FEATURE_PROBE, hidden], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=110)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("JCM-FEATURES ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-4000:] + proc.stderr[-6000:]
+    return json.loads(lines[-1].split(" ", 1)[1])
+
+
+@pytest.mark.timeout(120)
+def test_lowerings_off_gives_jax_error_for_our_primitives():
+    """A name only the CPU lowerings need is gone: our primitives still exist, and on CPU
+    they fail with JAX's NotImplementedError, as JAX's did without jax_cpu_mpi."""
+    out = _feature_probe("jax._src.mesh:get_concrete_mesh")
+    assert out["jit_ok"]
+    assert out["states"]["own_primitives"] == "active", out
+    assert out["states"]["lowerings"] == "off", out
+    assert out["error_type"] == "NotImplementedError", out
+    assert "psend is currently only implemented on GPU" in out["error"], out
+
+
+@pytest.mark.timeout(120)
+def test_own_primitives_off_names_the_missing_jax_name():
+    """A name our primitives are built from is gone too: one warning, JAX keeps working,
+    and jax_cpu_mpi.psend says what is missing."""
+    out = _feature_probe("jax._src.dispatch:apply_primitive")
+    assert out["jit_ok"]
+    assert out["states"]["own_primitives"] == "off", out
+    assert out["states"]["lowerings"] == "off", out  # nothing to attach to
+    assert out["error_type"] == "RuntimeError", out
+    assert "jax_cpu_mpi.primitives:psend_p" in out["error"], out
+    assert "jax._src.dispatch:apply_primitive" in out["error"], out
+    assert any("(own_primitives)" in w and "apply_primitive" in w for w in out["warnings"]), out
