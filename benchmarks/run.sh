@@ -8,7 +8,7 @@
 # psend-local/scan and ppermute-local/scan. FULL=1 measures every method (much longer).
 #
 # Environment: PYTHON (default: python), MPIRUN (default: the mpirun next to PYTHON, else
-# mpirun on PATH), NP (ranks, default 2), ROUNDS (default 5), SIZES (default
+# mpirun on PATH), NP (ranks, default 2), ROUNDS (default 3), SIZES (default
 # 8,4K,64K,1M,4M,16M,64M), QUIET_IDLE (wait until the CPUs are this % idle before
 # starting, default 90; 0 disables), QUIET_WAIT (give up waiting after this many seconds,
 # default 60).
@@ -20,7 +20,7 @@ MPIRUN=${MPIRUN:-$( [ -x "$PYDIR/mpirun" ] && echo "$PYDIR/mpirun" || echo mpiru
 NP=${NP:-2}
 # A lost message fails the run after 2 minutes instead of the default 5.
 export JAX_CPU_MPI_RECV_TIMEOUT=${JAX_CPU_MPI_RECV_TIMEOUT:-120}
-ROUNDS=${ROUNDS:-5}
+ROUNDS=${ROUNDS:-3}
 SIZES=${SIZES:-8,4K,64K,1M,4M,16M,64M}
 if [ -n "${FULL:-}" ]; then
   MPI_METHODS=all
