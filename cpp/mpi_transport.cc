@@ -359,6 +359,7 @@ MpiResult MpiTransport::SendLarge(ChannelState& ch, uint64_t seq, int dest_rank,
   for (size_t offset = 0; offset < bytes; offset += kStageStepBytes) {
     std::memcpy(send.buffer.data() + offset, src + offset, std::min(kStageStepBytes,
                                                                     bytes - offset));
+    if (offset + kStageStepBytes >= bytes) break;  // copied: send the copy, return at once
     if (MpiResult r = poll(&go_direct); !r.ok || go_direct) {
       {
         std::lock_guard<std::mutex> lock(mu_);
