@@ -1,5 +1,8 @@
 #include "mailbox.h"
 
+#include <sched.h>
+
+#include <algorithm>
 #include <cstring>
 
 namespace jcm {
@@ -11,6 +14,48 @@ Mailbox::Channel& Mailbox::GetChannel(ChannelKey key) {
   return *slot;
 }
 
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+}  // namespace
+
+Mailbox::PostState Mailbox::Await(Channel& ch, std::unique_lock<std::mutex>& lock,
+                                  const std::atomic<PostState>& state, bool until_claimed,
+                                  Clock::time_point yield_until, Clock::time_point deadline) {
+  auto satisfied = [&] {
+    const PostState s = state.load(std::memory_order_acquire);
+    return until_claimed ? s != PostState::kPosted : s == PostState::kDone;
+  };
+  if (satisfied()) return state.load(std::memory_order_relaxed);
+  lock.unlock();
+  const auto spin_until = std::min(Clock::now() + kSpin, yield_until);
+  for (uint32_t polls = 1; !satisfied(); ++polls) {
+    if ((polls & 63) != 0) {
+      CpuRelax();
+      continue;
+    }
+    const auto now = Clock::now();
+    if (now >= yield_until || now >= deadline) break;
+    if (now >= spin_until) sched_yield();  // let a device thread that shares this core run
+  }
+  lock.lock();
+  if (deadline == Clock::time_point::max()) {
+    ch.cv.wait(lock, satisfied);
+  } else {
+    ch.cv.wait_until(lock, deadline, satisfied);
+  }
+  return state.load(std::memory_order_relaxed);
+}
+
 void Mailbox::Send(ChannelKey key, const void* data, size_t bytes,
                    const std::string& sender_desc) {
   Channel& ch = GetChannel(key);
@@ -19,7 +64,7 @@ void Mailbox::Send(ChannelKey key, const void* data, size_t bytes,
     // The receiver is already waiting: copy straight into its output buffer.
     PostedRecv* recv = ch.posted.front();
     ch.posted.pop_front();
-    recv->state = PostState::kClaimed;
+    recv->state.store(PostState::kClaimed, std::memory_order_release);
     lock.unlock();
     if (recv->bytes == bytes) {
       if (bytes > 0) std::memcpy(recv->out, data, bytes);
@@ -30,7 +75,7 @@ void Mailbox::Send(ChannelKey key, const void* data, size_t bytes,
       recv->outcome.sender_desc = sender_desc;
     }
     lock.lock();
-    recv->state = PostState::kDone;
+    recv->state.store(PostState::kDone, std::memory_order_release);  // `recv` is gone now
     ch.cv.notify_all();
     return;
   }
@@ -52,10 +97,10 @@ void Mailbox::Send(ChannelKey key, const void* data, size_t bytes,
   msg.offer = &offer;
   ch.queued.push_back(std::move(msg));
   ch.cv.notify_all();
-  const auto grace = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+  const auto grace_end = Clock::now() + std::chrono::duration_cast<Clock::duration>(
       std::chrono::duration<double>(static_cast<double>(bytes) / kGraceBytesPerSecond));
-  ch.cv.wait_for(lock, grace, [&] { return offer.state != PostState::kPosted; });
-  if (offer.state == PostState::kPosted) {
+  if (Await(ch, lock, offer.state, /*until_claimed=*/true, grace_end, grace_end) ==
+      PostState::kPosted) {
     // Nobody came: copy the bytes into the queue entry (still in its place in the FIFO).
     for (Message& queued : ch.queued) {
       if (queued.offer == &offer) {
@@ -65,11 +110,12 @@ void Mailbox::Send(ChannelKey key, const void* data, size_t bytes,
         break;
       }
     }
-    offer.state = PostState::kDone;
+    offer.state.store(PostState::kDone, std::memory_order_relaxed);
     return;
   }
   // A receiver claimed it and may be copying from `data` right now.
-  ch.cv.wait(lock, [&] { return offer.state == PostState::kDone; });
+  Await(ch, lock, offer.state, /*until_claimed=*/false, Clock::now() + kYield,
+        Clock::time_point::max());
 }
 
 RecvOutcome Mailbox::Recv(ChannelKey key, void* out, size_t bytes,
@@ -81,36 +127,30 @@ RecvOutcome Mailbox::Recv(ChannelKey key, void* out, size_t bytes,
     recv.out = out;
     recv.bytes = bytes;
     ch.posted.push_back(&recv);
-    lock.unlock();
-    const auto spin_until = std::chrono::steady_clock::now() + kSpinBeforeSleep;
-    while (recv.state.load(std::memory_order_acquire) != PostState::kDone &&
-           std::chrono::steady_clock::now() < spin_until) {
-    }
-    lock.lock();
-    bool done = ch.cv.wait_until(lock, deadline,
-                                 [&] { return recv.state == PostState::kDone; });
-    if (!done) {
-      if (recv.state == PostState::kPosted) {
-        // Withdraw: no sender has seen this receive.
-        for (auto it = ch.posted.begin(); it != ch.posted.end(); ++it) {
-          if (*it == &recv) {
-            ch.posted.erase(it);
-            break;
-          }
+    const PostState state = Await(ch, lock, recv.state, /*until_claimed=*/true,
+                                  Clock::now() + kYield, deadline);
+    if (state == PostState::kPosted) {
+      // Deadline passed. Withdraw: no sender has seen this receive.
+      for (auto it = ch.posted.begin(); it != ch.posted.end(); ++it) {
+        if (*it == &recv) {
+          ch.posted.erase(it);
+          break;
         }
-        RecvOutcome timeout;
-        timeout.status = RecvStatus::kTimeout;
-        return timeout;
       }
-      // A sender is copying into `out` right now: wait for it to finish.
-      ch.cv.wait(lock, [&] { return recv.state == PostState::kDone; });
+      RecvOutcome timeout;
+      timeout.status = RecvStatus::kTimeout;
+      return timeout;
     }
+    // A sender is copying into `out`: it takes about one copy's time.
+    Await(ch, lock, recv.state, /*until_claimed=*/false, Clock::now() + kYield,
+          Clock::time_point::max());
     return std::move(recv.outcome);
   }
   Message msg = std::move(ch.queued.front());
   ch.queued.pop_front();
   Offer* offer = msg.offer;
-  if (offer) offer->state = PostState::kClaimed;  // the sender keeps its operand for us
+  // The sender keeps its operand for us.
+  if (offer) offer->state.store(PostState::kClaimed, std::memory_order_release);
   lock.unlock();
   RecvOutcome outcome;
   if (msg.bytes != bytes) {
@@ -122,7 +162,7 @@ RecvOutcome Mailbox::Recv(ChannelKey key, void* out, size_t bytes,
   }
   if (offer) {
     lock.lock();
-    offer->state = PostState::kDone;
+    offer->state.store(PostState::kDone, std::memory_order_release);  // `offer` is gone now
     ch.cv.notify_all();
   }
   return outcome;

@@ -1,12 +1,16 @@
 // In-process transport: messages between devices of one process (device threads of the
-// XLA CPU client). Every message is copied once when its receiver is in time:
+// XLA CPU client). Every message is copied once when its receiver is in time: whichever
+// side arrives second copies straight from the sender's operand into the receiver's output.
 //   - receiver already waiting: the sender copies straight into the receiver's output;
-//   - otherwise a large message is first *offered*: the sender waits a short grace period
-//     (about the time one copy of the message takes) for the receiver to copy it straight
-//     out of the sender's operand;
-//   - after that (or for small messages at once) the bytes are queued in a pooled buffer
+//   - otherwise a message of kOfferMinBytes or more is first *offered*: the sender waits a
+//     short grace period (about the time one copy of the message takes) for the receiver
+//     to copy it straight out of the sender's operand;
+//   - after that (or for tiny messages at once) the bytes are queued in a pooled buffer
 //     and the receiver copies them out later (two copies, but the sender never waits on its
 //     receiver for longer than one copy would take).
+// The side that waits for the other one's copy spins, then yields its core, and only then
+// sleeps on the channel's condition variable: a wake-up from sleep costs tens of
+// microseconds on a busy machine, more than a whole hop of a mid-sized message.
 #pragma once
 
 #include <atomic>
@@ -57,7 +61,8 @@ class Mailbox {
   // A large message offered from the sender's own buffer during its grace period.
   struct Offer {
     const void* data = nullptr;
-    PostState state = PostState::kPosted;
+    // Written under the channel lock; read without it while the sender spins.
+    std::atomic<PostState> state{PostState::kPosted};
   };
   struct Message {
     PooledBuffer data;       // the copied bytes, unless `offer` is set
@@ -65,13 +70,18 @@ class Mailbox {
     size_t bytes = 0;
     std::string sender_desc;
   };
-  // Smallest message worth offering before queueing, and the copy rate that sets the grace
-  // period (bytes / rate).
-  static constexpr size_t kOfferMinBytes = size_t{256} << 10;
+  // Smallest message worth offering before queueing (below it a second copy costs less than
+  // waiting), and the copy rate that sets the grace period (bytes / rate).
+  static constexpr size_t kOfferMinBytes = size_t{16} << 10;
   static constexpr double kGraceBytesPerSecond = 4e9;
-  // A waiting receiver spins this long before it sleeps on the condition variable: a wake-up
-  // costs a context switch (tens of microseconds on a busy machine), a hop a few.
-  static constexpr std::chrono::microseconds kSpinBeforeSleep{30};
+  // How a side waits for the other: it spins kSpin, then yields its core until the wait
+  // has lasted kYield, then sleeps on the condition variable (a wake-up then costs little
+  // next to the wait). Spinning longer than a quick
+  // handoff costs dearly on a loaded machine: the other device thread may be waiting for
+  // this very core (measured on 2 shared cores: an 8 B hop cost the whole spin budget,
+  // 57 us with 50 us of spinning, 13 us with 5 us and yielding).
+  static constexpr std::chrono::microseconds kSpin{5};
+  static constexpr std::chrono::microseconds kYield{200};
   struct PostedRecv {
     void* out = nullptr;
     size_t bytes = 0;
@@ -87,6 +97,14 @@ class Mailbox {
   };
 
   Channel& GetChannel(ChannelKey key);
+
+  // Waits (see kSpin) until `state` is kDone, or until it leaves kPosted when
+  // `until_claimed`; `lock` holds ch.mu on entry and on return. Spins and yields with the
+  // lock released, up to `yield_until`; then sleeps until `deadline`. Returns the state.
+  static PostState Await(Channel& ch, std::unique_lock<std::mutex>& lock,
+                         const std::atomic<PostState>& state, bool until_claimed,
+                         std::chrono::steady_clock::time_point yield_until,
+                         std::chrono::steady_clock::time_point deadline);
 
   mutable std::mutex map_mu_;
   std::map<ChannelKey, std::unique_ptr<Channel>> channels_;

@@ -119,6 +119,8 @@ NB_MODULE(_jax_cpu_mpi, m) {
     d["mpi_inflight_bytes"] = mpi ? mpi->inflight_bytes() : 0;
     d["mpi_sends_completed"] = mpi ? mpi->sends_completed() : 0;
     d["mpi_peak_inflight_bytes"] = mpi ? mpi->peak_inflight_bytes() : 0;
+    d["mpi_direct_sends"] = mpi ? mpi->direct_sends() : 0;
+    d["mpi_staged_large_sends"] = mpi ? mpi->staged_large_sends() : 0;
     return d;
   });
 

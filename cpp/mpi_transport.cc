@@ -52,6 +52,13 @@ std::unique_ptr<MpiTransport> MpiTransport::Create(MPI_Comm comm,
   }
   // Errors on our communicator come back as codes, never abort the job behind our back.
   MPI_Comm_set_errhandler(t->comm_, MPI_ERRORS_RETURN);
+  for (MPI_Comm* extra : {&t->ctrl_comm_, &t->direct_comm_}) {
+    rc = MPI_Comm_dup(t->comm_, extra);  // inherits the error handler
+    if (rc != MPI_SUCCESS) {
+      *error = "MPI_Comm_dup failed: " + t->ErrorString(rc);
+      return nullptr;
+    }
+  }
   MPI_Comm_rank(t->comm_, &t->rank_);
   MPI_Comm_size(t->comm_, &t->size_);
   void* attr = nullptr;
@@ -66,7 +73,10 @@ std::unique_ptr<MpiTransport> MpiTransport::Create(MPI_Comm comm,
 }
 
 MpiTransport::~MpiTransport() {
-  if (comm_ != MPI_COMM_NULL && MpiIsUsable()) MPI_Comm_free(&comm_);
+  if (!MpiIsUsable()) return;
+  for (MPI_Comm* comm : {&ctrl_comm_, &direct_comm_, &comm_}) {
+    if (*comm != MPI_COMM_NULL) MPI_Comm_free(comm);
+  }
 }
 
 int MpiTransport::RankOfProcess(int64_t process_index) const {
@@ -90,6 +100,13 @@ std::unique_lock<std::mutex> MpiTransport::MpiCallLock() {
 }
 
 MpiResult MpiTransport::ProgressLocked() {
+  while (!control_sends_.empty()) {  // ready signals: tiny, complete in order
+    int done = 0;
+    int rc = MPI_Test(&control_sends_.front().request, &done, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS) return MpiResult::Error("MPI_Test failed: " + ErrorString(rc));
+    if (!done) break;
+    control_sends_.pop_front();
+  }
   // Sends to different peers complete in any order: test them all.
   for (auto it = pending_.begin(); it != pending_.end();) {
     int done = 0;
@@ -107,35 +124,82 @@ MpiResult MpiTransport::ProgressLocked() {
   return MpiResult::Ok();
 }
 
+MpiTransport::ChannelState& MpiTransport::Channel(int peer_rank, int tag) {
+  std::lock_guard<std::mutex> lock(channels_mu_);
+  auto& slot = channels_[{peer_rank, tag}];
+  if (!slot) slot = std::make_unique<ChannelState>();
+  return *slot;
+}
+
 MpiResult MpiTransport::Send(int dest_rank, int tag, const void* data, size_t bytes,
                              uint64_t max_inflight_bytes,
                              std::chrono::steady_clock::time_point deadline) {
-  {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (!MpiIsUsable()) return MpiResult::Error("MPI is not initialized or already finalized");
-    if (MpiResult r = ProgressLocked(); !r.ok) return r;
-    // Bound the memory of undelivered sends: wait for older ones to complete first.
-    Backoff backoff;
-    while (!pending_.empty() && inflight_bytes_ + bytes > max_inflight_bytes) {
-      if (std::chrono::steady_clock::now() > deadline) {
-        return MpiResult::Error(
-            "gave up waiting for earlier sends to be received: " +
-            std::to_string(inflight_bytes_) + " bytes in " + std::to_string(pending_.size()) +
-            " sends are undelivered and the limit is " + std::to_string(max_inflight_bytes) +
-            " bytes (JAX_CPU_MPI_MAX_INFLIGHT_BYTES); the receivers never posted their precv");
-      }
-      lock.unlock();
-      backoff.Pause();
-      lock.lock();
-      if (MpiResult r = ProgressLocked(); !r.ok) return r;
-    }
-    inflight_bytes_ += bytes;  // reserved now, released when the send completes
-    peak_inflight_bytes_ = std::max(peak_inflight_bytes_, inflight_bytes_);
+  ChannelState& ch = Channel(dest_rank, tag);
+  std::lock_guard<std::mutex> channel_lock(ch.send_mu);
+  const uint64_t seq = ch.next_send_seq++;  // every message counts, whatever its size
+  if (bytes >= kRendezvousMinBytes) {
+    return SendLarge(ch, seq, dest_rank, tag, data, bytes, max_inflight_bytes, deadline);
   }
+  return SendStaged(dest_rank, tag, data, bytes, max_inflight_bytes, deadline);
+}
 
+template <typename Stop>
+MpiResult MpiTransport::ReserveInflight(size_t bytes, uint64_t max_inflight_bytes,
+                                        std::chrono::steady_clock::time_point deadline,
+                                        Stop stop, bool* stopped) {
+  *stopped = false;
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!MpiIsUsable()) return MpiResult::Error("MPI is not initialized or already finalized");
+  if (MpiResult r = ProgressLocked(); !r.ok) return r;
+  // Bound the memory of undelivered sends: wait for older ones to complete first.
+  Backoff backoff;
+  while (!pending_.empty() && inflight_bytes_ + bytes > max_inflight_bytes) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      return MpiResult::Error(
+          "gave up waiting for earlier sends to be received: " +
+          std::to_string(inflight_bytes_) + " bytes in " + std::to_string(pending_.size()) +
+          " sends are undelivered and the limit is " + std::to_string(max_inflight_bytes) +
+          " bytes (JAX_CPU_MPI_MAX_INFLIGHT_BYTES); the receivers never posted their precv");
+    }
+    lock.unlock();
+    bool stop_now = false;
+    if (MpiResult r = stop(&stop_now); !r.ok) return r;
+    if (stop_now) {
+      *stopped = true;
+      return MpiResult::Ok();
+    }
+    backoff.Pause();
+    lock.lock();
+    if (MpiResult r = ProgressLocked(); !r.ok) return r;
+  }
+  inflight_bytes_ += bytes;  // reserved now, released when the send completes
+  peak_inflight_bytes_ = std::max(peak_inflight_bytes_, inflight_bytes_);
+  return MpiResult::Ok();
+}
+
+MpiResult MpiTransport::SendStaged(int dest_rank, int tag, const void* data, size_t bytes,
+                                   uint64_t max_inflight_bytes,
+                                   std::chrono::steady_clock::time_point deadline) {
+  bool stopped = false;
+  auto never = [](bool* stop) {
+    *stop = false;
+    return MpiResult::Ok();
+  };
+  if (MpiResult r = ReserveInflight(bytes, max_inflight_bytes, deadline, never, &stopped);
+      !r.ok) {
+    return r;
+  }
   PendingSend send;
   send.bytes = bytes;
-  if (bytes > 0) send.buffer = GlobalBufferPool().Acquire(bytes);
+  if (bytes > 0) {
+    send.buffer = GlobalBufferPool().Acquire(bytes);
+    std::memcpy(send.buffer.data(), data, bytes);
+  }
+  return IsendStaged(std::move(send), dest_rank, tag);
+}
+
+MpiResult MpiTransport::IsendStaged(PendingSend send, int dest_rank, int tag) {
+  const size_t bytes = send.bytes;
   auto isend = [&](const void* buf, size_t count) -> int {
     std::unique_lock<std::mutex> lock = MpiCallLock();
     send.requests.emplace_back();
@@ -144,22 +208,17 @@ MpiResult MpiTransport::Send(int dest_rank, int tag, const void* data, size_t by
   };
   int rc = MPI_SUCCESS;
   if (bytes < kChunkedThreshold) {
-    // One message: copy, send.
-    if (bytes > 0) std::memcpy(send.buffer.data(), data, bytes);
     rc = isend(send.buffer.data(), bytes);
   } else {
-    // A header, then the payload in chunks, each sent as soon as it is copied: the receiver
-    // pulls chunk k while this thread copies chunk k+1, so the copy costs little time.
+    // A header, then the payload in chunks: every count fits an int, and the receiver learns
+    // the size before it touches its output.
     send.header = std::make_unique<ChunkHeader>();
     send.header->magic = kChunkMagic;
     send.header->total_bytes = bytes;
     send.header->chunk_bytes = kChunkBytes;
     rc = isend(send.header.get(), sizeof(ChunkHeader));
-    const auto* src = static_cast<const std::byte*>(data);
     for (size_t offset = 0; offset < bytes && rc == MPI_SUCCESS; offset += kChunkBytes) {
-      const size_t n = std::min(kChunkBytes, bytes - offset);
-      std::memcpy(send.buffer.data() + offset, src + offset, n);
-      rc = isend(send.buffer.data() + offset, n);
+      rc = isend(send.buffer.data() + offset, std::min(kChunkBytes, bytes - offset));
     }
   }
   std::lock_guard<std::mutex> lock(mu_);
@@ -172,6 +231,149 @@ MpiResult MpiTransport::Send(int dest_rank, int tag, const void* data, size_t by
   pending_.push_back(std::move(send));
   // Small messages often complete at once (eager protocol): free them now.
   return ProgressLocked();
+}
+
+MpiResult MpiTransport::PollReady(ChannelState& ch, uint64_t seq, int dest_rank, int tag,
+                                  bool* ready, uint64_t* receiver_bytes) {
+  *ready = false;
+  auto take = [&](const ReadySignal& signal) {
+    if (signal.seq < seq) return false;  // an older message, which went staged: forget it
+    if (signal.seq == seq) {
+      *ready = true;
+      *receiver_bytes = signal.bytes;
+    } else {
+      ch.has_early_ready = true;  // a later message (the two ends lost count after an error)
+      ch.early_ready = signal;
+    }
+    return true;
+  };
+  if (ch.has_early_ready) {
+    ch.has_early_ready = false;
+    if (take(ch.early_ready)) return MpiResult::Ok();
+  }
+  while (true) {
+    int flag = 0;
+    MPI_Message message = MPI_MESSAGE_NULL;
+    ReadySignal signal;
+    {
+      std::unique_lock<std::mutex> lock = MpiCallLock();
+      if (!MpiIsUsable()) return MpiResult::Error("MPI is not initialized or already finalized");
+      int rc = MPI_Improbe(dest_rank, tag, ctrl_comm_, &flag, &message, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS) return MpiResult::Error("MPI_Improbe failed: " + ErrorString(rc));
+      if (!flag) return MpiResult::Ok();
+      rc = MPI_Mrecv(&signal, sizeof(ReadySignal), MPI_BYTE, &message, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS) return MpiResult::Error("MPI_Mrecv failed: " + ErrorString(rc));
+    }
+    if (take(signal)) return MpiResult::Ok();
+  }
+}
+
+MpiResult MpiTransport::SendDirect(int dest_rank, int tag, const void* data, size_t bytes,
+                                   std::chrono::steady_clock::time_point deadline) {
+  std::vector<MPI_Request> requests;
+  requests.reserve(bytes / kDirectChunkBytes + 1);
+  const auto* src = static_cast<const std::byte*>(data);
+  {
+    std::unique_lock<std::mutex> lock = MpiCallLock();
+    for (size_t offset = 0; offset < bytes; offset += kDirectChunkBytes) {
+      const size_t n = std::min(kDirectChunkBytes, bytes - offset);
+      requests.emplace_back();
+      // Synchronous mode: once it completes, the receive has matched, so the receiver can
+      // never cancel it as a receive that a staged message superseded.
+      int rc = MPI_Issend(src + offset, static_cast<int>(n), MPI_BYTE, dest_rank, tag,
+                          direct_comm_, &requests.back());
+      if (rc != MPI_SUCCESS) {
+        requests.pop_back();
+        for (MPI_Request& r : requests) MPI_Request_free(&r);
+        return MpiResult::Error("MPI_Issend failed: " + ErrorString(rc));
+      }
+    }
+  }
+  Backoff backoff;
+  uint64_t polls = 0;
+  while (true) {
+    int done = 0;
+    {
+      std::unique_lock<std::mutex> lock = MpiCallLock();
+      int rc = MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
+                           MPI_STATUSES_IGNORE);
+      if (rc != MPI_SUCCESS) return MpiResult::Error("MPI_Testall failed: " + ErrorString(rc));
+    }
+    if (done) break;
+    if ((++polls & 63) == 0 && std::chrono::steady_clock::now() > deadline) {
+      std::unique_lock<std::mutex> lock = MpiCallLock();
+      for (MPI_Request& r : requests) {
+        if (r == MPI_REQUEST_NULL) continue;
+        MPI_Cancel(&r);
+        MPI_Request_free(&r);
+      }
+      return MpiResult::Error(
+          "the receiver signalled that it was ready for this message, then did not take it "
+          "before the timeout (JAX_CPU_MPI_RECV_TIMEOUT); did its process fail or exit?");
+    }
+    backoff.Pause();
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  ++sends_completed_;
+  ++direct_sends_;
+  return MpiResult::Ok();
+}
+
+MpiResult MpiTransport::SendLarge(ChannelState& ch, uint64_t seq, int dest_rank, int tag,
+                                  const void* data, size_t bytes, uint64_t max_inflight_bytes,
+                                  std::chrono::steady_clock::time_point deadline) {
+  bool ready = false;
+  bool mismatch = false;  // the receiver waits for another byte count: send staged
+  auto poll = [&](bool* go_direct) -> MpiResult {
+    *go_direct = false;
+    if (mismatch) return MpiResult::Ok();
+    uint64_t receiver_bytes = 0;
+    MpiResult r = PollReady(ch, seq, dest_rank, tag, &ready, &receiver_bytes);
+    if (r.ok && ready) {
+      if (receiver_bytes == bytes) *go_direct = true;
+      else mismatch = true;
+    }
+    return r;
+  };
+  bool go_direct = false;
+  if (MpiResult r = poll(&go_direct); !r.ok) return r;
+  const auto spin_until = std::chrono::steady_clock::now() + kReadySpin;
+  while (!go_direct && !mismatch && std::chrono::steady_clock::now() < spin_until) {
+    if (MpiResult r = poll(&go_direct); !r.ok) return r;
+  }
+  if (go_direct) return SendDirect(dest_rank, tag, data, bytes, deadline);
+
+  bool stopped = false;
+  if (MpiResult r = ReserveInflight(bytes, max_inflight_bytes, deadline, poll, &stopped);
+      !r.ok) {
+    return r;
+  }
+  if (stopped) return SendDirect(dest_rank, tag, data, bytes, deadline);
+
+  // Stage, looking for the receiver between steps: a receiver that gets ready within about
+  // one copy's time still gets the message straight from the operand.
+  PendingSend send;
+  send.bytes = bytes;
+  send.buffer = GlobalBufferPool().Acquire(bytes);
+  const auto* src = static_cast<const std::byte*>(data);
+  for (size_t offset = 0; offset < bytes; offset += kStageStepBytes) {
+    std::memcpy(send.buffer.data() + offset, src + offset, std::min(kStageStepBytes,
+                                                                    bytes - offset));
+    if (offset + kStageStepBytes >= bytes) break;  // copied: send the copy, return at once
+    if (MpiResult r = poll(&go_direct); !r.ok || go_direct) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        inflight_bytes_ -= bytes;  // the reservation is not needed
+      }
+      if (!r.ok) return r;
+      return SendDirect(dest_rank, tag, data, bytes, deadline);
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++staged_large_sends_;
+  }
+  return IsendStaged(std::move(send), dest_rank, tag);
 }
 
 MpiResult MpiTransport::WaitAll(std::vector<MPI_Request>& requests,
@@ -222,7 +424,7 @@ MpiResult MpiTransport::ReceiveChunks(int source_rank, int tag, std::byte* out, 
                          &requests.back());
       if (rc != MPI_SUCCESS) {
         requests.pop_back();
-        lock.unlock();
+        if (lock.owns_lock()) lock.unlock();
         WaitAll(requests, std::chrono::steady_clock::now());  // cancels what was posted
         return MpiResult::Error("MPI_Irecv failed: " + ErrorString(rc));
       }
@@ -233,6 +435,127 @@ MpiResult MpiTransport::ReceiveChunks(int source_rank, int tag, std::byte* out, 
 
 MpiResult MpiTransport::Recv(int source_rank, int tag, void* out, size_t bytes,
                              std::chrono::steady_clock::time_point deadline) {
+  ChannelState& ch = Channel(source_rank, tag);
+  std::lock_guard<std::mutex> channel_lock(ch.recv_mu);
+  const uint64_t seq = ch.next_recv_seq++;  // every message counts, whatever its size
+  if (bytes >= kRendezvousMinBytes) return RecvLarge(seq, source_rank, tag, out, bytes, deadline);
+  return RecvStaged(source_rank, tag, out, bytes, deadline);
+}
+
+MpiResult MpiTransport::CancelDirect(std::vector<MPI_Request>& requests, bool* all_cancelled,
+                                     bool* none_cancelled) {
+  std::vector<MPI_Status> statuses(requests.size());
+  std::unique_lock<std::mutex> lock = MpiCallLock();
+  for (MPI_Request& r : requests) {
+    if (r != MPI_REQUEST_NULL) MPI_Cancel(&r);
+  }
+  // A receive that matched completes (its sender is under way); the others are cancelled.
+  int rc = MPI_Waitall(static_cast<int>(requests.size()), requests.data(), statuses.data());
+  if (rc != MPI_SUCCESS) return MpiResult::Error("MPI_Waitall failed: " + ErrorString(rc));
+  size_t cancelled = 0;
+  for (MPI_Status& status : statuses) {
+    int flag = 0;
+    MPI_Test_cancelled(&status, &flag);
+    cancelled += flag ? 1 : 0;
+  }
+  *all_cancelled = cancelled == statuses.size();
+  *none_cancelled = cancelled == 0;
+  return MpiResult::Ok();
+}
+
+MpiResult MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out,
+                                  size_t bytes, std::chrono::steady_clock::time_point deadline) {
+  {
+    // Already sent staged (the sender did not find us ready): take it the plain way.
+    int flag = 0;
+    std::unique_lock<std::mutex> lock = MpiCallLock();
+    if (!MpiIsUsable()) return MpiResult::Error("MPI is not initialized or already finalized");
+    int rc = MPI_Iprobe(source_rank, tag, comm_, &flag, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS) return MpiResult::Error("MPI_Iprobe failed: " + ErrorString(rc));
+    if (flag) {
+      if (lock.owns_lock()) lock.unlock();
+      return RecvStaged(source_rank, tag, out, bytes, deadline);
+    }
+  }
+  // Post the receives into the output, then tell the sender that we are ready.
+  std::vector<MPI_Request> requests;
+  requests.reserve(bytes / kDirectChunkBytes + 1);
+  auto* dst = static_cast<std::byte*>(out);
+  {
+    std::unique_lock<std::mutex> lock = MpiCallLock();
+    for (size_t offset = 0; offset < bytes; offset += kDirectChunkBytes) {
+      const size_t n = std::min(kDirectChunkBytes, bytes - offset);
+      requests.emplace_back();
+      int rc = MPI_Irecv(dst + offset, static_cast<int>(n), MPI_BYTE, source_rank, tag,
+                         direct_comm_, &requests.back());
+      if (rc != MPI_SUCCESS) {
+        requests.pop_back();
+        if (lock.owns_lock()) lock.unlock();
+        bool all = false, none = false;
+        CancelDirect(requests, &all, &none);
+        return MpiResult::Error("MPI_Irecv failed: " + ErrorString(rc));
+      }
+    }
+  }
+  {
+    ControlSend control;
+    control.signal = std::make_unique<ReadySignal>();
+    control.signal->seq = seq;
+    control.signal->bytes = bytes;
+    std::unique_lock<std::mutex> lock(mu_);  // guards control_sends_ (and MPI if needed)
+    int rc = MPI_Isend(control.signal.get(), sizeof(ReadySignal), MPI_BYTE, source_rank, tag,
+                       ctrl_comm_, &control.request);
+    if (rc != MPI_SUCCESS) {
+      lock.unlock();
+      bool all = false, none = false;
+      CancelDirect(requests, &all, &none);
+      return MpiResult::Error("MPI_Isend of the ready signal failed: " + ErrorString(rc));
+    }
+    control_sends_.push_back(std::move(control));
+  }
+  Backoff backoff;
+  uint64_t polls = 0;
+  while (true) {
+    int done = 0, staged = 0;
+    {
+      std::unique_lock<std::mutex> lock = MpiCallLock();
+      int rc = MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
+                           MPI_STATUSES_IGNORE);
+      if (rc != MPI_SUCCESS) return MpiResult::Error("MPI_Testall failed: " + ErrorString(rc));
+      if (done) return MpiResult::Ok();  // straight into the output
+      rc = MPI_Iprobe(source_rank, tag, comm_, &staged, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS) return MpiResult::Error("MPI_Iprobe failed: " + ErrorString(rc));
+    }
+    bool timed_out = false;
+    if (!staged && (++polls & 63) == 0) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (MpiResult r = ProgressLocked(); !r.ok) return r;
+      }
+      timed_out = std::chrono::steady_clock::now() > deadline;
+    }
+    if (staged || timed_out) {
+      // Either this message went staged (the sender did not see us in time; its direct
+      // receives cannot have matched) or, if the direct message completed meanwhile, the
+      // staged one is the next message, left for the next precv.
+      bool all_cancelled = false, none_cancelled = false;
+      if (MpiResult r = CancelDirect(requests, &all_cancelled, &none_cancelled); !r.ok) return r;
+      if (none_cancelled) return MpiResult::Ok();
+      if (!all_cancelled) {
+        return MpiResult::Error("internal error: a direct message arrived in part only");
+      }
+      if (staged) return RecvStaged(source_rank, tag, out, bytes, deadline);
+      MpiResult r;
+      r.ok = false;
+      r.timed_out = true;
+      return r;
+    }
+    backoff.Pause();
+  }
+}
+
+MpiResult MpiTransport::RecvStaged(int source_rank, int tag, void* out, size_t bytes,
+                                   std::chrono::steady_clock::time_point deadline) {
   MPI_Message message = MPI_MESSAGE_NULL;
   MPI_Status status;
   Backoff backoff;
@@ -355,6 +678,16 @@ uint64_t MpiTransport::inflight_bytes() {
 uint64_t MpiTransport::peak_inflight_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
   return peak_inflight_bytes_;
+}
+
+uint64_t MpiTransport::direct_sends() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return direct_sends_;
+}
+
+uint64_t MpiTransport::staged_large_sends() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return staged_large_sends_;
 }
 
 uint64_t MpiTransport::sends_completed() const {

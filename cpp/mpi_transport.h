@@ -6,11 +6,28 @@
 // chunk k, every MPI count fits an int (messages over 2 GiB work on any MPI), and the
 // receiver learns the sender's size before it touches its output buffer.
 //
-// Sends are copy-and-Isend: a psend copies its operand into a buffer the transport owns and
-// returns without waiting for the receiver, so that two devices that both send before they
-// receive never deadlock, whatever the message size. The bytes of undelivered sends are
-// bounded (Config::max_inflight_bytes). Receives probe with a deadline (MPI_Improbe) so a
-// receive that nothing matches fails instead of hanging, and check the byte count.
+// Small messages are copy-and-Isend: a psend copies its operand into a buffer the transport
+// owns and returns without waiting for the receiver, so that two devices that both send
+// before they receive never deadlock, whatever the message size. The bytes of undelivered
+// sends are bounded (Config::max_inflight_bytes). Receives probe with a deadline
+// (MPI_Improbe) so a receive that nothing matches fails instead of hanging, and check the
+// byte count.
+//
+// Messages of kRendezvousMinBytes or more may skip the copy (rendezvous). Both ends number
+// the messages of each channel (sequence numbers, one counter per direction and channel).
+// A receiver that reaches its precv before the message posts its receives straight into
+// its output buffer (on direct_comm_) and sends the sender a ready signal {sequence number,
+// byte count} (on ctrl_comm_). A sender that holds the ready signal of *this* message, with
+// its own byte count, sends straight from its operand (MPI_Issend, so a completed send
+// means the receives matched) and returns once that send completes. Otherwise it starts
+// staging: it copies its operand into a transport buffer step by step, looking for the
+// ready signal between steps, so it waits for a late receiver at most about one copy's
+// time, and never for one that is not coming; when the copy is done it sends the staged
+// copy as above. Ready signals of older messages (the receiver got them staged) are
+// discarded by sequence number, so one never matches a later message. A receiver whose
+// message arrives staged cancels its direct receives, which cannot have matched: the
+// sender takes exactly one of the two paths per message. A byte-count mismatch is always
+// sent staged, so the receiver reports it as on the plain path.
 #pragma once
 
 #include <mpi.h>
@@ -19,9 +36,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "buffer_pool.h"
@@ -76,6 +95,9 @@ class MpiTransport {
   uint64_t inflight_bytes();
   uint64_t sends_completed() const;
   uint64_t peak_inflight_bytes() const;
+  // Sends of the rendezvous path that went straight from the operand / through a copy.
+  uint64_t direct_sends() const;
+  uint64_t staged_large_sends() const;
 
  private:
   struct ChunkHeader {
@@ -87,6 +109,34 @@ class MpiTransport {
   static constexpr uint64_t kChunkMagic = 0x6a636d2d6368756bULL;  // "jcm-chuk"
   static constexpr size_t kChunkedThreshold = size_t{4} << 20;
   static constexpr size_t kChunkBytes = size_t{1} << 20;
+  // Rendezvous (see the top of this file): smallest message, the largest count of one
+  // direct MPI message (messages beyond it go as several, every count within an int), and
+  // how many bytes a staging sender copies between two looks for the ready signal.
+  static constexpr size_t kRendezvousMinBytes = size_t{256} << 10;
+  static constexpr size_t kDirectChunkBytes = size_t{256} << 20;
+  static constexpr size_t kStageStepBytes = size_t{128} << 10;
+  // A sender looks for the ready signal this long before it starts staging: a receiver
+  // that has just finished the previous message signals within a few microseconds.
+  static constexpr std::chrono::microseconds kReadySpin{5};
+
+  struct ReadySignal {
+    uint64_t seq = 0;    // which message of the channel the receiver waits for
+    uint64_t bytes = 0;  // the receiver's byte count
+  };
+  // Per channel (peer rank, tag): one psend and one precv at a time, so that sequence
+  // numbers follow the order of the messages on the wire.
+  struct ChannelState {
+    std::mutex send_mu;
+    std::mutex recv_mu;
+    uint64_t next_send_seq = 0;  // under send_mu
+    uint64_t next_recv_seq = 0;  // under recv_mu
+    bool has_early_ready = false;  // a ready signal for a later message (under send_mu)
+    ReadySignal early_ready;
+  };
+  struct ControlSend {
+    std::unique_ptr<ReadySignal> signal;
+    MPI_Request request = MPI_REQUEST_NULL;
+  };
 
   struct PendingSend {
     PooledBuffer buffer;
@@ -101,13 +151,44 @@ class MpiTransport {
   MpiResult ReceiveChunks(int source_rank, int tag, std::byte* out, size_t total,
                           size_t chunk_bytes, std::chrono::steady_clock::time_point deadline);
 
+  ChannelState& Channel(int peer_rank, int tag);
+  // Copy-and-Isend (small messages, and large ones to a receiver that is not ready).
+  MpiResult SendStaged(int dest_rank, int tag, const void* data, size_t bytes,
+                       uint64_t max_inflight_bytes,
+                       std::chrono::steady_clock::time_point deadline);
+  MpiResult SendLarge(ChannelState& ch, uint64_t seq, int dest_rank, int tag, const void* data,
+                      size_t bytes, uint64_t max_inflight_bytes,
+                      std::chrono::steady_clock::time_point deadline);
+  // Sends the staged copy (header and chunks, or one message); the caller reserved the bytes.
+  MpiResult IsendStaged(PendingSend send, int dest_rank, int tag);
+  MpiResult SendDirect(int dest_rank, int tag, const void* data, size_t bytes,
+                       std::chrono::steady_clock::time_point deadline);
+  // Looks for the ready signal of message `seq`: sets *ready and *receiver_bytes.
+  MpiResult PollReady(ChannelState& ch, uint64_t seq, int dest_rank, int tag, bool* ready,
+                      uint64_t* receiver_bytes);
+  // Waits until the in-flight bytes leave room for `bytes` (or nothing else is in flight),
+  // then reserves them. Stops early, reserving nothing, when `stop()` says so.
+  template <typename Stop>
+  MpiResult ReserveInflight(size_t bytes, uint64_t max_inflight_bytes,
+                            std::chrono::steady_clock::time_point deadline, Stop stop,
+                            bool* stopped);
+  MpiResult RecvStaged(int source_rank, int tag, void* out, size_t bytes,
+                       std::chrono::steady_clock::time_point deadline);
+  MpiResult RecvLarge(uint64_t seq, int source_rank, int tag, void* out, size_t bytes,
+                      std::chrono::steady_clock::time_point deadline);
+  // Cancels the direct receives; *all_cancelled / *none_cancelled tell what had matched.
+  MpiResult CancelDirect(std::vector<MPI_Request>& requests, bool* all_cancelled,
+                         bool* none_cancelled);
+
   // Held around an MPI call when the library is not MPI_THREAD_MULTIPLE (else unlocked).
   std::unique_lock<std::mutex> MpiCallLock();
   // Frees completed sends; caller holds mu_.
   MpiResult ProgressLocked();
   std::string ErrorString(int code) const;
 
-  MPI_Comm comm_ = MPI_COMM_NULL;
+  MPI_Comm comm_ = MPI_COMM_NULL;         // staged messages
+  MPI_Comm ctrl_comm_ = MPI_COMM_NULL;    // ready signals, receiver -> sender
+  MPI_Comm direct_comm_ = MPI_COMM_NULL;  // direct messages, straight from the operand
   int rank_ = 0;
   int size_ = 0;
   int64_t tag_ub_ = 32767;
@@ -119,6 +200,12 @@ class MpiTransport {
   uint64_t inflight_bytes_ = 0;
   uint64_t sends_completed_ = 0;
   uint64_t peak_inflight_bytes_ = 0;
+  uint64_t direct_sends_ = 0;
+  uint64_t staged_large_sends_ = 0;
+  std::deque<ControlSend> control_sends_;  // ready signals not yet completed (under mu_)
+
+  std::mutex channels_mu_;
+  std::map<std::pair<int, int>, std::unique_ptr<ChannelState>> channels_;
 };
 
 }  // namespace jcm

@@ -261,7 +261,8 @@ def _run_dying(scenario: str):
 
 @pytest.mark.mpi
 @pytest.mark.timeout(DYING_TIMEOUT + 30)
-@pytest.mark.parametrize("scenario", ["killed-while-peer-receives", "killed-while-peer-sends"])
+@pytest.mark.parametrize("scenario", ["killed-while-peer-receives", "killed-while-peer-sends",
+                                      "killed-mid-rendezvous"])
 def test_rank_killed_mid_transfer_ends_the_job(scenario):
     run, everything = _run_dying(scenario)
     assert run.returncode != 0, run.report()
@@ -271,10 +272,11 @@ def test_rank_killed_mid_transfer_ends_the_job(scenario):
 
 @pytest.mark.mpi
 @pytest.mark.timeout(DYING_TIMEOUT + 30)
-def test_rank_that_exits_early_ends_the_job():
+@pytest.mark.parametrize("scenario", ["exits-while-peer-sends", "exits-mid-rendezvous"])
+def test_rank_that_exits_early_ends_the_job(scenario):
     # The launcher sees a rank leave without MPI_Finalize and tears the job down; MPICH's
     # mpirun then reports the status of the rank that left (0), so only "ended" is checked.
-    run, everything = _run_dying("exits-while-peer-sends")
+    run, everything = _run_dying(scenario)
     assert "dying now (exit)" in everything, run.report()
 
 
@@ -291,6 +293,50 @@ def test_stuck_peer_makes_precv_fail_and_the_job_abort():
                  "partition 1 (process 1) waited 10 s", "from partition 0 (process 0)"):
         assert part in error, run.report()
     assert "aborting the MPI job (MPI_Abort)" in everything, run.report()
+
+
+# --- 4b. the rendezvous path of large MPI messages -----------------------------------------
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+def test_rendezvous_direct_staged_and_mismatched_messages():
+    run = run_mpi("rendezvous.py", "paths", nprocs=2, timeout=220)
+    assert_mpi_ok(run, 2)
+    for rank in (0, 1):
+        out = run.rank_output[rank]
+        for size in (1 << 20, (8 << 20) + 4096):
+            assert f"ok   {size} bytes, receiver ready first: direct" in out, run.report()
+            assert f"ok   {size} bytes, receiver late: staged" in out, run.report()
+        assert out.count("ok   mismatch") == 3, run.report()
+        assert out.count("ok   channel after errors") == 3, run.report()
+    assert "sender returned after" in run.rank_output[0], run.report()
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+def test_rendezvous_on_many_channels_at_once():
+    run = run_mpi("rendezvous.py", "many-channels", nprocs=2, devices_per_process=4,
+                  timeout=220)
+    assert_mpi_ok(run, 2)
+    for rank in (0, 1):
+        assert "ok   many channels: 16 each way, 6 rounds" in run.rank_output[rank], run.report()
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(180)
+def test_large_send_nobody_receives_returns_and_exit_does_not_hang():
+    env = {"JAX_CPU_MPI_RECV_TIMEOUT": "3", "JAX_CPU_MPI_EXIT_TIMEOUT": "3"}
+    start = time.monotonic()
+    run = run_mpi("rendezvous.py", "never-received", nprocs=2, timeout=150, env=env)
+    elapsed = time.monotonic() - start
+    assert_mpi_ok(run, 2)
+    out = run.rank_output[0]
+    assert "psend of 8388608 bytes returned after" in out, run.report()
+    assert "precv failed after" in out and "DEADLINE_EXCEEDED" in out, run.report()
+    everything = run.launcher_output + "".join(run.rank_output.values())
+    assert "1 psend message(s) were never received" in everything, run.report()
+    assert elapsed < 140, run.report()
 
 
 # --- 5. sanitizers --------------------------------------------------------------------------

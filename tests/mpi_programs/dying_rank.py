@@ -10,6 +10,11 @@
   rank 1's precv must give up after ``JAX_CPU_MPI_RECV_TIMEOUT`` with an error naming it.
 * ``exits-while-peer-sends``: like the second, but rank 1 leaves with ``os._exit(0)``: the
   launcher sees no failure, so rank 0's own precv timeout must end it.
+* ``killed-mid-rendezvous``: rank 1 waits in its precv of 64 MiB (receives posted into its
+  output, ready signal sent) and stops itself (SIGSTOP); rank 0 finds the ready signal and
+  sends straight from its operand, a send that cannot complete; a thread of rank 0 then
+  SIGKILLs rank 1.
+* ``exits-mid-rendezvous``: rank 1 waits in that precv and leaves with ``os._exit(0)``.
 
 The survivor must not hang: either the launcher aborts the job when it sees a rank die, or
 the survivor's precv gives up after ``JAX_CPU_MPI_RECV_TIMEOUT`` and raises. The test runs
@@ -36,7 +41,9 @@ SCENARIO = sys.argv[1]
 me = jax.process_index()
 mesh = jax.make_mesh((2,), ("x",))
 FWD, BWD = [(0, 1)], [(1, 0)]
-MESSAGE_ROWS = 64 << 10 if SCENARIO.endswith("peer-sends") else 1  # rows of 4 KiB
+# Rows of 4 KiB: 256 MiB while a send is in flight, 64 MiB for the rendezvous, else 4 KiB.
+MESSAGE_ROWS = (64 << 10 if SCENARIO.endswith("peer-sends") else
+                16 << 10 if SCENARIO.endswith("mid-rendezvous") else 1)
 
 
 def exchange(v):
@@ -70,6 +77,33 @@ if SCENARIO == "hangs-while-peer-receives" and me == 0:
 if SCENARIO.endswith("while-peer-sends") and me == 1:
     time.sleep(3.0)  # rank 0's send is in flight, rank 0 waits for the reply
     die("kill" if SCENARIO.startswith("killed") else "exit")
+if SCENARIO.endswith("mid-rendezvous"):
+    from mpi4py import MPI
+
+    pids = MPI.COMM_WORLD.allgather(os.getpid())
+    if me == 1:
+        pending = compiled(x)  # dispatched: the device thread posts its precv, signals ready
+        time.sleep(1.5)
+        if SCENARIO.startswith("exits"):
+            die("exit")
+        print(f"process {me}: stopping inside the rendezvous", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(3600)
+    time.sleep(3.0)  # rank 1's ready signal has arrived
+
+    def kill_peer() -> None:
+        time.sleep(3.0)  # by now rank 0 is in its direct send
+        stats = __import__("jax_cpu_mpi").stats()
+        # Not staged, nothing in flight: the psend is in its direct send.
+        staged, inflight = stats["mpi_staged_large_sends"], stats["mpi_inflight_sends"]
+        print(f"process {me}: while sending: staged {staged}, in flight {inflight}", flush=True)
+        assert staged == 0 and inflight == 0, stats
+        print(f"process {me}: process 1 is dying now (kill), from process {me}", flush=True)
+        os.kill(pids[1], signal.SIGKILL)
+
+    import threading
+
+    threading.Thread(target=kill_peer, daemon=True).start()
 
 start = time.perf_counter()
 try:

@@ -407,7 +407,7 @@ def mpi4jax_scan(ctx: Context) -> Measurement:
     return _mpi4jax(ctx, "mpi4jax/scan", scan=True)
 
 
-# --------------------------------------------------------------------------- memcpy
+# --------------------------------------------------------------------------- memcpy, floor
 
 
 def memcpy(ctx: Context) -> Measurement:
@@ -420,6 +420,43 @@ def memcpy(ctx: Context) -> Measurement:
                         "local", "numpy.copyto between two preallocated buffers of one process")
 
 
+def _hop_floor(ctx: Context, method: str, mode: str) -> Measurement:
+    """The bytes every hop must move, on one core: one copy of the message into the
+    receiver's output, plus the zeros of the precv on the device that is no destination
+    (``ppermute``'s semantics). Over MPI rank 0 measures while the other ranks sleep."""
+    session, plan, n = ctx.session, ctx.plan, ctx.plan.size
+    source = pattern(n)
+    target = np.zeros(n, np.uint8)
+    idle = np.ones(n, np.uint8)
+
+    def step() -> None:
+        np.copyto(target, source)
+        idle.fill(0)
+
+    description = ("memcpy of the message + memset of the idle device's precv output, one "
+                   "core: the floor of one hop")
+    if mode == "mpi" and not session.is_root:
+        session.barrier(sleep=True)  # the one meeting of all ranks: rank 0 starts timing
+        request = session.pair_comm.Ibarrier()  # rank 0 is done
+        while not request.Test():
+            time.sleep(0.002)
+        return _measurement(ctx, method, np.array([1.0]), 0, 1, 0, mode, description)
+    seconds = _timed(step, plan.iters, plan.warmup,
+                     session.barrier if mode == "mpi" else _no_sync)
+    if mode == "mpi":
+        session.pair_comm.Ibarrier().Wait()  # (a blocking Barrier would not match it)
+    wrong = count_wrong(target, source) + int(np.count_nonzero(idle))
+    return _measurement(ctx, method, seconds, plan.warmup, 1, wrong, mode, description)
+
+
+def hop_floor(ctx: Context) -> Measurement:
+    return _hop_floor(ctx, "hop-floor", "mpi")
+
+
+def hop_floor_local(ctx: Context) -> Measurement:
+    return _hop_floor(ctx, "hop-floor-local", "local")
+
+
 METHODS: dict[str, Callable[[Context], Measurement]] = {
     "mpi4py": mpi4py_p2p,
     "psend/call": psend_call,
@@ -429,7 +466,9 @@ METHODS: dict[str, Callable[[Context], Measurement]] = {
     "gloo/call": gloo_call,
     "gloo/scan": gloo_scan,
     "jit-floor": jit_floor,
+    "hop-floor": hop_floor,
     "memcpy": memcpy,
+    "hop-floor-local": hop_floor_local,
     "psend-local/call": psend_local_call,
     "psend-local/scan": psend_local_scan,
     "ppermute-local/call": ppermute_local_call,
@@ -443,4 +482,5 @@ METHODS: dict[str, Callable[[Context], Measurement]] = {
 }
 
 #: Methods that measure one kind only.
-LATENCY_ONLY = frozenset({"jit-floor", "jit-floor-local", "jit-floor-gpu"})
+LATENCY_ONLY = frozenset({"jit-floor", "jit-floor-local", "jit-floor-gpu", "hop-floor",
+                          "hop-floor-local"})

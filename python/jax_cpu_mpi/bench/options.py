@@ -22,9 +22,11 @@ MPI_METHODS = (
     "gloo/call",
     "gloo/scan",
     "jit-floor",
+    "hop-floor",
 )
 LOCAL_METHODS = (
     "memcpy",
+    "hop-floor-local",
     "psend-local/call",
     "psend-local/scan",
     "ppermute-local/call",
@@ -122,6 +124,7 @@ class Options:
     local_devices: int = 2
     progress: bool = True
     repeat: int = 1
+    rounds: int = 1
 
     def plan(self, size: int) -> Plan:
         iters = max(self.min_iters, min(self.max_iters, self.iter_bytes // size))
@@ -199,6 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=1,
                    help="measure each method and size this many times; keep the best median "
                         "(the quietest moment of a shared machine)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="interleave: at each size, measure every method once per round, this "
+                        "many rounds (raw, ours, raw, ours, ...); the tables use the samples "
+                        "of all rounds, the targets the median over rounds of the per-round "
+                        "ratio")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 8 B to 4 KiB, few iterations (numbers are not meaningful)")
     p.add_argument("--no-progress", dest="progress", action="store_false",
@@ -226,7 +234,8 @@ def parse(argv: list[str] | None = None) -> Options:
             sizes = args.sizes or size_range(args.min_size, args.max_size, args.step)
         except ValueError as e:
             raise SystemExit(str(e)) from None
-    for name in ("max_iters", "min_iters", "max_hops", "max_window", "min_samples", "repeat"):
+    for name in ("max_iters", "min_iters", "max_hops", "max_window", "min_samples", "repeat",
+                 "rounds"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     return Options(
@@ -248,4 +257,5 @@ def parse(argv: list[str] | None = None) -> Options:
         local_devices=args.local_devices,
         progress=args.progress,
         repeat=args.repeat,
+        rounds=args.rounds,
     )

@@ -44,7 +44,8 @@ def _runnable(options: Options, session: Session, notes: list[str]) -> tuple[lis
     for m in chosen:
         if m in MPI_METHODS and session.pair is not None:
             cross.append(m)
-        elif m in LOCAL_METHODS and (session.local_pair is not None or m == "memcpy"):
+        elif m in LOCAL_METHODS and (session.local_pair is not None
+                                         or m in ("memcpy", "hop-floor-local")):
             local.append(m)
     if session.nranks > 1 and any(m.startswith("ppermute-local") for m in local):
         local = [m for m in local if not m.startswith("ppermute-local")]
@@ -79,6 +80,19 @@ def _better(a: Measurement | None, b: Measurement) -> Measurement:
     return b if float(np.median(b.seconds)) < float(np.median(a.seconds)) else a
 
 
+def merge_rounds(rounds: list[Measurement]) -> Measurement:
+    """One result from the rounds of a method at a size: the samples of every round, and
+    each round's median (``round_medians_us``, for per-round ratios)."""
+    first = rounds[0]
+    extra = dict(first.extra)
+    extra["round_medians_us"] = [float(np.median(m.seconds)) * 1e6 for m in rounds]
+    return Measurement(method=first.method, kind=first.kind, size=first.size,
+                       seconds=np.concatenate([m.seconds for m in rounds]),
+                       warmup=first.warmup, messages_per_sample=first.messages_per_sample,
+                       wrong=sum(m.wrong for m in rounds), mode=first.mode,
+                       description=first.description, extra=extra)
+
+
 def _measure(options: Options, session: Session, method: str, kind: str, size: int,
              participant: bool) -> Measurement | None:
     best: Measurement | None = None
@@ -106,24 +120,38 @@ def run(options: Options, session: Session,
         local = []
     cross_tasks = [(m, k) for m in cross for k in _kinds(options, m)]
     local_tasks = [(m, k) for m in local for k in _kinds(options, m)]
-    total = (len(cross_tasks) + len(local_tasks)) * len(options.sizes)
+    total = (len(cross_tasks) + len(local_tasks)) * len(options.sizes) * options.rounds
     progress = Progress(total, enabled=options.progress and session.is_root)
     participant = session.rank < 2
-    # Size-major: the methods compared at one size run close together in time.
+
+    def label(method: str, kind: str, size: int, r: int) -> str:
+        text = f"{method} {kind} {format_size(size)}"
+        return text if options.rounds == 1 else f"{text} round {r + 1}/{options.rounds}"
+
+    # Size-major, and within a size round-major (raw, ours, raw, ours, ...): the methods
+    # compared at one size run close together in time, in every phase of a shared machine.
     for size in options.sizes:
-        for method, kind in cross_tasks:
-            progress.step(f"{method} {kind} {format_size(size)}")
-            m = _measure(options, session, method, kind, size, participant)
-            wrong = session.allreduce_sum(m.wrong if m is not None else 0)
-            if m is not None and session.is_root:
-                m.wrong = wrong
-                keep(m)
+        by_task: dict[tuple[str, str], list[Measurement]] = {}
+        for r in range(options.rounds):
+            for method, kind in cross_tasks:
+                progress.step(label(method, kind, size, r))
+                m = _measure(options, session, method, kind, size, participant)
+                wrong = session.allreduce_sum(m.wrong if m is not None else 0)
+                if m is not None and session.is_root:
+                    m.wrong = wrong
+                    by_task.setdefault((method, kind), []).append(m)
+        for ms in by_task.values():
+            keep(merge_rounds(ms))
     for size in options.sizes:
-        for method, kind in local_tasks:
-            progress.step(f"{method} {kind} {format_size(size)}")
-            m = _measure(options, session, method, kind, size, True)
-            if m is not None:
-                keep(m)
+        by_task = {}
+        for r in range(options.rounds):
+            for method, kind in local_tasks:
+                progress.step(label(method, kind, size, r))
+                m = _measure(options, session, method, kind, size, True)
+                if m is not None:
+                    by_task.setdefault((method, kind), []).append(m)
+        for ms in by_task.values():
+            keep(merge_rounds(ms))
     if session.comm is not None and any(m in LOCAL_METHODS for m in options.methods):
         session.idle_barrier()
     progress.close()

@@ -1,0 +1,234 @@
+"""The rendezvous path of MPI messages (256 KiB and more): every way it can go.
+
+``rendezvous.py CASE`` under ``mpirun -n 2``:
+
+* ``paths`` (1 device per rank): the receiver ready first (the message goes straight from
+  the operand: ``mpi_direct_sends`` grows), the receiver later than the sender's grace
+  period (the message goes staged: ``mpi_staged_large_sends`` grows), at 1 MiB and at
+  8 MiB + 4 KiB (two direct counts would not matter there, the chunked staged path does);
+  byte-count mismatches with the receiver ready first (the sender must stage, the receiver
+  reports the same error as on the plain path, the sender does not hang), a 8 B message
+  into a 8 MiB precv that is ready first (a ready signal the sender never reads), and
+  afterwards the channel still delivers both ways, direct, with the right bytes.
+* ``many-channels`` (4 devices per rank): every device of rank 0 sends 512 KiB to every
+  device of rank 1 and back, all psends before the precvs (GPU parity off), 16 channels
+  each way used from 4 device threads at once, some messages direct and some staged, 6
+  rounds; every message carries (source, destination, round).
+* ``never-received``: rank 0's psend of 8 MiB returns although rank 1 never posts the
+  precv; rank 0's precv of a reply that never comes fails after the timeout; at exit the
+  drain gives up after JAX_CPU_MPI_EXIT_TIMEOUT and reports the message, nobody hangs.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import _mpi_common as common
+import jax
+import jax.numpy as jnp
+import numpy as np
+from _mpi_common import P
+from jax.experimental import multihost_utils
+
+import jax_cpu_mpi
+from jax_cpu_mpi import config
+
+CASE = sys.argv[1]
+me = jax.process_index()
+FWD, BWD = [(0, 1)], [(1, 0)]
+
+
+def local(x: jax.Array) -> np.ndarray:
+    return np.asarray(x.addressable_shards[0].data)
+
+
+def barrier(name: str) -> None:
+    multihost_utils.sync_global_devices(name)
+
+
+def counters() -> tuple[int, int]:
+    s = jax_cpu_mpi.stats()
+    return s["mpi_direct_sends"], s["mpi_staged_large_sends"]
+
+
+def one_way(mesh, n: int, recv_n: int | None = None):
+    """psend uint8[n] 0 -> 1 into a precv of uint8[recv_n]; device 1 returns what it got."""
+    recv_n = n if recv_n is None else recv_n
+
+    def body(v):
+        got = jax.lax.precv(jax.lax.psend(v, "x", FWD),
+                            jax.ShapeDtypeStruct((recv_n,), v.dtype), "x", FWD)
+        return got[:n] if recv_n >= n else jnp.concatenate([got, v[recv_n:]])
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+
+
+def pattern(n: int, salt: int) -> np.ndarray:
+    return ((np.arange(n, dtype=np.int64) * 7 + salt) % 251).astype(np.uint8)
+
+
+def run_paths() -> None:
+    mesh = jax.make_mesh((2,), ("x",))
+    for n in (1 << 20, (8 << 20) + 4096):
+        f = one_way(mesh, n)
+        for mode, salt in (("receiver ready first", 1), ("receiver late", 2)):
+            x = common.global_array(mesh, P("x"), np.concatenate([pattern(n, salt)] * 2))
+            f.lower(x).compile()
+            barrier(f"{n} {mode}")
+            before = counters()
+            # Rank 0 dispatches late (its peer is then waiting in precv), or rank 1 does
+            # (rank 0's psend finds nobody, looks for the ready signal while it copies, and
+            # sends the copy).
+            if (me == 0) == (mode == "receiver ready first"):
+                time.sleep(1.5)
+            got = local(jax.block_until_ready(f(x)))
+            after = counters()
+            if me == 1:
+                np.testing.assert_array_equal(got, pattern(n, salt), err_msg=f"{n} {mode}")
+            else:
+                direct, staged = after[0] - before[0], after[1] - before[1]
+                want = (1, 0) if mode == "receiver ready first" else (0, 1)
+                assert (direct, staged) == want, (n, mode, direct, staged)
+            print(f"ok   {n} bytes, {mode}: {'direct' if mode.endswith('first') else 'staged'}",
+                  flush=True)
+            barrier(f"{n} {mode} done")
+
+    # Byte-count mismatches with the receiver ready first: the ready signal says another
+    # count, so the sender stages; the receiver reports it as on the plain path.
+    for send_n, recv_n in ((8 << 20, 6 << 20), (8 << 20, 8), (8, 8 << 20)):
+        f = one_way(mesh, send_n, recv_n)
+        x = common.global_array(mesh, P("x"), np.ones(2 * send_n, np.uint8))
+        f.lower(x).compile()
+        barrier(f"mismatch {send_n} {recv_n}")
+        if me == 0:
+            time.sleep(1.5)
+        start = time.perf_counter()
+        try:
+            jax.block_until_ready(f(x))
+        except jax.errors.JaxRuntimeError as e:
+            assert me == 1, f"rank 0 must not fail: {e}"
+            for part in (f"uint8[{recv_n}]", f"({recv_n} bytes)", f"sent {send_n} bytes"):
+                assert part in str(e), (part, str(e))
+            print(f"ok   mismatch {send_n} -> {recv_n}: {str(e).splitlines()[0][:160]}",
+                  flush=True)
+        else:
+            assert me == 0, "rank 1 must report the mismatch"
+            print(f"ok   mismatch {send_n} -> {recv_n}: sender returned after "
+                  f"{time.perf_counter() - start:.2f} s", flush=True)
+        barrier(f"mismatch {send_n} {recv_n} done")
+
+    # The channel still works both ways, straight from the operand, right bytes (stale
+    # ready signals of the mismatched messages must not match these).
+    n = 4 << 20
+
+    def pingpong(v):
+        y = jax.lax.precv(jax.lax.psend(v, "x", FWD), jax.ShapeDtypeStruct(v.shape, v.dtype),
+                          "x", FWD)
+        z = jax.lax.precv(jax.lax.psend(y + 1, "x", BWD),
+                          jax.ShapeDtypeStruct(v.shape, v.dtype), "x", BWD)
+        return y + z
+
+    g = jax.jit(jax.shard_map(pingpong, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    x = common.global_array(mesh, P("x"), np.concatenate([pattern(n, 3), pattern(n, 4)]))
+    for _ in range(3):
+        before = counters()
+        got = local(jax.block_until_ready(g(x)))
+        after = counters()
+        # device 0: z = y(device 1) + 1 = pattern(3) + 1 (its y is zeros); device 1: y.
+        want = pattern(n, 3) + (1 if me == 0 else 0)
+        np.testing.assert_array_equal(got, want.astype(np.uint8))
+        print(f"ok   channel after errors: direct {after[0] - before[0]}, "
+              f"staged {after[1] - before[1]}", flush=True)
+        barrier("pingpong")
+
+
+def run_many_channels() -> None:
+    devices = sorted(jax.devices(), key=lambda d: d.id)
+    per = len(devices) // 2
+    mesh = jax.sharding.Mesh(np.array(devices), ("x",))
+    count = 128 << 10  # int32 -> 512 KiB
+    # Pair i of `shift` s: device i of rank 0 <-> device (i + s) % per of rank 1.
+    shifts = range(per)
+
+    def body(v, r):
+        i = jax.lax.axis_index("x")
+        out = jnp.zeros_like(v)
+        tokens = []
+        for s in shifts:
+            fwd = [(a, per + (a + s) % per) for a in range(per)]
+            bwd = [(b, a) for a, b in fwd]
+            for perm in (fwd, bwd):
+                payload = v + (i * 1000 + r * 10 + s).astype(v.dtype)
+                tokens.append((jax.lax.psend(payload, "x", perm), perm))
+        for tok, perm in tokens:
+            out = out + jax.lax.precv(tok, jax.ShapeDtypeStruct(v.shape, v.dtype), "x", perm)
+        return out
+
+    with config.overrides(gpu_parity=False):
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
+        x = common.global_array(mesh, P("x"), np.tile(np.arange(count, dtype=np.int32),
+                                                      len(devices)))
+        before = counters()
+        for r in range(6):
+            got = jax.block_until_ready(f(x, jnp.int32(r)))
+            for shard in got.addressable_shards:
+                d = shard.index[0].start // count
+                # Every device receives once per shift from each direction it is target of:
+                # as a rank-1 device it gets fwd messages, as a rank-0 device bwd ones.
+                if d >= per:
+                    sources = [(d - per - s) % per for s in shifts]
+                else:
+                    sources = [per + (d + s) % per for s in shifts]
+                want = sum(np.arange(count, dtype=np.int64) + src * 1000 + r * 10 + s
+                           for src, s in zip(sources, shifts, strict=True))
+                np.testing.assert_array_equal(np.asarray(shard.data), want.astype(np.int32),
+                                              err_msg=f"device {d}, round {r}")
+            barrier(f"round {r}")
+        after = counters()
+    print(f"ok   many channels: {per * per} each way, 6 rounds, direct {after[0] - before[0]}, "
+          f"staged {after[1] - before[1]}", flush=True)
+
+
+def run_never_received() -> None:
+    mesh = jax.make_mesh((2,), ("x",))
+    n = 8 << 20
+    x = common.global_array(mesh, P("x"), np.ones(2 * n, np.uint8))
+    with config.overrides(gpu_parity=False):
+        send = jax.jit(jax.shard_map(_send_only, mesh=mesh, in_specs=P("x"),
+                                     out_specs=P("x")))
+        reply = jax.jit(jax.shard_map(
+            lambda v: jax.lax.precv(jax.lax.create_token(), jax.ShapeDtypeStruct((8,), v.dtype),
+                                    "x", BWD),
+            mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+        send.lower(x).compile()
+        reply.lower(x).compile()
+    barrier("compiled")
+    if me == 1:
+        print("process 1: never receives; exits", flush=True)
+        common.ok()
+        return
+    start = time.perf_counter()
+    jax.block_until_ready(send(x))
+    print(f"process 0: psend of {n} bytes returned after {time.perf_counter() - start:.2f} s "
+          f"with nobody receiving; stats {jax_cpu_mpi.stats()}", flush=True)
+    start = time.perf_counter()
+    try:
+        jax.block_until_ready(reply(x))
+    except jax.errors.JaxRuntimeError as e:
+        print(f"process 0: precv failed after {time.perf_counter() - start:.1f} s: "
+              f"{str(e).splitlines()[0][:200]}", flush=True)
+    else:
+        raise AssertionError("the precv of a reply nobody sends must fail")
+    common.ok()
+
+
+def _send_only(v):
+    jax.lax.psend(v, "x", FWD)  # side-effecting: stays in the program
+    return v
+
+
+{"paths": run_paths, "many-channels": run_many_channels,
+ "never-received": run_never_received}[CASE]()
+if CASE != "never-received":
+    common.ok()
