@@ -57,8 +57,8 @@ def one_way(mesh, n: int, recv_n: int | None = None):
     recv_n = n if recv_n is None else recv_n
 
     def body(v):
-        got = jax.lax.precv(jax.lax.psend(v, "x", FWD),
-                            jax.ShapeDtypeStruct((recv_n,), v.dtype), "x", FWD)
+        got = jax_cpu_mpi.precv(jax_cpu_mpi.psend(v, "x", FWD),
+                                jax.ShapeDtypeStruct((recv_n,), v.dtype), "x", FWD)
         return got[:n] if recv_n >= n else jnp.concatenate([got, v[recv_n:]])
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
@@ -123,10 +123,9 @@ def run_paths() -> None:
     n = 4 << 20
 
     def pingpong(v):
-        y = jax.lax.precv(jax.lax.psend(v, "x", FWD), jax.ShapeDtypeStruct(v.shape, v.dtype),
-                          "x", FWD)
-        z = jax.lax.precv(jax.lax.psend(y + 1, "x", BWD),
-                          jax.ShapeDtypeStruct(v.shape, v.dtype), "x", BWD)
+        like = jax.ShapeDtypeStruct(v.shape, v.dtype)
+        y = jax_cpu_mpi.precv(jax_cpu_mpi.psend(v, "x", FWD), like, "x", FWD)
+        z = jax_cpu_mpi.precv(jax_cpu_mpi.psend(y + 1, "x", BWD), like, "x", BWD)
         return y + z
 
     g = jax.jit(jax.shard_map(pingpong, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
@@ -160,9 +159,9 @@ def run_many_channels() -> None:
             bwd = [(b, a) for a, b in fwd]
             for perm in (fwd, bwd):
                 payload = v + (i * 1000 + r * 10 + s).astype(v.dtype)
-                tokens.append((jax.lax.psend(payload, "x", perm), perm))
+                tokens.append((jax_cpu_mpi.psend(payload, "x", perm), perm))
         for tok, perm in tokens:
-            out = out + jax.lax.precv(tok, jax.ShapeDtypeStruct(v.shape, v.dtype), "x", perm)
+            out = out + jax_cpu_mpi.precv(tok, jax.ShapeDtypeStruct(v.shape, v.dtype), "x", perm)
         return out
 
     with config.overrides(gpu_parity=False):
@@ -198,8 +197,8 @@ def run_never_received() -> None:
         send = jax.jit(jax.shard_map(_send_only, mesh=mesh, in_specs=P("x"),
                                      out_specs=P("x")))
         reply = jax.jit(jax.shard_map(
-            lambda v: jax.lax.precv(jax.lax.create_token(), jax.ShapeDtypeStruct((8,), v.dtype),
-                                    "x", BWD),
+            lambda v: jax_cpu_mpi.precv(jax.lax.create_token(),
+                                        jax.ShapeDtypeStruct((8,), v.dtype), "x", BWD),
             mesh=mesh, in_specs=P("x"), out_specs=P("x")))
         send.lower(x).compile()
         reply.lower(x).compile()
@@ -224,7 +223,7 @@ def run_never_received() -> None:
 
 
 def _send_only(v):
-    jax.lax.psend(v, "x", FWD)  # side-effecting: stays in the program
+    jax_cpu_mpi.psend(v, "x", FWD)  # side-effecting: stays in the program
     return v
 
 

@@ -210,13 +210,13 @@ def jit_floor_local(ctx: Context) -> Measurement:
 
 def psend_nccl_call(ctx: Context) -> Measurement:
     return _jax_p2p(ctx, "psend-nccl/call", ctx.session.pair, "psend", False, "gpu",
-                    "jax.lax.psend/precv on GPUs (JAX's NCCL lowering), one jitted call per "
+                    "jax_cpu_mpi.psend/precv on GPUs (JAX's NCCL lowering), one jitted call per "
                     "round trip / message")
 
 
 def psend_nccl_scan(ctx: Context) -> Measurement:
     return _jax_p2p(ctx, "psend-nccl/scan", ctx.session.pair, "psend", True, "gpu",
-                    "jax.lax.psend/precv on GPUs (NCCL), hops inside one jitted lax.scan")
+                    "jax_cpu_mpi.psend/precv on GPUs (NCCL), hops inside one jitted lax.scan")
 
 
 def ppermute_nccl_call(ctx: Context) -> Measurement:

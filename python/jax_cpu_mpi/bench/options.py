@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jax_cpu_mpi.bench",
         description=(
-            "Latency and bandwidth of jax.lax.psend/precv (this package, over MPI and between "
+            "Latency and bandwidth of jax_cpu_mpi.psend/precv (this package, over MPI and between "
             "devices of one process) next to raw MPI (mpi4py), JAX ppermute over gloo, mpi4jax "
             "and numpy memcpy; --platform gpu: psend/precv over NCCL. Run it under "
             "`mpirun -n 2` for the MPI methods."
