@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from . import _jax_cpu_mpi as _ext
 from . import batching as _batching
+from . import cluster as _cluster
 from . import config as _config
 from . import lowering as _lowering
 from . import plugin as _plugin
@@ -36,6 +37,9 @@ def install() -> None:
     _lowering.register()
     _validation.install()
     _batching.install()
+    # Before jax.distributed.initialize(), which JAX runs before any plugin is loaded: only
+    # `import jax_cpu_mpi` gets there in time.
+    _cluster.register()
     _installed = True
 
 

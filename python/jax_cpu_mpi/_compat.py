@@ -44,6 +44,42 @@ optimization_barrier_p = lax_internal.optimization_barrier_p
 optimization_barrier_lowering = lax_internal._optimization_barrier_lowering_rule
 
 
+# --- Launch: cluster detection and the distributed runtime (cluster.py, mpi_runtime.py) ---
+# Resolved defensively: a JAX that moved these names loses only `jax.distributed.initialize()`
+# without arguments under mpirun (cluster_detection_method="mpi4py" still works) and the
+# prompt exit from a broken job, never the import of jax_cpu_mpi.
+
+
+def cluster_env_base() -> type | None:
+    """JAX's ``ClusterEnv``: subclasses join ``jax.distributed.initialize()``'s detection
+    when they are defined (``__init_subclass__``). None if this JAX has no usable one."""
+    try:
+        from jax._src.clusters import ClusterEnv
+    except ImportError:
+        return None
+    needed = ("is_env_present", "get_coordinator_address", "get_process_count",
+              "get_process_id", "get_local_process_id")
+    if not all(hasattr(ClusterEnv, name) for name in needed):
+        return None
+    if not isinstance(getattr(ClusterEnv, "_cluster_types", None), list):
+        return None
+    return ClusterEnv
+
+
+def distributed_state():
+    """JAX's distributed-runtime state (``client``, ``service``, ``preemption_sync_manager``
+    attributes), or None if this JAX keeps it elsewhere."""
+    try:
+        from jax._src import distributed
+    except ImportError:
+        return None
+    state = getattr(distributed, "global_state", None)
+    if state is None or not all(hasattr(state, name) for name in
+                                ("client", "service", "preemption_sync_manager")):
+        return None
+    return state
+
+
 def platform_lowering(primitive: core.Primitive, platform: str):
     """The lowering rule registered for ``primitive`` on ``platform`` (None if none)."""
     return mlir._platform_specific_lowerings.get(platform, {}).get(primitive)
@@ -53,7 +89,9 @@ __all__ = [
     "SPMDAxisContext",
     "all_gather_reduced_p",
     "batching",
+    "cluster_env_base",
     "core",
+    "distributed_state",
     "fancy_primitive_batchers",
     "hlo",
     "ir",

@@ -7,10 +7,13 @@
   its own rank map, not assume process index == rank);
 * ``ompi-env``: Open MPI 5 (PRRTE), which JAX does not detect: explicit
   ``coordinator_address`` / ``num_processes`` / ``process_id`` from OMPI_COMM_WORLD_*.
+* ``ompi-plain``: Open MPI 5 with a plain ``jax.distributed.initialize()`` after
+  ``import jax_cpu_mpi``: jax_cpu_mpi's cluster environment reads the PMIx variables.
 
-jax_cpu_mpi is never imported by hand: the jax_plugins entry point activates it. Checks that
-mpi4py is imported only by the first cross-process lowering, then that a chain of psend/precv
-in both directions equals lax.ppermute.
+Except in ``ompi-plain``, jax_cpu_mpi is never imported by hand: the jax_plugins entry point
+activates it. Checks that mpi4py is imported only by the first cross-process lowering (in
+``ompi-plain``: by the initialization, not before), then that a chain of psend/precv in both
+directions equals lax.ppermute.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ if mode == "slurm-env":
         "SLURM_PROCID": str(expected_index),
         "SLURM_LOCALID": str(expected_index),
     })
-elif mode == "ompi-env":
+elif mode in ("ompi-env", "ompi-plain"):
     expected_index = rank
 else:
     raise SystemExit(f"unknown mode {mode!r}")
@@ -47,6 +50,12 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 if mode == "slurm-env":
     jax.distributed.initialize()  # JAX's SlurmCluster
+elif mode == "ompi-plain":
+    import jax_cpu_mpi  # noqa: F401  (registers its cluster environment)
+
+    assert "mpi4py.MPI" not in sys.modules, "mpi4py imported before initialize()"
+    jax.distributed.initialize()
+    assert "mpi4py.MPI" in sys.modules  # rank 0 broadcast the coordinator address
 else:
     jax.distributed.initialize(
         coordinator_address=f"localhost:{os.environ['JCM_TEST_PORT']}",
@@ -59,7 +68,8 @@ assert jax.process_count() == size
 n = len(jax.devices())
 mesh = jax.make_mesh((n,), ("x",), devices=jax.devices())
 assert "jax_cpu_mpi" in sys.modules, "the jax_plugins entry point did not load jax_cpu_mpi"
-assert "mpi4py.MPI" not in sys.modules, "mpi4py.MPI imported before any cross-process psend"
+if mode != "ompi-plain":
+    assert "mpi4py.MPI" not in sys.modules, "mpi4py.MPI imported before any cross-process psend"
 
 value = np.arange(4.0 * n, dtype=np.float32).reshape(n, 4) + 1  # the global value
 x = jax.make_array_from_callback(value.shape, NamedSharding(mesh, P("x")),
