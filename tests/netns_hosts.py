@@ -276,6 +276,14 @@ class TwoHosts:
             output, _ = proc.communicate()
             returncode = None
         job.ended_at = time.time()
+        # mpiexec may end before a rank on the other host does (it cannot reach it after a
+        # network fault): give those ranks a moment to finish and write their output.
+        settle = time.monotonic() + 15
+        while self._ranks_running(outdir) and time.monotonic() < settle:
+            time.sleep(0.05)
+        job.ranks_ended_at = time.time()
+        for ns in self.namespaces.values():
+            _kill_namespace_processes(ns)
         if injector is not None:
             injector.join(timeout=30)
         ranks = {int(p.stem.split("-")[1]): p.read_text(errors="replace")
@@ -289,6 +297,19 @@ class TwoHosts:
         return result
 
 
+    def _ranks_running(self, outdir: str) -> bool:
+        """Whether a rank of the job writing to ``outdir`` still runs on either host."""
+        for ns in self.namespaces.values():
+            for pid in _ip("netns", "pids", ns, check=False).stdout.split():
+                try:
+                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                except OSError:
+                    continue
+                if outdir.encode() in cmdline and b"_rank_output.py" in cmdline:
+                    return True
+        return False
+
+
 class Job:
     """A running job, as the ``during`` callback of :meth:`TwoHosts.run` sees it."""
 
@@ -297,7 +318,8 @@ class Job:
         self.outdir = outdir
         self.hosts = hosts
         self.started_at = time.time()
-        self.ended_at: float | None = None
+        self.ended_at: float | None = None  # when mpiexec ended
+        self.ranks_ended_at: float | None = None  # when no rank ran any more on either host
         self.marks: dict[str, float] = {}
         #: rank -> (exit status, epoch time of the exit), once the job has ended.
         self.exits: dict[int, tuple[int, float]] = {}

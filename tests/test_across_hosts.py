@@ -126,8 +126,9 @@ def test_link_down_uncaught_error_ends_every_rank_promptly(hosts):
     job = run.job
     assert run.returncode not in (None, 0), run.report()
     # Every rank raised within the receive timeout plus a few seconds, with an error naming
-    # the op, the pair and the peer's host; the job ended right after.
+    # the op, the pair and the peer's host; the job ended right after, on both hosts.
     assert job.ended_at - job.marks["down"] < FAULT_RECV_TIMEOUT + PROMPT, run.report()
+    assert job.ranks_ended_at - job.marks["down"] < FAULT_RECV_TIMEOUT + PROMPT, run.report()
     for rank, peer_host in ((0, "b"), (1, "a")):
         text = run.rank_output[rank]
         assert "DEADLINE_EXCEEDED: precv(axis_name=('x',)" in text, run.report()
