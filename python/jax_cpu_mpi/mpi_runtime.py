@@ -14,6 +14,9 @@ At interpreter exit, before mpi4py finalizes MPI, outstanding sends are complete
 rank meets the others in a polled barrier (up to ``JAX_CPU_MPI_EXIT_TIMEOUT`` seconds), then
 our communicator is freed. Once attached, an uncaught exception aborts the whole job
 (``JAX_CPU_MPI_ABORT_ON_ERROR``) rather than leaving the other ranks waiting for this one.
+If a peer failed to answer (a precv timed out, an MPI call failed) and misses the exit
+barrier, the process ends just before ``MPI_Finalize``, without JAX's distributed shutdown,
+with the status the program asked for (:func:`_leave_broken_job`).
 """
 
 from __future__ import annotations
