@@ -18,8 +18,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from . import _ffi_version, mpi_runtime
 from . import _jax_cpu_mpi as ext
-from . import mpi_runtime
 from ._compat import (
     ShapedArray,
     SPMDAxisContext,
@@ -101,8 +101,13 @@ def register() -> None:
 
     Called through ``_compat.enable("lowerings", ...)``: not at all when this JAX lacks a
     name the lowerings need, and then psend/precv keep JAX's own lowering (on CPU, its
-    ``NotImplementedError``).
+    ``NotImplementedError``). Nor when the extension was built against a newer XLA FFI API
+    than the installed jaxlib accepts (:mod:`jax_cpu_mpi._ffi_version`): registering its
+    handlers would stop JAX's CPU backend from starting.
     """
+    problem = _ffi_version.mismatch()
+    if problem is not None:
+        raise RuntimeError(problem)
     for name, capsule in ext.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform="cpu")
     register_lowering(psend_p, _psend_lowering_cpu, platform="cpu")
