@@ -150,4 +150,17 @@ NB_MODULE(_jax_cpu_mpi, m) {
   m.def("mpi_library_version", &MpiLibraryVersion,
         "MPI_Get_library_version() of the libmpi the extension is linked to.");
   m.def("mpi_build_info", &BuildMpiInfo, "Which MPI the extension was compiled against.");
+  m.def("ffi_build_info", [] {
+    // The XLA FFI API version of the headers the extension was compiled with: jaxlib
+    // accepts handlers of an API version within its supported range when they register.
+    nb::dict d;
+    d["api_major"] = XLA_FFI_API_MAJOR;
+    d["api_minor"] = XLA_FFI_API_MINOR;
+#if defined(JAX_CPU_MPI_FFI_HEADERS_FROM)
+    d["headers_from"] = JAX_CPU_MPI_FFI_HEADERS_FROM;
+#else
+    d["headers_from"] = "";
+#endif
+    return d;
+  }, "XLA FFI API version (and jaxlib) of the headers the extension was compiled against.");
 }

@@ -388,3 +388,79 @@ def test_batching_rules_over_mpi():
     assert_mpi_ok(run, 2)
     lines = [line for lines in run.by_rank().values() for line in lines]
     assert sum(line.startswith("ok ") for line in lines) >= 2 * 20, run.report()
+
+
+# ------------------------------------------- unreduced_pmax / unreduced_pmin (JAX >= 0.12)
+
+
+def _unreduced_extremum(op: str):
+    """(primitive, UnreducedKind) for ``op``, or skip on a JAX without these primitives."""
+    from jax_cpu_mpi import _compat
+
+    prim = getattr(_compat, f"unreduced_p{op}_p")
+    if not _compat.available(prim):
+        pytest.skip(f"jax {jax.__version__} has no unreduced_p{op} primitive (JAX >= 0.12)")
+    from jax._src.partition_spec import UnreducedKind
+
+    return prim, getattr(UnreducedKind, op)
+
+
+def _explicit_mesh():
+    return jax.make_mesh((4,), ("x",), axis_types=(AxisType.Explicit,),
+                         devices=jax.devices()[:4])
+
+
+def _extremum_program(op: str, kind, body):
+    """Partial maxima/minima unreduced over 'x' (kind ``op``), then ``body`` in shard_map."""
+    def f(a):
+        u = getattr(jax.lax, f"reduce_{op}")(
+            a, axes=(0,), out_sharding=P(None, None, unreduced={"x"}, unreduced_kind=kind))
+        return jax.shard_map(body, out_specs=P())(u)
+    return jax.jit(f)
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+@pytest.mark.parametrize("in_axes", [0, 1])
+def test_unreduced_pmax_pmin_batch_is_one_collective(op, in_axes):
+    prim, kind = _unreduced_extremum(op)
+    reduce = getattr(jax.lax, f"p{op}")
+    a = cases.sample((4, B, 5), seed=11)  # 4 partial results per element, one per device
+
+    def vmapped():  # a new program each time (jit caches traces)
+        return _extremum_program(op, kind, lambda v: jax.vmap(
+            lambda r: reduce(r, "x"), in_axes=in_axes, out_axes=in_axes)(v))
+
+    with jax.set_mesh(_explicit_mesh()):
+        arr = jax.device_put(a, P("x", None, None))
+        batched = vmapped()
+        per_example = _extremum_program(op, kind, lambda v: jnp.stack(
+            [reduce(jax.lax.index_in_dim(v, i, in_axes, keepdims=False), "x")
+             for i in range(v.shape[in_axes])],
+            axis=in_axes))
+        got, want = np.asarray(batched(arr)), np.asarray(per_example(arr))
+        assert cases.count_eqns(batched, arr, name=prim.name) == 1
+        assert cases.count_eqns(per_example, arr, name=prim.name) == (B, 5)[in_axes]
+        # Before: JAX's own rule.
+        ours = fancy_primitive_batchers[prim]
+        fancy_primitive_batchers[prim] = batching.UPSTREAM_RULES[prim]
+        try:
+            with pytest.raises(NotImplementedError):
+                jax.make_jaxpr(vmapped())(arr)
+        finally:
+            fancy_primitive_batchers[prim] = ours
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, getattr(a, op)(axis=0))
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_unreduced_pmax_pmin_over_the_vmapped_and_a_mesh_axis(op):
+    """``lax.pmax(r, ('a', 'x'))`` is refused by JAX's type check (a vmapped axis has no
+    unreduced state), but the primitive bound over both reduces the batch locally."""
+    prim, kind = _unreduced_extremum(op)
+    a = cases.sample((4, B, 5), seed=12)
+    with jax.set_mesh(_explicit_mesh()):
+        arr = jax.device_put(a, P("x", None, None))
+        f = _extremum_program(op, kind, lambda v: jax.vmap(
+            lambda r: prim.bind(r, axes=("a", "x")), axis_name="a", out_axes=None)(v))
+        got = np.asarray(f(arr))
+    np.testing.assert_array_equal(got, getattr(a, op)(axis=(0, 1)))

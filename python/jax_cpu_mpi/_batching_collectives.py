@@ -26,7 +26,7 @@ from jax import lax
 
 from ._compat import (
     all_gather_reduced_p,
-    core,
+    available,
     unreduced_psum_p,
     unreduced_reduce_scatter_p,
     vary_unreduced_cast_p,
@@ -114,7 +114,7 @@ def _partials_over(y: Any, axes: tuple) -> Any:
     With spmd_axis_name, the batch is split over mesh axes, so the partials of different
     batch elements vary over them; a reduction along the vmapped axis reduces them too.
     """
-    varying = tuple(a for a in axes if a in core.typeof(y).mat.varying)
+    varying = tuple(a for a in axes if a in jax.typeof(y).mat.varying)
     return vary_unreduced_cast_p.bind(y, axes=varying) if varying else y
 
 
@@ -257,10 +257,47 @@ def unreduced_psum_rule(
     return (unreduced_psum_p.bind(y, axes=rest) if rest else y), None
 
 
+# ---------------------------------------------------- unreduced_pmax / unreduced_pmin
+
+
+def unreduced_extremum_rule(prim: Any, op: str) -> Rule:
+    """Batching rule of ``unreduced_pmax_p`` / ``unreduced_pmin_p`` (JAX >= 0.12).
+
+    ``op`` is ``"max"`` or ``"min"``. ``pmax``/``pmin`` of a value that is unreduced over
+    ``axes`` with that reduction kind (``reduce_max(..., out_sharding=P(unreduced=...,
+    unreduced_kind=max))``). Not over the vmapped axis: ONE collective of the batched
+    operand, elementwise, so the batch dimension stays. Over the vmapped axis: the members
+    are the batch elements, so that part is a local max/min over the batch (of identical
+    copies when unbatched); remaining mesh axes are reduced in ONE collective. (JAX's
+    ``lax.pmax`` itself refuses a vmapped axis in the axes of an unreduced value; only a
+    direct bind of the primitive gets there.) A batch split over mesh axes by
+    ``spmd_axis_name`` is refused with ``NotImplementedError``.
+    """
+    local = {"max": jax.numpy.max, "min": jax.numpy.min}[op]
+    name = f"unreduced_p{op}"
+
+    def rule(axis_data: Any, vals_in: Sequence[Any], dims_in: Sequence[int | None], *,
+             axes: tuple) -> tuple[Any, int | None]:
+        (x,), (d,) = vals_in, dims_in
+        if axis_data.name not in axes:
+            return prim.bind(x, axes=axes), d
+        if len(frame_members(axis_data, name)) > 1:
+            raise NotImplementedError(
+                f"{name} over vmapped axis {axis_data.name!r} whose batch is split over mesh "
+                f"axes by spmd_axis_name={axis_data.spmd_name!r} is not supported; vmap "
+                "without spmd_axis_name, or reduce over the mesh axes only.")
+        y = x if d is None else local(x, axis=d)
+        rest = tuple(a for a in axes if a != axis_data.name)
+        return (prim.bind(y, axes=rest) if rest else y), None
+
+    rule.__name__ = rule.__qualname__ = f"{name}_batching_rule"
+    return rule
+
+
 # ------------------------------------------------------------------------ no-op casts
 
 
-def cast_rule(prim: core.Primitive) -> Rule:
+def cast_rule(prim: Any) -> Rule:
     """Batching rule of a no-op type cast (``pcast``) over ``axes``.
 
     The value is unchanged; a vmapped axis is not a mesh axis and has no varying / reduced /
@@ -273,5 +310,5 @@ def cast_rule(prim: core.Primitive) -> Rule:
         rest = tuple(a for a in axes if a != axis_data.name)
         return (prim.bind(x, axes=rest) if rest else x), d
 
-    rule.__name__ = rule.__qualname__ = f"{prim.name}_batching_rule"
+    rule.__name__ = rule.__qualname__ = f"{prim.name if available(prim) else 'cast'}_batching_rule"
     return rule

@@ -33,7 +33,7 @@ import numpy as np
 from jax import lax
 
 from ._batching_collectives import as_tuple, batch_first, frame_members
-from ._compat import core, precv_p, psend_p
+from ._compat import ShapedArray, precv_p, psend_p
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ def psend_rule(
         raise _mixed_axes_error("psend", names, frame)
     value, dim = _permute_batch(x, d, _sources("psend", perm, size, frame))
     token = lax.create_token()
-    elt = core.typeof(x)
+    elt = jax.typeof(x)
     elt_shape = tuple(int(s) for i, s in enumerate(elt.shape) if d is None or i != d)
     _post(token, dict(value=value, dim=dim, axis_name=names, perm=tuple(map(tuple, perm)),
                       elt_shape=elt_shape, dtype=np.dtype(elt.dtype)))
@@ -139,7 +139,7 @@ def psend_rule(
 
 def precv_rule(
     axis_data: Any, vals_in: Sequence[Any], dims_in: Sequence[int | None], *,
-    out_shape: core.ShapedArray, axis_name: Any, perm: tuple,
+    out_shape: ShapedArray, axis_name: Any, perm: tuple,
 ) -> tuple[Any, int | None]:
     """Batching rule of ``precv_p``: receives the batched ``out_shape`` (batch dimension 0)."""
     (token,), (td,) = vals_in, dims_in
@@ -148,7 +148,7 @@ def precv_rule(
     names = as_tuple(axis_name)
     frame, size = axis_data.name, axis_data.size
     if frame not in names:
-        batched = core.ShapedArray((size, *out_shape.shape), out_shape.dtype)
+        batched = ShapedArray((size, *out_shape.shape), out_shape.dtype)
         return precv_p.bind(token, out_shape=batched, axis_name=axis_name, perm=perm), 0
     if len(names) > 1 or len(frame_members(axis_data, "precv")) > 1:
         raise _mixed_axes_error("precv", names, frame)

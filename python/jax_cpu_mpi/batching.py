@@ -18,6 +18,8 @@ primitive                      rule
                                vmapped axis: local sum over the batch, then scatter
 ``unreduced_psum``             one psum of the batched operand; over the vmapped
                                axis: local sum over the batch
+``unreduced_pmax``,            (JAX >= 0.12) one pmax / pmin of the batched operand;
+``unreduced_pmin``             over the vmapped axis: local max / min over the batch
 ``preduced``,                  no-op casts: the value with its batch dimension (a
 ``vary_unreduced_cast``,       vmapped axis has no varying/reduced state and is
 ``reduced_vary_cast``          dropped from ``axes``)
@@ -31,18 +33,22 @@ import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from . import _batching_collectives as collectives
 from . import _batching_p2p as p2p
+from . import _compat
 from ._compat import (
     all_gather_reduced_p,
-    core,
+    available,
     fancy_primitive_batchers,
     ppermute_batcher,
     precv_p,
     preduced_p,
     psend_p,
     reduced_vary_cast_p,
+    unreduced_pmax_p,
+    unreduced_pmin_p,
     unreduced_psum_p,
     unreduced_reduce_scatter_p,
     vary_unreduced_cast_p,
@@ -106,52 +112,88 @@ def _is_ppermute_batcher(rule: Rule | None) -> bool:
 class RuleSpec:
     """One rule of ours and how to recognise the JAX rule it may replace."""
 
-    primitive: core.Primitive
+    name: str  # the primitive's name, also the feature ``batching:<name>`` in _compat
+    primitive: Any  # a JAX Primitive, or a _compat.Missing where this JAX lacks it
     rule: Rule
     replaces: Callable[[Rule | None], bool]
     why: str
 
+    @property
+    def feature(self) -> str:
+        return f"batching:{self.name}"
 
-RULES: tuple[RuleSpec, ...] = (
-    RuleSpec(all_gather_reduced_p, collectives.all_gather_reduced_rule, is_raising_stub,
-             "JAX's rule raises NotImplementedError('Please file an issue')"),
-    RuleSpec(unreduced_reduce_scatter_p, collectives.unreduced_reduce_scatter_rule,
-             is_raising_stub, "JAX's rule raises NotImplementedError('Please file an issue')"),
-    RuleSpec(unreduced_psum_p, collectives.unreduced_psum_rule, is_raising_stub,
-             "JAX's rule raises NotImplementedError"),
-    RuleSpec(preduced_p, collectives.cast_rule(preduced_p), is_raising_stub,
-             "JAX's rule raises NotImplementedError"),
-    RuleSpec(vary_unreduced_cast_p, collectives.cast_rule(vary_unreduced_cast_p),
-             is_raising_stub, "JAX's rule raises NotImplementedError"),
-    RuleSpec(reduced_vary_cast_p, collectives.cast_rule(reduced_vary_cast_p),
-             is_raising_stub, "JAX's rule raises NotImplementedError"),
-    RuleSpec(psend_p, p2p.psend_rule, _is_ppermute_batcher,
+
+_STUB = "JAX's rule raises NotImplementedError"
+_ALL_RULES: tuple[RuleSpec, ...] = (
+    RuleSpec("all_gather_reduced", all_gather_reduced_p, collectives.all_gather_reduced_rule,
+             is_raising_stub, _STUB + "('Please file an issue')"),
+    RuleSpec("unreduced_reduce_scatter", unreduced_reduce_scatter_p,
+             collectives.unreduced_reduce_scatter_rule, is_raising_stub,
+             _STUB + "('Please file an issue')"),
+    RuleSpec("unreduced_psum", unreduced_psum_p, collectives.unreduced_psum_rule,
+             is_raising_stub, _STUB),
+    RuleSpec("unreduced_pmax", unreduced_pmax_p,
+             collectives.unreduced_extremum_rule(unreduced_pmax_p, "max"), is_raising_stub,
+             _STUB),
+    RuleSpec("unreduced_pmin", unreduced_pmin_p,
+             collectives.unreduced_extremum_rule(unreduced_pmin_p, "min"), is_raising_stub,
+             _STUB),
+    RuleSpec("preduced", preduced_p, collectives.cast_rule(preduced_p), is_raising_stub, _STUB),
+    RuleSpec("vary_unreduced_cast", vary_unreduced_cast_p,
+             collectives.cast_rule(vary_unreduced_cast_p), is_raising_stub, _STUB),
+    RuleSpec("reduced_vary_cast", reduced_vary_cast_p, collectives.cast_rule(reduced_vary_cast_p),
+             is_raising_stub, _STUB),
+    RuleSpec("psend", psend_p, p2p.psend_rule, _is_ppermute_batcher,
              "JAX reuses ppermute's rule: vmap(psend) returns data, not a token"),
-    RuleSpec(precv_p, p2p.precv_rule, _is_ppermute_batcher,
+    RuleSpec("precv", precv_p, p2p.precv_rule, _is_ppermute_batcher,
              "JAX reuses ppermute's rule: vmap(precv) is a TypeError"),
 )
 
+#: Our rules for the primitives this JAX has (a primitive it lacks has no rule to fix).
+RULES: tuple[RuleSpec, ...] = tuple(s for s in _ALL_RULES if available(s.primitive))
+
 #: JAX's rule for each primitive where ours was installed, as it was before.
-UPSTREAM_RULES: dict[core.Primitive, Rule | None] = {}
+UPSTREAM_RULES: dict[Any, Rule | None] = {}
+
+
+_NOT_NEEDED = "JAX's own rule is not a placeholder: ours steps aside"
+
+
+def _install_rule(spec: RuleSpec) -> bool | str:
+    """Put ``spec.rule`` in place if JAX's rule is still the broken one (else why not)."""
+    current = fancy_primitive_batchers.get(spec.primitive)
+    if current is spec.rule:
+        return True
+    if not spec.replaces(current):
+        return _NOT_NEEDED
+    UPSTREAM_RULES[spec.primitive] = current
+    fancy_primitive_batchers[spec.primitive] = spec.rule
+    return True
 
 
 def install() -> dict[str, bool]:
     """Install every rule of :data:`RULES` whose JAX rule is still the broken one.
 
-    Idempotent. Returns ``{primitive name: ours is installed}``.
+    Each rule is a feature of its own (``batching:<primitive>`` in ``python -m jax_cpu_mpi
+    info``): a rule whose JAX names are missing is off, with one warning, and the others
+    are installed. A rule JAX has made real is left alone ("not needed"). Idempotent.
+    Returns ``{primitive name: ours is installed}``.
     """
-    for spec in RULES:
-        current = fancy_primitive_batchers.get(spec.primitive)
-        if current is spec.rule:
-            continue
-        if spec.replaces(current):
-            UPSTREAM_RULES[spec.primitive] = current
-            fancy_primitive_batchers[spec.primitive] = spec.rule
+    for spec in _ALL_RULES:
+        feature = _compat.get_feature(spec.feature)
+        if not feature.problems and available(spec.primitive):
+            # What JAX has registered now decides, on every call.
+            if feature.not_needed == _NOT_NEEDED:
+                feature.not_needed = None
+            feature.installed = fancy_primitive_batchers.get(spec.primitive) is spec.rule
+        _compat.enable(spec.feature, lambda spec=spec: _install_rule(spec))
     return status()
 
 
 def status() -> dict[str, bool]:
-    """``{primitive name: our rule is the active one}`` for every rule we provide."""
+    """``{primitive name: our rule is the active one}`` for every rule of :data:`RULES`."""
+    if not available(fancy_primitive_batchers):
+        return {spec.primitive.name: False for spec in RULES}
     return {spec.primitive.name: fancy_primitive_batchers.get(spec.primitive) is spec.rule
             for spec in RULES}
 

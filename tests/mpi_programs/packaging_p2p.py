@@ -21,6 +21,14 @@ from __future__ import annotations
 import os
 import sys
 
+
+def jax_detects_open_mpi_5() -> bool:
+    """JAX >= 0.12: OmpiCluster recognises Open MPI 5 (PRRTE) and asks mpi4py for ranks."""
+    from jax._src.clusters import ompi_cluster
+
+    return hasattr(ompi_cluster.OmpiCluster, "_is_ompi_5")
+
+
 mode = sys.argv[1]
 rank = int(next(os.environ[v] for v in ("OMPI_COMM_WORLD_RANK", "PMI_RANK") if v in os.environ))
 size = int(next(os.environ[v] for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE") if v in os.environ))
@@ -48,6 +56,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+assert "mpi4py.MPI" not in sys.modules
 if mode == "slurm-env":
     jax.distributed.initialize()  # JAX's SlurmCluster
 elif mode == "ompi-plain":
@@ -68,8 +77,17 @@ assert jax.process_count() == size
 n = len(jax.devices())
 mesh = jax.make_mesh((n,), ("x",), devices=jax.devices())
 assert "jax_cpu_mpi" in sys.modules, "the jax_plugins entry point did not load jax_cpu_mpi"
-if mode != "ompi-plain":
-    assert "mpi4py.MPI" not in sys.modules, "mpi4py.MPI imported before any cross-process psend"
+# JAX >= 0.12 recognises Open MPI 5 (PRRTE) itself and asks mpi4py for the local rank (to
+# pick local_device_ids) even when every other argument is given: then JAX initialized MPI
+# (with mpi4py's default thread level, "multiple"), and jax_cpu_mpi must attach to it.
+# ompi-plain: the initialization broadcast the coordinator's address over MPI (jax_cpu_mpi's
+# cluster environment, or JAX >= 0.12's own Open MPI 5 detection).
+# Otherwise jax_cpu_mpi is the first to import mpi4py.MPI, at the first cross-process psend.
+jax_initialized_mpi = "mpi4py.MPI" in sys.modules
+if mode == "ompi-plain" or (mode == "ompi-env" and jax_detects_open_mpi_5()):
+    assert jax_initialized_mpi, "jax.distributed.initialize() did not go through mpi4py"
+else:
+    assert not jax_initialized_mpi, "mpi4py.MPI imported before any cross-process psend"
 
 value = np.arange(4.0 * n, dtype=np.float32).reshape(n, 4) + 1  # the global value
 x = jax.make_array_from_callback(value.shape, NamedSharding(mesh, P("x")),
@@ -102,5 +120,6 @@ assert "mpi4py.MPI" in sys.modules, "a cross-process psend ran without attaching
 from jax_cpu_mpi import _jax_cpu_mpi as ext  # noqa: E402
 
 assert ext.mpi_attached()
-print(f"process {jax.process_index()} (MPI rank {rank}): MPI "
-      f"{ext.mpi_build_info()['vendor']}, JCM-OK", flush=True)
+initialized_by = "JAX" if jax_initialized_mpi else "jax_cpu_mpi"
+print(f"process {jax.process_index()} (MPI rank {rank}): MPI initialized by {initialized_by}, "
+      f"MPI {ext.mpi_build_info()['vendor']}, JCM-OK", flush=True)

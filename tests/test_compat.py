@@ -1,0 +1,260 @@
+"""JAX internals that move: a missing or changed private name switches off only its feature.
+
+Each test runs a fresh interpreter (tests/mpi_programs/compat_probe.py) that removes one
+private name before JAX's plugin discovery imports jax_cpu_mpi, then checks that
+``jax.devices()`` and jitted programs still work, which features report off (in
+``jax_cpu_mpi.features()`` and in ``python -m jax_cpu_mpi info --json``), what a psend/precv
+program does, and which warnings were given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import jax
+import pytest
+
+from jax_cpu_mpi import _compat, _versions
+from jax_cpu_mpi._barrier_tokens import ORDERING_OP
+
+PROBE = Path(__file__).parent / "mpi_programs" / "compat_probe.py"
+
+#: Names JAX itself needs to run a jitted program on CPU, or its own psend/precv (deleting
+#: them breaks JAX with or without jax_cpu_mpi). The probe hides these from jax_cpu_mpi's
+#: lookup only, as a JAX release that moved them would; every other name it deletes from
+#: JAX for real (and test_issue_reproduction deletes three of these too).
+JAX_NEEDS_ITSELF = frozenset({
+    "jax._src.distributed:global_state",  # read when JAX makes its CPU client
+    "jax._src.lax.parallel:psend_p",
+    "jax._src.lax.parallel:precv_p",
+    "jax._src.lax.parallel:single_side_collective_effect",
+    "jax._src.lib.mlir.dialects:hlo",
+    "jax._src.sharding_impls:SPMDAxisContext",
+    "jax._src.mesh:get_concrete_mesh",
+    "jax._src.interpreters.mlir:register_lowering",
+    "jax._src.core:ShapedArray",
+    "jax._src.interpreters.mlir:lower_jaxpr_to_module",
+    "jax._src.core:abstract_token",
+    "jax._src.interpreters.mlir:lower_with_sharding_in_types",
+    "jax._src.interpreters.mlir:dense_int_array",
+    "jax._src.interpreters.batching:fancy_primitive_batchers",
+    "jax._src.interpreters.mlir:_platform_specific_lowerings",
+    "jax._src.lax.parallel:unreduced_pmax_p",  # registered by JAX 0.12 itself
+    "jax._src.lax.parallel:unreduced_pmin_p",
+})
+
+NAMES = _compat.names()
+
+
+def _probe(*args: str, env: dict[str, str] | None = None) -> dict:
+    full_env = {k: v for k, v in os.environ.items()
+                if not k.startswith(("JAX_CPU_MPI_DISABLE", "XLA_FLAGS"))}
+    full_env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    full_env.update(env or {})
+    run = subprocess.run([sys.executable, str(PROBE), *args], capture_output=True, text=True,
+                         env=full_env, timeout=180)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    lines = [line for line in run.stdout.splitlines() if line.startswith("PROBE ")]
+    assert lines, run.stdout[-4000:] + run.stderr[-4000:]
+    return json.loads(lines[-1][len("PROBE "):])
+
+
+@pytest.fixture(scope="module")
+def baseline() -> dict:
+    """The probe with nothing removed."""
+    facts = _probe("none")
+    # With every name present, nothing is off and nothing warns about JAX internals.
+    assert [f for f, s in facts["states"].items() if s == "off"] == []
+    assert facts["compat_warnings"] == []
+    return facts
+
+
+def _needing(path: str) -> set[str]:
+    """The features that need ``path`` (for a module: any name in it)."""
+    return {f for p, fs in NAMES.items() if p == path or p.startswith(path + ":") for f in fs}
+
+
+def _expected_off(path: str) -> set[str]:
+    """The features that need ``path``, and those that require them, transitively."""
+    off = _needing(path)
+    grew = True
+    while grew:
+        grew = False
+        for name, f in _compat.features().items():
+            if name not in off and any(r in off for r in f.requires):
+                off.add(name)
+                grew = True
+    return off
+
+
+def _optional(path: str) -> bool:
+    """Names only some JAX versions have (a feature without them is "not needed")."""
+    return "unreduced_pmax_p" in path or "unreduced_pmin_p" in path
+
+
+def _loses_optional(feature: str, path: str) -> bool:
+    """Removing ``path`` (a name or a whole module) removes an optional name of ``feature``."""
+    return any(_optional(p) and (p == path or p.startswith(path + ":"))
+               for p in _compat.features()[feature].names)
+
+
+def _assert_jax_works(facts: dict) -> None:
+    assert facts["devices"] == 4
+    assert facts["jit_ok"], facts
+    assert facts["shard_map_psum_ok"], facts
+    assert facts["loaded_by_jax"], "JAX's plugin discovery did not import jax_cpu_mpi"
+
+
+def test_every_feature_is_declared_with_names():
+    states = {f["feature"]: f for f in _compat.report()}
+    for name in ("lowerings", "gpu_parity", "barrier_tokens", "batching:all_gather_reduced",
+                 "batching:psend", "batching:precv", "info:lowering_table"):
+        assert states[name]["names"], name
+    # Every private JAX path jax_cpu_mpi resolves belongs to at least one feature.
+    assert all(NAMES.values())
+    assert all(p.startswith("jax._src") for p in NAMES), [p for p in NAMES
+                                                         if not p.startswith("jax._src")]
+
+
+def test_nothing_is_off_with_this_jax(baseline):
+    _assert_jax_works(baseline)
+    assert baseline["p2p"] == {"result": baseline["p2p_reference"]}
+    assert ORDERING_OP in baseline["barrier"]["hlo"], baseline["barrier"]
+    assert baseline["info_features"] == baseline["features"]
+    for name, state in baseline["states"].items():
+        assert state in ("active", "not needed"), (name, state)
+
+
+@pytest.mark.parametrize("path", sorted(NAMES))
+def test_missing_private_name_switches_off_only_its_feature(baseline, path):
+    how = "hide" if path in JAX_NEEDS_ITSELF or ":" not in path else "delete"
+    facts = _probe(how, path)
+    _assert_jax_works(facts)
+    expected = _expected_off(path)
+    want = {}
+    for name in facts["states"]:
+        # A feature JAX does not need (no such primitive in this JAX) stays "not needed".
+        if name not in expected or baseline["states"][name] == "not needed":
+            want[name] = baseline["states"][name]
+        else:
+            want[name] = "not needed" if _loses_optional(name, path) else "off"
+    assert facts["states"] == want, facts["features"]
+    # ONE warning per feature that is off because of the name itself (a feature that is off
+    # because it requires another one is covered by that one's warning), naming the JAX
+    # version, the feature and the name.
+    direct = {f for f in _needing(path) if want[f] == "off"}
+    warned = facts["compat_warnings"]
+    assert len(warned) == len(direct), warned
+    for name in direct:
+        (message,) = [w for w in warned if f"({name})" in w]
+        assert f"jax {jax.__version__}" in message and path in message, message
+    # The info command reports the same features.
+    assert facts["info_features"] == facts["features"]
+    assert {f["feature"]: f["state"] for f in facts["info_features"]} == want
+    # psend/precv: ours where the lowerings are active, else JAX's own error.
+    if "lowerings" in expected:
+        assert facts["p2p"]["error_type"] == "NotImplementedError", facts["p2p"]
+        assert "only implemented on GPU" in facts["p2p"]["error"], facts["p2p"]
+        assert facts["info_lowerings"] == {"psend": False, "precv": False}
+    elif "psend_p" not in path and "precv_p" not in path:
+        assert facts["p2p"] == {"result": baseline["p2p_reference"]}, facts["p2p"]
+
+
+@pytest.mark.parametrize("path", [
+    "jax._src.lax.parallel:_pcollectives_lowering_common",
+    "jax._src.lax.parallel:_ppermute_batcher",
+    "jax._src.lax.parallel:single_side_collective_effect",
+])
+def test_issue_reproduction(path):
+    """The issue's reproduction: a name deleted from JAX took ``jax.devices()`` down."""
+    facts = _probe("delete", path)
+    _assert_jax_works(facts)
+    warned = facts["compat_warnings"]
+    assert len(warned) == len(NAMES[path]), warned  # one per feature that needs the name
+    assert all(path in m and f"jax {jax.__version__}" in m for m in warned), warned
+
+
+def test_changed_signature_switches_the_feature_off():
+    facts = _probe("change", "jax._src.lax.parallel:_pcollectives_lowering_common")
+    _assert_jax_works(facts)
+    assert facts["states"]["lowerings"] == "off"
+    (why,) = [f["why"] for f in facts["features"] if f["feature"] == "lowerings"]
+    assert "_pcollectives_lowering_common changed: its signature lacks" in why, why
+    assert facts["p2p"]["error_type"] == "NotImplementedError", facts["p2p"]
+
+
+def test_parity_check_that_breaks_while_running_switches_itself_off():
+    """A changed internal seen only when a program is lowered: jit keeps working."""
+    facts = _probe("break-parity", "-")
+    _assert_jax_works(facts)
+    assert facts["p2p"] == {"result": facts["p2p_reference"]}, facts["p2p"]
+    assert facts["states"]["gpu_parity"] == "off"
+    (message,) = facts["compat_warnings"]
+    assert "(gpu_parity)" in message and "failed while running" in message, message
+
+
+def test_barrier_that_breaks_while_running_falls_back_to_jax():
+    facts = _probe("break-barrier", "-")
+    _assert_jax_works(facts)
+    assert facts["states"]["barrier_tokens"] == "off"
+    # JAX's own rule lowered the barrier (or raised JAX's own error, as without us).
+    assert "error_type" in facts["barrier"] or ORDERING_OP not in facts["barrier"]["hlo"]
+    (message,) = facts["compat_warnings"]
+    assert "(barrier_tokens)" in message, message
+
+
+# ------------------------------------------------------------------ tested versions
+
+
+def test_tested_versions_include_this_one_in_ci():
+    """CI runs only tested versions; a new JAX must be added here once its suite passes."""
+    assert jax.__version__ in _versions.TESTED_JAX_VERSIONS, (
+        f"jax {jax.__version__} is not in TESTED_JAX_VERSIONS: run the whole suite with it, "
+        "then add it to jax_cpu_mpi/_versions.py and the README's tested versions")
+
+
+def test_untested_version_warns_once_naming_both_versions(monkeypatch):
+    assert _versions.untested_message(_versions.TESTED_JAX_VERSIONS[0],
+                                      _versions.TESTED_JAX_VERSIONS[0]) is None
+    message = _versions.untested_message("0.13.0", "0.13.0")
+    assert message is not None and "jax 0.13.0" in message
+    assert "0.10.2" in message and "info" in message
+    assert "jaxlib 0.12.1" in _versions.untested_message("0.12.0.1", "0.12.1")
+    monkeypatch.setattr(jax, "__version__", "0.13.0")
+    monkeypatch.setattr(_versions, "_warned", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _versions.warn_if_untested()
+        _versions.warn_if_untested()
+    assert [w.category for w in caught] == [_versions.UntestedJaxWarning]
+
+
+# ---------------------------------------------------------------- XLA FFI API versions
+
+
+def test_ffi_api_of_a_newer_build_is_refused_before_registration():
+    from jax_cpu_mpi import _ffi_version
+
+    built = (0, 5, "jaxlib 0.12.0.1")
+    assert _ffi_version.mismatch_message(built, (0, 5), "0.12.0.1") is None
+    assert _ffi_version.mismatch_message(built, (0, 6), "0.13.0") is None  # older API: fine
+    assert _ffi_version.mismatch_message(built, None, "?") is None  # unknown: try
+    message = _ffi_version.mismatch_message(built, (0, 4), "0.11.2")
+    assert message is not None
+    assert "XLA FFI API 0.5 (the headers of jaxlib 0.12.0.1)" in message
+    assert "jaxlib 0.11.2 supports (0.4)" in message and "--no-build-isolation" in message
+    assert _ffi_version.mismatch_message((1, 0, ""), (0, 9), "x") is not None  # major differs
+
+
+def test_this_build_matches_the_installed_jaxlib():
+    from jax_cpu_mpi import _ffi_version
+
+    major, minor, headers = _ffi_version.built_api()
+    assert _ffi_version.runtime_api() == (major, minor)
+    assert _ffi_version.mismatch() is None
+    assert headers.startswith("jaxlib ")
