@@ -18,6 +18,7 @@ with each other, within one run.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -29,6 +30,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from netns_hosts import TwoHosts, unavailable_reason  # noqa: E402
 
 DEFAULT_METHODS = "mpi4py,psend/call,psend/scan,gloo/call,gloo/scan"
+_PROGRESS = re.compile(r"^\[[#-]+\] ")
 
 
 def main(argv: list[str]) -> int:
@@ -60,8 +62,9 @@ def main(argv: list[str]) -> int:
                                     text=True, env=env)
             assert proc.stdout is not None
             for line in proc.stdout:
-                log.write(line)
                 sys.stdout.write(line)
+                if not _PROGRESS.match(line):  # the progress bar stays on the terminal
+                    log.write(line)
             status = proc.wait()
             footer = (f"# {time.monotonic() - start:.0f} s; load after: "
                       f"{os.getloadavg()[0]:.2f}\n")
