@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "mpi_finalize.h"
 #include "p2p_handlers.h"
 #include "runtime.h"
 
@@ -100,6 +101,30 @@ NB_MODULE(_jax_cpu_mpi, m) {
         "Duplicate the communicator (given as its Fortran handle, see mpi4py's Comm.py2f) "
         "for our point-to-point traffic.");
   m.def("mpi_attached", [] { return jcm::Runtime::Get().mpi() != nullptr; });
+  m.def("set_rank_hosts",
+        [](std::vector<std::string> hosts) {
+          jcm::Runtime::Get().set_rank_hosts(std::move(hosts));
+        },
+        nb::arg("hosts"), "Hostname of each MPI rank of our communicator (for messages).");
+  m.def("rank_hosts", [] {
+    std::vector<std::string> hosts;
+    for (int r = 0;; ++r) {
+      std::string h = jcm::Runtime::Get().host_of_rank(r);
+      if (h.empty()) break;
+      hosts.push_back(std::move(h));
+    }
+    return hosts;
+  }, "Hostname of each MPI rank, as set by set_rank_hosts.");
+  m.def("unreachable_peers", [] { return jcm::Runtime::Get().unreachable_peers(); },
+        "MPI ranks that did not answer this process (a precv timed out, an MPI call failed).");
+  m.def("exit_barrier_met", [] { return jcm::Runtime::Get().exit_barrier_met(); },
+        "Whether detach_mpi met every rank in the exit barrier.");
+  m.def("register_exit_before_finalize", [] { jcm::RegisterExitBeforeFinalize(); },
+        "Register (once) the interpreter exit function that can end the process just before "
+        "mpi4py's MPI_Finalize (call after importing mpi4py.MPI).");
+  m.def("arm_exit_before_finalize", [](int status) { jcm::ArmExitBeforeFinalize(status); },
+        nb::arg("status"),
+        "End the process with this status just before MPI_Finalize, instead of finalizing.");
   m.def("detach_mpi",
         [](double timeout_s) {
           nb::gil_scoped_release release;

@@ -631,7 +631,7 @@ MpiResult MpiTransport::RecvStaged(int source_rank, int tag, void* out, size_t b
   return MpiResult::Ok();
 }
 
-size_t MpiTransport::Drain(std::chrono::steady_clock::time_point deadline) {
+MpiTransport::DrainResult MpiTransport::Drain(std::chrono::steady_clock::time_point deadline) {
   // Phase 1: complete our own sends. Phase 2: a barrier (non-blocking, polled) with every
   // other rank, which keeps each rank's progress engine running until all have drained: a
   // receiver that already has all its bytes may owe its sender the acknowledgement that
@@ -642,21 +642,21 @@ size_t MpiTransport::Drain(std::chrono::steady_clock::time_point deadline) {
   while (true) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (!MpiIsUsable()) return pending_.size();
+      if (!MpiIsUsable()) return {pending_.size(), false};
       ProgressLocked();
       const bool sends_done = pending_.empty();
       if (sends_done && barrier == MPI_REQUEST_NULL) {
-        if (MPI_Ibarrier(comm_, &barrier) != MPI_SUCCESS) return 0;
+        if (MPI_Ibarrier(comm_, &barrier) != MPI_SUCCESS) return {0, false};
       }
       if (barrier != MPI_REQUEST_NULL) {
         int done = 0;
         MPI_Test(&barrier, &done, MPI_STATUS_IGNORE);
-        if (done) return 0;
+        if (done) return {0, true};
       }
       if (std::chrono::steady_clock::now() > deadline) {
         // A peer never reached its exit (or died): report only our own undelivered sends.
         // The barrier request is left to MPI_Finalize.
-        return pending_.size();
+        return {pending_.size(), false};
       }
     }
     backoff.Pause();

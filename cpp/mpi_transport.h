@@ -86,9 +86,12 @@ class MpiTransport {
                  std::chrono::steady_clock::time_point deadline);
 
   // At exit (collective over the communicator): completes every outstanding send and waits
-  // for every rank to get there, or gives up at the deadline. Returns how many of our sends
-  // were left undelivered.
-  size_t Drain(std::chrono::steady_clock::time_point deadline);
+  // for every rank to get there, or gives up at the deadline.
+  struct DrainResult {
+    size_t undelivered = 0;      // our sends left undelivered
+    bool all_ranks_met = false;  // the exit barrier completed
+  };
+  DrainResult Drain(std::chrono::steady_clock::time_point deadline);
 
   // Sends not yet completed (after testing them) and their bytes.
   size_t inflight_sends();

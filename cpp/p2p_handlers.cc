@@ -87,6 +87,12 @@ ffi::ErrorOr<int> MpiTag(const OpInfo& info, const MpiTransport& mpi, int64_t sr
   return static_cast<int>(tag);
 }
 
+// " (MPI rank R on host H)": where a peer process runs, for messages about MPI traffic.
+std::string MpiPeer(int rank) {
+  std::string host = Runtime::Get().host_of_rank(rank);
+  return " (MPI rank " + std::to_string(rank) + (host.empty() ? "" : " on host " + host) + ")";
+}
+
 std::string MpiMissing(const OpInfo& info, int64_t me, int64_t peer) {
   std::ostringstream s;
   s << info.op << ": " << ProcessSuffix(info, me) << " and its peer " << ProcessSuffix(info, peer)
@@ -125,10 +131,12 @@ ffi::Error PsendImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
   const Config config = rt.config();
   MpiResult r = mpi->Send(dest, *tag, x.untyped_data(), bytes, config.max_inflight_bytes,
                           DeadlineAfter(config.recv_timeout_s));
+  if (r.ok) rt.mpi_send_in_flight();
   if (!r.ok) {
+    rt.note_unreachable_peer(dest);
     std::ostringstream s;
     s << op << " of " << operand << " from " << ProcessSuffix(info, me) << " to "
-      << ProcessSuffix(info, peer) << " (MPI rank " << dest << ") failed: " << r.error;
+      << ProcessSuffix(info, peer) << MpiPeer(dest) << " failed: " << r.error;
     return ffi::Error::Internal(s.str());
   }
   return ffi::Error::Success();
@@ -145,12 +153,18 @@ std::string SizeMismatch(const OpInfo& info, int64_t me, int64_t peer, size_t ex
   return s.str();
 }
 
-std::string Timeout(const OpInfo& info, int64_t me, int64_t peer, double seconds) {
+// `mpi_peer`: MpiPeer() of the sender when the message comes over MPI, else empty.
+std::string Timeout(const OpInfo& info, int64_t me, int64_t peer, double seconds,
+                    const std::string& mpi_peer = "") {
   std::ostringstream s;
   s << info.op << " on " << ProcessSuffix(info, me) << " waited " << seconds
-    << " s for " << info.operand << " from " << ProcessSuffix(info, peer)
+    << " s for " << info.operand << " from " << ProcessSuffix(info, peer) << mpi_peer
     << " and no message arrived: no psend with the pair (" << peer << ", " << me
-    << ") ran. Make sure a psend with the same axis and pairs runs on the source device "
+    << ") ran";
+  if (!mpi_peer.empty()) {
+    s << ", or the peer process is stuck, has died, or cannot be reached over the network";
+  }
+  s << ". Make sure a psend with the same axis and pairs runs on the source device "
        "(set JAX_CPU_MPI_RECV_TIMEOUT to wait longer).";
   return s.str();
 }
@@ -200,13 +214,14 @@ ffi::Error PrecvImpl(ffi::Token /*token*/, ffi::Buffer<ffi::U32> partition,
   if (r.size_mismatch) {
     return ffi::Error::InvalidArgument(SizeMismatch(info, me, peer, bytes, r.sender_bytes, ""));
   }
+  rt.note_unreachable_peer(source);
   if (r.timed_out) {
     return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
-                      Timeout(info, me, peer, config.recv_timeout_s));
+                      Timeout(info, me, peer, config.recv_timeout_s, MpiPeer(source)));
   }
   std::ostringstream s;
   s << op << " of " << operand << " on " << ProcessSuffix(info, me) << " from "
-    << ProcessSuffix(info, peer) << " (MPI rank " << source << ") failed: " << r.error;
+    << ProcessSuffix(info, peer) << MpiPeer(source) << " failed: " << r.error;
   return ffi::Error::Internal(s.str());
 }
 

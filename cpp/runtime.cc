@@ -1,9 +1,10 @@
 #include "runtime.h"
 
+#include <algorithm>
+
 #include "immortal.h"
 
 namespace jcm {
-
 
 Runtime& Runtime::Get() {
   static Immortal<Runtime> runtime;
@@ -26,8 +27,62 @@ std::shared_ptr<MpiTransport> Runtime::mpi() const {
 }
 
 void Runtime::attach_mpi(std::unique_ptr<MpiTransport> transport) {
-  std::lock_guard<std::mutex> lock(mu_);
-  mpi_ = std::move(transport);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    mpi_ = std::move(transport);
+  }
+  std::lock_guard<std::mutex> lock(progress_mu_);
+  if (!progress_thread_.joinable()) {
+    progress_stop_ = false;
+    progress_thread_ = std::thread([this] { ProgressLoop(); });
+  }
+}
+
+void Runtime::mpi_send_in_flight() {
+  {
+    std::lock_guard<std::mutex> lock(progress_mu_);
+    if (progress_wanted_) return;
+    progress_wanted_ = true;
+  }
+  progress_cv_.notify_one();
+}
+
+void Runtime::ProgressLoop() {
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lock(progress_mu_);
+      progress_cv_.wait(lock, [this] { return progress_wanted_ || progress_stop_; });
+      if (progress_stop_) return;
+    }
+    // Poll until no send is left in flight; sleep between polls (the device threads poll
+    // much faster while they wait in MPI themselves), longer the longer it takes.
+    auto pause = std::chrono::microseconds(20);
+    while (true) {
+      std::shared_ptr<MpiTransport> transport = mpi();
+      if (!transport || transport->inflight_sends() == 0) break;
+      {
+        std::unique_lock<std::mutex> lock(progress_mu_);
+        if (progress_cv_.wait_for(lock, pause, [this] { return progress_stop_; })) return;
+      }
+      pause = std::min(pause * 2, std::chrono::microseconds(1000));
+    }
+    std::lock_guard<std::mutex> lock(progress_mu_);
+    progress_wanted_ = false;
+    // A send that went in flight after the last poll set progress_wanted_ again before
+    // this reset? It notified while wanted was true (no-op), so poll once more.
+    std::shared_ptr<MpiTransport> transport = mpi();
+    if (transport && transport->inflight_sends() > 0) progress_wanted_ = true;
+  }
+}
+
+void Runtime::StopProgressThread() {
+  {
+    std::lock_guard<std::mutex> lock(progress_mu_);
+    if (!progress_thread_.joinable()) return;
+    progress_stop_ = true;
+  }
+  progress_cv_.notify_all();
+  progress_thread_.join();
 }
 
 std::string Runtime::detach_mpi(double timeout_s) {
@@ -37,18 +92,49 @@ std::string Runtime::detach_mpi(double timeout_s) {
     transport = mpi_;
   }
   if (!transport) return "";
-  size_t left = transport->Drain(DeadlineAfter(timeout_s));
+  StopProgressThread();  // the drain below makes progress itself
+  if (!unreachable_peers().empty()) timeout_s = std::min(timeout_s, kSuspectExitWaitS);
+  const MpiTransport::DrainResult drained = transport->Drain(DeadlineAfter(timeout_s));
   std::string report;
-  if (left > 0) {
-    report = std::to_string(left) + " psend message(s) were never received by their peer(s)";
+  if (drained.undelivered > 0) {
+    report = std::to_string(drained.undelivered) +
+             " psend message(s) were never received by their peer(s)";
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    // Keep the transport (and its undelivered buffers) alive if sends are still pending:
-    // MPI may still read them. Otherwise free the communicator now, before MPI_Finalize.
-    if (left == 0) mpi_.reset();
+    exit_barrier_met_ = drained.all_ranks_met;
+    // Keep the transport (and its undelivered buffers) alive if sends are still pending or
+    // a rank never met us: MPI may still read them. Otherwise free the communicator now,
+    // before MPI_Finalize.
+    if (drained.undelivered == 0 && drained.all_ranks_met) mpi_.reset();
   }
   return report;
+}
+
+bool Runtime::exit_barrier_met() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return exit_barrier_met_;
+}
+
+void Runtime::note_unreachable_peer(int rank) {
+  std::lock_guard<std::mutex> lock(mu_);
+  unreachable_peers_.insert(rank);
+}
+
+std::vector<int> Runtime::unreachable_peers() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return {unreachable_peers_.begin(), unreachable_peers_.end()};
+}
+
+void Runtime::set_rank_hosts(std::vector<std::string> hosts) {
+  std::lock_guard<std::mutex> lock(mu_);
+  rank_hosts_ = std::move(hosts);
+}
+
+std::string Runtime::host_of_rank(int rank) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (rank < 0 || rank >= static_cast<int>(rank_hosts_.size())) return "";
+  return rank_hosts_[rank];
 }
 
 }  // namespace jcm

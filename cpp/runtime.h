@@ -4,10 +4,14 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <set>
+#include <thread>
 #include <string>
+#include <vector>
 
 #include "mailbox.h"
 #include "mpi_transport.h"
@@ -34,14 +38,47 @@ class Runtime {
   // The MPI transport, or nullptr until Python attaches a communicator.
   std::shared_ptr<MpiTransport> mpi() const;
   void attach_mpi(std::unique_ptr<MpiTransport> transport);
-  // Completes outstanding MPI sends and forgets the communicator (before MPI_Finalize).
+
+  // A psend has left an MPI send in flight: wakes the progress thread, which polls the
+  // transport until every send has completed. Over a network (UCX on TCP) a send moves only
+  // while its process calls MPI; without this a sender that computes, or waits in something
+  // else (a gloo collective, a JAX barrier), would hold its receiver up, or deadlock with it.
+  void mpi_send_in_flight();
+  // Completes outstanding MPI sends, meets every rank in the exit barrier and forgets the
+  // communicator (before MPI_Finalize). Waits at most timeout_s, and at most
+  // kSuspectExitWaitS once a peer failed to answer (see note_unreachable_peer).
   std::string detach_mpi(double timeout_s);
+  // Whether the last detach_mpi met every rank in the exit barrier.
+  bool exit_barrier_met() const;
+
+  // An MPI rank that did not answer: a precv from it timed out or an MPI call with it
+  // failed. The exit barrier then waits only a few seconds: a peer that is just slow
+  // still meets it, one that is unreachable must not hold this process for the whole
+  // JAX_CPU_MPI_EXIT_TIMEOUT.
+  void note_unreachable_peer(int rank);
+  std::vector<int> unreachable_peers() const;
+  static constexpr double kSuspectExitWaitS = 2.0;
+
+  // Hostname of each MPI rank (set when MPI is attached), for error messages.
+  void set_rank_hosts(std::vector<std::string> hosts);
+  std::string host_of_rank(int rank) const;
 
  private:
   mutable std::mutex mu_;
   Config config_;
   Mailbox mailbox_;
   std::shared_ptr<MpiTransport> mpi_;
+  void ProgressLoop();
+  void StopProgressThread();
+
+  std::set<int> unreachable_peers_;
+  std::mutex progress_mu_;
+  std::condition_variable progress_cv_;
+  bool progress_wanted_ = false;  // guarded by progress_mu_
+  bool progress_stop_ = false;    // guarded by progress_mu_
+  std::thread progress_thread_;
+  bool exit_barrier_met_ = false;
+  std::vector<std::string> rank_hosts_;
 };
 
 // Deadline helper.

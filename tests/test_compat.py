@@ -29,6 +29,7 @@ PROBE = Path(__file__).parent / "mpi_programs" / "compat_probe.py"
 #: lookup only, as a JAX release that moved them would; every other name it deletes from
 #: JAX for real (and test_issue_reproduction deletes three of these too).
 JAX_NEEDS_ITSELF = frozenset({
+    "jax._src.distributed:global_state",  # read when JAX makes its CPU client
     "jax._src.lax.parallel:psend_p",
     "jax._src.lax.parallel:precv_p",
     "jax._src.lax.parallel:single_side_collective_effect",
@@ -242,3 +243,29 @@ def test_untested_version_warns_once_naming_both_versions(monkeypatch):
         _versions.warn_if_untested()
         _versions.warn_if_untested()
     assert [w.category for w in caught] == [_versions.UntestedJaxWarning]
+
+
+# ---------------------------------------------------------------- XLA FFI API versions
+
+
+def test_ffi_api_of_a_newer_build_is_refused_before_registration():
+    from jax_cpu_mpi import _ffi_version
+
+    built = (0, 5, "jaxlib 0.12.0.1")
+    assert _ffi_version.mismatch_message(built, (0, 5), "0.12.0.1") is None
+    assert _ffi_version.mismatch_message(built, (0, 6), "0.13.0") is None  # older API: fine
+    assert _ffi_version.mismatch_message(built, None, "?") is None  # unknown: try
+    message = _ffi_version.mismatch_message(built, (0, 4), "0.11.2")
+    assert message is not None
+    assert "XLA FFI API 0.5 (the headers of jaxlib 0.12.0.1)" in message
+    assert "jaxlib 0.11.2 supports (0.4)" in message and "--no-build-isolation" in message
+    assert _ffi_version.mismatch_message((1, 0, ""), (0, 9), "x") is not None  # major differs
+
+
+def test_this_build_matches_the_installed_jaxlib():
+    from jax_cpu_mpi import _ffi_version
+
+    major, minor, headers = _ffi_version.built_api()
+    assert _ffi_version.runtime_api() == (major, minor)
+    assert _ffi_version.mismatch() is None
+    assert headers.startswith("jaxlib ")

@@ -27,6 +27,7 @@ from . import _barrier_tokens, _versions
 from . import _compat as _compat
 from . import _jax_cpu_mpi as _ext
 from . import batching as _batching
+from . import cluster as _cluster
 from . import config as _config
 from . import lowering as _lowering
 from . import plugin as _plugin
@@ -57,6 +58,10 @@ def install() -> None:
     _compat.enable("barrier_tokens", _barrier_tokens.install)
     _batching.install()
     _compat.enable("info:lowering_table", lambda: None)  # read-only: nothing to install
+    # Before jax.distributed.initialize(), which JAX runs before any plugin is loaded: only
+    # `import jax_cpu_mpi` gets there in time.
+    _compat.enable("clusters", _cluster.register)
+    _compat.enable("exit_from_broken_job", lambda: None)  # used at exit (mpi_runtime)
     _installed = True
 
 

@@ -527,7 +527,50 @@ def platform_lowering(primitive: Any, platform: str) -> Any:
     return _platform_specific_lowerings.get(platform, {}).get(primitive)
 
 
-# ------------------------------------------------ (reserved) cluster detection: issue 13
+# --------------------------------------------------------- cluster detection: issue 13
+# jax_cpu_mpi.cluster (jax.distributed.initialize() under mpirun) and mpi_runtime's exit
+# from a job that lost a peer.
+
+
+def _is_cluster_env_base(value: Any) -> str | None:
+    if not isinstance(value, type):
+        return f"not a class ({type(value).__name__})"
+    methods = ("is_env_present", "get_coordinator_address", "get_process_count",
+               "get_process_id", "get_local_process_id", "auto_detect_unset_distributed_params")
+    missing = [m for m in methods if not callable(getattr(value, m, None))]
+    if missing:
+        return f"has no {', '.join(missing)}"
+    if not isinstance(getattr(value, "_cluster_types", None), list):
+        return "its registry of subclasses (_cluster_types) is not a list"
+    return None
+
+
+def _is_distributed_state(value: Any) -> str | None:
+    missing = [a for a in ("client", "service", "preemption_sync_manager")
+               if not hasattr(value, a)]
+    return f"has no {', '.join(missing)}" if missing else None
+
+
+CLUSTERS = feature(
+    "clusters",
+    "jax.distributed.initialize() without arguments under MPICH's and Open MPI 5's mpirun",
+    when_off="Under those launchers call jax.distributed.initialize("
+             "cluster_detection_method='mpi4py'), or pass coordinator_address, num_processes "
+             "and process_id")
+#: JAX's base class of cluster environments: a subclass joins jax.distributed.initialize()'s
+#: detection when it is defined (``__init_subclass__`` appends it to ``_cluster_types``).
+cluster_env_base = CLUSTERS.need("jax._src.clusters:ClusterEnv", check=_is_cluster_env_base)
+
+EXIT_FROM_BROKEN_JOB = feature(
+    "exit_from_broken_job",
+    "a prompt exit from an MPI job that lost a peer, without JAX's distributed shutdown",
+    when_off="A process leaving a job whose peer is unreachable still waits in JAX's "
+             "distributed shutdown until JAX's heartbeat timeout (100 s by default), and is "
+             "then aborted by JAX")
+#: JAX's distributed-runtime state (``client``, ``service``, ``preemption_sync_manager``).
+distributed_state = EXIT_FROM_BROKEN_JOB.need("jax._src.distributed:global_state",
+                                              check=_is_distributed_state)
+
 
 
 # ------------------------------------------------ own psend/precv primitives: issue 15

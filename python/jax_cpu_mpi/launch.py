@@ -7,12 +7,13 @@ processes were started by ``mpirun``/``mpiexec`` or ``srun``:
 =====================  ===================================================================
 launcher               ``jax.distributed.initialize(...)``
 =====================  ===================================================================
-any MPI (``mpirun``)   ``cluster_detection_method="mpi4py"``: process index = MPI rank
+MPICH ``mpirun``       no arguments, after ``import jax_cpu_mpi``: our cluster environment
+(Hydra)                (:mod:`jax_cpu_mpi.cluster`) reads ``PMI_RANK``/``PMI_SIZE``
+Open MPI 5 (PRRTE)     no arguments, after ``import jax_cpu_mpi``: ours reads ``PMIX_RANK``,
+                       ``OMPI_COMM_WORLD_RANK``/``SIZE``
 Slurm (``srun``)       no arguments: JAX reads ``SLURM_PROCID``/``SLURM_NTASKS``...
 Open MPI 4 (ORTE)      no arguments: JAX reads ``OMPI_MCA_orte_hnp_uri``/``OMPI_COMM_WORLD_*``
-Open MPI 5 (PRRTE)     JAX 0.10 does not detect it: use ``"mpi4py"``, or pass
-                       ``coordinator_address``, ``num_processes=OMPI_COMM_WORLD_SIZE`` and
-                       ``process_id=OMPI_COMM_WORLD_RANK``
+any MPI (``mpirun``)   ``cluster_detection_method="mpi4py"``: process index = MPI rank
 =====================  ===================================================================
 
 The JAX process index need not equal the MPI rank: when MPI is attached, each rank tells
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 import jax
 
-from . import mpi_runtime
+from . import cluster, mpi_runtime
 
 #: (rank variable, size variable) of MPI launchers, most specific first.
 _MPI_RANK_VARS = (
@@ -75,13 +76,16 @@ class Launch:
 
     def jax_method(self) -> str:
         """How :func:`initialize_distributed` starts JAX here: ``"slurm"`` / ``"ompi"``
-        (JAX's auto-detection), ``"mpi4py"``, or ``"none"`` (a single process)."""
+        (JAX's auto-detection), ``"mpirun"`` (our cluster environment, also found by a plain
+        ``jax.distributed.initialize()``), ``"mpi4py"``, or ``"none"`` (a single process)."""
         if not self.multi_process:
             return "none"
         if self.slurm_consistent and (self.slurm_ntasks or 0) > 1:
             return "slurm"
         if self.orte:
             return "ompi"
+        if cluster.registered() and cluster.launcher() is not None:
+            return "mpirun"
         return "mpi4py"
 
 
@@ -120,8 +124,8 @@ def initialize_distributed(**kwargs) -> str:
 
     Does nothing for a single process or when JAX's distributed runtime is already up.
     ``kwargs`` go to ``jax.distributed.initialize`` (e.g. ``initialization_timeout``).
-    Returns the method used: ``"already"``, ``"none"``, ``"slurm"``, ``"ompi"`` or
-    ``"mpi4py"``.
+    Returns the method used: ``"already"``, ``"none"``, ``"slurm"``, ``"ompi"``,
+    ``"mpirun"`` or ``"mpi4py"``.
     """
     if jax.distributed.is_initialized():
         return "already"
@@ -131,6 +135,8 @@ def initialize_distributed(**kwargs) -> str:
     if method == "mpi4py":
         mpi_runtime.import_mpi4py()  # the ABI check first: JAX imports mpi4py.MPI unchecked
         jax.distributed.initialize(cluster_detection_method="mpi4py", **kwargs)
+    elif method == "mpirun":
+        jax.distributed.initialize(cluster_detection_method=cluster.NAME, **kwargs)
     else:
         jax.distributed.initialize(**kwargs)
     return method

@@ -21,8 +21,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from . import _ffi_version, mpi_runtime
 from . import _jax_cpu_mpi as ext
-from . import mpi_runtime
 from ._compat import (
     ShapedArray,
     SPMDAxisContext,
@@ -105,8 +105,13 @@ def register() -> None:
     name the lowerings need, and then psend/precv keep JAX's own lowering (on CPU, its
     ``NotImplementedError``). The primitives are those of :mod:`jax_cpu_mpi.primitives`
     (JAX's, or ours where JAX has none); if neither is usable, this raises and the
-    lowerings feature is off.
+    lowerings feature is off. Nor when the extension was built against a newer XLA FFI API
+    than the installed jaxlib accepts (:mod:`jax_cpu_mpi._ffi_version`): registering its
+    handlers would stop JAX's CPU backend from starting.
     """
+    problem = _ffi_version.mismatch()
+    if problem is not None:
+        raise RuntimeError(problem)
     for prim in (psend_p, precv_p):
         prim.name  # noqa: B018  (a Missing primitive raises here, naming what is missing)
     for name, capsule in ext.registrations().items():

@@ -14,19 +14,23 @@ At interpreter exit, before mpi4py finalizes MPI, outstanding sends are complete
 rank meets the others in a polled barrier (up to ``JAX_CPU_MPI_EXIT_TIMEOUT`` seconds), then
 our communicator is freed. Once attached, an uncaught exception aborts the whole job
 (``JAX_CPU_MPI_ABORT_ON_ERROR``) rather than leaving the other ranks waiting for this one.
+If a peer failed to answer (a precv timed out, an MPI call failed) and misses the exit
+barrier, the process ends just before ``MPI_Finalize``, without JAX's distributed shutdown,
+with the status the program asked for (:func:`_leave_broken_job`).
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import socket
 import sys
 import threading
 
 import jax
 
+from . import _compat, config, mpi_abi
 from . import _jax_cpu_mpi as ext
-from . import config, mpi_abi
 
 _lock = threading.Lock()
 
@@ -90,7 +94,8 @@ def ensure_attached(op_name: str, num_processes_in_mesh: int) -> None:
                 f"processes, but {how}. jax_cpu_mpi moves bytes between processes with MPI, "
                 f"so every JAX process must be one rank of the same MPI job. {_LAUNCH_HINT}"
             )
-        process_of_rank = world.allgather(jax.process_index())
+        process_and_host = world.allgather((jax.process_index(), socket.gethostname()))
+        process_of_rank = [process for process, _ in process_and_host]
         if sorted(process_of_rank) != list(range(jax_processes)):
             raise MpiSetupError(
                 f"{op_name}: MPI ranks report JAX process indices {process_of_rank}; expected "
@@ -101,8 +106,11 @@ def ensure_attached(op_name: str, num_processes_in_mesh: int) -> None:
             rank_of_process[process] = rank
         config.apply()
         ext.attach_mpi(world.py2f(), rank_of_process)
+        ext.set_rank_hosts([host for _, host in process_and_host])
         # Registered after mpi4py's own finalization hook, so it runs before MPI_Finalize.
         atexit.register(_detach_at_exit)
+        ext.register_exit_before_finalize()  # after mpi4py's, so it runs just before it
+        _record_exit_status_requests()
         if config.current().abort_on_error:
             _abort_job_on_uncaught_exception(MPI)
 
@@ -131,10 +139,104 @@ def _abort_job_on_uncaught_exception(MPI) -> None:
 
 
 def _detach_at_exit() -> None:
-    report = ext.detach_mpi(config.current().exit_timeout)
+    exit_timeout = config.current().exit_timeout
+    report = ext.detach_mpi(exit_timeout)
     if report:
-        print(
-            f"jax_cpu_mpi: at exit, {report} within JAX_CPU_MPI_EXIT_TIMEOUT="
-            f"{config.current().exit_timeout} s.",
-            file=sys.stderr,
-        )
+        print(f"jax_cpu_mpi: at exit, {report} within JAX_CPU_MPI_EXIT_TIMEOUT="
+              f"{exit_timeout} s.", file=sys.stderr)
+    unreachable = ext.unreachable_peers()
+    if unreachable and not ext.exit_barrier_met():
+        _leave_broken_job(unreachable)
+
+
+def _leave_broken_job(unreachable: list[int]) -> None:
+    """End promptly a process whose job lost a peer: it did not answer, nor reach the exit
+    barrier.
+
+    Two waits would otherwise hold the process. MPI_Finalize: MPICH waits for every rank
+    through the process manager, and UCX closes each endpoint with a flush that waits for
+    the unreachable peer for minutes. And JAX's distributed shutdown: a barrier of every task
+    in the coordination service, which ends only when the service declares the peer dead
+    after ``heartbeat_timeout_seconds`` (100 s by default), and then aborts the process with
+    SIGABRT. So JAX's distributed runtime is abandoned (its shutdown skipped) and the
+    process ends, after the rest of the interpreter's exit (every other atexit handler, the
+    flush of stdout/stderr), just before mpi4py would call MPI_Finalize, with the status the
+    program asked for (``sys.exit(n)``, ``exit(n)``), or 1 if it asked for none.
+    """
+    hosts = ext.rank_hosts()
+    peers = ", ".join(
+        f"{r}" + (f" (host {hosts[r]})" if r < len(hosts) and hosts[r] else "")
+        for r in unreachable)
+    status = 1 if _requested_exit_status is None else _requested_exit_status
+    ext.arm_exit_before_finalize(status)
+    abandoned = _abandon_jax_distributed_runtime()
+    print(f"jax_cpu_mpi: at exit, MPI rank(s) {peers} did not answer and did not reach the "
+          f"exit barrier: this process ends now with status {status}, without MPI_Finalize"
+          + (" and without JAX's distributed shutdown" if abandoned else "")
+          + " (both would wait for the unreachable peer).", file=sys.stderr, flush=True)
+
+
+#: The status the program asked for with ``sys.exit(n)`` (None: not asked).
+_requested_exit_status: int | None = None
+
+
+def _exit_status(code: object) -> int:
+    """The process status Python gives ``SystemExit(code)``."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    return 1  # Python prints a non-integer code and exits with 1
+
+
+def _record_exit_status_requests() -> None:
+    """Wrap ``sys.exit`` (and ``exit``/``quit``) to remember the status asked for: Python
+    does not tell its atexit handlers, and a process leaving a broken job must end itself
+    (:func:`_leave_broken_job`) with the status the program chose."""
+    import builtins
+    import functools
+
+    def recording(original):
+        if getattr(original, "_jax_cpu_mpi_records_status", False):
+            return original
+
+        @functools.wraps(original)
+        def exit_recording_status(code=None):
+            global _requested_exit_status
+            _requested_exit_status = _exit_status(code)
+            return original(code)
+
+        exit_recording_status._jax_cpu_mpi_records_status = True  # type: ignore[attr-defined]
+        return exit_recording_status
+
+    sys.exit = recording(sys.exit)
+    for name in ("exit", "quit"):  # site's Quitter objects, when present
+        quitter = getattr(builtins, name, None)
+        if quitter is not None and callable(quitter):
+            setattr(builtins, name, recording(quitter))
+
+
+def _abandon_jax_distributed_runtime() -> bool:
+    """Make JAX's distributed shutdown at exit a no-op: its client, service and preemption
+    manager are detached from JAX's state and deliberately kept alive until the process
+    ends (their destructors would run the same shutdown barrier). Returns whether there
+    was anything to abandon."""
+    import ctypes
+
+    if not _compat.EXIT_FROM_BROKEN_JOB.active:
+        return False
+    state = _compat.distributed_state
+    names = ("preemption_sync_manager", "client", "service")
+    try:
+        held = [getattr(state, name) for name in names]
+        if all(obj is None for obj in held):
+            return False
+        for obj in held:
+            if obj is not None:
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))  # never freed: no destructor
+        for name in names:
+            setattr(state, name, None)
+    except Exception as e:  # a changed JAX internal: leave JAX's shutdown to JAX
+        _compat.failed_at_run_time("exit_from_broken_job", e)
+        return False
+    return True

@@ -1,7 +1,9 @@
 """Shared setup of the programs that tests launch under mpirun.
 
 Import this first: it sets the number of CPU devices per process (from the launcher),
-starts the JAX distributed runtime from MPI, and imports jax_cpu_mpi.
+starts the JAX distributed runtime from MPI (``cluster_detection_method="mpi4py"``, or a
+plain ``jax.distributed.initialize()`` after ``import jax_cpu_mpi`` when
+``JCM_TEST_PLAIN_INITIALIZE=1``), and imports jax_cpu_mpi.
 """
 
 from __future__ import annotations
@@ -17,7 +19,14 @@ os.environ["XLA_FLAGS"] = (
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-jax.distributed.initialize(cluster_detection_method="mpi4py")
+if os.environ.get("JCM_TEST_PLAIN_INITIALIZE") == "1":
+    # As a user would under MPICH's or Open MPI 5's mpirun (jax_cpu_mpi.cluster).
+    import jax_cpu_mpi
+
+    assert "mpi4py.MPI" not in sys.modules
+    jax.distributed.initialize()
+else:
+    jax.distributed.initialize(cluster_detection_method="mpi4py")
 
 import jax_p2p_removal  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402

@@ -7,10 +7,13 @@
   its own rank map, not assume process index == rank);
 * ``ompi-env``: Open MPI 5 (PRRTE), which JAX does not detect: explicit
   ``coordinator_address`` / ``num_processes`` / ``process_id`` from OMPI_COMM_WORLD_*.
+* ``ompi-plain``: Open MPI 5 with a plain ``jax.distributed.initialize()`` after
+  ``import jax_cpu_mpi``: jax_cpu_mpi's cluster environment reads the PMIx variables.
 
-jax_cpu_mpi is never imported by hand: the jax_plugins entry point activates it. Checks that
-mpi4py is imported only by the first cross-process lowering, then that a chain of psend/precv
-in both directions equals lax.ppermute.
+Except in ``ompi-plain``, jax_cpu_mpi is never imported by hand: the jax_plugins entry point
+activates it. Checks that mpi4py is imported only by the first cross-process lowering (in
+``ompi-plain``: by the initialization, not before), then that a chain of psend/precv in both
+directions equals lax.ppermute.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ if mode == "slurm-env":
         "SLURM_PROCID": str(expected_index),
         "SLURM_LOCALID": str(expected_index),
     })
-elif mode == "ompi-env":
+elif mode in ("ompi-env", "ompi-plain"):
     expected_index = rank
 else:
     raise SystemExit(f"unknown mode {mode!r}")
@@ -56,6 +59,12 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 assert "mpi4py.MPI" not in sys.modules
 if mode == "slurm-env":
     jax.distributed.initialize()  # JAX's SlurmCluster
+elif mode == "ompi-plain":
+    import jax_cpu_mpi  # noqa: F401  (registers its cluster environment)
+
+    assert "mpi4py.MPI" not in sys.modules, "mpi4py imported before initialize()"
+    jax.distributed.initialize()
+    assert "mpi4py.MPI" in sys.modules  # rank 0 broadcast the coordinator address
 else:
     jax.distributed.initialize(
         coordinator_address=f"localhost:{os.environ['JCM_TEST_PORT']}",
@@ -71,10 +80,12 @@ assert "jax_cpu_mpi" in sys.modules, "the jax_plugins entry point did not load j
 # JAX >= 0.12 recognises Open MPI 5 (PRRTE) itself and asks mpi4py for the local rank (to
 # pick local_device_ids) even when every other argument is given: then JAX initialized MPI
 # (with mpi4py's default thread level, "multiple"), and jax_cpu_mpi must attach to it.
+# ompi-plain: the initialization broadcast the coordinator's address over MPI (jax_cpu_mpi's
+# cluster environment, or JAX >= 0.12's own Open MPI 5 detection).
 # Otherwise jax_cpu_mpi is the first to import mpi4py.MPI, at the first cross-process psend.
 jax_initialized_mpi = "mpi4py.MPI" in sys.modules
-if mode == "ompi-env" and jax_detects_open_mpi_5():
-    assert jax_initialized_mpi, "JAX's Open MPI 5 detection did not go through mpi4py"
+if mode == "ompi-plain" or (mode == "ompi-env" and jax_detects_open_mpi_5()):
+    assert jax_initialized_mpi, "jax.distributed.initialize() did not go through mpi4py"
 else:
     assert not jax_initialized_mpi, "mpi4py.MPI imported before any cross-process psend"
 

@@ -341,7 +341,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     processes = mpi_world_size()
     if processes is not None and processes > 1:
-        jax.distributed.initialize(cluster_detection_method="mpi4py")
+        # No arguments: srun and Open MPI 4 by JAX's detection, MPICH's and Open MPI 5's
+        # mpirun by jax_cpu_mpi's (imported above, before this call).
+        jax.distributed.initialize()
     is_main = jax.process_index() == 0
 
     def say(line: str) -> None:

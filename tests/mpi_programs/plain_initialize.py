@@ -1,0 +1,73 @@
+"""``jax.distributed.initialize()`` with no arguments under mpirun, after ``import jax_cpu_mpi``.
+
+Run by tests/test_cluster.py (one host) and tests/test_across_hosts.py (two hosts). Checks
+that mpi4py is imported by the initialization and not before, that the process index is
+the MPI rank and the coordinator runs on rank 0's host, then that a chain of psend/precv in
+both directions over every device of the job equals lax.ppermute.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+devices = int(os.environ.get("JCM_TEST_DEVICES_PER_PROCESS", "1"))
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}")
+
+import jax  # noqa: E402
+
+import jax_cpu_mpi  # noqa: E402, F401  (registers the cluster environment)
+
+assert "mpi4py.MPI" not in sys.modules, "mpi4py imported before jax.distributed.initialize()"
+jax.distributed.initialize()
+assert "mpi4py.MPI" in sys.modules
+print("mpi4py imported by initialize, not before", flush=True)
+
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+me = jax.process_index()
+assert (me, jax.process_count()) == (rank, size), (me, jax.process_count(), rank, size)
+host = socket.gethostname()
+hosts = MPI.COMM_WORLD.allgather(host)
+from jax._src import distributed  # noqa: E402
+
+coordinator = distributed.global_state.coordinator_address
+assert coordinator.rsplit(":", 1)[0] == hosts[0], (coordinator, hosts)
+print(f"process index {me} of {size} on {host}, coordinator {coordinator}", flush=True)
+
+n = jax.device_count()
+mesh = jax.make_mesh((n,), ("x",))
+value = np.arange(4.0 * n, dtype=np.float32).reshape(n, 4) + 1
+x = jax.make_array_from_callback(value.shape, NamedSharding(mesh, P("x")),
+                                 lambda index: value[index])
+forward = [(i, i + 1) for i in range(n - 1)]
+backward = [(i + 1, i) for i in range(n - 1)]
+
+
+def program(p2p: bool):
+    def body(v):
+        out = []
+        for perm in (forward, backward):
+            if p2p:
+                token = jax.lax.psend(v, "x", perm)
+                out.append(jax.lax.precv(token, jax.ShapeDtypeStruct(v.shape, v.dtype), "x",
+                                         perm))
+            else:
+                out.append(jax.lax.ppermute(v, "x", perm))
+        return out[0] + 10 * out[1]
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+
+
+from jax.experimental import multihost_utils  # noqa: E402
+
+got = np.asarray(multihost_utils.process_allgather(program(True)(x), tiled=True))
+want = np.asarray(multihost_utils.process_allgather(program(False)(x), tiled=True))
+np.testing.assert_array_equal(got, want)
+assert got.any()
+print(f"process {me}: psend/precv over {n} devices equals ppermute: JCM-OK", flush=True)

@@ -1,0 +1,207 @@
+"""MPI jobs across two hosts, and what network faults do to them.
+
+The hosts are two network namespaces of this machine joined by a veth link, each with its own
+hostname and ``/etc/hosts``; MPICH's hydra starts the remote ranks through a bootstrap
+wrapper, and UCX is forced onto TCP (``tests/netns_hosts.py``). One rank per host.
+
+* Working jobs: every psend/precv scenario against ``ppermute`` (1 and 2 devices per host,
+  ``jax.distributed.initialize()`` with no arguments), the pipeline example's ``--check``,
+  a 256 MiB message, ``jax-cpu-mpi info``.
+* Faults, with ``JAX_CPU_MPI_RECV_TIMEOUT`` of a few seconds: the link taken down mid-loop
+  (error uncaught; error caught and ``sys.exit(1)``), the link down and up again within the
+  timeout, the rank on the other host killed.
+
+Each test makes its own pair of hosts (unique names), deletes it afterwards, also when the
+test fails, and skips with the reason where namespaces cannot be made (not root, no ``ip``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from mpi_launcher import assert_mpi_ok
+from netns_hosts import TwoHosts, unavailable_reason
+
+pytestmark = [pytest.mark.mpi, pytest.mark.across_hosts]
+
+#: Seconds a precv waits in the fault tests.
+FAULT_RECV_TIMEOUT = 5
+#: What "within a few seconds" allows on a loaded 2-core CI machine.
+PROMPT = 10.0
+
+
+@pytest.fixture
+def hosts():
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"two-host test bed unavailable: {reason}")
+    bed = TwoHosts()
+    try:
+        yield bed
+    finally:
+        bed.close()
+
+
+def _all_output(run) -> str:
+    return run.launcher_output + "".join(run.rank_output.values())
+
+
+# --- jobs that work ------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("devices_per_process", [1, 2])
+def test_p2p_scenarios_across_hosts(hosts, devices_per_process):
+    env = {"JCM_TEST_PLAIN_INITIALIZE": "1"}  # jax.distributed.initialize(), no arguments
+    if devices_per_process == 1:
+        env["UCX_LOG_LEVEL"] = "info"  # prints the transports UCX chose
+    run = hosts.run("p2p_semantics.py", devices_per_process=devices_per_process,
+                    timeout=270, env=env)
+    assert_mpi_ok(run, 2)
+    lines = [line for lines in run.by_rank().values() for line in lines]
+    assert sum(line.startswith("ok ") for line in lines) >= 2 * 25, run.report()
+    if devices_per_process == 1:
+        # The ranks talk over the veth link with TCP, not through shared memory.
+        veths = "|".join(hosts.veths.values())
+        for rank in (0, 1):
+            assert re.search(rf"inter-node cfg.*tag\(tcp/({veths})", run.rank_output[rank]), \
+                run.report()
+
+
+@pytest.mark.timeout(240)
+def test_pipeline_example_check_across_hosts(hosts):
+    # 4 stages on 2 hosts x 2 devices; the example calls jax.distributed.initialize().
+    run = hosts.run("jax_cpu_mpi.examples.pipeline", "--stages", "4", "--microbatches", "4",
+                    "--steps", "5", "--width", "16", "--batch", "64", "--check",
+                    module=True, timeout=210)
+    assert run.returncode == 0, run.report()
+    assert re.search(r"^check: PASS ", run.rank_output[0], re.MULTILINE), run.report()
+    assert "2 process(es) x 2 CPU device(s)" in run.rank_output[0], run.report()
+
+
+@pytest.mark.timeout(240)
+def test_256_mib_message_across_hosts(hosts):
+    rows = 64 << 10  # of 4 KiB
+    run = hosts.run("big_message.py", "mpi", str(rows), timeout=210)
+    assert_mpi_ok(run, 2)
+    assert f"device 1 received all {rows * 4096} bytes intact" in _all_output(run), run.report()
+
+
+@pytest.mark.timeout(180)
+def test_info_names_both_hosts_and_the_transports(hosts):
+    run = hosts.run("jax_cpu_mpi", "info", module=True, timeout=150,
+                    env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    assert run.returncode == 0, run.report()
+    text = run.rank_output[0]
+    for rank, host in ((0, "a"), (1, "b")):
+        assert re.search(rf"process {rank}/2 \(MPI rank {rank}\) on {hosts.hostnames[host]} ",
+                         text), run.report()
+    assert "jax.distributed: mpirun" in text, run.report()
+    # 4 devices: mailbox within a host, MPI between them.
+    rows = [line.split()[1:] for line in text.splitlines()
+            if re.match(r"^\s+(0|1|2048|2049)(\s+[.M]){4}$", line)]
+    assert rows == [[".", ".", "M", "M"]] * 2 + [["M", "M", ".", "."]] * 2, run.report()
+
+
+# --- network faults ------------------------------------------------------------------------
+
+
+def _fault_env(**extra: str) -> dict[str, str]:
+    return {"JAX_CPU_MPI_RECV_TIMEOUT": str(FAULT_RECV_TIMEOUT), **extra}
+
+
+@pytest.mark.timeout(150)
+def test_link_down_uncaught_error_ends_every_rank_promptly(hosts):
+    def cut(job):
+        job.wait_for(0, "JCM-LOOPING")
+        job.mark("down")
+        hosts.set_link(False)
+
+    run = hosts.run("network_fault.py", "uncaught", env=_fault_env(), during=cut, timeout=120)
+    job = run.job
+    assert run.returncode not in (None, 0), run.report()
+    # Every rank raised within the receive timeout plus a few seconds, with an error naming
+    # the op, the pair and the peer's host; the job ended right after, on both hosts.
+    assert job.ended_at - job.marks["down"] < FAULT_RECV_TIMEOUT + PROMPT, run.report()
+    assert job.ranks_ended_at - job.marks["down"] < FAULT_RECV_TIMEOUT + PROMPT, run.report()
+    for rank, peer_host in ((0, "b"), (1, "a")):
+        text = run.rank_output[rank]
+        assert "DEADLINE_EXCEEDED: precv(axis_name=('x',)" in text, run.report()
+        assert f"MPI rank {1 - rank} on host {hosts.hostnames[peer_host]}" in text, run.report()
+        assert "cannot be reached over the network" in text, run.report()
+    assert "MPI_Abort" in _all_output(run), run.report()
+
+
+@pytest.mark.timeout(150)
+def test_link_down_caught_error_and_sys_exit_ends_the_process_promptly(hosts):
+    def cut(job):
+        job.wait_for(0, "JCM-LOOPING")
+        job.mark("down")
+        hosts.set_link(False)
+        # mpiexec on host A cannot learn that host B's ranks ended while the link is down:
+        # wait for both ranks to exit, then bring the link back so that it can.
+        job.wait_for_exits(2, timeout=FAULT_RECV_TIMEOUT + 60)
+        job.mark("up")
+        hosts.set_link(True)
+
+    run = hosts.run("network_fault.py", "catch-exit", env=_fault_env(), during=cut,
+                    timeout=120)
+    job = run.job
+    assert sorted(job.exits) == [0, 1], run.report()
+    for rank in (0, 1):
+        status, exited_at = job.exits[rank]
+        caught = re.search(r"JCM-CAUGHT at ([\d.]+)", run.rank_output[rank])
+        assert caught, run.report()
+        # Status 1 as asked (not 134: no SIGABRT from JAX's coordination service), and
+        # within seconds of the error: no wait for sends to, or a barrier with, the peer.
+        assert status == 1, run.report()
+        assert exited_at - float(caught.group(1)) < PROMPT, run.report()
+        assert "without MPI_Finalize" in run.rank_output[rank], run.report()
+        assert "Terminating process because the JAX distributed service" not in \
+            run.rank_output[rank], run.report()
+    assert run.returncode is not None, run.report()  # mpiexec ended once the link was back
+
+
+@pytest.mark.timeout(150)
+def test_link_down_and_up_within_the_timeout_the_loop_continues(hosts):
+    # A 2 s outage, a 15 s receive timeout: TCP retransmits, and every call completes with
+    # exact values (the loop stalls for the outage, then goes on).
+    outage = 2.0
+
+    def flap(job):
+        job.wait_for(0, "JCM-LOOPING")
+        hosts.set_link(False)
+        time.sleep(outage)
+        hosts.set_link(True)
+
+    run = hosts.run("network_fault.py", "flap", during=flap, timeout=120,
+                    env={"JAX_CPU_MPI_RECV_TIMEOUT": "15", "JCM_FLAP_CALLS": "1000"})
+    assert_mpi_ok(run, 2)
+    for rank in (0, 1):
+        longest = re.search(r"JCM-LONGEST-CALL ([\d.]+) s", run.rank_output[rank])
+        assert longest and float(longest.group(1)) >= 0.75 * outage, run.report()
+        assert "completed 1000 calls" in run.rank_output[rank], run.report()
+
+
+@pytest.mark.timeout(150)
+def test_rank_on_the_other_host_killed_ends_the_job_naming_the_host(hosts):
+    def kill(job):
+        job.wait_for(0, "JCM-LOOPING")
+        line = job.wait_for(1, "pid ")
+        job.mark("kill")
+        os.kill(int(re.search(r"pid (\d+)", line).group(1)), signal.SIGKILL)
+
+    run = hosts.run("network_fault.py", "uncaught", env=_fault_env(), during=kill,
+                    timeout=120)
+    job = run.job
+    assert run.returncode not in (None, 0), run.report()
+    assert job.ended_at - job.marks["kill"] < PROMPT, run.report()
+    # Hydra's report names the host of the rank that died, and the signal.
+    assert re.search(rf"RUNNING AT {hosts.hostnames['b']}\s", run.launcher_output), \
+        run.report()
+    assert re.search(r"EXIT CODE: 9|signal 9|Killed", run.launcher_output), run.report()

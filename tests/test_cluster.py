@@ -1,0 +1,144 @@
+"""``jax.distributed.initialize()`` with no arguments under mpirun (jax_cpu_mpi.cluster).
+
+The detection is checked in fresh Python processes with the launchers' variables set by
+hand (JAX's cluster detection reads ``os.environ``, and whether mpi4py was imported can only
+be told in a process that did not import it yet); ``mpirun -n 2`` runs the real thing on one
+host. ``tests/test_across_hosts.py`` runs it across two hosts, and ``tests/test_packaging.py``
+under Open MPI 5's ``mpirun``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jax_cpu_mpi import _compat, cluster
+from mpi_launcher import assert_mpi_ok, run_mpi
+
+#: Every variable a launcher may have left in the test's environment.
+_LAUNCH_VARS = ("PMI_RANK", "PMI_SIZE", "PMI_FD", "MPI_LOCALRANKID", "MPI_LOCALNRANKS",
+                "PMIX_RANK", "PMIX_NAMESPACE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_MCA_orte_hnp_uri", "SLURM_JOB_ID",
+                "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID",
+                "JAX_CPU_MPI_DISABLE", "JAX_COORDINATOR_PORT")
+_HYDRA = {"PMI_RANK": "1", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
+_PRRTE = {"PMIX_RANK": "2", "PMIX_NAMESPACE": "prterun-x-1", "OMPI_COMM_WORLD_RANK": "2",
+          "OMPI_COMM_WORLD_SIZE": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "0"}
+_ORTE = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
+         "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+         "OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://10.0.0.1:34911"}
+_SLURM = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_NTASKS": "4",
+          "SLURM_PROCID": "3", "SLURM_LOCALID": "1"}
+
+# Runs JAX's own detection with explicit coordinator/count/id (so nothing is collective),
+# and reports which environment JAX chose and what it filled in.
+_DETECT = """
+import json, sys
+import jax
+{imports}
+from jax._src import clusters
+env = next((e for e in clusters.ClusterEnv._cluster_types
+            if not e.opt_in_only_method and e.is_env_present()), None)
+address, count, pid, local = clusters.ClusterEnv.auto_detect_unset_distributed_params(
+    {address!r}, {count!r}, {pid!r}, None, None, 30)
+print(json.dumps({{"env": env and env.name, "address": address, "count": count, "id": pid,
+                  "local_device_ids": local, "mpi4py": "mpi4py.MPI" in sys.modules,
+                  "names": [e.name for e in clusters.ClusterEnv._cluster_types]}}))
+"""
+
+
+def _detect(env: dict[str, str], *, address: str | None = "h:1", count: int | None = 4,
+            pid: int | None = 1, imports: str = "import jax_cpu_mpi") -> dict:
+    full = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    full.update(env)
+    code = _DETECT.format(imports=imports, address=address, count=count, pid=pid)
+    proc = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_registered_with_jax_after_jax_own_environments():
+    base = _compat.cluster_env_base
+    assert base is not None and cluster.registered()
+    names = [c.name for c in base._cluster_types]
+    assert names.count(cluster.NAME) == 1
+    # JAX's Open MPI 4 and Slurm environments come first: they keep their detection.
+    assert names.index("ompi") < names.index(cluster.NAME)
+    assert names.index("slurm") < names.index(cluster.NAME)
+
+
+@pytest.mark.parametrize(("env", "expected"), [
+    ({}, None),
+    (_HYDRA, "mpich"),
+    (_PRRTE, "openmpi5"),
+    (_ORTE, None),  # Open MPI 4: JAX's OmpiCluster
+    ({**_SLURM, "PMI_RANK": "3", "PMI_SIZE": "4"}, None),  # srun --mpi=pmi2: JAX's Slurm
+    ({**_SLURM, "PMIX_RANK": "3"}, None),  # srun --mpi=pmix
+    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}, None),  # no PMIx: not ours
+    ({"PMI_RANK": "0", "PMI_SIZE": "zero"}, None),
+])
+def test_launcher_from_environment(monkeypatch, env, expected):
+    for var in _LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert cluster.launcher() == expected
+
+
+def test_hydra_variables_give_process_id_count_and_local_rank_without_mpi4py():
+    got = _detect(_HYDRA, address="h:1", count=None, pid=None)
+    assert got["env"] == cluster.NAME
+    assert (got["count"], got["id"], got["local_device_ids"]) == (4, 1, [1])
+    # With the coordinator given, nothing collective runs: mpi4py stays unimported.
+    assert not got["mpi4py"]
+
+
+def test_prrte_variables_give_process_id_count_and_local_rank(monkeypatch):
+    ompi = next(c for c in _compat.cluster_env_base._cluster_types if c.name == "ompi")
+    for var, value in _PRRTE.items():
+        monkeypatch.setenv(var, value)
+    if ompi.is_env_present():
+        # JAX 0.12 detects Open MPI 5 itself (through mpi4py, which needs a real launch):
+        # JAX's environment comes first, as for Open MPI 4 (tests/test_packaging.py runs
+        # the real Open MPI 5 launch).
+        pytest.skip("this JAX's own OmpiCluster detects Open MPI 5 (PRRTE)")
+    got = _detect(_PRRTE, address="h:1", count=None, pid=None)
+    assert got["env"] == cluster.NAME
+    assert (got["count"], got["id"], got["local_device_ids"]) == (3, 2, [0])
+    assert not got["mpi4py"]
+
+
+@pytest.mark.parametrize(("env", "jax_env"), [(_ORTE, "ompi"), (_SLURM, "slurm"),
+                                              ({**_SLURM, **_HYDRA}, "slurm")])
+def test_slurm_and_open_mpi_4_keep_jax_detection(env, jax_env):
+    got = _detect(env)
+    assert got["env"] == jax_env
+    assert not got["mpi4py"]
+
+
+def test_outside_a_launcher_nothing_is_detected_and_mpi4py_is_not_imported():
+    got = _detect({}, address=None, count=None, pid=None)
+    assert got["env"] is None and got["address"] is None
+    assert not got["mpi4py"]
+
+
+def test_not_registered_without_import_or_when_disabled():
+    assert cluster.NAME not in _detect(_HYDRA, imports="")["names"]
+    got = _detect({**_HYDRA, "JAX_CPU_MPI_DISABLE": "1"})
+    assert cluster.NAME not in got["names"] and got["env"] is None
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(150)
+def test_plain_initialize_under_mpirun_on_one_host():
+    run = run_mpi("plain_initialize.py", nprocs=2, devices_per_process=2, timeout=130)
+    assert_mpi_ok(run, 2)
+    for rank, lines in run.by_rank().items():
+        text = "\n".join(lines)
+        assert f"process index {rank} of 2" in text, run.report()
+        assert "mpi4py imported by initialize, not before" in text, run.report()
