@@ -265,15 +265,11 @@ def unreduced_extremum_rule(prim: Any, op: str) -> Rule:
 
     ``op`` is ``"max"`` or ``"min"``. ``pmax``/``pmin`` of a value that is unreduced over
     ``axes`` with that reduction kind (``reduce_max(..., out_sharding=P(unreduced=...,
-    unreduced_kind=max))``). Not over the vmapped axis: ONE collective of the batched
-    operand, elementwise, so the batch dimension stays. Over the vmapped axis: the members
-    are the batch elements, so that part is a local max/min over the batch (of identical
-    copies when unbatched); remaining mesh axes are reduced in ONE collective. (JAX's
-    ``lax.pmax`` itself refuses a vmapped axis in the axes of an unreduced value; only a
-    direct bind of the primitive gets there.) A batch split over mesh axes by
-    ``spmd_axis_name`` is refused with ``NotImplementedError``.
+    unreduced_kind=max))``): ONE collective of the batched operand, elementwise, so the
+    batch dimension stays. Over the vmapped axis itself it raises ``NotImplementedError``:
+    ``lax.pmax`` already refuses a vmapped axis among the axes of an unreduced value (a
+    vmapped axis has no unreduced state), and JAX 0.11 cannot reduce such a value locally.
     """
-    local = {"max": jax.numpy.max, "min": jax.numpy.min}[op]
     name = f"unreduced_p{op}"
 
     def rule(axis_data: Any, vals_in: Sequence[Any], dims_in: Sequence[int | None], *,
@@ -281,14 +277,10 @@ def unreduced_extremum_rule(prim: Any, op: str) -> Rule:
         (x,), (d,) = vals_in, dims_in
         if axis_data.name not in axes:
             return prim.bind(x, axes=axes), d
-        if len(frame_members(axis_data, name)) > 1:
-            raise NotImplementedError(
-                f"{name} over vmapped axis {axis_data.name!r} whose batch is split over mesh "
-                f"axes by spmd_axis_name={axis_data.spmd_name!r} is not supported; vmap "
-                "without spmd_axis_name, or reduce over the mesh axes only.")
-        y = x if d is None else local(x, axis=d)
-        rest = tuple(a for a in axes if a != axis_data.name)
-        return (prim.bind(y, axes=rest) if rest else y), None
+        raise NotImplementedError(
+            f"{name} over the vmapped axis {axis_data.name!r} (axes={axes!r}) is not "
+            "supported: a vmapped axis has no unreduced state. Reduce over the mesh axes "
+            f"inside vmap, then over {axis_data.name!r} with jax.lax.p{op}.")
 
     rule.__name__ = rule.__qualname__ = f"{name}_batching_rule"
     return rule

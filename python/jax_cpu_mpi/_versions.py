@@ -15,7 +15,7 @@ import jax
 
 #: ``jax`` versions whose whole test suite passed (the jaxlib of the same version).
 #: Python 3.11 gets at most 0.10.2; 0.11 and 0.12 need Python >= 3.12.
-TESTED_JAX_VERSIONS: tuple[str, ...] = ("0.10.2", "0.12.0.1")
+TESTED_JAX_VERSIONS: tuple[str, ...] = ("0.10.2", "0.11.2", "0.12.0.1")
 
 
 class UntestedJaxWarning(UserWarning):
