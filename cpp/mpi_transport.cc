@@ -637,21 +637,31 @@ MpiTransport::DrainResult MpiTransport::Drain(std::chrono::steady_clock::time_po
   // receiver that already has all its bytes may owe its sender the acknowledgement that
   // completes the sender's request (MPICH's CMA rendezvous sends it on a later progress
   // call), and without this it would leave before sending it.
+  // A send that is still undelivered halfway to the deadline has a receiver that will never
+  // take it (a precv that timed out, a program that ended early): join the barrier anyway,
+  // so that ranks that are waiting for us at their exit still meet us, and report the send.
   Backoff backoff;
   MPI_Request barrier = MPI_REQUEST_NULL;
+  const auto start = std::chrono::steady_clock::now();
+  const auto join_anyway =
+      start + std::max(deadline - start, std::chrono::steady_clock::duration::zero()) / 2;
   while (true) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!MpiIsUsable()) return {pending_.size(), false};
       ProgressLocked();
       const bool sends_done = pending_.empty();
-      if (sends_done && barrier == MPI_REQUEST_NULL) {
-        if (MPI_Ibarrier(comm_, &barrier) != MPI_SUCCESS) return {0, false};
+      if (barrier == MPI_REQUEST_NULL &&
+          (sends_done || std::chrono::steady_clock::now() > join_anyway)) {
+        if (MPI_Ibarrier(comm_, &barrier) != MPI_SUCCESS) return {pending_.size(), false};
       }
       if (barrier != MPI_REQUEST_NULL) {
         int done = 0;
         MPI_Test(&barrier, &done, MPI_STATUS_IGNORE);
-        if (done) return {0, true};
+        if (done) {
+          ProgressLocked();
+          return {pending_.size(), true};
+        }
       }
       if (std::chrono::steady_clock::now() > deadline) {
         // A peer never reached its exit (or died): report only our own undelivered sends.

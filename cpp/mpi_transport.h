@@ -86,7 +86,8 @@ class MpiTransport {
                  std::chrono::steady_clock::time_point deadline);
 
   // At exit (collective over the communicator): completes every outstanding send and waits
-  // for every rank to get there, or gives up at the deadline.
+  // for every rank to get there (joining them halfway to the deadline even with sends still
+  // undelivered), or gives up at the deadline.
   struct DrainResult {
     size_t undelivered = 0;      // our sends left undelivered
     bool all_ranks_met = false;  // the exit barrier completed

@@ -15,8 +15,9 @@
   each way used from 4 device threads at once, some messages direct and some staged, 6
   rounds; every message carries (source, destination, round).
 * ``never-received``: rank 0's psend of 8 MiB returns although rank 1 never posts the
-  precv; rank 0's precv of a reply that never comes fails after the timeout; at exit the
-  drain gives up after JAX_CPU_MPI_EXIT_TIMEOUT and reports the message, nobody hangs.
+  precv; rank 0's precv of a reply that never comes fails after the timeout; at exit rank 0
+  meets rank 1 (waiting at its exit) in the exit barrier with its send undelivered, reports
+  the message, and both end normally: nobody hangs.
 """
 
 from __future__ import annotations
