@@ -673,6 +673,11 @@ MpiTransport::DrainResult MpiTransport::Drain(std::chrono::steady_clock::time_po
   }
 }
 
+bool MpiTransport::has_pending_sends() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !pending_.empty();
+}
+
 size_t MpiTransport::inflight_sends() {
   std::lock_guard<std::mutex> lock(mu_);
   if (MpiIsUsable()) ProgressLocked();  // count only what is really still in flight

@@ -96,6 +96,8 @@ class MpiTransport {
 
   // Sends not yet completed (after testing them) and their bytes.
   size_t inflight_sends();
+  // Whether sends were left in flight when last tested (cheap: no MPI call).
+  bool has_pending_sends() const;
   uint64_t inflight_bytes();
   uint64_t sends_completed() const;
   uint64_t peak_inflight_bytes() const;

@@ -131,7 +131,9 @@ ffi::Error PsendImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
   const Config config = rt.config();
   MpiResult r = mpi->Send(dest, *tag, x.untyped_data(), bytes, config.max_inflight_bytes,
                           DeadlineAfter(config.recv_timeout_s));
-  if (r.ok) rt.mpi_send_in_flight();
+  // Only a send left in flight needs the progress thread: waking it after every psend
+  // (most small sends complete at once) costs a context switch per hop.
+  if (r.ok && mpi->has_pending_sends()) rt.mpi_send_in_flight();
   if (!r.ok) {
     rt.note_unreachable_peer(dest);
     std::ostringstream s;
