@@ -56,14 +56,35 @@ Mailbox::PostState Mailbox::Await(Channel& ch, std::unique_lock<std::mutex>& loc
   return state.load(std::memory_order_relaxed);
 }
 
-void Mailbox::Send(ChannelKey key, const void* data, size_t bytes,
-                   const std::string& sender_desc) {
+std::shared_ptr<Mailbox::Offer> Mailbox::Send(ChannelKey key, const void* data, size_t bytes,
+                                              const std::string& sender_desc,
+                                              bool may_keep_operand) {
   Channel& ch = GetChannel(key);
   std::unique_lock<std::mutex> lock(ch.mu);
+  const bool large = bytes >= kOfferMinBytes;
+  auto make_offer = [&] {
+    auto offer = std::make_shared<Offer>();
+    offer->channel = &ch;
+    offer->data = data;
+    offer->bytes = bytes;
+    offer->sender_desc = sender_desc;
+    offer->grace_end = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+        std::chrono::duration<double>(static_cast<double>(bytes) / kGraceBytesPerSecond));
+    return offer;
+  };
   if (!ch.posted.empty()) {
-    // The receiver is already waiting: copy straight into its output buffer.
     PostedRecv* recv = ch.posted.front();
     ch.posted.pop_front();
+    if (large && may_keep_operand) {
+      // The receiver is waiting and the operand stays alive: it copies, this device goes on.
+      std::shared_ptr<Offer> offer = make_offer();
+      offer->state.store(PostState::kClaimed, std::memory_order_relaxed);
+      recv->handed = offer;
+      recv->state.store(PostState::kHanded, std::memory_order_release);
+      ch.cv.notify_all();
+      return offer;
+    }
+    // Copy straight into the waiting receiver's output buffer.
     recv->state.store(PostState::kClaimed, std::memory_order_release);
     lock.unlock();
     if (recv->bytes == bytes) {
@@ -77,45 +98,69 @@ void Mailbox::Send(ChannelKey key, const void* data, size_t bytes,
     lock.lock();
     recv->state.store(PostState::kDone, std::memory_order_release);  // `recv` is gone now
     ch.cv.notify_all();
-    return;
+    return nullptr;
   }
   Message msg;
   msg.bytes = bytes;
   msg.sender_desc = sender_desc;
-  if (bytes < kOfferMinBytes) {
+  if (!large) {
     if (bytes > 0) {
       msg.data = GlobalBufferPool().Acquire(bytes);
       std::memcpy(msg.data.data(), data, bytes);
     }
     ch.queued.push_back(std::move(msg));
     ch.cv.notify_all();
-    return;
+    return nullptr;
   }
-  // Offer the operand itself for about as long as a copy would take.
-  Offer offer;
-  offer.data = data;
-  msg.offer = &offer;
+  // Offer the operand itself, for about as long as a copy would take.
+  std::shared_ptr<Offer> offer = make_offer();
+  msg.offer = offer;
   ch.queued.push_back(std::move(msg));
   ch.cv.notify_all();
-  const auto grace_end = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-      std::chrono::duration<double>(static_cast<double>(bytes) / kGraceBytesPerSecond));
-  if (Await(ch, lock, offer.state, /*until_claimed=*/true, grace_end, grace_end) ==
+  if (may_keep_operand) return offer;  // the precv that keeps the operand finishes it
+  FinishLocked(ch, lock, *offer);
+  return nullptr;
+}
+
+void Mailbox::Finish(const std::shared_ptr<Offer>& offer) {
+  Channel& ch = *offer->channel;
+  std::unique_lock<std::mutex> lock(ch.mu);
+  FinishLocked(ch, lock, *offer);
+}
+
+void Mailbox::FinishLocked(Channel& ch, std::unique_lock<std::mutex>& lock, Offer& offer) {
+  if (Await(ch, lock, offer.state, /*until_claimed=*/true, offer.grace_end, offer.grace_end) ==
       PostState::kPosted) {
     // Nobody came: copy the bytes into the queue entry (still in its place in the FIFO).
     for (Message& queued : ch.queued) {
-      if (queued.offer == &offer) {
-        queued.data = GlobalBufferPool().Acquire(bytes);
-        std::memcpy(queued.data.data(), data, bytes);
-        queued.offer = nullptr;
+      if (queued.offer.get() == &offer) {
+        queued.data = GlobalBufferPool().Acquire(offer.bytes);
+        std::memcpy(queued.data.data(), offer.data, offer.bytes);
+        queued.offer.reset();
         break;
       }
     }
-    offer.state.store(PostState::kDone, std::memory_order_relaxed);
+    offer.state.store(PostState::kDone, std::memory_order_release);
     return;
   }
-  // A receiver claimed it and may be copying from `data` right now.
+  // A receiver claimed it and may be copying from the operand right now.
   Await(ch, lock, offer.state, /*until_claimed=*/false, Clock::now() + kYield,
         Clock::time_point::max());
+}
+
+RecvOutcome Mailbox::TakeOffer(Channel& ch, Offer& offer, void* out, size_t bytes) {
+  RecvOutcome outcome;
+  if (offer.bytes != bytes) {
+    outcome.status = RecvStatus::kSizeMismatch;
+    outcome.sender_bytes = offer.bytes;
+    outcome.sender_desc = offer.sender_desc;
+  } else if (bytes > 0) {
+    std::memcpy(out, offer.data, bytes);
+  }
+  std::lock_guard<std::mutex> lock(ch.mu);
+  offer.state.store(PostState::kDone, std::memory_order_release);  // the sender may go on
+  ch.cv.notify_all();
+  return outcome;
 }
 
 RecvOutcome Mailbox::Recv(ChannelKey key, void* out, size_t bytes,
@@ -141,6 +186,11 @@ RecvOutcome Mailbox::Recv(ChannelKey key, void* out, size_t bytes,
       timeout.status = RecvStatus::kTimeout;
       return timeout;
     }
+    if (state == PostState::kHanded) {  // the sender handed us its operand: copy it
+      std::shared_ptr<Offer> offer = std::move(recv.handed);
+      lock.unlock();
+      return TakeOffer(ch, *offer, out, bytes);
+    }
     // A sender is copying into `out`: it takes about one copy's time.
     Await(ch, lock, recv.state, /*until_claimed=*/false, Clock::now() + kYield,
           Clock::time_point::max());
@@ -148,9 +198,12 @@ RecvOutcome Mailbox::Recv(ChannelKey key, void* out, size_t bytes,
   }
   Message msg = std::move(ch.queued.front());
   ch.queued.pop_front();
-  Offer* offer = msg.offer;
-  // The sender keeps its operand for us.
-  if (offer) offer->state.store(PostState::kClaimed, std::memory_order_release);
+  if (msg.offer) {
+    // The sender keeps its operand for us.
+    msg.offer->state.store(PostState::kClaimed, std::memory_order_release);
+    lock.unlock();
+    return TakeOffer(ch, *msg.offer, out, bytes);
+  }
   lock.unlock();
   RecvOutcome outcome;
   if (msg.bytes != bytes) {
@@ -158,12 +211,7 @@ RecvOutcome Mailbox::Recv(ChannelKey key, void* out, size_t bytes,
     outcome.sender_bytes = msg.bytes;
     outcome.sender_desc = std::move(msg.sender_desc);
   } else if (bytes > 0) {
-    std::memcpy(out, offer ? offer->data : msg.data.data(), bytes);
-  }
-  if (offer) {
-    lock.lock();
-    offer->state.store(PostState::kDone, std::memory_order_release);  // `offer` is gone now
-    ch.cv.notify_all();
+    std::memcpy(out, msg.data.data(), bytes);
   }
   return outcome;
 }

@@ -1,10 +1,13 @@
 // In-process transport: messages between devices of one process (device threads of the
 // XLA CPU client). Every message is copied once when its receiver is in time: whichever
 // side arrives second copies straight from the sender's operand into the receiver's output.
-//   - receiver already waiting: the sender copies straight into the receiver's output;
-//   - otherwise a message of kOfferMinBytes or more is first *offered*: the sender waits a
-//     short grace period (about the time one copy of the message takes) for the receiver
-//     to copy it straight out of the sender's operand;
+//   - receiver already waiting: the sender copies straight into the receiver's output, or,
+//     when the sender's operand stays alive after the psend (see kept_sends.h), hands the
+//     operand to the receiver, which copies it while the sender goes on with its own work;
+//   - otherwise a message of kOfferMinBytes or more is first *offered*: the receiver may
+//     copy it straight out of the sender's operand during a short grace period (about the
+//     time one copy of the message takes), while the sender waits (or, with its operand
+//     kept alive, works on until the precv that finishes the send);
 //   - after that (or for tiny messages at once) the bytes are queued in a pooled buffer
 //     and the receiver copies them out later (two copies, but the sender never waits on its
 //     receiver for longer than one copy would take).
@@ -44,9 +47,19 @@ struct RecvOutcome {
 
 class Mailbox {
  public:
+  struct Offer;
+
   // Delivers `bytes` bytes to the channel; waits for the receiver at most about as long as
-  // one copy of the message takes.
-  void Send(ChannelKey key, const void* data, size_t bytes, const std::string& sender_desc);
+  // one copy of the message takes. With `may_keep_operand` (the operand stays alive and
+  // unchanged until the caller calls Finish), it may return before the receiver has copied
+  // the bytes: it then returns the send, which Finish completes; otherwise nullptr.
+  std::shared_ptr<Offer> Send(ChannelKey key, const void* data, size_t bytes,
+                              const std::string& sender_desc, bool may_keep_operand = false);
+
+  // Completes a send that Send returned: waits while its receiver copies, or, if no
+  // receiver has started by the end of the grace period, copies the bytes into the queue.
+  // Afterwards the operand is no longer read.
+  void Finish(const std::shared_ptr<Offer>& offer);
 
   // Waits until a message arrives on the channel or `deadline` passes.
   RecvOutcome Recv(ChannelKey key, void* out, size_t bytes,
@@ -57,16 +70,29 @@ class Mailbox {
   size_t queued_bytes() const;
 
  private:
-  enum class PostState { kPosted, kClaimed, kDone };
-  // A large message offered from the sender's own buffer during its grace period.
+  struct Channel;
+  // kPosted: waiting for the other side; kClaimed: the other side is copying; kHanded (a
+  // posted receive only): the sender handed its operand over, the receiver copies it;
+  // kDone: finished.
+  enum class PostState { kPosted, kClaimed, kHanded, kDone };
+
+ public:
+  // A large message offered from the sender's own buffer (during its grace period, or
+  // until the precv that keeps the operand alive finishes it).
   struct Offer {
+    Channel* channel = nullptr;
     const void* data = nullptr;
-    // Written under the channel lock; read without it while the sender spins.
+    size_t bytes = 0;
+    std::string sender_desc;
+    std::chrono::steady_clock::time_point grace_end;
+    // Written under the channel lock; read without it while a side spins.
     std::atomic<PostState> state{PostState::kPosted};
   };
+
+ private:
   struct Message {
-    PooledBuffer data;       // the copied bytes, unless `offer` is set
-    Offer* offer = nullptr;  // bytes still in the (waiting) sender's operand
+    PooledBuffer data;             // the copied bytes, unless `offer` is set
+    std::shared_ptr<Offer> offer;  // bytes still in the sender's operand
     size_t bytes = 0;
     std::string sender_desc;
   };
@@ -88,6 +114,7 @@ class Mailbox {
     // Written under the channel lock; read without it while the receiver spins.
     std::atomic<PostState> state{PostState::kPosted};
     RecvOutcome outcome;
+    std::shared_ptr<Offer> handed;  // set with kHanded: the operand to copy from
   };
   struct Channel {
     std::mutex mu;
@@ -97,6 +124,10 @@ class Mailbox {
   };
 
   Channel& GetChannel(ChannelKey key);
+  // Copies an offer's bytes into `out` (or reports a size mismatch); marks it done.
+  static RecvOutcome TakeOffer(Channel& ch, Offer& offer, void* out, size_t bytes);
+  // Finish() with the channel lock held.
+  static void FinishLocked(Channel& ch, std::unique_lock<std::mutex>& lock, Offer& offer);
 
   // Waits (see kSpin) until `state` is kDone, or until it leaves kPosted when
   // `until_claimed`; `lock` holds ch.mu on entry and on return. Spins and yields with the

@@ -107,6 +107,23 @@ MpiResult MpiTransport::ProgressLocked() {
     if (!done) break;
     control_sends_.pop_front();
   }
+  // Direct sends left in flight (their precv finishes them; testing them here also keeps
+  // them moving while the device computes, see Runtime::mpi_send_in_flight).
+  for (auto it = direct_in_flight_.begin(); it != direct_in_flight_.end();) {
+    DirectSend& send = **it;
+    int done = 0;
+    int rc = MPI_Testall(static_cast<int>(send.requests.size()), send.requests.data(), &done,
+                         MPI_STATUSES_IGNORE);
+    if (rc != MPI_SUCCESS) return MpiResult::Error("MPI_Testall failed: " + ErrorString(rc));
+    if (done) {
+      send.done = true;
+      ++sends_completed_;
+      ++direct_sends_;
+      it = direct_in_flight_.erase(it);
+    } else {
+      ++it;
+    }
+  }
   // Sends to different peers complete in any order: test them all.
   for (auto it = pending_.begin(); it != pending_.end();) {
     int done = 0;
@@ -133,12 +150,13 @@ MpiTransport::ChannelState& MpiTransport::Channel(int peer_rank, int tag) {
 
 MpiResult MpiTransport::Send(int dest_rank, int tag, const void* data, size_t bytes,
                              uint64_t max_inflight_bytes,
-                             std::chrono::steady_clock::time_point deadline) {
+                             std::chrono::steady_clock::time_point deadline,
+                             std::shared_ptr<DirectSend>* kept) {
   ChannelState& ch = Channel(dest_rank, tag);
   std::lock_guard<std::mutex> channel_lock(ch.send_mu);
   const uint64_t seq = ch.next_send_seq++;  // every message counts, whatever its size
   if (bytes >= kRendezvousMinBytes) {
-    return SendLarge(ch, seq, dest_rank, tag, data, bytes, max_inflight_bytes, deadline);
+    return SendLarge(ch, seq, dest_rank, tag, data, bytes, max_inflight_bytes, deadline, kept);
   }
   return SendStaged(dest_rank, tag, data, bytes, max_inflight_bytes, deadline);
 }
@@ -269,59 +287,75 @@ MpiResult MpiTransport::PollReady(ChannelState& ch, uint64_t seq, int dest_rank,
 }
 
 MpiResult MpiTransport::SendDirect(int dest_rank, int tag, const void* data, size_t bytes,
-                                   std::chrono::steady_clock::time_point deadline) {
-  std::vector<MPI_Request> requests;
-  requests.reserve(bytes / kDirectChunkBytes + 1);
+                                   std::chrono::steady_clock::time_point deadline,
+                                   std::shared_ptr<DirectSend>* kept) {
+  auto send = std::make_shared<DirectSend>();
+  send->requests.reserve(bytes / kDirectChunkBytes + 1);
   const auto* src = static_cast<const std::byte*>(data);
   {
-    std::unique_lock<std::mutex> lock = MpiCallLock();
+    std::unique_lock<std::mutex> lock(mu_);  // guards direct_in_flight_ (and MPI if needed)
     for (size_t offset = 0; offset < bytes; offset += kDirectChunkBytes) {
       const size_t n = std::min(kDirectChunkBytes, bytes - offset);
-      requests.emplace_back();
+      send->requests.emplace_back();
       // Synchronous mode: once it completes, the receive has matched, so the receiver can
       // never cancel it as a receive that a staged message superseded.
       int rc = MPI_Issend(src + offset, static_cast<int>(n), MPI_BYTE, dest_rank, tag,
-                          direct_comm_, &requests.back());
+                          direct_comm_, &send->requests.back());
       if (rc != MPI_SUCCESS) {
-        requests.pop_back();
-        for (MPI_Request& r : requests) MPI_Request_free(&r);
+        send->requests.pop_back();
+        if (!send->requests.empty()) {
+          // The pieces already posted read from the operand: finish them before returning.
+          direct_in_flight_.push_back(send);
+          lock.unlock();
+          FinishDirect(send, deadline);
+        }
         return MpiResult::Error("MPI_Issend failed: " + ErrorString(rc));
       }
     }
+    direct_in_flight_.push_back(send);
   }
+  if (kept) {
+    *kept = std::move(send);
+    return MpiResult::Ok();
+  }
+  return FinishDirect(send, deadline);
+}
+
+MpiResult MpiTransport::FinishDirect(const std::shared_ptr<DirectSend>& send,
+                                     std::chrono::steady_clock::time_point deadline) {
   Backoff backoff;
   uint64_t polls = 0;
   while (true) {
-    int done = 0;
     {
-      std::unique_lock<std::mutex> lock = MpiCallLock();
-      int rc = MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
-                           MPI_STATUSES_IGNORE);
-      if (rc != MPI_SUCCESS) return MpiResult::Error("MPI_Testall failed: " + ErrorString(rc));
-    }
-    if (done) break;
-    if ((++polls & 63) == 0 && std::chrono::steady_clock::now() > deadline) {
-      std::unique_lock<std::mutex> lock = MpiCallLock();
-      for (MPI_Request& r : requests) {
-        if (r == MPI_REQUEST_NULL) continue;
-        MPI_Cancel(&r);
-        MPI_Request_free(&r);
+      std::lock_guard<std::mutex> lock(mu_);
+      if (send->done) return MpiResult::Ok();
+      if (!MpiIsUsable()) return MpiResult::Error("MPI is not initialized or already finalized");
+      if (MpiResult r = ProgressLocked(); !r.ok) return r;
+      if (send->done) return MpiResult::Ok();
+      if ((++polls & 63) == 0 && std::chrono::steady_clock::now() > deadline) {
+        // The receiver matched (or will never match) a send from an operand that XLA is
+        // about to reuse: cancel what can be cancelled and forget the rest.
+        for (MPI_Request& r : send->requests) {
+          if (r == MPI_REQUEST_NULL) continue;
+          MPI_Cancel(&r);
+          MPI_Request_free(&r);
+        }
+        direct_in_flight_.erase(
+            std::remove(direct_in_flight_.begin(), direct_in_flight_.end(), send),
+            direct_in_flight_.end());
+        return MpiResult::Error(
+            "the receiver signalled that it was ready for this message, then did not take it "
+            "before the timeout (JAX_CPU_MPI_RECV_TIMEOUT); did its process fail or exit?");
       }
-      return MpiResult::Error(
-          "the receiver signalled that it was ready for this message, then did not take it "
-          "before the timeout (JAX_CPU_MPI_RECV_TIMEOUT); did its process fail or exit?");
     }
     backoff.Pause();
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  ++sends_completed_;
-  ++direct_sends_;
-  return MpiResult::Ok();
 }
 
 MpiResult MpiTransport::SendLarge(ChannelState& ch, uint64_t seq, int dest_rank, int tag,
                                   const void* data, size_t bytes, uint64_t max_inflight_bytes,
-                                  std::chrono::steady_clock::time_point deadline) {
+                                  std::chrono::steady_clock::time_point deadline,
+                                  std::shared_ptr<DirectSend>* kept) {
   bool ready = false;
   bool mismatch = false;  // the receiver waits for another byte count: send staged
   auto poll = [&](bool* go_direct) -> MpiResult {
@@ -341,14 +375,14 @@ MpiResult MpiTransport::SendLarge(ChannelState& ch, uint64_t seq, int dest_rank,
   while (!go_direct && !mismatch && std::chrono::steady_clock::now() < spin_until) {
     if (MpiResult r = poll(&go_direct); !r.ok) return r;
   }
-  if (go_direct) return SendDirect(dest_rank, tag, data, bytes, deadline);
+  if (go_direct) return SendDirect(dest_rank, tag, data, bytes, deadline, kept);
 
   bool stopped = false;
   if (MpiResult r = ReserveInflight(bytes, max_inflight_bytes, deadline, poll, &stopped);
       !r.ok) {
     return r;
   }
-  if (stopped) return SendDirect(dest_rank, tag, data, bytes, deadline);
+  if (stopped) return SendDirect(dest_rank, tag, data, bytes, deadline, kept);
 
   // Stage, looking for the receiver between steps: a receiver that gets ready within about
   // one copy's time still gets the message straight from the operand.
@@ -366,7 +400,7 @@ MpiResult MpiTransport::SendLarge(ChannelState& ch, uint64_t seq, int dest_rank,
         inflight_bytes_ -= bytes;  // the reservation is not needed
       }
       if (!r.ok) return r;
-      return SendDirect(dest_rank, tag, data, bytes, deadline);
+      return SendDirect(dest_rank, tag, data, bytes, deadline, kept);
     }
   }
   {
@@ -648,25 +682,28 @@ MpiTransport::DrainResult MpiTransport::Drain(std::chrono::steady_clock::time_po
   while (true) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (!MpiIsUsable()) return {pending_.size(), false};
+      const size_t undelivered = pending_.size() + direct_in_flight_.size();
+      if (!MpiIsUsable()) return {undelivered, false};
       ProgressLocked();
-      const bool sends_done = pending_.empty();
+      const bool sends_done = pending_.empty() && direct_in_flight_.empty();
       if (barrier == MPI_REQUEST_NULL &&
           (sends_done || std::chrono::steady_clock::now() > join_anyway)) {
-        if (MPI_Ibarrier(comm_, &barrier) != MPI_SUCCESS) return {pending_.size(), false};
+        if (MPI_Ibarrier(comm_, &barrier) != MPI_SUCCESS) {
+          return {pending_.size() + direct_in_flight_.size(), false};
+        }
       }
       if (barrier != MPI_REQUEST_NULL) {
         int done = 0;
         MPI_Test(&barrier, &done, MPI_STATUS_IGNORE);
         if (done) {
           ProgressLocked();
-          return {pending_.size(), true};
+          return {pending_.size() + direct_in_flight_.size(), true};
         }
       }
       if (std::chrono::steady_clock::now() > deadline) {
         // A peer never reached its exit (or died): report only our own undelivered sends.
         // The barrier request is left to MPI_Finalize.
-        return {pending_.size(), false};
+        return {pending_.size() + direct_in_flight_.size(), false};
       }
     }
     backoff.Pause();
@@ -675,13 +712,13 @@ MpiTransport::DrainResult MpiTransport::Drain(std::chrono::steady_clock::time_po
 
 bool MpiTransport::has_pending_sends() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return !pending_.empty();
+  return !pending_.empty() || !direct_in_flight_.empty();
 }
 
 size_t MpiTransport::inflight_sends() {
   std::lock_guard<std::mutex> lock(mu_);
   if (MpiIsUsable()) ProgressLocked();  // count only what is really still in flight
-  return pending_.size();
+  return pending_.size() + direct_in_flight_.size();
 }
 
 uint64_t MpiTransport::inflight_bytes() {

@@ -80,8 +80,20 @@ class MpiTransport {
   // The MPI rank of a JAX process, or -1 if unknown.
   int RankOfProcess(int64_t process_index) const;
 
+  // A direct send (straight from the operand) in flight.
+  struct DirectSend {
+    std::vector<MPI_Request> requests;
+    bool done = false;  // under mu_
+  };
+
+  // With `kept` (the operand stays alive and unchanged until FinishDirect(*kept)), a
+  // direct send may be left in flight: *kept is then set, else left null.
   MpiResult Send(int dest_rank, int tag, const void* data, size_t bytes,
-                 uint64_t max_inflight_bytes, std::chrono::steady_clock::time_point deadline);
+                 uint64_t max_inflight_bytes, std::chrono::steady_clock::time_point deadline,
+                 std::shared_ptr<DirectSend>* kept = nullptr);
+  // Waits until a direct send left in flight completes (or the deadline: then cancels it).
+  MpiResult FinishDirect(const std::shared_ptr<DirectSend>& send,
+                         std::chrono::steady_clock::time_point deadline);
   MpiResult Recv(int source_rank, int tag, void* out, size_t bytes,
                  std::chrono::steady_clock::time_point deadline);
 
@@ -164,11 +176,14 @@ class MpiTransport {
                        std::chrono::steady_clock::time_point deadline);
   MpiResult SendLarge(ChannelState& ch, uint64_t seq, int dest_rank, int tag, const void* data,
                       size_t bytes, uint64_t max_inflight_bytes,
-                      std::chrono::steady_clock::time_point deadline);
+                      std::chrono::steady_clock::time_point deadline,
+                      std::shared_ptr<DirectSend>* kept);
   // Sends the staged copy (header and chunks, or one message); the caller reserved the bytes.
   MpiResult IsendStaged(PendingSend send, int dest_rank, int tag);
+  // Starts the direct send; finishes it too unless `kept` takes it.
   MpiResult SendDirect(int dest_rank, int tag, const void* data, size_t bytes,
-                       std::chrono::steady_clock::time_point deadline);
+                       std::chrono::steady_clock::time_point deadline,
+                       std::shared_ptr<DirectSend>* kept);
   // Looks for the ready signal of message `seq`: sets *ready and *receiver_bytes.
   MpiResult PollReady(ChannelState& ch, uint64_t seq, int dest_rank, int tag, bool* ready,
                       uint64_t* receiver_bytes);
@@ -209,6 +224,7 @@ class MpiTransport {
   uint64_t direct_sends_ = 0;
   uint64_t staged_large_sends_ = 0;
   std::deque<ControlSend> control_sends_;  // ready signals not yet completed (under mu_)
+  std::vector<std::shared_ptr<DirectSend>> direct_in_flight_;  // left in flight (under mu_)
 
   std::mutex channels_mu_;
   std::map<std::pair<int, int>, std::unique_ptr<ChannelState>> channels_;

@@ -5,6 +5,9 @@
 // computed with JAX's own helper, and route the bytes:
 //   - peer device in this process  -> Mailbox (direct copy between device threads);
 //   - peer device in another process -> MpiTransport (point-to-point on our communicator).
+// A psend whose `operand_kept` is 1 may return before its bytes have left its operand: the
+// precv that takes its token also takes the operand (kept alive by XLA until then) and
+// finishes the send (kept_sends.h).
 // Nothing about the process (communicators, pointers) is baked into the executable: the
 // attributes only hold partition -> (global device index, process index) tables.
 #include <cstring>
@@ -105,7 +108,7 @@ std::string MpiMissing(const OpInfo& info, int64_t me, int64_t peer) {
 ffi::Error PsendImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
                      ffi::Result<ffi::Token> /*token*/, I64Span pairs, I64Span device_index,
                      I64Span device_process, int64_t num_devices, std::string_view op,
-                     std::string_view operand) {
+                     std::string_view operand, int64_t operand_kept) {
   const OpInfo info{op, operand, pairs, device_index, device_process, num_devices};
   const int64_t me = static_cast<int64_t>(partition.typed_data()[0]);
   if (ffi::Error e = CheckTables(info, me); e.failure()) return e;
@@ -115,8 +118,16 @@ ffi::Error PsendImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
   Runtime& rt = Runtime::Get();
   const size_t bytes = x.size_bytes();
   const int64_t my_dev = device_index[me], peer_dev = device_index[peer];
+  const bool kept = operand_kept != 0;
   if (device_process[peer] == device_process[me]) {
-    rt.mailbox().Send({my_dev, peer_dev}, x.untyped_data(), bytes, std::string(operand));
+    std::shared_ptr<Mailbox::Offer> offer =
+        rt.mailbox().Send({my_dev, peer_dev}, x.untyped_data(), bytes, std::string(operand), kept);
+    if (offer) {
+      rt.kept_sends().Add(x.untyped_data(), [offer](auto /*deadline*/) {
+        Runtime::Get().mailbox().Finish(offer);
+        return std::string();
+      });
+    }
     return ffi::Error::Success();
   }
   std::shared_ptr<MpiTransport> mpi = rt.mpi();
@@ -129,8 +140,22 @@ ffi::Error PsendImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
                                 ProcessSuffix(info, peer));
   }
   const Config config = rt.config();
+  std::shared_ptr<MpiTransport::DirectSend> in_flight;
   MpiResult r = mpi->Send(dest, *tag, x.untyped_data(), bytes, config.max_inflight_bytes,
-                          DeadlineAfter(config.recv_timeout_s));
+                          DeadlineAfter(config.recv_timeout_s), kept ? &in_flight : nullptr);
+  if (in_flight) {
+    // Finished by the precv that keeps the operand; its error names this psend.
+    std::ostringstream what;
+    what << op << " of " << operand << " from " << ProcessSuffix(info, me) << " to "
+         << ProcessSuffix(info, peer) << MpiPeer(dest) << " failed: ";
+    rt.kept_sends().Add(x.untyped_data(), [mpi, in_flight, dest, what = what.str()](
+                                              std::chrono::steady_clock::time_point deadline) {
+      MpiResult done = mpi->FinishDirect(in_flight, deadline);
+      if (done.ok) return std::string();
+      Runtime::Get().note_unreachable_peer(dest);
+      return what + done.error;
+    });
+  }
   // Only a send left in flight needs the progress thread: waking it after every psend
   // (most small sends complete at once) costs a context switch per hop.
   if (r.ok && mpi->has_pending_sends()) rt.mpi_send_in_flight();
@@ -171,10 +196,9 @@ std::string Timeout(const OpInfo& info, int64_t me, int64_t peer, double seconds
   return s.str();
 }
 
-ffi::Error PrecvImpl(ffi::Token /*token*/, ffi::Buffer<ffi::U32> partition,
-                     ffi::Result<ffi::AnyBuffer> out, I64Span pairs, I64Span device_index,
-                     I64Span device_process, int64_t num_devices, std::string_view op,
-                     std::string_view operand) {
+ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> out,
+                   I64Span pairs, I64Span device_index, I64Span device_process,
+                   int64_t num_devices, std::string_view op, std::string_view operand) {
   const OpInfo info{op, operand, pairs, device_index, device_process, num_devices};
   const int64_t me = static_cast<int64_t>(partition.typed_data()[0]);
   if (ffi::Error e = CheckTables(info, me); e.failure()) return e;
@@ -227,6 +251,32 @@ ffi::Error PrecvImpl(ffi::Token /*token*/, ffi::Buffer<ffi::U32> partition,
   return ffi::Error::Internal(s.str());
 }
 
+// precv: receives (or zero-fills), then finishes the sends made from the operands it keeps
+// alive (operand_kept of them), whatever the outcome of its own receive.
+ffi::Error PrecvImpl(ffi::Token /*token*/, ffi::Buffer<ffi::U32> partition,
+                     ffi::RemainingArgs kept, ffi::Result<ffi::AnyBuffer> out, I64Span pairs,
+                     I64Span device_index, I64Span device_process, int64_t num_devices,
+                     std::string_view op, std::string_view operand, int64_t operand_kept) {
+  ffi::Error received = Receive(partition, out, pairs, device_index, device_process,
+                                num_devices, op, operand);
+  if (static_cast<int64_t>(kept.size()) != operand_kept) {
+    return ffi::Error::Internal(std::string(op) + ": malformed call (" +
+                                std::to_string(kept.size()) + " kept operands, expected " +
+                                std::to_string(operand_kept) + ")");
+  }
+  std::string send_error;
+  for (size_t i = 0; i < kept.size(); ++i) {
+    ffi::ErrorOr<ffi::AnyBuffer> operand_buffer = kept.get<ffi::AnyBuffer>(i);
+    if (operand_buffer.has_error()) return operand_buffer.error();
+    const double timeout_s = Runtime::Get().config().recv_timeout_s;
+    std::string e = Runtime::Get().kept_sends().FinishAll(operand_buffer->untyped_data(),
+                                                           DeadlineAfter(timeout_s));
+    if (send_error.empty()) send_error = std::move(e);
+  }
+  if (received.failure() || send_error.empty()) return received;
+  return ffi::Error::Internal(send_error);
+}
+
 }  // namespace
 }  // namespace jcm
 
@@ -240,7 +290,8 @@ auto WithRoutingAttributes(Binding binding) {
       .template Attr<jcm::I64Span>("device_process")
       .template Attr<int64_t>("num_devices")
       .template Attr<std::string_view>("op")
-      .template Attr<std::string_view>("operand");
+      .template Attr<std::string_view>("operand")
+      .template Attr<int64_t>("operand_kept");
 }
 }  // namespace
 
@@ -254,4 +305,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JcmPrecv, jcm::PrecvImpl,
                               WithRoutingAttributes(ffi::Ffi::Bind()
                                                         .Arg<ffi::Token>()
                                                         .Arg<ffi::Buffer<ffi::U32>>()
+                                                        .RemainingArgs()
                                                         .Ret<ffi::AnyBuffer>()));

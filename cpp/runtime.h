@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "kept_sends.h"
 #include "mailbox.h"
 #include "mpi_transport.h"
 
@@ -34,6 +35,8 @@ class Runtime {
   void set_config(const Config& config);
 
   Mailbox& mailbox() { return mailbox_; }
+  // Sends that the precv keeping their operand alive finishes (see kept_sends.h).
+  KeptSends& kept_sends() { return kept_sends_; }
 
   // The MPI transport, or nullptr until Python attaches a communicator.
   std::shared_ptr<MpiTransport> mpi() const;
@@ -67,6 +70,7 @@ class Runtime {
   mutable std::mutex mu_;
   Config config_;
   Mailbox mailbox_;
+  KeptSends kept_sends_;
   std::shared_ptr<MpiTransport> mpi_;
   void ProgressLoop();
   void StopProgressThread();
