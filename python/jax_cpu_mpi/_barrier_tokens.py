@@ -46,7 +46,7 @@ from ._compat import (
     optimization_barrier_p,
     register_lowering,
 )
-from .lowering import PRECV_TARGET, PSEND_TARGET
+from .lowering import OPERAND_KEPT, PRECV_TARGET, PSEND_TARGET
 from .topology import partition_tables
 
 #: The ``op`` attribute of the psend/precv calls that only order a barrier's values.
@@ -61,9 +61,10 @@ def _u32() -> Any:
 
 def _attributes(ctx: Any, operand: str) -> dict[str, Any]:
     tables = partition_tables(ctx.module_context.axis_context, "optimization_barrier")
-    return dict(pairs=_NO_PAIRS, device_index=tables.device_index,
-                device_process=tables.device_process,
-                num_devices=np.int64(tables.num_devices), op=ORDERING_OP, operand=operand)
+    return {"pairs": _NO_PAIRS, "device_index": tables.device_index,
+            "device_process": tables.device_process,
+            "num_devices": np.int64(tables.num_devices), "op": ORDERING_OP,
+            "operand": operand, OPERAND_KEPT: np.int64(0)}
 
 
 def _token_after(ctx: Any, value: Any, aval: Any) -> Any:

@@ -430,6 +430,18 @@ single_side_collective_effect = GPU_PARITY.need(
     "jax._src.lax.parallel:single_side_collective_effect")
 _need_all([GPU_PARITY], "jax._src.lib.mlir:ir", check=is_module)
 
+# ------------------------------------------- precvs that keep their psend's operand alive
+
+KEPT_OPERANDS = feature(
+    "kept_operands", "precvs that keep their psend's operand alive (a psend then returns "
+    "while its receiver copies)", requires=("lowerings",),
+    when_off="every psend finishes its send before it returns (correct, but a device that "
+             "sends waits for its receiver's copy instead of going on with its own work)")
+_need_all([KEPT_OPERANDS], "jax._src.interpreters.mlir:lower_jaxpr_to_module",
+          check=has_params("module_name", "jaxpr", "platforms"))
+_need_all([KEPT_OPERANDS], "jax._src.lax.parallel:single_side_collective_effect")
+_need_all([KEPT_OPERANDS], "jax._src.lib.mlir:ir", check=is_module)
+
 # --------------------------------------------------- optimization_barrier over tokens
 
 BARRIER_TOKENS = feature(

@@ -14,6 +14,9 @@ whose operands are the data (or token) and the partition id of the running devic
 The token that psend returns is a result of its custom call, and precv takes it as an
 operand, so XLA cannot reorder a precv before the psend it depends on. Both calls are
 side-effecting, so a psend whose token is dropped still runs.
+
+Both calls carry ``operand_kept = 0``; the pass of :mod:`jax_cpu_mpi._kept_operands` later
+lets a precv keep alive the operand of the psend whose token it takes (and finish its send).
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ from .topology import PartitionTables, partition_tables
 
 PSEND_TARGET = "jax_cpu_mpi_psend"
 PRECV_TARGET = "jax_cpu_mpi_precv"
-
-
+#: psend: 1 when a precv keeps its operand alive (and finishes its send); precv: how many
+#: operands it keeps (its operands after the token and the partition id).
+OPERAND_KEPT = "operand_kept"
 
 def _describe(aval: ShapedArray) -> str:
     return f"{aval.dtype.name}[{','.join(map(str, aval.shape))}]"
@@ -67,14 +71,15 @@ def _routing(ctx: mlir.LoweringRuleContext, op_name: str, axis_name, perm):
 
 
 def _attributes(pairs: np.ndarray, tables: PartitionTables, op: str, operand: str) -> dict:
-    return dict(
-        pairs=pairs,
-        device_index=tables.device_index,
-        device_process=tables.device_process,
-        num_devices=np.int64(tables.num_devices),
-        op=op,
-        operand=operand,
-    )
+    return {
+        "pairs": pairs,
+        "device_index": tables.device_index,
+        "device_process": tables.device_process,
+        "num_devices": np.int64(tables.num_devices),
+        "op": op,
+        "operand": operand,
+        OPERAND_KEPT: np.int64(0),
+    }
 
 
 def _emit(ctx: mlir.LoweringRuleContext, target: str, op_name: str, operand, *, axis_name,

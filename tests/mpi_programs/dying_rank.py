@@ -94,10 +94,11 @@ if SCENARIO.endswith("mid-rendezvous"):
     def kill_peer() -> None:
         time.sleep(3.0)  # by now rank 0 is in its direct send
         stats = __import__("jax_cpu_mpi").stats()
-        # Not staged, nothing in flight: the psend is in its direct send.
+        # Nothing staged, one send in flight: the direct send from the operand (which the
+        # precv that keeps the operand is finishing).
         staged, inflight = stats["mpi_staged_large_sends"], stats["mpi_inflight_sends"]
         print(f"process {me}: while sending: staged {staged}, in flight {inflight}", flush=True)
-        assert staged == 0 and inflight == 0, stats
+        assert staged == 0 and inflight == 1 and stats["mpi_direct_sends"] == 0, stats
         print(f"process {me}: process 1 is dying now (kill), from process {me}", flush=True)
         os.kill(pids[1], signal.SIGKILL)
 

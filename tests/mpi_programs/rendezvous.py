@@ -3,7 +3,8 @@
 ``rendezvous.py CASE`` under ``mpirun -n 2``:
 
 * ``paths`` (1 device per rank): the receiver ready first (the message goes straight from
-  the operand: ``mpi_direct_sends`` grows), the receiver later than the sender's grace
+  the operand: ``mpi_direct_sends`` grows, and the psend returns before it completes:
+  ``kept_sends`` grows), the receiver later than the sender's grace
   period (the message goes staged: ``mpi_staged_large_sends`` grows), at 1 MiB and at
   8 MiB + 4 KiB (two direct counts would not matter there, the chunked staged path does);
   byte-count mismatches with the receiver ready first (the sender must stage, the receiver
@@ -48,9 +49,10 @@ def barrier(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
-def counters() -> tuple[int, int]:
+def counters() -> tuple[int, int, int]:
+    """Direct sends, staged large sends, and psends left in flight for their precv."""
     s = jax_cpu_mpi.stats()
-    return s["mpi_direct_sends"], s["mpi_staged_large_sends"]
+    return s["mpi_direct_sends"], s["mpi_staged_large_sends"], s["kept_sends"]
 
 
 def one_way(mesh, n: int, recv_n: int | None = None):
@@ -88,9 +90,12 @@ def run_paths() -> None:
             if me == 1:
                 np.testing.assert_array_equal(got, pattern(n, salt), err_msg=f"{n} {mode}")
             else:
-                direct, staged = after[0] - before[0], after[1] - before[1]
-                want = (1, 0) if mode == "receiver ready first" else (0, 1)
-                assert (direct, staged) == want, (n, mode, direct, staged)
+                direct, staged, kept = (a - b for a, b in zip(after, before, strict=True))
+                # Ready first: straight from the operand, the psend returning while the
+                # receiver copies (the precv that takes its token finishes it).
+                want = (1, 0, 1) if mode == "receiver ready first" else (0, 1, 0)
+                assert (direct, staged, kept) == want, (n, mode, direct, staged, kept)
+                assert jax_cpu_mpi.stats()["kept_sends_unfinished"] == 0
             print(f"ok   {n} bytes, {mode}: {'direct' if mode.endswith('first') else 'staged'}",
                   flush=True)
             barrier(f"{n} {mode} done")

@@ -1,0 +1,225 @@
+"""Kept operands: a precv keeps its psend's operand alive, and the psend returns early.
+
+The module pass (python/jax_cpu_mpi/_kept_operands.py) gives a precv the operand of the
+psend whose token it takes in the same block, and marks that psend; at run time such a
+psend hands its operand to a waiting receiver and returns, and the precv finishes the send
+(cpp/kept_sends.h). These tests pin where the pass applies (and where it must not), and
+that values, errors and the transports' state are what they are without it (the results
+are compared with lax.ppermute and with the pass switched off). Over MPI the same path is
+taken by every precv(psend(x)) of 256 KiB and more whose receiver is ready: see
+tests/mpi_programs/rendezvous.py and test_p2p_mpi.py.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_cpu_mpi
+from conftest import make_mesh
+from jax_cpu_mpi import _compat, config
+
+FORWARD = [(0, 1)]
+BACKWARD = [(1, 0)]
+
+
+@pytest.fixture(autouse=True)
+def no_parity_check():
+    with config.overrides(gpu_parity=False):
+        yield
+
+
+def hop(x, perm):
+    token = jax_cpu_mpi.psend(x, "x", perm)
+    y = jax_cpu_mpi.precv(token, jax.ShapeDtypeStruct(x.shape, x.dtype), "x", perm)
+    return jax.lax.pcast(y, "x", to="varying")
+
+
+def spmd(body, mesh, outputs=1):
+    out_specs = P("x") if outputs == 1 else tuple(P("x") for _ in range(outputs))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=out_specs))
+
+
+def sharded(mesh, n, dtype=np.float32):
+    x = np.arange(2 * n, dtype=dtype) + 1
+    return jax.device_put(x, NamedSharding(mesh, P("x")))
+
+
+def custom_calls(f, x) -> list[str]:
+    text = f.lower(x).as_text()
+    return [line for line in text.splitlines() if "stablehlo.custom_call @jax_cpu_mpi_p" in line]
+
+
+def kept(line: str) -> int:
+    return int(re.search(r"operand_kept = (\d+)", line).group(1))
+
+
+@pytest.fixture
+def pass_off(monkeypatch):
+    monkeypatch.setattr(_compat.KEPT_OPERANDS, "installed", False)
+
+
+def test_feature_is_active():
+    assert _compat.KEPT_OPERANDS.active
+
+
+def test_precv_keeps_the_operand_of_its_psend():
+    mesh = make_mesh((2, "x"))
+    calls = custom_calls(spmd(lambda v: hop(v, FORWARD), mesh), sharded(mesh, 8))
+    psend, precv = calls
+    assert "@jax_cpu_mpi_psend" in psend and kept(psend) == 1
+    assert "@jax_cpu_mpi_precv" in precv and kept(precv) == 1
+    # precv(token, partition id, the psend's operand)
+    operands = re.search(r"@jax_cpu_mpi_precv\(([^)]*)\)", precv).group(1).split(", ")
+    sent = re.search(r"@jax_cpu_mpi_psend\(([^)]*)\)", psend).group(1).split(", ")[0]
+    assert len(operands) == 3 and operands[2] == sent, (psend, precv)
+
+
+def test_not_kept_across_blocks_or_when_off(pass_off):
+    mesh = make_mesh((2, "x"))
+    calls = custom_calls(spmd(lambda v: hop(v, FORWARD), mesh), sharded(mesh, 8))
+    assert [kept(c) for c in calls] == [0, 0]
+
+
+def test_precv_in_a_branch_does_not_keep():
+    """A precv in a cond branch might not run: the psend outside it finishes its own send."""
+    mesh = make_mesh((2, "x"))
+
+    def body(v):
+        token = jax_cpu_mpi.psend(v, "x", FORWARD)
+        out = jax.ShapeDtypeStruct(v.shape, v.dtype)
+        return jax.lax.cond(v[0] > -1, lambda: jax_cpu_mpi.precv(token, out, "x", FORWARD),
+                            lambda: jax_cpu_mpi.precv(token, out, "x", FORWARD))
+
+    x = sharded(mesh, 1 << 18)
+    f = spmd(body, mesh)
+    assert all(kept(c) == 0 for c in custom_calls(f, x))
+    got = np.asarray(f(x))
+    want = np.asarray(spmd(lambda v: jax.lax.ppermute(v, "x", FORWARD), mesh)(x))
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("n", [4 << 10, 1 << 18, 4 << 20])
+def test_pingpong_scan_matches_ppermute(n):
+    mesh = make_mesh((2, "x"))
+
+    def body(transport):
+        def round_trip(carry, _):
+            z, _ = carry
+            y = transport(z, FORWARD)
+            return (transport(y, BACKWARD) * 2, y), None
+
+        def run(v):
+            return jax.lax.scan(round_trip, (v, v), None, length=6)[0]
+        return run
+
+    x = sharded(mesh, n)
+    before = jax_cpu_mpi.stats()["kept_sends"]
+    got = spmd(body(hop), mesh, 2)(x)
+    want = spmd(body(lambda v, p: jax.lax.ppermute(v, "x", p)), mesh, 2)(x)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    stats = jax_cpu_mpi.stats()
+    assert stats["kept_sends_unfinished"] == 0 and stats["mailbox_queued_messages"] == 0
+    if n * 4 >= 16 << 10:  # offered from the operand (the mailbox copies smaller ones)
+        assert stats["kept_sends"] > before
+
+
+def test_operand_used_after_the_psend_is_unchanged():
+    """XLA may not reuse or update the operand in place before the keeping precv ran."""
+    mesh = make_mesh((2, "x"))
+
+    def body(v):
+        y = hop(v, [(0, 1), (1, 0)])
+        w = v.at[0].set(-1.0)  # a write to a copy of the operand, never to the operand
+        return y + w, v
+
+    x = sharded(mesh, 1 << 18)
+    (got, v_out), (want, _) = spmd(body, mesh, 2)(x), spmd(
+        lambda v: (jax.lax.ppermute(v, "x", [(0, 1), (1, 0)]) + v.at[0].set(-1.0), v),
+        mesh, 2)(x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(v_out), np.asarray(x))
+
+
+def test_one_token_two_precvs():
+    """Both precvs keep the operand; the first to run finishes the send."""
+    mesh = make_mesh((2, "x"))
+
+    def body(v):
+        token = jax_cpu_mpi.psend(v, "x", FORWARD)
+        out = jax.ShapeDtypeStruct(v.shape, v.dtype)
+        a = jax_cpu_mpi.precv(token, out, "x", FORWARD)
+        token2 = jax_cpu_mpi.psend(v * 3, "x", FORWARD)
+        b = jax_cpu_mpi.precv(token2, out, "x", FORWARD)
+        c = jax_cpu_mpi.precv(token, jax.ShapeDtypeStruct((1,), v.dtype), "x", [])
+        return a + b + c
+
+    x = sharded(mesh, 1 << 18)
+    f = spmd(body, mesh)
+    assert [kept(c) for c in custom_calls(f, x)] == [1, 1, 1, 1, 1]
+    want = spmd(lambda v: jax.lax.ppermute(v, "x", FORWARD) * 4, mesh)(x)
+    np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(want))
+    assert jax_cpu_mpi.stats()["kept_sends_unfinished"] == 0
+
+
+@pytest.mark.parametrize("n", [4 << 10, 1 << 20])
+def test_same_results_with_the_pass_off(n, monkeypatch):
+    mesh = make_mesh((4, "x"))
+    ring = [(i, (i + 1) % 4) for i in range(4)]
+
+    def body(v):
+        return hop(hop(v, ring) + 1, list(reversed(ring)))
+
+    x = sharded(mesh, n)
+    on = np.asarray(spmd(body, mesh)(x))
+    monkeypatch.setattr(_compat.KEPT_OPERANDS, "installed", False)
+    off = np.asarray(spmd(lambda v: body(v) + 0, mesh)(x))  # a new program: lowered anew
+    np.testing.assert_array_equal(on, off)
+
+
+def test_size_mismatch_on_kept_send_is_reported_and_leaves_nothing():
+    mesh = make_mesh((2, "x"))
+
+    def body(v):
+        token = jax_cpu_mpi.psend(v, "x", FORWARD)
+        return jax_cpu_mpi.precv(token, jax.ShapeDtypeStruct((v.shape[0] // 2,), v.dtype),
+                                 "x", FORWARD)
+
+    x = sharded(mesh, 1 << 18)
+    with pytest.raises(Exception, match=r"precv.*expected float32\[131072\].*float32\[262144\]"):
+        jax.block_until_ready(spmd(body, mesh)(x))
+    stats = jax_cpu_mpi.stats()
+    assert stats["kept_sends_unfinished"] == 0 and stats["mailbox_queued_messages"] == 0
+    # The channel still works afterwards.
+    y = spmd(lambda v: hop(v, FORWARD), mesh)(x)
+    np.testing.assert_array_equal(np.asarray(y)[1 << 18:], np.asarray(x)[: 1 << 18])
+
+
+def test_many_pairs_at_once():
+    """Four devices, every pair both ways in one step, offered operands everywhere."""
+    mesh = make_mesh((4, "x"))
+    shifts = [[(i, (i + s) % 4) for i in range(4)] for s in (1, 2, 3)]
+
+    def body(v):
+        out = v
+        for perm in shifts:
+            out = out + hop(v * (len(perm) + 1), perm)
+        return out
+
+    def want_body(v):
+        out = v
+        for perm in shifts:
+            out = out + jax.lax.ppermute(v * (len(perm) + 1), "x", perm)
+        return out
+
+    x = sharded(mesh, 1 << 16)
+    got = np.asarray(spmd(body, mesh)(x))
+    np.testing.assert_array_equal(got, np.asarray(spmd(want_body, mesh)(x)))
+    assert jnp.isfinite(got).all()
