@@ -11,13 +11,21 @@
 # mpirun on PATH), NP (ranks, default 2), ROUNDS (default 3), SIZES (default
 # 8,4K,64K,1M,4M,16M,64M), QUIET_IDLE (wait until the CPUs are this % idle before
 # starting, default 90; 0 disables), QUIET_WAIT (give up waiting after this many seconds,
-# default 60).
+# default 60), HUGEPAGES (default 1: every process of the run, raw MPI's included, runs with
+# GLIBC_TUNABLES=glibc.malloc.hugetlb=1, so that XLA's buffers get transparent huge pages
+# as numpy's large arrays already do; 0: the machine's defaults).
 set -euo pipefail
 
 PYTHON=${PYTHON:-python}
 PYDIR=$(dirname "$(command -v "$PYTHON")")
 MPIRUN=${MPIRUN:-$( [ -x "$PYDIR/mpirun" ] && echo "$PYDIR/mpirun" || echo mpirun )}
 NP=${NP:-2}
+# numpy asks for transparent huge pages for arrays of 4 MiB and more, XLA's allocator does
+# not: without this, MPI's single-copy transfer (CMA) of a psend operand pins 512 times more
+# pages than that of a numpy buffer, which halves its bandwidth at 16 MiB on a 2-core VM.
+if [ "${HUGEPAGES:-1}" != 0 ]; then
+  export GLIBC_TUNABLES=${GLIBC_TUNABLES:+$GLIBC_TUNABLES:}glibc.malloc.hugetlb=1
+fi
 # A lost message fails the run after 2 minutes instead of the default 5.
 export JAX_CPU_MPI_RECV_TIMEOUT=${JAX_CPU_MPI_RECV_TIMEOUT:-120}
 ROUNDS=${ROUNDS:-3}
@@ -50,7 +58,7 @@ if [ -r /proc/stat ] && [ "${QUIET_IDLE:-90}" -gt 0 ]; then
   echo "# started after waiting ${waited}s for the CPUs to be ${QUIET_IDLE:-90}% idle" >&2
 fi
 
-echo "# load before: $(cat /proc/loadavg 2>/dev/null)" >&2
+echo "# load before: $(cat /proc/loadavg 2>/dev/null); GLIBC_TUNABLES=${GLIBC_TUNABLES:-}" >&2
 "$MPIRUN" -n "$NP" "$PYTHON" -m jax_cpu_mpi.bench --rounds "$ROUNDS" --sizes "$SIZES" \
   --methods "$MPI_METHODS" --format osu,nccl --out "$OUT" "$@" | tee "$OUT/stdout.txt"
 
