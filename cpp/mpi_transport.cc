@@ -712,7 +712,7 @@ MpiTransport::DrainResult MpiTransport::Drain(std::chrono::steady_clock::time_po
 
 bool MpiTransport::has_pending_sends() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return !pending_.empty() || !direct_in_flight_.empty();
+  return !pending_.empty();
 }
 
 size_t MpiTransport::inflight_sends() {

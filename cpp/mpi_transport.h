@@ -108,7 +108,8 @@ class MpiTransport {
 
   // Sends not yet completed (after testing them) and their bytes.
   size_t inflight_sends();
-  // Whether sends were left in flight when last tested (cheap: no MPI call).
+  // Whether staged sends were left in flight when last tested (cheap: no MPI call). Direct
+  // sends left in flight are not counted: the precv that keeps their operand finishes them.
   bool has_pending_sends() const;
   uint64_t inflight_bytes();
   uint64_t sends_completed() const;

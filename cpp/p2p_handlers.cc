@@ -156,8 +156,10 @@ ffi::Error PsendImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
       return what + done.error;
     });
   }
-  // Only a send left in flight needs the progress thread: waking it after every psend
-  // (most small sends complete at once) costs a context switch per hop.
+  // Only a staged send left in flight needs the progress thread: waking it after every
+  // psend (most small sends complete at once) costs a context switch per hop. A direct send
+  // left in flight does not: the precv that keeps its operand finishes it (over TCP its
+  // bytes may then move only once that precv runs, as when psend waited for them).
   if (r.ok && mpi->has_pending_sends()) rt.mpi_send_in_flight();
   if (!r.ok) {
     rt.note_unreachable_peer(dest);

@@ -36,7 +36,7 @@ def test_sizes_are_anchored_at_the_top():
     assert options.size_range(8, 64, 2) == [8, 16, 32, 64]
     assert options.parse_sizes("16MiB,8,1K") == [8, 1024, 16 << 20]
     plan = options.parse(["--sizes", "8,16M"]).plan(16 << 20)
-    assert (plan.iters, plan.window, plan.hops) == (32, 32, 32)
+    assert (plan.iters, plan.window, plan.hops) == (32, 32, 256)
 
 
 def test_osu_and_nccl_rows_hold_the_statistics():

@@ -100,7 +100,9 @@ def _jax_p2p(ctx: Context, method: str, pair: tuple[Any, Any], transport: str, s
         return _measurement(ctx, method, seconds, warmup, per_sample, wrong, mode,
                             description, hops_per_call=per_sample if scan else None)
 
-    window = plan.window
+    # A scan sends as many messages per call as its ping-pong (the call's own cost fades);
+    # one call per message keeps OSU's window.
+    window = plan.hops if scan else plan.window
     if scan:
         stream = programs.stream_scan(mesh, transport, window)
 

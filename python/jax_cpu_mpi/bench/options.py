@@ -120,6 +120,7 @@ class Options:
     max_hops: int = 256
     max_window: int = 64
     window_bytes: int = 512 << 20
+    scan_bytes: int = 4 << 30
     min_samples: int = 10
     local_devices: int = 2
     progress: bool = True
@@ -129,8 +130,10 @@ class Options:
     def plan(self, size: int) -> Plan:
         iters = max(self.min_iters, min(self.max_iters, self.iter_bytes // size))
         warmup = max(2, iters // 10)
-        # Enough messages per call that the call's own cost (dispatch, fresh buffers) fades.
-        hops = max(2, min(self.max_hops, self.window_bytes // size) & ~1)
+        # Enough messages per call that the call's own cost (dispatch, fresh buffers) fades:
+        # on the 2-core VM, the fresh output buffers and the copies into the loop carry of
+        # a call cost about 2 ms per MiB of message (page faults), 8 hops' worth at 64 MiB.
+        hops = max(2, min(self.max_hops, self.scan_bytes // size) & ~1)
         scan_samples = max(self.min_samples, -(-2 * iters // hops))
         window = max(2, min(self.max_window, self.window_bytes // size))
         window_samples = max(self.min_samples, iters // window)
@@ -190,11 +193,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iter-bytes", type=_bytes_arg, default=512 << 20,
                    help="iterations of a size: this many bytes / size, within the bounds above")
     p.add_argument("--max-hops", type=int, default=256,
-                   help="messages inside one scan call (fewer for large sizes: --window-bytes)")
+                   help="messages inside one scan call (fewer for large sizes: --scan-bytes)")
     p.add_argument("--max-window", type=int, default=64,
                    help="messages in flight per bandwidth sample (OSU's window)")
     p.add_argument("--window-bytes", type=_bytes_arg, default=512 << 20,
-                   help="windows and scans shrink so that messages x size stays under this")
+                   help="windows shrink so that messages x size stays under this")
+    p.add_argument("--scan-bytes", type=_bytes_arg, default=4 << 30,
+                   help="scans (ping-pong and stream) shrink so that messages x size stays "
+                        "under this")
     p.add_argument("--min-samples", type=int, default=10,
                    help="at least this many samples per measurement")
     p.add_argument("--local-devices", type=int, default=2,
@@ -253,6 +259,7 @@ def parse(argv: list[str] | None = None) -> Options:
         max_hops=extra.get("max_hops", args.max_hops),
         max_window=extra.get("max_window", args.max_window),
         window_bytes=args.window_bytes,
+        scan_bytes=args.scan_bytes,
         min_samples=extra.get("min_samples", args.min_samples),
         local_devices=args.local_devices,
         progress=args.progress,
