@@ -11,6 +11,7 @@
 // the bytes, never for one that has not come.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <map>
@@ -28,13 +29,24 @@ class KeptSends {
   void Add(const void* operand, Finish finish);
 
   // Finishes every send still reading from `operand`; returns the first error, or "".
-  std::string FinishAll(const void* operand, std::chrono::steady_clock::time_point deadline);
+  // `timeout_s` is read only when there is a send to finish (not on the path of a precv
+  // whose psend finished its own send, e.g. every small message).
+  template <typename TimeoutSeconds>
+  std::string FinishAll(const void* operand, TimeoutSeconds timeout_s) {
+    if (pending_count_.load(std::memory_order_acquire) == 0) return std::string();
+    return FinishAllSlow(operand, timeout_s());
+  }
 
   // Sends not finished yet, and sends that were kept at all (since the start).
   size_t pending() const;
   uint64_t kept_total() const;
 
  private:
+  std::string FinishAllSlow(const void* operand, double timeout_s);
+
+  // pending_.size(), readable without the lock: the precv that finishes a send runs after
+  // its psend (it takes the psend's token), so a zero here never hides a send it must finish.
+  std::atomic<size_t> pending_count_{0};
   mutable std::mutex mu_;
   std::multimap<const void*, Finish> pending_;
   uint64_t kept_total_ = 0;

@@ -270,9 +270,8 @@ ffi::Error PrecvImpl(ffi::Token /*token*/, ffi::Buffer<ffi::U32> partition,
   for (size_t i = 0; i < kept.size(); ++i) {
     ffi::ErrorOr<ffi::AnyBuffer> operand_buffer = kept.get<ffi::AnyBuffer>(i);
     if (operand_buffer.has_error()) return operand_buffer.error();
-    const double timeout_s = Runtime::Get().config().recv_timeout_s;
-    std::string e = Runtime::Get().kept_sends().FinishAll(operand_buffer->untyped_data(),
-                                                           DeadlineAfter(timeout_s));
+    std::string e = Runtime::Get().kept_sends().FinishAll(
+        operand_buffer->untyped_data(), [] { return Runtime::Get().config().recv_timeout_s; });
     if (send_error.empty()) send_error = std::move(e);
   }
   if (received.failure() || send_error.empty()) return received;
