@@ -92,7 +92,9 @@ if [[ -n ${QUICK:-} ]]; then  # a few minutes less: the smoke tests and one stre
 else
   tests=(tests/test_smoke.py
          tests/test_p2p_single_process.py
+         tests/test_kept_operands.py
          tests/test_p2p_errors.py
+         "tests/test_reliability.py::test_rendezvous_direct_staged_and_mismatched_messages"
          "tests/test_reliability.py::test_back_to_back_programs_on_same_and_disjoint_devices_never_mix"
          "tests/test_reliability.py::test_many_messages_in_flight_on_eight_devices_never_mix"
          "tests/test_reliability.py::test_ten_thousand_steps_in_one_process_keep_memory_flat"
