@@ -25,9 +25,7 @@ jax.distributed.initialize()
 assert "mpi4py.MPI" in sys.modules
 print("mpi4py imported by initialize, not before", flush=True)
 
-import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+from _chain_vs_ppermute import assert_chain_matches_ppermute  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
@@ -42,32 +40,5 @@ assert coordinator.rsplit(":", 1)[0] == hosts[0], (coordinator, hosts)
 print(f"process index {me} of {size} on {host}, coordinator {coordinator}", flush=True)
 
 n = jax.device_count()
-mesh = jax.make_mesh((n,), ("x",))
-value = np.arange(4.0 * n, dtype=np.float32).reshape(n, 4) + 1
-x = jax.make_array_from_callback(value.shape, NamedSharding(mesh, P("x")),
-                                 lambda index: value[index])
-forward = [(i, i + 1) for i in range(n - 1)]
-backward = [(i + 1, i) for i in range(n - 1)]
-
-
-def program(p2p: bool):
-    def body(v):
-        out = []
-        for perm in (forward, backward):
-            if p2p:
-                token = jax.lax.psend(v, "x", perm)
-                out.append(jax.lax.precv(token, jax.ShapeDtypeStruct(v.shape, v.dtype), "x",
-                                         perm))
-            else:
-                out.append(jax.lax.ppermute(v, "x", perm))
-        return out[0] + 10 * out[1]
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-
-
-from jax.experimental import multihost_utils  # noqa: E402
-
-got = np.asarray(multihost_utils.process_allgather(program(True)(x), tiled=True))
-want = np.asarray(multihost_utils.process_allgather(program(False)(x), tiled=True))
-np.testing.assert_array_equal(got, want)
-assert got.any()
+assert_chain_matches_ppermute(jax.make_mesh((n,), ("x",)))
 print(f"process {me}: psend/precv over {n} devices equals ppermute: JCM-OK", flush=True)
