@@ -107,8 +107,8 @@ MpiResult MpiTransport::ProgressLocked() {
     if (!done) break;
     control_sends_.pop_front();
   }
-  // Direct sends left in flight (their precv finishes them; testing them here also keeps
-  // them moving while the device computes, see Runtime::mpi_send_in_flight).
+  // Direct sends left in flight for the precv that keeps their operand (testing them here
+  // also moves them along whenever anything else polls: a precv, the progress thread).
   for (auto it = direct_in_flight_.begin(); it != direct_in_flight_.end();) {
     DirectSend& send = **it;
     int done = 0;
@@ -682,14 +682,13 @@ MpiTransport::DrainResult MpiTransport::Drain(std::chrono::steady_clock::time_po
   while (true) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      const size_t undelivered = pending_.size() + direct_in_flight_.size();
-      if (!MpiIsUsable()) return {undelivered, false};
+      if (!MpiIsUsable()) return {SendsInFlightLocked(), false};
       ProgressLocked();
-      const bool sends_done = pending_.empty() && direct_in_flight_.empty();
+      const bool sends_done = SendsInFlightLocked() == 0;
       if (barrier == MPI_REQUEST_NULL &&
           (sends_done || std::chrono::steady_clock::now() > join_anyway)) {
         if (MPI_Ibarrier(comm_, &barrier) != MPI_SUCCESS) {
-          return {pending_.size() + direct_in_flight_.size(), false};
+          return {SendsInFlightLocked(), false};
         }
       }
       if (barrier != MPI_REQUEST_NULL) {
@@ -697,17 +696,21 @@ MpiTransport::DrainResult MpiTransport::Drain(std::chrono::steady_clock::time_po
         MPI_Test(&barrier, &done, MPI_STATUS_IGNORE);
         if (done) {
           ProgressLocked();
-          return {pending_.size() + direct_in_flight_.size(), true};
+          return {SendsInFlightLocked(), true};
         }
       }
       if (std::chrono::steady_clock::now() > deadline) {
         // A peer never reached its exit (or died): report only our own undelivered sends.
         // The barrier request is left to MPI_Finalize.
-        return {pending_.size() + direct_in_flight_.size(), false};
+        return {SendsInFlightLocked(), false};
       }
     }
     backoff.Pause();
   }
+}
+
+size_t MpiTransport::SendsInFlightLocked() const {
+  return pending_.size() + direct_in_flight_.size();
 }
 
 bool MpiTransport::has_pending_sends() const {
@@ -718,7 +721,7 @@ bool MpiTransport::has_pending_sends() const {
 size_t MpiTransport::inflight_sends() {
   std::lock_guard<std::mutex> lock(mu_);
   if (MpiIsUsable()) ProgressLocked();  // count only what is really still in flight
-  return pending_.size() + direct_in_flight_.size();
+  return SendsInFlightLocked();
 }
 
 uint64_t MpiTransport::inflight_bytes() {

@@ -206,6 +206,8 @@ class MpiTransport {
   std::unique_lock<std::mutex> MpiCallLock();
   // Frees completed sends; caller holds mu_.
   MpiResult ProgressLocked();
+  // Staged and direct sends not completed when last tested; caller holds mu_.
+  size_t SendsInFlightLocked() const;
   std::string ErrorString(int code) const;
 
   MPI_Comm comm_ = MPI_COMM_NULL;         // staged messages

@@ -261,11 +261,6 @@ ffi::Error PrecvImpl(ffi::Token /*token*/, ffi::Buffer<ffi::U32> partition,
                      std::string_view op, std::string_view operand, int64_t operand_kept) {
   ffi::Error received = Receive(partition, out, pairs, device_index, device_process,
                                 num_devices, op, operand);
-  if (static_cast<int64_t>(kept.size()) != operand_kept) {
-    return ffi::Error::Internal(std::string(op) + ": malformed call (" +
-                                std::to_string(kept.size()) + " kept operands, expected " +
-                                std::to_string(operand_kept) + ")");
-  }
   std::string send_error;
   for (size_t i = 0; i < kept.size(); ++i) {
     ffi::ErrorOr<ffi::AnyBuffer> operand_buffer = kept.get<ffi::AnyBuffer>(i);
@@ -273,6 +268,11 @@ ffi::Error PrecvImpl(ffi::Token /*token*/, ffi::Buffer<ffi::U32> partition,
     std::string e = Runtime::Get().kept_sends().FinishAll(
         operand_buffer->untyped_data(), [] { return Runtime::Get().config().recv_timeout_s; });
     if (send_error.empty()) send_error = std::move(e);
+  }
+  if (static_cast<int64_t>(kept.size()) != operand_kept) {  // after finishing them all
+    return ffi::Error::Internal(std::string(op) + ": malformed call (" +
+                                std::to_string(kept.size()) + " kept operands, expected " +
+                                std::to_string(operand_kept) + ")");
   }
   if (received.failure() || send_error.empty()) return received;
   return ffi::Error::Internal(send_error);
