@@ -51,6 +51,8 @@ JAX_NEEDS_ITSELF = frozenset({
     "jax._src.core:Primitive",
     "jax._src.interpreters.mlir:aval_to_ir_type",
     "jax._src.lax.parallel:_check_axis_names",
+    # fast_dispatch: what runs every compiled program.
+    "jax._src.interpreters.pxla:ExecuteReplicated",
 })
 
 NAMES = _compat.names()

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import warnings
 
-from . import _barrier_tokens, _kept_operands, _versions
+from . import _barrier_tokens, _fast_dispatch, _kept_operands, _versions
 from . import _compat as _compat
 from . import _jax_cpu_mpi as _ext
 from . import batching as _batching
@@ -57,6 +57,7 @@ def install() -> None:
     _compat.enable("gpu_parity", _validation.install)
     _compat.enable("kept_operands", _kept_operands.install)
     _compat.enable("barrier_tokens", _barrier_tokens.install)
+    _compat.enable("fast_dispatch", _fast_dispatch.install)
     _batching.install()
     _compat.enable("info:lowering_table", lambda: None)  # read-only: nothing to install
     # Before jax.distributed.initialize(), which JAX runs before any plugin is loaded: only

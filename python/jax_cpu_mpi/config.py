@@ -17,6 +17,11 @@ Environment variable               Default     Meaning
                                                at compile time (cyclic pairs in one op,
                                                unmatched psend/precv). ``0``: run every
                                                pattern the CPU transport can run.
+``JAX_CPU_MPI_FAST_DISPATCH``      ``1``       ``1``: a jitted CPU program with psend/precv
+                                               runs through JAX's C++ dispatch like any other
+                                               (``jax.effects_barrier()`` then does not wait
+                                               for it: block on its outputs). ``0``: JAX's
+                                               Python dispatch of effectful programs.
 =================================  ==========  ================================================
 """
 
@@ -53,6 +58,8 @@ class Config:
     gpu_parity: bool = True
     #: In an MPI job, abort the job on an uncaught Python exception.
     abort_on_error: bool = True
+    #: Dispatch jitted CPU programs with psend/precv through JAX's C++ fast path.
+    fast_dispatch: bool = True
 
     def __post_init__(self) -> None:
         if not self.recv_timeout > 0:
@@ -97,6 +104,7 @@ def from_environment() -> Config:
         exit_timeout=_env_float("JAX_CPU_MPI_EXIT_TIMEOUT", Config.exit_timeout),
         gpu_parity=_env_bool("JAX_CPU_MPI_GPU_PARITY", Config.gpu_parity),
         abort_on_error=_env_bool("JAX_CPU_MPI_ABORT_ON_ERROR", Config.abort_on_error),
+        fast_dispatch=_env_bool("JAX_CPU_MPI_FAST_DISPATCH", Config.fast_dispatch),
     )
 
 

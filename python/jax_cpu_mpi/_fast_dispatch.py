@@ -1,0 +1,66 @@
+"""JAX's C++ dispatch for jitted CPU programs with psend/precv.
+
+psend and precv carry an *unordered effect*. For a program with one, JAX gives up the C++
+fast path of ``jax.jit``: every call goes through its Python dispatch, which adds runtime
+tokens so that ``jax.effects_barrier()`` can wait for the program. That costs about 100 us
+per call on the 2-core machine (a jitted ping-pong call: 120 us instead of 20-35 us). On CPU
+the effect exists to keep psend/precv in place while JAX transforms and lowers the program;
+at run time they are custom calls whose completion shows in the program's outputs, like
+any computation's.
+
+So, for a CPU executable whose only unordered effect is that of psend/precv and which has
+at least one output, this module records no unordered effect when JAX builds the object
+that runs the program (``ExecuteReplicated``). jit then takes its C++ path. What changes
+for users: ``jax.effects_barrier()`` no longer waits for such a program (block on its
+outputs instead). Programs without outputs, GPU programs, programs with other effects and
+``JAX_CPU_MPI_FAST_DISPATCH=0`` keep JAX's dispatch. The choice is made when a program is
+compiled.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from . import _compat
+from . import config as _config
+
+
+def _p2p_effect(effect: Any) -> bool:
+    p2p = _compat.single_side_collective_effect  # JAX's, or ours where JAX dropped it
+    return _compat.available(p2p) and effect == p2p
+
+
+def _dispatch_fast(backend: Any, out_handler: Any, unordered_effects: list[Any]) -> bool:
+    """Whether to record no unordered effect for this program (see the module doc)."""
+    return (bool(unordered_effects)
+            and all(_p2p_effect(e) for e in unordered_effects)
+            and getattr(backend, "platform", None) == "cpu"
+            and len(getattr(out_handler, "handlers", ())) > 0
+            and _config.current().fast_dispatch)
+
+
+def install() -> None:
+    """Wrap ``ExecuteReplicated.__init__`` (through ``_compat.enable("fast_dispatch", ...)``).
+
+    Calling it again does nothing. A failure while deciding leaves JAX's own choice.
+    """
+    cls = _compat.ExecuteReplicated
+    original = cls.__init__
+    if getattr(original, "_jax_cpu_mpi_fast_dispatch", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self: Any, xla_executable: Any, name: Any, backend: Any, in_handler: Any,
+                 out_handler: Any, unordered_effects: list[Any], *args: Any,
+                 **kwargs: Any) -> None:
+        try:
+            fast = _dispatch_fast(backend, out_handler, unordered_effects)
+        except Exception as e:  # noqa: BLE001 - never break a JAX program over a speed-up
+            _compat.failed_at_run_time(_compat.FAST_DISPATCH.name, e)
+            fast = False
+        original(self, xla_executable, name, backend, in_handler, out_handler,
+                 [] if fast else unordered_effects, *args, **kwargs)
+
+    __init__._jax_cpu_mpi_fast_dispatch = True  # type: ignore[attr-defined]
+    cls.__init__ = __init__
