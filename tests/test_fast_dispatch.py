@@ -98,7 +98,7 @@ def test_calls_after_the_first_skip_python_dispatch(fast, python_dispatches):
     else:
         assert python_calls == len(got), python_calls
     expected = run(pingpong(mesh, ppermute), mesh)
-    for (z, y), (z_ref, y_ref) in zip(got, expected):
+    for (z, y), (z_ref, y_ref) in zip(got, expected, strict=True):
         np.testing.assert_array_equal(np.asarray(z), np.asarray(z_ref))
         np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))
 

@@ -56,7 +56,7 @@ def install() -> None:
                  **kwargs: Any) -> None:
         try:
             fast = _dispatch_fast(backend, out_handler, unordered_effects)
-        except Exception as e:  # noqa: BLE001 - never break a JAX program over a speed-up
+        except Exception as e:  # never break a JAX program over a speed-up
             _compat.failed_at_run_time(_compat.FAST_DISPATCH.name, e)
             fast = False
         original(self, xla_executable, name, backend, in_handler, out_handler,
