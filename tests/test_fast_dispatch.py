@@ -139,6 +139,37 @@ def test_program_with_another_unordered_effect_keeps_jax_dispatch(python_dispatc
     assert len(seen) == 6  # one callback per device and call
 
 
+def test_single_device_program_keeps_jax_dispatch_and_its_error_type(short_recv_timeout,
+                                                                     python_dispatches):
+    """XLA runs a cheap one-device program inline, and JAX's C++ path would turn its error
+    into a ValueError: such programs (one device per process, the usual MPI job) keep JAX's
+    Python dispatch, whose error is the JaxRuntimeError users catch, on every call."""
+    mesh = make_mesh((1, "x"))
+
+    def body(v, go):
+        def self_send(v):
+            return jax_cpu_mpi.precv(jax_cpu_mpi.psend(v, "x", [(0, 0)]),
+                                     jax.ShapeDtypeStruct(v.shape, v.dtype), "x", [(0, 0)])
+
+        def lost(v):  # a precv that no psend matches: it times out
+            return jax_cpu_mpi.precv(jax.lax.create_token(),
+                                     jax.ShapeDtypeStruct(v.shape, v.dtype), "x", [(0, 0)])
+
+        return jax.lax.cond(go[0] > 0, self_send, lost, v)
+
+    with config.overrides(gpu_parity=False):
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
+        x = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P("x")))
+        go, stop = jnp.array([1]), jnp.array([0])
+        python_dispatches.reset()
+        for _ in range(3):  # successful calls first: they would set up JAX's C++ path
+            np.testing.assert_array_equal(np.asarray(f(x, go)), np.arange(4.0))
+        for _ in range(2):
+            with pytest.raises(jax.errors.JaxRuntimeError, match=r"precv.*waited 2"):
+                np.asarray(f(x, stop))
+    assert python_dispatches() == 5
+
+
 def test_errors_of_a_fast_dispatched_program_reach_the_caller(short_recv_timeout,
                                                               python_dispatches):
     mesh = make_mesh((2, "x"))

@@ -668,10 +668,10 @@ def register_source_exclusion(path: str) -> None:
 # ------------------------------------------- JAX's C++ dispatch for psend/precv programs
 
 FAST_DISPATCH = feature(
-    "fast_dispatch", "jitted CPU programs with psend/precv dispatched by JAX's C++ fast path "
-    "(about 100 us less per call)", requires=("lowerings",),
+    "fast_dispatch", "jitted CPU programs with psend/precv on several devices of a process "
+    "dispatched by JAX's C++ fast path (100 to 200 us less per call)", requires=("lowerings",),
     when_off="every call of a jitted program with psend/precv goes through JAX's Python "
-             "dispatch of effectful programs (correct, about 100 us more per call)")
+             "dispatch of effectful programs (correct, 100 to 200 us more per call)")
 
 
 def _executes_replicated(value: Any) -> str | None:

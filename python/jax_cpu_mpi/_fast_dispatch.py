@@ -2,18 +2,27 @@
 
 psend and precv carry an *unordered effect*. For a program with one, JAX gives up the C++
 fast path of ``jax.jit``: every call goes through its Python dispatch, which adds runtime
-tokens so that ``jax.effects_barrier()`` can wait for the program. That costs about 100 us
-per call on the 2-core machine (a jitted ping-pong call: 120 us instead of 20-35 us). On CPU
+tokens so that ``jax.effects_barrier()`` can wait for the program. That costs 100 to 200 us
+per call on the 2-core machine (a jitted in-process ping-pong: 235-265 us a call instead of
+60-90 us). On CPU
 the effect exists to keep psend/precv in place while JAX transforms and lowers the program;
 at run time they are custom calls whose completion shows in the program's outputs, like
 any computation's.
 
-So, for a CPU executable whose only unordered effect is that of psend/precv and which has
-at least one output, this module records no unordered effect when JAX builds the object
-that runs the program (``ExecuteReplicated``). jit then takes its C++ path. What changes
-for users: ``jax.effects_barrier()`` no longer waits for such a program (block on its
-outputs instead). Programs without outputs, GPU programs, programs with other effects and
-``JAX_CPU_MPI_FAST_DISPATCH=0`` keep JAX's dispatch. The choice is made when a program is
+So, for a CPU executable whose only unordered effect is that of psend/precv, which has at
+least one output and which runs on two or more devices of this process, this module
+records no unordered effect when JAX builds the object that runs the program
+(``ExecuteReplicated``). jit then takes its C++ path. What changes for users:
+``jax.effects_barrier()`` no longer waits for such a program (block on its outputs instead).
+
+Why two devices: XLA CPU runs a cheap single-device program inline, in the calling thread,
+and JAX's C++ path turns an error returned that way (a precv that timed out, an MPI
+failure) into a plain ``ValueError``, where JAX's Python dispatch raises the
+``jax.errors.JaxRuntimeError`` users catch (and get on GPU). The programs of several
+devices run on device threads; their errors reach the caller through the outputs, as
+``JaxRuntimeError`` on either path. So a program with one device per process (the usual
+MPI job) keeps JAX's dispatch, as do programs without outputs, GPU programs, programs with
+other effects and ``JAX_CPU_MPI_FAST_DISPATCH=0``. The choice is made when a program is
 compiled.
 """
 
@@ -31,12 +40,14 @@ def _p2p_effect(effect: Any) -> bool:
     return _compat.available(p2p) and effect == p2p
 
 
-def _dispatch_fast(backend: Any, out_handler: Any, unordered_effects: list[Any]) -> bool:
+def _dispatch_fast(xla_executable: Any, backend: Any, out_handler: Any,
+                   unordered_effects: list[Any]) -> bool:
     """Whether to record no unordered effect for this program (see the module doc)."""
     return (bool(unordered_effects)
             and all(_p2p_effect(e) for e in unordered_effects)
             and getattr(backend, "platform", None) == "cpu"
             and len(getattr(out_handler, "handlers", ())) > 0
+            and len(xla_executable.local_devices()) >= 2
             and _config.current().fast_dispatch)
 
 
@@ -55,7 +66,7 @@ def install() -> None:
                  out_handler: Any, unordered_effects: list[Any], *args: Any,
                  **kwargs: Any) -> None:
         try:
-            fast = _dispatch_fast(backend, out_handler, unordered_effects)
+            fast = _dispatch_fast(xla_executable, backend, out_handler, unordered_effects)
         except Exception as e:  # never break a JAX program over a speed-up
             _compat.failed_at_run_time(_compat.FAST_DISPATCH.name, e)
             fast = False

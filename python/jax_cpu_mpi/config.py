@@ -18,7 +18,8 @@ Environment variable               Default     Meaning
                                                unmatched psend/precv). ``0``: run every
                                                pattern the CPU transport can run.
 ``JAX_CPU_MPI_FAST_DISPATCH``      ``1``       ``1``: a jitted CPU program with psend/precv
-                                               runs through JAX's C++ dispatch like any other
+                                               on 2+ devices of this process runs through
+                                               JAX's C++ dispatch like any other
                                                (``jax.effects_barrier()`` then does not wait
                                                for it: block on its outputs). ``0``: JAX's
                                                Python dispatch of effectful programs.
