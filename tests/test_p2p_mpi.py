@@ -27,6 +27,15 @@ def test_errors_over_mpi():
 
 
 @pytest.mark.timeout(180)
+def test_fast_dispatch_over_mpi_and_its_errors():
+    """2 devices per rank: jit's C++ path, and a precv's timeout still a JaxRuntimeError."""
+    run = run_mpi("fast_dispatch.py", nprocs=2, devices_per_process=2, timeout=160,
+                  env={"JAX_CPU_MPI_RECV_TIMEOUT": "3"})
+    assert_mpi_ok(run, 2)
+    assert "raised as expected" in run.rank_output[1], run.report()
+
+
+@pytest.mark.timeout(180)
 def test_inflight_bound_and_sends_in_flight_at_exit():
     run = run_mpi("send_lifecycle.py", nprocs=2, timeout=160)
     assert_mpi_ok(run, 2)

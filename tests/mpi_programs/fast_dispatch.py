@@ -1,0 +1,96 @@
+"""JAX's C++ dispatch over MPI (2 devices per rank, ``mpirun -n 2``).
+
+A program on two devices of each process takes jit's C++ path (python/jax_cpu_mpi/
+_fast_dispatch.py): after the first call, no call reaches ``ExecuteReplicated.__call__``.
+The program sends 0 -> 2 (process 0 to process 1) when ``go`` is 1, and leaves device 2's
+precv unmatched when it is 0: after successful calls on the C++ path, that precv's timeout
+reaches process 1 as the ``jax.errors.JaxRuntimeError`` of JAX's own dispatch, naming the op
+and the peer, and the same program then works again with the right values.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import _mpi_common as common
+import jax
+import jax.numpy as jnp
+import numpy as np
+from _mpi_common import P
+from jax.experimental import multihost_utils
+
+import jax_cpu_mpi
+from jax_cpu_mpi import _compat, config
+
+assert jax.local_device_count() == 2, jax.local_devices()
+me = jax.process_index()
+PAIR = [(0, 2)]  # device 0 (process 0) -> device 2 (process 1)
+
+python_calls = [0]
+_original = _compat.ExecuteReplicated.__call__
+
+
+@functools.wraps(_original)
+def _counting(self, *args):
+    python_calls[0] += 1
+    return _original(self, *args)
+
+
+_compat.ExecuteReplicated.__call__ = _counting
+
+mesh = jax.make_mesh((4,), ("x",))
+
+
+def body(v, go):
+    def send(v):
+        token = jax_cpu_mpi.psend(v, "x", PAIR)
+        return jax_cpu_mpi.precv(token, jax.ShapeDtypeStruct(v.shape, v.dtype), "x", PAIR)
+
+    def lost(v):  # nothing sends: device 2's precv times out
+        return jax_cpu_mpi.precv(jax.lax.create_token(), jax.ShapeDtypeStruct(v.shape, v.dtype),
+                                 "x", PAIR)
+
+    return jax.lax.cond(go[0] > 0, send, lost, v) + 0 * v
+
+
+def reference(v):
+    return jax.lax.ppermute(v, "x", PAIR)
+
+
+config.configure(gpu_parity=False)  # GPU rejects the unmatched precv when compiling
+f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
+ref = jax.jit(jax.shard_map(reference, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+value = np.arange(16, dtype=np.float32)
+x = common.global_array(mesh, P("x"), value)
+go, stop = jnp.array([1]), jnp.array([0])
+expected = common.gather(ref(x))
+
+
+def check(out: jax.Array) -> None:
+    np.testing.assert_array_equal(common.gather(out), expected)
+
+
+check(f(x, go))  # compiles, through JAX's Python dispatch
+python_calls[0] = 0
+for _ in range(4):
+    check(f(x, go))
+assert python_calls[0] == 0, f"{python_calls[0]} calls went through JAX's Python dispatch"
+print(f"process {me}: 4 calls on jit's C++ path", flush=True)
+multihost_utils.sync_global_devices("before the lost message")
+
+try:
+    jax.block_until_ready(f(x, stop))
+except jax.errors.JaxRuntimeError as e:
+    assert me == 1, f"process {me} has no receive to fail: {e}"
+    for part in ("precv", "partition 2 (process 1)", "partition 0 (process 0)", "waited"):
+        assert part in str(e), (part, str(e))
+    print(f"process {me}: raised as expected: {str(e).splitlines()[0][:160]}", flush=True)
+else:
+    assert me == 0, "process 1's precv must time out"
+multihost_utils.sync_global_devices("after the lost message")
+
+python_calls[0] = 0  # the barriers are programs too
+for _ in range(2):  # the program works again, still on the C++ path
+    check(f(x, go))
+assert python_calls[0] == 0, f"{python_calls[0]} calls went through JAX's Python dispatch"
+common.ok()
