@@ -155,6 +155,9 @@ def test_one_process_runs_the_in_process_methods(tmp_path):
     assert "# Size" in proc.stdout and "#wrong" in proc.stdout and "Targets" in proc.stdout
     header, results, notes = _read_outputs(tmp_path)
     assert header["ranks"] == 1 and header["sizes"] == SIZES
+    # What changes timings is on record: the settings, and features this JAX switched off.
+    assert header["config"]["fast_dispatch"] is True and header["config"]["recv_timeout"] > 0
+    assert header["features_not_active"] == [], header["features_not_active"]
     _check_results(results, list(options.LOCAL_METHODS), tmp_path)
     assert any("MPI methods skipped" in note for note in notes)
 

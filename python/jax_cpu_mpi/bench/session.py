@@ -105,14 +105,19 @@ class Session:
 
 
 def _package_build() -> dict[str, Any]:
-    """Which jax_cpu_mpi was measured: version, extension build time, git commit."""
+    """Which jax_cpu_mpi was measured: version, extension build time, git commit, and the
+    settings and features that change timings (fast dispatch, kept operands...)."""
+    import dataclasses
     import datetime
     import subprocess
 
-    from .. import __version__
+    from .. import __version__, _compat, config
     from .. import _jax_cpu_mpi as ext
 
     info: dict[str, Any] = dict(jax_cpu_mpi=__version__)
+    info["config"] = dataclasses.asdict(config.current())
+    info["features_not_active"] = sorted(
+        f["feature"] for f in _compat.report() if f["state"] not in ("active", "not needed"))
     try:
         built = os.path.getmtime(ext.__file__)
         info["extension_built"] = datetime.datetime.fromtimestamp(built).isoformat(
