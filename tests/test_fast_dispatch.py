@@ -2,10 +2,11 @@
 
 psend/precv carry an unordered effect, which keeps ``jax.jit`` off its C++ fast path: every
 call of such a program would go through ``ExecuteReplicated.__call__`` in Python (about
-100 us a call). python/jax_cpu_mpi/_fast_dispatch.py records no unordered effect for a CPU
-program whose only one is psend/precv's and which has outputs. These tests count the calls
-that reach the Python dispatch, and check that values and errors are those of the Python
-dispatch, that the switch and the programs without outputs keep JAX's dispatch.
+100 to 200 us a call). python/jax_cpu_mpi/_fast_dispatch.py records no unordered effect for
+a CPU program whose only one is psend/precv's, which has outputs and which runs on two or
+more devices of the process. These tests count the calls that reach the Python dispatch,
+and check that values and errors are those of the Python dispatch, and that the switch,
+programs without outputs, with a callback or on one device keep JAX's dispatch.
 """
 
 from __future__ import annotations

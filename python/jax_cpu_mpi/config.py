@@ -59,7 +59,8 @@ class Config:
     gpu_parity: bool = True
     #: In an MPI job, abort the job on an uncaught Python exception.
     abort_on_error: bool = True
-    #: Dispatch jitted CPU programs with psend/precv through JAX's C++ fast path.
+    #: Dispatch jitted CPU programs with psend/precv on 2+ devices of this process through
+    #: JAX's C++ fast path (see _fast_dispatch.py for which programs and why).
     fast_dispatch: bool = True
 
     def __post_init__(self) -> None:
