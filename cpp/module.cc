@@ -4,6 +4,7 @@
 #include <mpi.h>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -14,6 +15,7 @@
 #include "mpi_finalize.h"
 #include "p2p_handlers.h"
 #include "runtime.h"
+#include "zero_fill.h"
 
 namespace nb = nanobind;
 
@@ -152,6 +154,15 @@ NB_MODULE(_jax_cpu_mpi, m) {
     return d;
   });
 
+  m.def("streaming_zero_fill_min_bytes", &jcm::StreamingZeroFillMinBytes,
+        "Size from which the zeros of a precv that is no destination are written with "
+        "streaming stores (0: never on this platform).");
+  m.def("zero_fill",
+        [](nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> buffer) {
+          jcm::ZeroFill(buffer.data(), buffer.size());
+        },
+        nb::arg("buffer"), "Zero a 1-D uint8 array as a precv that is no destination does "
+        "(for tests).");
   m.def("mpi_library_version", &MpiLibraryVersion,
         "MPI_Get_library_version() of the libmpi the extension is linked to.");
   m.def("mpi_build_info", &BuildMpiInfo, "Which MPI the extension was compiled against.");

@@ -17,6 +17,7 @@
 
 #include "p2p_handlers.h"
 #include "runtime.h"
+#include "zero_fill.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -207,7 +208,7 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
   const size_t bytes = out->size_bytes();
   const int64_t peer = FindPeer(info, me, /*me_is_source=*/false);
   if (peer < 0) {  // not a destination: zeros, like ppermute
-    if (bytes > 0) std::memset(out->untyped_data(), 0, bytes);
+    ZeroFill(out->untyped_data(), bytes);
     return ffi::Error::Success();
   }
 

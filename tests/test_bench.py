@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jax_cpu_mpi import _jax_cpu_mpi as ext
 from jax_cpu_mpi.bench import methods as bench_methods
 from jax_cpu_mpi.bench import options, report, runner, targets
 from jax_cpu_mpi.bench.stats import Measurement
@@ -158,6 +159,7 @@ def test_one_process_runs_the_in_process_methods(tmp_path):
     # What changes timings is on record: the settings, and features this JAX switched off.
     assert header["config"]["fast_dispatch"] is True and header["config"]["recv_timeout"] > 0
     assert header["features_not_active"] == [], header["features_not_active"]
+    assert header["streaming_zero_fill_min_bytes"] == ext.streaming_zero_fill_min_bytes()
     _check_results(results, list(options.LOCAL_METHODS), tmp_path)
     assert any("MPI methods skipped" in note for note in notes)
 

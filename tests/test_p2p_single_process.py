@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_cpu_mpi
 from conftest import make_mesh
+from jax_cpu_mpi import _jax_cpu_mpi as ext
 from jax_cpu_mpi import config
 
 
@@ -188,3 +189,44 @@ def test_programs_on_disjoint_devices_do_not_mix():
         outs.append(f(x))
     np.testing.assert_array_equal(outs[0], [2, 3, 0, 1])
     np.testing.assert_array_equal(outs[1], [102, 103, 100, 101])
+
+
+def test_zero_fill_writes_exactly_its_buffer():
+    """The zeros of a precv that is no destination: streaming stores from a cache-sized
+    threshold (cpp/zero_fill.h), memset below it. Every byte of the buffer, at every
+    alignment, and none around it."""
+    streaming = ext.streaming_zero_fill_min_bytes()
+    assert streaming == 0 or streaming >= 1 << 20, streaming  # 0: not on this platform
+    sizes = [1, 63, 4096 + 5] + ([streaming - 1, streaming, streaming + 61] if streaming else [])
+    for n in sizes:
+        for offset in (0, 1, 17, 63):
+            buffer = np.full(n + 128, 0xAB, np.uint8)
+            ext.zero_fill(buffer[offset:offset + n])
+            assert not buffer[offset:offset + n].any(), (n, offset)
+            assert (buffer[:offset] == 0xAB).all() and (buffer[offset + n:] == 0xAB).all(), (
+                n, offset)
+
+
+def test_large_zeros_over_a_reused_buffer_match_ppermute():
+    """A streamed zero-fill (a message of the threshold's size and more) into a buffer XLA
+    reuses within the loop: there the precv of device 0 (no destination) writes where
+    another precv's data was. Equal to ppermute's values; fails if the zeros are not
+    written (checked with a zero-fill that skips large buffers)."""
+    elements = (ext.streaming_zero_fill_min_bytes() or 8 << 20) // 4 + 16
+    mesh = make_mesh((2, "x"))
+
+    def program(hop):
+        def step(c, _):
+            a = hop(c, [(1, 0)])  # device 0 receives data
+            return hop(a * 2.0 + 1.0, [(0, 1)]) + 1.0, None  # device 0: zeros, over a's
+
+        return jax.jit(jax.shard_map(lambda v: jax.lax.scan(step, v, None, length=3)[0],
+                                     mesh=mesh, in_specs=P("x"), out_specs=P("x"),
+                                     check_vma=False))
+
+    x = jax.device_put(jnp.arange(2 * elements, dtype=jnp.float32) % 7,
+                       jax.sharding.NamedSharding(mesh, P("x")))
+    want = np.asarray(program(lambda c, perm: jax.lax.ppermute(c, "x", perm))(x))
+    ours = program(lambda c, perm: cases.sendrecv(c, "x", perm))
+    for _ in range(2):
+        np.testing.assert_array_equal(np.asarray(ours(x)), want)

@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .. import _jax_cpu_mpi as ext
 from . import programs
 from .options import Plan
 from .programs import ACK_BYTES, count_wrong, pattern, shard_on
@@ -433,10 +434,10 @@ def _hop_floor(ctx: Context, method: str, mode: str) -> Measurement:
 
     def step() -> None:
         np.copyto(target, source)
-        idle.fill(0)
+        ext.zero_fill(idle)
 
-    description = ("memcpy of the message + memset of the idle device's precv output, one "
-                   "core: the floor of one hop")
+    description = ("memcpy of the message + zero-fill of the idle device's precv output (as "
+                   "precv writes it), one core: the floor of one hop")
     if mode == "mpi" and not session.is_root:
         session.barrier(sleep=True)  # the one meeting of all ranks: rank 0 starts timing
         request = session.pair_comm.Ibarrier()  # rank 0 is done

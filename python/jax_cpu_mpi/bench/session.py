@@ -118,6 +118,8 @@ def _package_build() -> dict[str, Any]:
     info["config"] = dataclasses.asdict(config.current())
     info["features_not_active"] = sorted(
         f["feature"] for f in _compat.report() if f["state"] not in ("active", "not needed"))
+    # Zero-fills of this size and more use streaming stores (from the machine's cache size).
+    info["streaming_zero_fill_min_bytes"] = ext.streaming_zero_fill_min_bytes()
     try:
         built = os.path.getmtime(ext.__file__)
         info["extension_built"] = datetime.datetime.fromtimestamp(built).isoformat(
