@@ -16,10 +16,7 @@
 namespace jcm {
 namespace {
 
-// glibc's rule for streaming copies (__x86_shared_non_temporal_threshold): three quarters
-// of one CPU's share of the last-level cache. The cache comes from the kernel (sysfs), not
-// from sysconf: glibc reads CPUID, which in VMs on AMD EPYC reports the L3 of the whole
-// package (256 MiB on the benchmark VM, whose CPUs share 32 MiB). 8 MiB where unknown.
+#ifdef JCM_STREAMING_STORES
 size_t CpusIn(const std::string& list) {  // "0-1,4" -> 3
   size_t count = 0;
   std::istringstream in(list);
@@ -36,7 +33,12 @@ size_t CpusIn(const std::string& list) {  // "0-1,4" -> 3
   }
   return count;
 }
+#endif
 
+// glibc's rule for streaming copies (__x86_shared_non_temporal_threshold): three quarters
+// of one CPU's share of the last-level cache. The cache comes from the kernel (sysfs), not
+// from sysconf: glibc reads CPUID, which in VMs on AMD EPYC reports the L3 of the whole
+// package (256 MiB on the benchmark VM, whose CPUs share 32 MiB). 8 MiB where unknown.
 size_t ComputeMinBytes() {
 #ifdef JCM_STREAMING_STORES
   constexpr size_t kUnknown = size_t{8} << 20;
