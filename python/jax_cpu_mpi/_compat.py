@@ -299,6 +299,19 @@ def enable(name: str, install: Callable[[], Any]) -> bool:
     return f.active
 
 
+def wrap_once(owner: Any, name: str, marker: str, wrap: Callable[[Any], Any]) -> bool:
+    """Replace ``owner.<name>`` with ``wrap(original)`` unless it already carries the
+    attribute ``marker`` (then a feature installed again wraps nothing twice). The wrapper
+    gets the marker. Returns whether it wrapped."""
+    original = getattr(owner, name)
+    if getattr(original, marker, False):
+        return False
+    wrapper = wrap(original)
+    setattr(wrapper, marker, True)
+    setattr(owner, name, wrapper)
+    return True
+
+
 def mark_not_needed(name: str, why: str) -> None:
     """Record that JAX already does what feature ``name`` would (no warning)."""
     _FEATURES[name].not_needed = why

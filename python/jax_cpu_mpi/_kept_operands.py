@@ -118,7 +118,6 @@ def _keeping(lower: Callable[..., Any]) -> Callable[..., Any]:
             _compat.failed_at_run_time(_compat.KEPT_OPERANDS.name, e)
         return result
 
-    lower_jaxpr_to_module._jax_cpu_mpi_keeps = True  # type: ignore[attr-defined]
     return lower_jaxpr_to_module
 
 
@@ -129,5 +128,4 @@ def install() -> None:
     through ``_compat.enable("kept_operands", ...)``. If the pass fails on a program, the
     feature switches off with a warning and the program is left as JAX lowered it.
     """
-    if not getattr(mlir.lower_jaxpr_to_module, "_jax_cpu_mpi_keeps", False):
-        mlir.lower_jaxpr_to_module = _keeping(mlir.lower_jaxpr_to_module)
+    _compat.wrap_once(mlir, "lower_jaxpr_to_module", "_jax_cpu_mpi_keeps", _keeping)

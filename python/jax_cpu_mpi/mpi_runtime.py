@@ -197,23 +197,20 @@ def _record_exit_status_requests() -> None:
     import functools
 
     def recording(original):
-        if getattr(original, "_jax_cpu_mpi_records_status", False):
-            return original
-
         @functools.wraps(original)
         def exit_recording_status(code=None):
             global _requested_exit_status
             _requested_exit_status = _exit_status(code)
             return original(code)
 
-        exit_recording_status._jax_cpu_mpi_records_status = True  # type: ignore[attr-defined]
         return exit_recording_status
 
-    sys.exit = recording(sys.exit)
+    marker = "_jax_cpu_mpi_records_status"
+    _compat.wrap_once(sys, "exit", marker, recording)
     for name in ("exit", "quit"):  # site's Quitter objects, when present
         quitter = getattr(builtins, name, None)
         if quitter is not None and callable(quitter):
-            setattr(builtins, name, recording(quitter))
+            _compat.wrap_once(builtins, name, marker, recording)
 
 
 def _abandon_jax_distributed_runtime() -> bool:

@@ -229,7 +229,6 @@ def _checked(lower: Callable[..., Any]) -> Callable[..., Any]:
             raise GpuParityError(violation)
         return result
 
-    lower_jaxpr_to_module._jax_cpu_mpi_checked = True  # type: ignore[attr-defined]
     return lower_jaxpr_to_module
 
 
@@ -243,5 +242,4 @@ def install() -> None:
     is lowered as if it were not installed. (``optimization_barrier`` over tokens is
     another feature: :mod:`jax_cpu_mpi._barrier_tokens`.)
     """
-    if not getattr(mlir.lower_jaxpr_to_module, "_jax_cpu_mpi_checked", False):
-        mlir.lower_jaxpr_to_module = _checked(mlir.lower_jaxpr_to_module)
+    _compat.wrap_once(mlir, "lower_jaxpr_to_module", "_jax_cpu_mpi_checked", _checked)
