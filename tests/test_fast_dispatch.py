@@ -3,10 +3,11 @@
 psend/precv carry an unordered effect, which keeps ``jax.jit`` off its C++ fast path: every
 call of such a program would go through ``ExecuteReplicated.__call__`` in Python (about
 100 to 200 us a call). python/jax_cpu_mpi/_fast_dispatch.py records no unordered effect for
-a CPU program whose only one is psend/precv's, which has outputs and which runs on two or
-more devices of the process. These tests count the calls that reach the Python dispatch,
-and check that values and errors are those of the Python dispatch, and that the switch,
-programs without outputs, with a callback or on one device keep JAX's dispatch.
+a CPU program whose only one is psend/precv's, which has outputs and which XLA never runs
+inline: two or more devices of the process, or one device and 1000 flops or more. These
+tests count the calls that reach the Python dispatch, and check that values and errors are
+those of the Python dispatch, and that the switch, programs without outputs, with a
+callback, and cheap programs on one device keep JAX's dispatch.
 """
 
 from __future__ import annotations
@@ -140,11 +141,9 @@ def test_program_with_another_unordered_effect_keeps_jax_dispatch(python_dispatc
     assert len(seen) == 6  # one callback per device and call
 
 
-def test_single_device_program_keeps_jax_dispatch_and_its_error_type(short_recv_timeout,
-                                                                     python_dispatches):
-    """XLA runs a cheap one-device program inline, and JAX's C++ path would turn its error
-    into a ValueError: such programs (one device per process, the usual MPI job) keep JAX's
-    Python dispatch, whose error is the JaxRuntimeError users catch, on every call."""
+def single_device_program(compute: int):
+    """A self-send on one device when ``go`` is 1, an unmatched precv (a timeout) when it is
+    0, next to a ``(1, compute) x (compute, 16)`` product (2 * 16 * compute flops)."""
     mesh = make_mesh((1, "x"))
 
     def body(v, go):
@@ -156,19 +155,49 @@ def test_single_device_program_keeps_jax_dispatch_and_its_error_type(short_recv_
             return jax_cpu_mpi.precv(jax.lax.create_token(),
                                      jax.ShapeDtypeStruct(v.shape, v.dtype), "x", [(0, 0)])
 
-        return jax.lax.cond(go[0] > 0, self_send, lost, v)
+        row = jnp.full((1, compute), jax.lax.axis_index("x").astype(jnp.float32) + 1)
+        return jax.lax.cond(go[0] > 0, self_send, lost, v), row @ jnp.ones((compute, 16))
 
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P()),
+                              out_specs=(P("x"), P("x"))))
+    return f, jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P("x")))
+
+
+@pytest.mark.parametrize("case", ["cheap", "compute", "compute-sync-dispatch"])
+def test_single_device_program_dispatch_and_its_error_type(case, short_recv_timeout,
+                                                          python_dispatches):
+    """XLA runs a cheap one-device program (under 1000 flops) inline, and JAX's C++ path
+    would turn its error into a ValueError: such a program keeps JAX's Python dispatch, whose
+    error is the JaxRuntimeError users catch, on every call. One with more flops runs on a
+    device thread, takes the C++ path, and its error is still a JaxRuntimeError (a
+    ValueError here would mean XLA ran it inline after all). With JAX's asynchronous CPU
+    dispatch off, XLA runs every program inline: JAX's dispatch again."""
+    go, stop = jnp.array([1]), jnp.array([0])
+    sync = case == "compute-sync-dispatch"
+    previous = jax.config.values["jax_cpu_enable_async_dispatch"]
     with config.overrides(gpu_parity=False):
-        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
-        x = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P("x")))
-        go, stop = jnp.array([1]), jnp.array([0])
-        python_dispatches.reset()
-        for _ in range(3):  # successful calls first: they would set up JAX's C++ path
-            np.testing.assert_array_equal(np.asarray(f(x, go)), np.arange(4.0))
-        for _ in range(2):
-            with pytest.raises(jax.errors.JaxRuntimeError, match=r"precv.*waited 2"):
-                np.asarray(f(x, stop))
-    assert python_dispatches() == 5
+        try:
+            # (The CPU client keeps the mode it was made with: this only changes our choice.)
+            jax.config.update("jax_cpu_enable_async_dispatch", not sync)
+            f, x = single_device_program(4 if case == "cheap" else 64)
+            flops = f.lower(x, go).compile().cost_analysis()["flops"]
+            assert (flops < 1000) == (case == "cheap"), flops  # XLA's threshold of inline runs
+            python_dispatches.reset()
+            for _ in range(3):  # successful calls first: they would set up JAX's C++ path
+                out, product = f(x, go)
+                np.testing.assert_array_equal(np.asarray(out), np.arange(4.0))
+            for _ in range(2):
+                with pytest.raises(jax.errors.JaxRuntimeError, match=r"precv.*waited 2"):
+                    np.asarray(f(x, stop)[0])
+            out, product = f(x, go)  # the device works again
+            np.testing.assert_array_equal(np.asarray(out), np.arange(4.0))
+        finally:
+            jax.config.update("jax_cpu_enable_async_dispatch", previous)
+    if case == "compute":
+        assert python_dispatches() <= 1, python_dispatches()  # the call that compiled
+        np.testing.assert_array_equal(np.asarray(product), np.full((1, 16), 64.0))
+    else:
+        assert python_dispatches() == 6, python_dispatches()
 
 
 def test_errors_of_a_fast_dispatched_program_reach_the_caller(short_recv_timeout,

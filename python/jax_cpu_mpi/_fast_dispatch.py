@@ -9,20 +9,23 @@ lowers the program; at run time they are custom calls whose completion shows in 
 program's outputs, like any computation's.
 
 So, for a CPU executable whose only unordered effect is that of psend/precv, which has at
-least one output and which runs on two or more devices of this process, this module
-records no unordered effect when JAX builds the object that runs the program
-(``ExecuteReplicated``). jit then takes its C++ path. What changes for users:
-``jax.effects_barrier()`` no longer waits for such a program (block on its outputs instead).
+least one output and which XLA never runs in the calling thread, this module records no
+unordered effect when JAX builds the object that runs the program (``ExecuteReplicated``).
+jit then takes its C++ path. What changes for users: ``jax.effects_barrier()`` no longer
+waits for such a program (block on its outputs instead).
 
-Why two devices: XLA CPU runs a cheap single-device program inline, in the calling thread,
-and JAX's C++ path turns an error returned that way (a precv that timed out, an MPI
-failure) into a plain ``ValueError``, where JAX's Python dispatch raises the
-``jax.errors.JaxRuntimeError`` users catch (and get on GPU). The programs of several
-devices run on device threads; their errors reach the caller through the outputs, as
-``JaxRuntimeError`` on either path. So a program with one device per process (the usual
-MPI job) keeps JAX's dispatch, as do programs without outputs, GPU programs, programs with
-other effects and ``JAX_CPU_MPI_FAST_DISPATCH=0``. The choice is made when a program is
-compiled.
+Why "never in the calling thread": XLA CPU runs a cheap single-device program inline, and
+JAX's C++ path turns an error returned that way (a precv that timed out, an MPI failure)
+into a plain ``ValueError``, where JAX's Python dispatch raises the
+``jax.errors.JaxRuntimeError`` users catch (and get on GPU). A program that runs on device
+threads reports its errors through its outputs, as ``JaxRuntimeError`` on either path.
+That is a program on two or more devices of the process, or a single-device program that
+XLA does not call cheap: its HLO cost analysis counts 1000 flops or more
+(``cheap_computation_`` in XLA's ``cpu_client.cc``), with JAX's asynchronous CPU dispatch on
+(its default). So the step of a model, one device per MPI rank, takes the C++ path; a
+program of little more than psend/precv on one device, programs without outputs, GPU
+programs, programs with other effects and ``JAX_CPU_MPI_FAST_DISPATCH=0`` keep JAX's
+dispatch. The choice is made when a program is compiled.
 """
 
 from __future__ import annotations
@@ -30,8 +33,14 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import jax
+
 from . import _compat
 from . import config as _config
+
+#: XLA CPU runs a single-device program inline, in the calling thread, when its HLO cost
+#: analysis counts fewer flops than this (``cheap_computation_`` in xla/pjrt/cpu/cpu_client.cc).
+XLA_CPU_INLINE_FLOPS = 1000
 
 
 def _p2p_effect(effect: Any) -> bool:
@@ -46,19 +55,29 @@ def _dispatch_fast(xla_executable: Any, backend: Any, out_handler: Any,
             and all(_p2p_effect(e) for e in unordered_effects)
             and getattr(backend, "platform", None) == "cpu"
             and len(getattr(out_handler, "handlers", ())) > 0
-            and len(xla_executable.local_devices()) >= 2
-            and _config.current().fast_dispatch)
+            and _config.current().fast_dispatch
+            and _runs_off_the_calling_thread(xla_executable))
 
 
-def install() -> None:
-    """Wrap ``ExecuteReplicated.__init__`` (through ``_compat.enable("fast_dispatch", ...)``).
+def _runs_off_the_calling_thread(xla_executable: Any) -> bool:
+    """Whether XLA CPU runs every call of this program on device threads (module doc)."""
+    if len(xla_executable.local_devices()) >= 2:
+        return True
+    if not jax.config.values.get("jax_cpu_enable_async_dispatch", False):
+        return False  # the CPU client runs every program inline
+    try:
+        costs = xla_executable.cost_analysis()
+    except Exception:  # no cost analysis: it may be cheap, keep JAX's dispatch
+        return False
+    if isinstance(costs, (list, tuple)):  # one dict per program in older jaxlibs
+        costs = costs[0] if len(costs) == 1 else None
+    if not isinstance(costs, dict):
+        return False
+    return float(costs.get("flops", 0.0)) >= XLA_CPU_INLINE_FLOPS
 
-    Calling it again does nothing. A failure while deciding leaves JAX's own choice.
-    """
-    cls = _compat.ExecuteReplicated
-    original = cls.__init__
-    if getattr(original, "_jax_cpu_mpi_fast_dispatch", False):
-        return
+
+def _dispatching_fast(original: Any) -> Any:
+    """``ExecuteReplicated.__init__`` that records no effect where :func:`_dispatch_fast`."""
 
     @functools.wraps(original)
     def __init__(self: Any, xla_executable: Any, name: Any, backend: Any, in_handler: Any,
@@ -72,5 +91,13 @@ def install() -> None:
         original(self, xla_executable, name, backend, in_handler, out_handler,
                  [] if fast else unordered_effects, *args, **kwargs)
 
-    __init__._jax_cpu_mpi_fast_dispatch = True  # type: ignore[attr-defined]
-    cls.__init__ = __init__
+    return __init__
+
+
+def install() -> None:
+    """Wrap ``ExecuteReplicated.__init__`` (through ``_compat.enable("fast_dispatch", ...)``).
+
+    Calling it again does nothing. A failure while deciding leaves JAX's own choice.
+    """
+    _compat.wrap_once(_compat.ExecuteReplicated, "__init__", "_jax_cpu_mpi_fast_dispatch",
+                      _dispatching_fast)

@@ -18,7 +18,8 @@ Environment variable               Default     Meaning
                                                unmatched psend/precv). ``0``: run every
                                                pattern the CPU transport can run.
 ``JAX_CPU_MPI_FAST_DISPATCH``      ``1``       ``1``: a jitted CPU program with psend/precv
-                                               on 2+ devices of this process runs through
+                                               that XLA never runs inline (2+ devices of
+                                               this process, or 1000+ flops) runs through
                                                JAX's C++ dispatch like any other
                                                (``jax.effects_barrier()`` then does not wait
                                                for it: block on its outputs). ``0``: JAX's
@@ -59,8 +60,8 @@ class Config:
     gpu_parity: bool = True
     #: In an MPI job, abort the job on an uncaught Python exception.
     abort_on_error: bool = True
-    #: Dispatch jitted CPU programs with psend/precv on 2+ devices of this process through
-    #: JAX's C++ fast path (see _fast_dispatch.py for which programs and why).
+    #: Dispatch jitted CPU programs with psend/precv that XLA never runs inline (2+ devices of
+    #: this process, or 1000+ flops) through JAX's C++ fast path (see _fast_dispatch.py).
     fast_dispatch: bool = True
 
     def __post_init__(self) -> None:

@@ -6,6 +6,11 @@ The program sends 0 -> 2 (process 0 to process 1) when ``go`` is 1, and leaves d
 precv unmatched when it is 0: after successful calls on the C++ path, that precv's timeout
 reaches process 1 as the ``jax.errors.JaxRuntimeError`` of JAX's own dispatch, naming the op
 and the peer, and the same program then works again with the right values.
+
+Then the same with one device of each process (the usual MPI job), next to a product of
+2048 flops: XLA does not run it inline (under 1000 flops it would, and JAX's C++ path would
+raise its error as a ValueError), so it takes the C++ path too, and its timeout is still a
+``JaxRuntimeError``.
 """
 
 from __future__ import annotations
@@ -70,27 +75,64 @@ def check(out: jax.Array) -> None:
     np.testing.assert_array_equal(common.gather(out), expected)
 
 
-check(f(x, go))  # compiles, through JAX's Python dispatch
-python_calls[0] = 0
-for _ in range(4):
-    check(f(x, go))
-assert python_calls[0] == 0, f"{python_calls[0]} calls went through JAX's Python dispatch"
-print(f"process {me}: 4 calls on jit's C++ path", flush=True)
-multihost_utils.sync_global_devices("before the lost message")
+def run_and_lose_one(f, x, check, what: str, receiver: int) -> None:
+    """4 calls on the C++ path, a lost message (process 1's precv times out), 2 calls more."""
+    check(f(x, go))  # compiles, through JAX's Python dispatch
+    python_calls[0] = 0
+    for _ in range(4):
+        check(f(x, go))
+    assert python_calls[0] == 0, f"{what}: {python_calls[0]} calls went through Python"
+    multihost_utils.sync_global_devices(f"{what}: before the lost message")
+    try:
+        jax.block_until_ready(f(x, stop))
+    except jax.errors.JaxRuntimeError as e:
+        assert me == 1, f"process {me} has no receive to fail: {e}"
+        for part in ("precv", f"partition {receiver} (process 1)", "partition 0 (process 0)",
+                     "waited"):
+            assert part in str(e), (part, str(e))
+        print(f"process {me}: {what}: raised as expected", flush=True)
+    else:
+        assert me == 0, f"{what}: process 1's precv must time out"
+    multihost_utils.sync_global_devices(f"{what}: after the lost message")
+    python_calls[0] = 0
+    for _ in range(2):
+        check(f(x, go))
+    assert python_calls[0] == 0, f"{what}: {python_calls[0]} calls went through Python"
 
-try:
-    jax.block_until_ready(f(x, stop))
-except jax.errors.JaxRuntimeError as e:
-    assert me == 1, f"process {me} has no receive to fail: {e}"
-    for part in ("precv", "partition 2 (process 1)", "partition 0 (process 0)", "waited"):
-        assert part in str(e), (part, str(e))
-    print(f"process {me}: raised as expected: {str(e).splitlines()[0][:160]}", flush=True)
-else:
-    assert me == 0, "process 1's precv must time out"
-multihost_utils.sync_global_devices("after the lost message")
 
-python_calls[0] = 0  # the barriers are programs too
-for _ in range(2):  # the program works again, still on the C++ path
-    check(f(x, go))
-assert python_calls[0] == 0, f"{python_calls[0]} calls went through JAX's Python dispatch"
+run_and_lose_one(f, x, check, "2 devices per process", receiver=2)
+
+# One device of each process: partition 0 (process 0) -> partition 1 (process 1).
+mesh1 = jax.sharding.Mesh(np.array([jax.devices()[0], jax.devices()[2]]), ("x",))
+PAIR1 = [(0, 1)]
+
+
+def body1(v, go):
+    def send(v):
+        token = jax_cpu_mpi.psend(v, "x", PAIR1)
+        return jax_cpu_mpi.precv(token, jax.ShapeDtypeStruct(v.shape, v.dtype), "x", PAIR1)
+
+    def lost(v):
+        return jax_cpu_mpi.precv(jax.lax.create_token(), jax.ShapeDtypeStruct(v.shape, v.dtype),
+                                 "x", PAIR1)
+
+    row = jnp.full((1, 64), jax.lax.axis_index("x").astype(jnp.float32))
+    return jax.lax.cond(go[0] > 0, send, lost, v) + 0 * v, row @ jnp.ones((64, 16))
+
+
+f1 = jax.jit(jax.shard_map(body1, mesh=mesh1, in_specs=(P("x"), P()),
+                           out_specs=(P("x"), P("x"))))
+x1 = common.global_array(mesh1, P("x"), value[:8])
+flops = f1.lower(x1, go).compile().cost_analysis()["flops"]
+assert flops >= 1000, flops
+ref1 = jax.jit(jax.shard_map(lambda v: jax.lax.ppermute(v, "x", PAIR1), mesh=mesh1,
+                             in_specs=P("x"), out_specs=P("x")))
+expected1 = common.gather(ref1(x1))
+
+
+def check1(out) -> None:
+    np.testing.assert_array_equal(common.gather(out[0]), expected1)
+
+
+run_and_lose_one(f1, x1, check1, "1 device per process", receiver=1)
 common.ok()
