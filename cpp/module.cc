@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "core_probe.h"
 #include "mpi_finalize.h"
 #include "p2p_handlers.h"
 #include "runtime.h"
@@ -163,6 +164,14 @@ NB_MODULE(_jax_cpu_mpi, m) {
         },
         nb::arg("buffer"), "Zero a 1-D uint8 array as a precv that is no destination does "
         "(for tests).");
+  m.def("core_to_core_round_trip_ns",
+        [](int cpu_a, int cpu_b, int iterations) {
+          nb::gil_scoped_release release;
+          return jcm::CoreToCoreRoundTripNs(cpu_a, cpu_b, iterations);
+        },
+        nb::arg("cpu_a"), nb::arg("cpu_b"), nb::arg("iterations") = 2000,
+        "Mean round trip (ns) of a cache line between two CPUs, -1 if one cannot be used "
+        "(for the benchmark's record of the machine).");
   m.def("mpi_library_version", &MpiLibraryVersion,
         "MPI_Get_library_version() of the libmpi the extension is linked to.");
   m.def("mpi_build_info", &BuildMpiInfo, "Which MPI the extension was compiled against.");

@@ -127,6 +127,10 @@ def _check_results(results: list[dict], methods: list[str], out: Path) -> None:
         stats = r["latency_us"]
         assert 0 < stats["min"] <= stats["median"] <= stats["max"], r
         assert r["samples"] >= 1 and r["size"] == r["count"]
+        # The machine's phase when each round started (None without two usable CPUs).
+        cores = r["round_core_to_core_ns"]
+        assert len(cores) == len(r["round_medians_us"]), r
+        assert all(ns is None or ns > 0 for ns in cores), cores
     osu = (out / "osu.txt").read_text()
     assert "# Size" in osu and "Latency (us)" in osu and "Bandwidth (MB/s)" in osu
     rows = [line.split() for line in osu.splitlines() if line and not line.startswith("#")]
@@ -138,6 +142,18 @@ def _check_results(results: list[dict], methods: list[str], out: Path) -> None:
     assert "Targets" in (out / "targets.txt").read_text()
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_core_to_core_round_trip_probe():
+    """The probe behind the benchmark's phase line: a round trip between two CPUs this
+    process may use, -1 for the same CPU twice or a CPU it cannot run on, never a hang."""
+    assert ext.core_to_core_round_trip_ns(0, 0) == -1
+    assert ext.core_to_core_round_trip_ns(0, 1 << 20) == -1
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2:
+        ns = ext.core_to_core_round_trip_ns(cpus[0], cpus[1], 2000)
+        assert 0 < ns < 50e6, ns
+        assert os.sched_getaffinity(0) == set(cpus), "the caller's CPUs are restored"
 
 
 def _bench(*args: str, timeout: float) -> subprocess.CompletedProcess:

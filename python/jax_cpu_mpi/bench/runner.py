@@ -7,11 +7,13 @@ while the other ranks wait asleep.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from .. import _jax_cpu_mpi as ext
 from . import methods
 from .options import GPU_METHODS, LOCAL_METHODS, MPI_METHODS, Options, format_size
 from .progress import Progress
@@ -80,12 +82,34 @@ def _better(a: Measurement | None, b: Measurement) -> Measurement:
     return b if float(np.median(b.seconds)) < float(np.median(a.seconds)) else a
 
 
+def core_round_trip(session: Session, meet: bool) -> float | None:
+    """The round trip (ns) of a cache line between the first two CPUs this process may use,
+    measured on rank 0 (``meet``: between two barriers, while the other ranks sleep). About
+    100 ns where the two share a cache, about 500 ns on the development VM when its host
+    runs them apart: the phase that MPI's 8 B and 1 MiB hops follow. None without two CPUs
+    (an MPI launcher that binds each rank to one core) and on the other ranks."""
+    if meet:
+        session.barrier(sleep=True)
+    ns = None
+    if session.is_root and hasattr(os, "sched_getaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) >= 2:
+            got = ext.core_to_core_round_trip_ns(cpus[0], cpus[1])
+            ns = float(got) if got > 0 else None
+    if meet:
+        session.barrier(sleep=True)
+    return ns
+
+
 def merge_rounds(rounds: list[Measurement]) -> Measurement:
     """One result from the rounds of a method at a size: the samples of every round, and
-    each round's median (``round_medians_us``, for per-round ratios)."""
+    each round's median (``round_medians_us``, for per-round ratios) and core-to-core round
+    trip (``round_core_to_core_ns``, measured when the round started)."""
     first = rounds[0]
     extra = dict(first.extra)
+    extra.pop("core_to_core_ns", None)
     extra["round_medians_us"] = [float(np.median(m.seconds)) * 1e6 for m in rounds]
+    extra["round_core_to_core_ns"] = [m.extra.get("core_to_core_ns") for m in rounds]
     return Measurement(method=first.method, kind=first.kind, size=first.size,
                        seconds=np.concatenate([m.seconds for m in rounds]),
                        warmup=first.warmup, messages_per_sample=first.messages_per_sample,
@@ -133,22 +157,27 @@ def run(options: Options, session: Session,
     for size in options.sizes:
         by_task: dict[tuple[str, str], list[Measurement]] = {}
         for r in range(options.rounds):
+            cores = core_round_trip(session, meet=True) if cross_tasks else None
             for method, kind in cross_tasks:
                 progress.step(label(method, kind, size, r))
                 m = _measure(options, session, method, kind, size, participant)
                 wrong = session.allreduce_sum(m.wrong if m is not None else 0)
                 if m is not None and session.is_root:
                     m.wrong = wrong
+                    m.extra["core_to_core_ns"] = cores
                     by_task.setdefault((method, kind), []).append(m)
         for ms in by_task.values():
             keep(merge_rounds(ms))
     for size in options.sizes:
         by_task = {}
         for r in range(options.rounds):
+            # (Only rank 0 runs these; the other ranks sleep until the end.)
+            cores = core_round_trip(session, meet=False) if local_tasks else None
             for method, kind in local_tasks:
                 progress.step(label(method, kind, size, r))
                 m = _measure(options, session, method, kind, size, True)
                 if m is not None:
+                    m.extra["core_to_core_ns"] = cores
                     by_task.setdefault((method, kind), []).append(m)
         for ms in by_task.values():
             keep(merge_rounds(ms))

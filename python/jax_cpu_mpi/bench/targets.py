@@ -47,6 +47,10 @@ class _Lookup:
     def get(self, method: str, kind: str, size: int) -> Measurement | None:
         return self._by_key.get((method, kind, size))
 
+    @property
+    def results(self) -> list[Measurement]:
+        return list(self._by_key.values())
+
     def sizes(self, method: str, kind: str) -> list[int]:
         return sorted(size for (m, k, size) in self._by_key if m == method and k == kind)
 
@@ -196,6 +200,15 @@ def _floors(look: _Lookup) -> list[dict[str, Any]]:
                             "mpi4py", "-", float(np.median(phase.seconds)) * 1e6, None, None,
                             None, f"{np.median(phase.seconds) * 1e3:.2f} ms"
                             + (f" (rounds: {per_round} ms)" if len(rounds) > 1 else "")))
+    cores = sorted({ns for m in look.results for ns in m.extra.get("round_core_to_core_ns", [])
+                    if ns is not None})
+    if cores:
+        info.append(_target(
+            "phase of the machine: core-to-core round trip", "information", "-", "-",
+            float(np.median(cores)), None, None, None,
+            f"{np.median(cores):.0f} ns, {cores[0]:.0f} to {cores[-1]:.0f} ns over the rounds "
+            "(about 100 ns: the two CPUs share a cache; several times that: the host runs "
+            "them apart, and the 8 B and 1 MiB hops slow down)"))
     return info
 
 
