@@ -46,29 +46,35 @@ _compat.ExecuteReplicated.__call__ = _counting
 mesh = jax.make_mesh((4,), ("x",))
 
 
-def body(v, go):
-    def send(v):
-        token = jax_cpu_mpi.psend(v, "x", PAIR)
-        return jax_cpu_mpi.precv(token, jax.ShapeDtypeStruct(v.shape, v.dtype), "x", PAIR)
+def hop_or_lose(v, go, pair):
+    """The hop over ``pair`` when ``go`` is 1; else a precv nothing sends to: it times out."""
 
-    def lost(v):  # nothing sends: device 2's precv times out
+    def send(v):
+        token = jax_cpu_mpi.psend(v, "x", pair)
+        return jax_cpu_mpi.precv(token, jax.ShapeDtypeStruct(v.shape, v.dtype), "x", pair)
+
+    def lost(v):
         return jax_cpu_mpi.precv(jax.lax.create_token(), jax.ShapeDtypeStruct(v.shape, v.dtype),
-                                 "x", PAIR)
+                                 "x", pair)
 
     return jax.lax.cond(go[0] > 0, send, lost, v) + 0 * v
 
 
-def reference(v):
-    return jax.lax.ppermute(v, "x", PAIR)
+def reference(mesh, pair):
+    return jax.jit(jax.shard_map(lambda v: jax.lax.ppermute(v, "x", pair), mesh=mesh,
+                                 in_specs=P("x"), out_specs=P("x")))
+
+
+def body(v, go):  # device 2's precv times out when go is 0
+    return hop_or_lose(v, go, PAIR)
 
 
 config.configure(gpu_parity=False)  # GPU rejects the unmatched precv when compiling
 f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
-ref = jax.jit(jax.shard_map(reference, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
 value = np.arange(16, dtype=np.float32)
 x = common.global_array(mesh, P("x"), value)
 go, stop = jnp.array([1]), jnp.array([0])
-expected = common.gather(ref(x))
+expected = common.gather(reference(mesh, PAIR)(x))
 
 
 def check(out: jax.Array) -> None:
@@ -108,16 +114,8 @@ PAIR1 = [(0, 1)]
 
 
 def body1(v, go):
-    def send(v):
-        token = jax_cpu_mpi.psend(v, "x", PAIR1)
-        return jax_cpu_mpi.precv(token, jax.ShapeDtypeStruct(v.shape, v.dtype), "x", PAIR1)
-
-    def lost(v):
-        return jax_cpu_mpi.precv(jax.lax.create_token(), jax.ShapeDtypeStruct(v.shape, v.dtype),
-                                 "x", PAIR1)
-
     row = jnp.full((1, 64), jax.lax.axis_index("x").astype(jnp.float32))
-    return jax.lax.cond(go[0] > 0, send, lost, v) + 0 * v, row @ jnp.ones((64, 16))
+    return hop_or_lose(v, go, PAIR1), row @ jnp.ones((64, 16))
 
 
 f1 = jax.jit(jax.shard_map(body1, mesh=mesh1, in_specs=(P("x"), P()),
@@ -125,9 +123,7 @@ f1 = jax.jit(jax.shard_map(body1, mesh=mesh1, in_specs=(P("x"), P()),
 x1 = common.global_array(mesh1, P("x"), value[:8])
 flops = f1.lower(x1, go).compile().cost_analysis()["flops"]
 assert flops >= 1000, flops
-ref1 = jax.jit(jax.shard_map(lambda v: jax.lax.ppermute(v, "x", PAIR1), mesh=mesh1,
-                             in_specs=P("x"), out_specs=P("x")))
-expected1 = common.gather(ref1(x1))
+expected1 = common.gather(reference(mesh1, PAIR1)(x1))
 
 
 def check1(out) -> None:
