@@ -3,6 +3,8 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <climits>
 #include <cstring>
 #include <thread>
@@ -45,6 +47,8 @@ std::unique_ptr<MpiTransport> MpiTransport::Create(MPI_Comm comm,
     return nullptr;
   }
   auto t = std::make_unique<MpiTransport>(PrivateTag{});
+  static std::atomic<uint64_t> last_id{0};
+  t->id_ = ++last_id;
   int rc = MPI_Comm_dup(comm, &t->comm_);
   if (rc != MPI_SUCCESS) {
     *error = "MPI_Comm_dup failed: " + t->ErrorString(rc);
@@ -138,14 +142,35 @@ MpiResult MpiTransport::ProgressLocked() {
       ++it;
     }
   }
+  has_pending_.store(!pending_.empty(), std::memory_order_release);
   return MpiResult::Ok();
 }
 
 MpiTransport::ChannelState& MpiTransport::Channel(int peer_rank, int tag) {
-  std::lock_guard<std::mutex> lock(channels_mu_);
-  auto& slot = channels_[{peer_rank, tag}];
-  if (!slot) slot = std::make_unique<ChannelState>();
-  return *slot;
+  // Every psend and precv looks its channel up: a device thread keeps the last few it used
+  // (a ping-pong alternates a send and a receive channel), so the hot path takes no lock.
+  // Entries name the transport by a number never reused, and channels are never erased.
+  struct Cached {
+    uint64_t transport = 0;  // 0: empty
+    int peer = 0, tag = 0;
+    ChannelState* channel = nullptr;
+  };
+  constexpr size_t kCached = 4;
+  thread_local std::array<Cached, kCached> cache;
+  thread_local size_t next_slot = 0;
+  for (const Cached& c : cache) {
+    if (c.transport == id_ && c.peer == peer_rank && c.tag == tag) return *c.channel;
+  }
+  ChannelState* channel = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(channels_mu_);
+    auto& slot = channels_[{peer_rank, tag}];
+    if (!slot) slot = std::make_unique<ChannelState>();
+    channel = slot.get();
+  }
+  cache[next_slot] = {id_, peer_rank, tag, channel};
+  next_slot = (next_slot + 1) % kCached;
+  return *channel;
 }
 
 MpiResult MpiTransport::Send(int dest_rank, int tag, const void* data, size_t bytes,
@@ -239,14 +264,34 @@ MpiResult MpiTransport::IsendStaged(PendingSend send, int dest_rank, int tag) {
       rc = isend(send.buffer.data() + offset, std::min(kChunkBytes, bytes - offset));
     }
   }
+  if (rc == MPI_SUCCESS && send.requests.size() == 1) {
+    // A small message usually leaves at once (eager protocol): then it needs no entry in the
+    // pending list, and its buffer goes back when this function returns.
+    int done = 0;
+    {
+      std::unique_lock<std::mutex> lock = MpiCallLock();
+      if (MPI_Test(&send.requests[0], &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) done = 0;
+    }
+    if (done) {
+      std::lock_guard<std::mutex> lock(mu_);
+      inflight_bytes_ -= bytes;
+      ++sends_completed_;
+      if (pending_.empty() && control_sends_.empty() && direct_in_flight_.empty()) {
+        return MpiResult::Ok();
+      }
+      return ProgressLocked();
+    }
+  }
   std::lock_guard<std::mutex> lock(mu_);
   if (rc != MPI_SUCCESS) {
     // Requests already started keep referring to the buffer: keep it until they complete.
     send.requests.pop_back();
     pending_.push_back(std::move(send));
+    has_pending_.store(true, std::memory_order_release);
     return MpiResult::Error("MPI_Isend failed: " + ErrorString(rc));
   }
   pending_.push_back(std::move(send));
+  has_pending_.store(true, std::memory_order_release);
   // Small messages often complete at once (eager protocol): free them now.
   return ProgressLocked();
 }
@@ -714,8 +759,7 @@ size_t MpiTransport::SendsInFlightLocked() const {
 }
 
 bool MpiTransport::has_pending_sends() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return !pending_.empty();
+  return has_pending_.load(std::memory_order_acquire);
 }
 
 size_t MpiTransport::inflight_sends() {

@@ -32,6 +32,7 @@
 
 #include <mpi.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -221,6 +222,7 @@ class MpiTransport {
 
   mutable std::mutex mu_;       // guards the pending list (and MPI, if not THREAD_MULTIPLE)
   std::deque<PendingSend> pending_;
+  std::atomic<bool> has_pending_{false};  // !pending_.empty(), as of the last change or test
   uint64_t inflight_bytes_ = 0;
   uint64_t sends_completed_ = 0;
   uint64_t peak_inflight_bytes_ = 0;
@@ -229,6 +231,7 @@ class MpiTransport {
   std::deque<ControlSend> control_sends_;  // ready signals not yet completed (under mu_)
   std::vector<std::shared_ptr<DirectSend>> direct_in_flight_;  // left in flight (under mu_)
 
+  uint64_t id_ = 0;  // unique per transport in the process (Channel()'s per-thread cache)
   std::mutex channels_mu_;
   std::map<std::pair<int, int>, std::unique_ptr<ChannelState>> channels_;
 };

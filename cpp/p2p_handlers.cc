@@ -10,7 +10,6 @@
 // finishes the send (kept_sends.h).
 // Nothing about the process (communicators, pointers) is baked into the executable: the
 // attributes only hold partition -> (global device index, process index) tables.
-#include <cstring>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -131,7 +130,8 @@ ffi::Error PsendImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
     }
     return ffi::Error::Success();
   }
-  std::shared_ptr<MpiTransport> mpi = rt.mpi();
+  const Runtime::State state = rt.state();
+  const std::shared_ptr<MpiTransport>& mpi = state.mpi;
   if (!mpi) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, MpiMissing(info, me, peer));
   ffi::ErrorOr<int> tag = MpiTag(info, *mpi, my_dev, peer_dev);
   if (tag.has_error()) return tag.error();
@@ -140,7 +140,7 @@ ffi::Error PsendImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
     return ffi::Error::Internal(std::string(op) + ": no MPI rank known for " +
                                 ProcessSuffix(info, peer));
   }
-  const Config config = rt.config();
+  const Config& config = state.config;
   std::shared_ptr<MpiTransport::DirectSend> in_flight;
   MpiResult r = mpi->Send(dest, *tag, x.untyped_data(), bytes, config.max_inflight_bytes,
                           DeadlineAfter(config.recv_timeout_s), kept ? &in_flight : nullptr);
@@ -213,7 +213,8 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
   }
 
   Runtime& rt = Runtime::Get();
-  const Config config = rt.config();
+  const Runtime::State state = rt.state();
+  const Config& config = state.config;
   const auto deadline = DeadlineAfter(config.recv_timeout_s);
   const int64_t my_dev = device_index[me], peer_dev = device_index[peer];
   if (device_process[peer] == device_process[me]) {
@@ -229,7 +230,7 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
                           Timeout(info, me, peer, config.recv_timeout_s));
     }
   }
-  std::shared_ptr<MpiTransport> mpi = rt.mpi();
+  const std::shared_ptr<MpiTransport>& mpi = state.mpi;
   if (!mpi) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, MpiMissing(info, me, peer));
   ffi::ErrorOr<int> tag = MpiTag(info, *mpi, peer_dev, my_dev);
   if (tag.has_error()) return tag.error();

@@ -26,6 +26,11 @@ std::shared_ptr<MpiTransport> Runtime::mpi() const {
   return mpi_;
 }
 
+Runtime::State Runtime::state() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return {config_, mpi_};
+}
+
 void Runtime::attach_mpi(std::unique_ptr<MpiTransport> transport) {
   {
     std::lock_guard<std::mutex> lock(mu_);

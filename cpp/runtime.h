@@ -40,6 +40,12 @@ class Runtime {
 
   // The MPI transport, or nullptr until Python attaches a communicator.
   std::shared_ptr<MpiTransport> mpi() const;
+  // Both at once (one lock: every psend and precv asks).
+  struct State {
+    Config config;
+    std::shared_ptr<MpiTransport> mpi;
+  };
+  State state() const;
   void attach_mpi(std::unique_ptr<MpiTransport> transport);
 
   // A psend has left an MPI send in flight: wakes the progress thread, which polls the
