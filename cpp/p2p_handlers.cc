@@ -213,11 +213,14 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
   }
 
   Runtime& rt = Runtime::Get();
-  const Runtime::State state = rt.state();
+  const bool local = device_process[peer] == device_process[me];
+  // The mailbox needs no transport: copying the shared pointer would bounce its count
+  // between the device threads of the process on every hop.
+  const Runtime::State state = local ? Runtime::State{rt.config(), nullptr} : rt.state();
   const Config& config = state.config;
   const auto deadline = DeadlineAfter(config.recv_timeout_s);
   const int64_t my_dev = device_index[me], peer_dev = device_index[peer];
-  if (device_process[peer] == device_process[me]) {
+  if (local) {
     RecvOutcome r = rt.mailbox().Recv({peer_dev, my_dev}, out->untyped_data(), bytes, deadline);
     switch (r.status) {
       case RecvStatus::kOk:
