@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core_probe.h"
+#include "device_thread_hint.h"
 #include "mpi_finalize.h"
 #include "p2p_handlers.h"
 #include "runtime.h"
@@ -71,6 +72,7 @@ NB_MODULE(_jax_cpu_mpi, m) {
     nb::dict d;
     d["jax_cpu_mpi_psend"] = EncapsulateFfiHandler(JcmPsend);
     d["jax_cpu_mpi_precv"] = EncapsulateFfiHandler(JcmPrecv);
+    d["jax_cpu_mpi_device_thread_hint"] = EncapsulateFfiHandler(JcmDeviceThreadHint);
     return d;
   }, "FFI handler capsules by target name.");
 

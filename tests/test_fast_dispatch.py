@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_cpu_mpi
 from conftest import make_mesh
-from jax_cpu_mpi import _compat, config
+from jax_cpu_mpi import _compat, _device_thread_hint, config
 
 pytestmark = pytest.mark.skipif(not _compat.FAST_DISPATCH.active,
                                 reason="fast_dispatch is off with this JAX")
@@ -163,25 +163,33 @@ def single_device_program(compute: int):
     return f, jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P("x")))
 
 
-@pytest.mark.parametrize("case", ["cheap", "compute", "compute-sync-dispatch"])
+@pytest.mark.parametrize("case", ["cheap", "cheap-switched-off", "compute",
+                                  "compute-sync-dispatch"])
 def test_single_device_program_dispatch_and_its_error_type(case, short_recv_timeout,
                                                           python_dispatches):
     """XLA runs a cheap one-device program (under 1000 flops) inline, and JAX's C++ path
-    would turn its error into a ValueError: such a program keeps JAX's Python dispatch, whose
-    error is the JaxRuntimeError users catch, on every call. One with more flops runs on a
-    device thread, takes the C++ path, and its error is still a JaxRuntimeError (a
-    ValueError here would mean XLA ran it inline after all). With JAX's asynchronous CPU
-    dispatch off, XLA runs every program inline: JAX's dispatch again."""
+    would turn its error into a ValueError. The device-thread hint gives a program of little
+    more than psend/precv a few thousand flops (XLA's count), so XLA runs it on a device
+    thread: it takes the C++ path, and its error is still a JaxRuntimeError (a ValueError
+    here would mean XLA ran it inline after all). With fast dispatch switched off, no hint:
+    the cheap program keeps JAX's Python dispatch, whose error is the JaxRuntimeError too.
+    One with more flops of its own takes the C++ path. With JAX's asynchronous CPU dispatch
+    off, XLA runs every program inline: no hint, and JAX's dispatch again."""
     go, stop = jnp.array([1]), jnp.array([0])
     sync = case == "compute-sync-dispatch"
+    fast = case != "cheap-switched-off"
     previous = jax.config.values["jax_cpu_enable_async_dispatch"]
-    with config.overrides(gpu_parity=False):
+    with config.overrides(gpu_parity=False, fast_dispatch=fast):
         try:
             # (The CPU client keeps the mode it was made with: this only changes our choice.)
             jax.config.update("jax_cpu_enable_async_dispatch", not sync)
-            f, x = single_device_program(4 if case == "cheap" else 64)
-            flops = f.lower(x, go).compile().cost_analysis()["flops"]
-            assert (flops < 1000) == (case == "cheap"), flops  # XLA's threshold of inline runs
+            f, x = single_device_program(64 if case.startswith("compute") else 4)
+            lowered = f.lower(x, go)
+            hinted = _device_thread_hint.HINT_TARGET in lowered.as_text()
+            assert hinted == (fast and not sync), lowered.as_text()
+            flops = lowered.compile().cost_analysis()["flops"]
+            # XLA's threshold of inline runs: over it with the hint or the product.
+            assert (flops >= 1000) == (case != "cheap-switched-off"), flops
             python_dispatches.reset()
             for _ in range(3):  # successful calls first: they would set up JAX's C++ path
                 out, product = f(x, go)
@@ -193,11 +201,55 @@ def test_single_device_program_dispatch_and_its_error_type(case, short_recv_time
             np.testing.assert_array_equal(np.asarray(out), np.arange(4.0))
         finally:
             jax.config.update("jax_cpu_enable_async_dispatch", previous)
-    if case == "compute":
+    compute = 64 if case.startswith("compute") else 4
+    np.testing.assert_array_equal(np.asarray(product), np.full((1, 16), float(compute)))
+    if case in ("cheap", "compute"):
         assert python_dispatches() <= 1, python_dispatches()  # the call that compiled
-        np.testing.assert_array_equal(np.asarray(product), np.full((1, 16), 64.0))
     else:
         assert python_dispatches() == 6, python_dispatches()
+
+
+def test_device_thread_hint_changes_no_result_and_is_not_in_gpu_programs():
+    """The hint goes only where it pays: a CPU program on one device of this process. Its
+    results are those of the unhinted program; programs for GPU, on two devices of this
+    process, or without psend/precv get none."""
+    mesh1 = make_mesh((1, "x"))
+
+    def body(v):
+        y = jax_cpu_mpi.precv(jax_cpu_mpi.psend(v, "x", [(0, 0)]),
+                              jax.ShapeDtypeStruct(v.shape, v.dtype), "x", [(0, 0)])
+        return y * 3 + v
+
+    def program(mesh):
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+
+    x = jax.device_put(jnp.arange(6.0), NamedSharding(mesh1, P("x")))
+    with config.overrides(gpu_parity=False):
+        hinted = program(mesh1)
+        assert _device_thread_hint.HINT_TARGET in hinted.lower(x).as_text()
+        with config.overrides(fast_dispatch=False):
+            plain = program(mesh1)
+            assert _device_thread_hint.HINT_TARGET not in plain.lower(x).as_text()
+        np.testing.assert_array_equal(np.asarray(hinted(x)), np.asarray(plain(x)))
+        np.testing.assert_array_equal(np.asarray(hinted(x)), 4 * np.arange(6.0))
+        gpu = jax.jit(jax.shard_map(body, mesh=mesh1, in_specs=P("x"), out_specs=P("x")))
+        exported = jax.export.export(gpu, platforms=["cuda"])(
+            jax.ShapeDtypeStruct((6,), jnp.float32, sharding=NamedSharding(mesh1, P("x"))))
+        assert _device_thread_hint.HINT_TARGET not in exported.mlir_module()
+    mesh2 = make_mesh((2, "x"))
+    assert _device_thread_hint.HINT_TARGET not in pingpong(mesh2).lower(
+        sharded(mesh2, 0)).as_text()
+    no_p2p = jax.jit(lambda v: v + 1)
+    assert _device_thread_hint.HINT_TARGET not in no_p2p.lower(jnp.arange(3.0)).as_text()
+
+
+@pytest.mark.parametrize("custom_calls", [0, 5, 3000])
+def test_device_thread_hint_outweighs_the_custom_calls(custom_calls):
+    """XLA counts a custom call as -1 flop: the hint's add grows with them, and stays over
+    XLA's threshold of inline runs even with a few thousand."""
+    elements = _device_thread_hint.hint_elements(custom_calls)
+    assert elements % 256 == 0
+    assert elements - custom_calls >= 2 * _device_thread_hint.XLA_CPU_INLINE_FLOPS
 
 
 def test_errors_of_a_fast_dispatched_program_reach_the_caller(short_recv_timeout,
@@ -219,3 +271,22 @@ def test_errors_of_a_fast_dispatched_program_reach_the_caller(short_recv_timeout
     # The devices are usable afterwards, on the fast path.
     np.testing.assert_array_equal(np.asarray(run(pingpong(mesh), mesh, 2)[1][1]),
                                   np.asarray(run(pingpong(mesh, ppermute), mesh, 2)[1][1]))
+
+
+@pytest.mark.parametrize("manual", [("x", "y"), ("x",)], ids=["every-axis", "partly-auto"])
+def test_device_thread_hint_only_in_a_shard_map_manual_over_every_axis(manual):
+    """In a partly automatic shard_map, XLA's SPMD partitioner would ask the hint's
+    side-effecting call for a sharding: the hint goes only into fully manual ones."""
+    mesh = make_mesh((2, "x"), (1, "y"))
+    f = jax.jit(jax.shard_map(lambda v: jax.lax.ppermute(v, "x", [(0, 1), (1, 0)]),
+                              mesh=mesh, in_specs=P("x"), out_specs=P("x"),
+                              axis_names=set(manual)))
+    module = f.lower(jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P("x")))).compiler_ir()
+    with module.context:
+        main = next(op for op in module.body.operations
+                    if op.operation.name == "func.func"
+                    and "main" in str(op.operation.attributes["sym_name"]))
+        (computation,) = [op.operation for op in main.regions[0].blocks[0].operations
+                          if op.operation.name == "sdy.manual_computation"]
+        full = _device_thread_hint._manual_over_every_axis(module, computation)
+    assert full == (manual == ("x", "y"))

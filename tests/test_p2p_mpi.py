@@ -28,8 +28,8 @@ def test_errors_over_mpi():
 
 @pytest.mark.timeout(180)
 def test_fast_dispatch_over_mpi_and_its_errors():
-    """2 devices per rank, then 1 device of each rank (with 2048 flops): jit's C++ path, and
-    a precv's timeout still a JaxRuntimeError."""
+    """2 devices per rank, then 1 device of each rank (with the device-thread hint): jit's
+    C++ path, and a precv's timeout still a JaxRuntimeError."""
     run = run_mpi("fast_dispatch.py", nprocs=2, devices_per_process=2, timeout=160,
                   env={"JAX_CPU_MPI_RECV_TIMEOUT": "3"})
     assert_mpi_ok(run, 2)

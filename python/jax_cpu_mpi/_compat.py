@@ -681,8 +681,9 @@ def register_source_exclusion(path: str) -> None:
 # ------------------------------------------- JAX's C++ dispatch for psend/precv programs
 
 FAST_DISPATCH = feature(
-    "fast_dispatch", "jitted CPU programs with psend/precv on several devices of a process "
-    "dispatched by JAX's C++ fast path (100 to 200 us less per call)", requires=("lowerings",),
+    "fast_dispatch", "jitted CPU programs with psend/precv dispatched by JAX's C++ fast path "
+    "(100 to 200 us less per call); one-device programs get the flops that make XLA run them "
+    "on a device thread", requires=("lowerings",),
     when_off="every call of a jitted program with psend/precv goes through JAX's Python "
              "dispatch of effectful programs (correct, 100 to 200 us more per call)")
 
@@ -702,3 +703,7 @@ def _executes_replicated(value: Any) -> str | None:
 #: fast path (_fast_dispatch.py wraps its ``__init__``).
 ExecuteReplicated = FAST_DISPATCH.need("jax._src.interpreters.pxla:ExecuteReplicated",
                                        check=_executes_replicated)
+# The device-thread hint (_device_thread_hint.py) rewrites lowered CPU modules.
+_need_all([FAST_DISPATCH], "jax._src.interpreters.mlir:lower_jaxpr_to_module",
+          check=has_params("module_name", "jaxpr", "platforms"))
+_need_all([FAST_DISPATCH], "jax._src.lib.mlir.dialects:hlo", check=is_module)

@@ -22,10 +22,15 @@ threads reports its errors through its outputs, as ``JaxRuntimeError`` on either
 That is a program on two or more devices of the process, or a single-device program that
 XLA does not call cheap: its HLO cost analysis counts 1000 flops or more
 (``cheap_computation_`` in XLA's ``cpu_client.cc``), with JAX's asynchronous CPU dispatch on
-(its default). So the step of a model, one device per MPI rank, takes the C++ path; a
-program of little more than psend/precv on one device, programs without outputs, GPU
-programs, programs with other effects and ``JAX_CPU_MPI_FAST_DISPATCH=0`` keep JAX's
-dispatch. The choice is made when a program is compiled.
+(its default). A single-device program of little more than psend/precv (the stage of a
+pipeline, one device per MPI rank) gets there through the device-thread hint that
+:mod:`jax_cpu_mpi._device_thread_hint` adds when JAX lowers it: a few thousand flops that
+XLA counts and that cost about a microsecond. So both the step of a model and a loop of
+hops, one device per MPI rank, take the C++ path. Programs without outputs, GPU programs,
+programs with other effects and ``JAX_CPU_MPI_FAST_DISPATCH=0`` (no hint then) keep JAX's
+dispatch. The choice is made when a program is compiled, from the compiled program's own
+cost analysis: a program the hint did not reach (a GSPMD-partitioned one) stays cheap and
+keeps JAX's dispatch.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from typing import Any
 
 import jax
 
-from . import _compat
+from . import _compat, _device_thread_hint
 from . import config as _config
 
 #: XLA CPU runs a single-device program inline, in the calling thread, when its HLO cost
@@ -95,9 +100,11 @@ def _dispatching_fast(original: Any) -> Any:
 
 
 def install() -> None:
-    """Wrap ``ExecuteReplicated.__init__`` (through ``_compat.enable("fast_dispatch", ...)``).
+    """Wrap ``ExecuteReplicated.__init__`` and add the device-thread hint pass (through
+    ``_compat.enable("fast_dispatch", ...)``).
 
     Calling it again does nothing. A failure while deciding leaves JAX's own choice.
     """
     _compat.wrap_once(_compat.ExecuteReplicated, "__init__", "_jax_cpu_mpi_fast_dispatch",
                       _dispatching_fast)
+    _device_thread_hint.install()

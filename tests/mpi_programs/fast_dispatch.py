@@ -7,9 +7,11 @@ precv unmatched when it is 0: after successful calls on the C++ path, that precv
 reaches process 1 as the ``jax.errors.JaxRuntimeError`` of JAX's own dispatch, naming the op
 and the peer, and the same program then works again with the right values.
 
-Then the same with one device of each process (the usual MPI job), next to a product of
-2048 flops: XLA does not run it inline (under 1000 flops it would, and JAX's C++ path would
-raise its error as a ValueError), so it takes the C++ path too, and its timeout is still a
+Then the same with one device of each process (the usual MPI job) and little more than
+psend/precv: under 1000 flops XLA would run it inline, and JAX's C++ path would raise its
+error as a ValueError. The device-thread hint (python/jax_cpu_mpi/_device_thread_hint.py,
+inside the shard_map's body of this 2-partition program) makes XLA count 2048 flops and
+run it on a device thread, so it takes the C++ path too, and its timeout is still a
 ``JaxRuntimeError``.
 """
 
@@ -25,7 +27,7 @@ from _mpi_common import P
 from jax.experimental import multihost_utils
 
 import jax_cpu_mpi
-from jax_cpu_mpi import _compat, config
+from jax_cpu_mpi import _compat, _device_thread_hint, config
 
 assert jax.local_device_count() == 2, jax.local_devices()
 me = jax.process_index()
@@ -114,20 +116,20 @@ PAIR1 = [(0, 1)]
 
 
 def body1(v, go):
-    row = jnp.full((1, 64), jax.lax.axis_index("x").astype(jnp.float32))
-    return hop_or_lose(v, go, PAIR1), row @ jnp.ones((64, 16))
+    return hop_or_lose(v, go, PAIR1)
 
 
-f1 = jax.jit(jax.shard_map(body1, mesh=mesh1, in_specs=(P("x"), P()),
-                           out_specs=(P("x"), P("x"))))
+f1 = jax.jit(jax.shard_map(body1, mesh=mesh1, in_specs=(P("x"), P()), out_specs=P("x")))
 x1 = common.global_array(mesh1, P("x"), value[:8])
-flops = f1.lower(x1, go).compile().cost_analysis()["flops"]
+lowered = f1.lower(x1, go)
+assert _device_thread_hint.HINT_TARGET in lowered.as_text(), lowered.as_text()
+flops = lowered.compile().cost_analysis()["flops"]
 assert flops >= 1000, flops
 expected1 = common.gather(reference(mesh1, PAIR1)(x1))
 
 
 def check1(out) -> None:
-    np.testing.assert_array_equal(common.gather(out[0]), expected1)
+    np.testing.assert_array_equal(common.gather(out), expected1)
 
 
 run_and_lose_one(f1, x1, check1, "1 device per process", receiver=1)

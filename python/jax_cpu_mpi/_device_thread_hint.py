@@ -1,0 +1,200 @@
+"""Module pass: a CPU program with psend/precv on one device of this process runs on a
+device thread, so that JAX's C++ dispatch can take it (:mod:`jax_cpu_mpi._fast_dispatch`).
+
+XLA CPU runs a single-device program in the calling thread when its HLO cost analysis
+counts fewer than 1000 flops, and JAX's C++ dispatch turns an error of such a run (a precv
+that timed out, an MPI failure) into a plain ``ValueError``. A program of little more than
+psend/precv counts almost nothing (XLA counts a custom call as -1 flop), so it kept JAX's
+Python dispatch, 150 to 250 us a call on the 2-core machine: the step of a pipeline stage,
+one device per MPI rank, paid that on every call.
+
+This pass gives such a program, when JAX lowers it for CPU alone, a few thousand flops that
+XLA's cost model counts and that cost about a microsecond: an add of a ``float32`` vector of
+zeros with itself behind an ``optimization_barrier`` (so that nothing folds it), consumed by
+a side-effecting custom call of ours that does nothing (so that nothing drops it). XLA then
+runs the program on a device thread, it reports errors through its outputs as
+``JaxRuntimeError`` on either dispatch path, and :mod:`jax_cpu_mpi._fast_dispatch` lets
+jit's C++ path take it. The program's results are unchanged.
+
+It runs only where it can pay: the program is lowered for CPU alone, holds our psend/precv
+custom calls, runs on exactly one device of this process, JAX's asynchronous CPU dispatch
+is on and fast dispatch is configured on. The GPU-parity check and the kept-operands pass
+see the program before this pass adds anything.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _compat
+from . import config as _config
+from ._compat import hlo, ir, mlir, single_side_collective_effect
+from .lowering import PRECV_TARGET, PSEND_TARGET
+
+#: The custom call that consumes the hint's flops (cpp/device_thread_hint.cc).
+HINT_TARGET = "jax_cpu_mpi_device_thread_hint"
+
+#: XLA CPU runs a single-device program inline below this many flops (``cheap_computation_``
+#: in xla/pjrt/cpu/cpu_client.cc).
+XLA_CPU_INLINE_FLOPS = 1000
+
+
+def _operations(op: Any) -> Iterator[Any]:
+    for region in op.regions:
+        for block in region.blocks:
+            for inner in block.operations:
+                yield inner.operation
+                yield from _operations(inner.operation)
+
+
+def _custom_calls(module: Any) -> list[Any]:
+    return [op for op in _operations(module.operation) if op.name == "stablehlo.custom_call"]
+
+
+def _target(op: Any) -> str:
+    return ir.StringAttr(op.attributes["call_target_name"]).value
+
+
+def _devices_here(p2p_op: Any) -> int:
+    """Devices of this process among the partitions of a psend/precv (its lowering's table
+    of the process of each partition)."""
+    config = ir.DictAttr(p2p_op.attributes["mhlo.backend_config"])
+    processes = np.asarray(ir.DenseIntElementsAttr(config["device_process"]), dtype=np.int64)
+    return int(np.count_nonzero(processes == jax.process_index()))
+
+
+def hint_elements(custom_calls: int) -> int:
+    """Elements of the hint's add: XLA's threshold twice over, plus 2 for each custom call
+    (XLA counts each as -1 flop; the compiled program may hold a few more than ours)."""
+    return -(-(2 * XLA_CPU_INLINE_FLOPS + 2 * custom_calls) // 256) * 256
+
+
+def _functions(module: Any) -> dict[str, Any]:
+    return {ir.StringAttr(op.attributes["sym_name"]).value: op
+            for op in module.body.operations if op.operation.name == "func.func"}
+
+
+def _reaches(operation: Any, targets: set[Any], functions: dict[str, Any],
+             seen: set[str]) -> bool:
+    """Whether ``operation`` holds one of ``targets``, in its regions or in the functions
+    they call."""
+    for inner in _operations(operation):
+        if inner in targets:
+            return True
+        if inner.name == "func.call":
+            callee = ir.FlatSymbolRefAttr(inner.attributes["callee"]).value
+            if callee not in seen and callee in functions:
+                seen.add(callee)
+                if _reaches(functions[callee].operation, targets, functions, seen):
+                    return True
+    return False
+
+
+def _attribute_text(operation: Any, name: str) -> str:
+    return str(operation.attributes[name]) if name in operation.attributes else ""
+
+
+def _manual_over_every_axis(module: Any, manual: Any) -> bool:
+    """Whether a Shardy manual computation is manual over every axis of its mesh (read
+    from the attributes' text; False when they do not read as expected)."""
+    shardings = _attribute_text(manual, "in_shardings") + _attribute_text(manual, "out_shardings")
+    mesh_name = re.search(r"<@([\w.$-]+)", shardings)
+    if mesh_name is None:
+        return False
+    meshes = {_attribute_text(op.operation, "sym_name").strip('"'): op.operation
+              for op in module.body.operations if op.operation.name == "sdy.mesh"}
+    mesh = meshes.get(mesh_name.group(1))
+    if mesh is None:
+        return False
+    axes = set(re.findall(r'"([^"]+)"=', _attribute_text(mesh, "mesh")))
+    manual_axes = set(re.findall(r'"([^"]+)"', _attribute_text(manual, "manual_axes")))
+    return bool(axes) and axes <= manual_axes
+
+
+def _hint_block(module: Any, p2p: set[Any]) -> Any | None:
+    """Where the hint goes: the body of the ``shard_map`` (Shardy's manual computation) in
+    ``main`` that holds the psend/precv calls, manual over every axis, where XLA's SPMD
+    partitioner asks no sharding of a side-effecting op; ``main`` itself when the program
+    has one partition; else None (no hint: a partly automatic ``shard_map``, a
+    GSPMD-partitioned program)."""
+    functions = _functions(module)
+    main = functions.get("main")
+    if main is None:
+        return None
+    body = main.regions[0].blocks[0]
+    for op in body.operations:
+        if op.operation.name == "sdy.manual_computation" and _reaches(
+                op.operation, p2p, functions, set()):
+            if not _manual_over_every_axis(module, op.operation):
+                return None  # auto axes left: a side-effecting op would need a sharding
+            return op.operation.regions[0].blocks[0]
+    attributes = module.operation.attributes
+    partitions = (ir.IntegerAttr(attributes["mhlo.num_partitions"]).value
+                  if "mhlo.num_partitions" in attributes else 1)
+    replicas = (ir.IntegerAttr(attributes["mhlo.num_replicas"]).value
+                if "mhlo.num_replicas" in attributes else 1)
+    return body if partitions == 1 and replicas == 1 else None
+
+
+def add_device_thread_hint(module: Any) -> bool:
+    """Adds the hint to the ``main`` function of a lowered module whose psend/precv calls
+    run on one device of this process, unless it has one; returns whether it did."""
+    with module.context, ir.Location.unknown():
+        calls = _custom_calls(module)
+        p2p = [op for op in calls if _target(op) in (PSEND_TARGET, PRECV_TARGET)]
+        if not p2p or any(_target(op) == HINT_TARGET for op in calls):
+            return False
+        if _devices_here(p2p[0]) != 1:
+            return False  # two or more: XLA runs the program on device threads already
+        block = _hint_block(module, set(p2p))
+        if block is None:
+            return False
+        terminator = block.operations[len(block.operations) - 1]
+        with ir.InsertionPoint(terminator):
+            f32 = ir.F32Type.get()
+            vector = ir.RankedTensorType.get([hint_elements(len(calls))], f32)
+            zeros = hlo.constant(ir.DenseElementsAttr.get_splat(vector, ir.FloatAttr.get(f32, 0.0)))
+            (opaque,) = hlo.OptimizationBarrierOp([zeros]).results
+            flops = hlo.add(opaque, opaque)
+            mlir.custom_call(HINT_TARGET, result_types=[], operands=[flops],
+                             backend_config={}, has_side_effect=True, api_version=4)
+        return True
+
+
+def _wanted(platforms: Any, jaxpr: Any) -> bool:
+    return (tuple(platforms) == ("cpu",)
+            and single_side_collective_effect in jaxpr.effects
+            and _config.current().fast_dispatch
+            and bool(jax.config.values.get("jax_cpu_enable_async_dispatch", False)))
+
+
+def _hinting(lower: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(lower)
+    def lower_jaxpr_to_module(module_name, jaxpr, *args, platforms, **kwargs):
+        result = lower(module_name, jaxpr, *args, platforms=platforms, **kwargs)
+        if not _compat.FAST_DISPATCH.active:
+            return result
+        try:
+            if _wanted(platforms, jaxpr):
+                add_device_thread_hint(result.module)
+        except Exception as e:  # a JAX internal changed under us: never break jit
+            _compat.failed_at_run_time(_compat.FAST_DISPATCH.name, e)
+        return result
+
+    return lower_jaxpr_to_module
+
+
+def install() -> None:
+    """Add the hint to every CPU program JAX lowers from now on where it pays (idempotent).
+
+    Wraps JAX's ``mlir.lower_jaxpr_to_module`` after the GPU-parity check and the
+    kept-operands pass, which therefore see the program without it. Called by
+    :func:`jax_cpu_mpi._fast_dispatch.install`.
+    """
+    _compat.wrap_once(mlir, "lower_jaxpr_to_module", "_jax_cpu_mpi_hints", _hinting)
