@@ -210,9 +210,10 @@ def test_single_device_program_dispatch_and_its_error_type(case, short_recv_time
 
 
 def test_device_thread_hint_changes_no_result_and_is_not_in_gpu_programs():
-    """The hint goes only where it pays: a CPU program on one device of this process. Its
-    results are those of the unhinted program; programs for GPU, on two devices of this
-    process, or without psend/precv get none."""
+    """The hint goes only where it pays: a CPU program on one device of this process whose
+    arrays are all 256 KiB or less. Its results are those of the unhinted program; programs
+    for GPU, with a larger array, on two devices of this process, or without psend/precv
+    get none."""
     mesh1 = make_mesh((1, "x"))
 
     def body(v):
@@ -236,6 +237,13 @@ def test_device_thread_hint_changes_no_result_and_is_not_in_gpu_programs():
         exported = jax.export.export(gpu, platforms=["cuda"])(
             jax.ShapeDtypeStruct((6,), jnp.float32, sharding=NamedSharding(mesh1, P("x"))))
         assert _device_thread_hint.HINT_TARGET not in exported.mlir_module()
+        # Arrays over 256 KiB: XLA had better allocate them in the calling thread.
+        large = jax.device_put(jnp.zeros(_device_thread_hint.SMALL_ARRAY_BYTES // 4 + 1),
+                               NamedSharding(mesh1, P("x")))
+        assert _device_thread_hint.HINT_TARGET not in program(mesh1).lower(large).as_text()
+        largest = jax.device_put(jnp.zeros(_device_thread_hint.SMALL_ARRAY_BYTES // 4),
+                                 NamedSharding(mesh1, P("x")))
+        assert _device_thread_hint.HINT_TARGET in program(mesh1).lower(largest).as_text()
     mesh2 = make_mesh((2, "x"))
     assert _device_thread_hint.HINT_TARGET not in pingpong(mesh2).lower(
         sharded(mesh2, 0)).as_text()

@@ -17,8 +17,9 @@ runs the program on a device thread, it reports errors through its outputs as
 jit's C++ path take it. The program's results are unchanged.
 
 It runs only where it can pay: the program is lowered for CPU alone, holds our psend/precv
-custom calls, runs on exactly one device of this process, JAX's asynchronous CPU dispatch
-is on and fast dispatch is configured on. The GPU-parity check and the kept-operands pass
+custom calls, runs on exactly one device of this process, makes no array over 256 KiB
+(see ``SMALL_ARRAY_BYTES``), JAX's asynchronous CPU dispatch is on and fast dispatch is
+configured on. The GPU-parity check and the kept-operands pass
 see the program before this pass adds anything.
 """
 
@@ -39,6 +40,14 @@ from .lowering import PRECV_TARGET, PSEND_TARGET
 
 #: The custom call that consumes the hint's flops (cpp/device_thread_hint.cc).
 HINT_TARGET = "jax_cpu_mpi_device_thread_hint"
+
+#: The hint goes only into programs whose arrays are all this small (the size where a
+#: psend switches from a staged copy to a direct send, cpp/mpi_transport.h). On a device
+#: thread, XLA allocates a program's buffers from that thread's malloc arena, where large
+#: ones are mapped and faulted in again on every call (a 16 MiB ping-pong hop over MPI:
+#: 4.4-5.1 against 3.4 ms on the calling thread), while a large message's call cost is
+#: small beside its transfer anyway.
+SMALL_ARRAY_BYTES = 256 * 1024
 
 #: XLA CPU runs a single-device program inline below this many flops (``cheap_computation_``
 #: in xla/pjrt/cpu/cpu_client.cc).
@@ -73,6 +82,32 @@ def hint_elements(custom_calls: int) -> int:
     """Elements of the hint's add: XLA's threshold twice over, plus 2 for each custom call
     (XLA counts each as -1 flop; the compiled program may hold a few more than ours)."""
     return -(-(2 * XLA_CPU_INLINE_FLOPS + 2 * custom_calls) // 256) * 256
+
+
+def _array_bytes(value_type: Any) -> int | None:
+    """Bytes of a statically shaped tensor type; None for a dynamic one; 0 for a non-tensor."""
+    if not isinstance(value_type, ir.RankedTensorType):
+        return 0
+    if not value_type.has_static_shape:
+        return None
+    element, factor = value_type.element_type, 1
+    if isinstance(element, ir.ComplexType):
+        element, factor = element.element_type, 2
+    bits = element.width if isinstance(element, (ir.IntegerType, ir.FloatType)) else 64
+    return int(np.prod(value_type.shape, dtype=np.int64)) * max(bits, 8) * factor // 8
+
+
+def _largest_array_bytes(module: Any) -> float:
+    """The largest array any op of the module makes or the program takes (inf if one is
+    dynamic)."""
+    largest = 0.0
+    types = [arg.type for op in module.body.operations if op.operation.name == "func.func"
+             for arg in op.regions[0].blocks[0].arguments]
+    types += [result.type for op in _operations(module.operation) for result in op.results]
+    for value_type in types:
+        size = _array_bytes(value_type)
+        largest = max(largest, float("inf") if size is None else float(size))
+    return largest
 
 
 def _functions(module: Any) -> dict[str, Any]:
@@ -152,6 +187,8 @@ def add_device_thread_hint(module: Any) -> bool:
             return False
         if _devices_here(p2p[0]) != 1:
             return False  # two or more: XLA runs the program on device threads already
+        if _largest_array_bytes(module) > SMALL_ARRAY_BYTES:
+            return False  # large buffers: better allocated and filled by the calling thread
         block = _hint_block(module, set(p2p))
         if block is None:
             return False
