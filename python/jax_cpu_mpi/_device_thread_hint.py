@@ -25,9 +25,7 @@ see the program before this pass adds anything.
 
 from __future__ import annotations
 
-import functools
 import re
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -36,6 +34,7 @@ import numpy as np
 from . import _compat
 from . import config as _config
 from ._compat import hlo, ir, mlir, single_side_collective_effect
+from ._module_pass import after_lowering, call_target, operations
 from .lowering import PRECV_TARGET, PSEND_TARGET
 
 #: The custom call that consumes the hint's flops (cpp/device_thread_hint.cc).
@@ -54,20 +53,8 @@ SMALL_ARRAY_BYTES = 256 * 1024
 XLA_CPU_INLINE_FLOPS = 1000
 
 
-def _operations(op: Any) -> Iterator[Any]:
-    for region in op.regions:
-        for block in region.blocks:
-            for inner in block.operations:
-                yield inner.operation
-                yield from _operations(inner.operation)
-
-
 def _custom_calls(module: Any) -> list[Any]:
-    return [op for op in _operations(module.operation) if op.name == "stablehlo.custom_call"]
-
-
-def _target(op: Any) -> str:
-    return ir.StringAttr(op.attributes["call_target_name"]).value
+    return [op for op in operations(module.operation) if call_target(op) is not None]
 
 
 def _devices_here(p2p_op: Any) -> int:
@@ -103,7 +90,7 @@ def _largest_array_bytes(module: Any) -> float:
     largest = 0.0
     types = [arg.type for op in module.body.operations if op.operation.name == "func.func"
              for arg in op.regions[0].blocks[0].arguments]
-    types += [result.type for op in _operations(module.operation) for result in op.results]
+    types += [result.type for op in operations(module.operation) for result in op.results]
     for value_type in types:
         size = _array_bytes(value_type)
         largest = max(largest, float("inf") if size is None else float(size))
@@ -119,7 +106,7 @@ def _reaches(operation: Any, targets: set[Any], functions: dict[str, Any],
              seen: set[str]) -> bool:
     """Whether ``operation`` holds one of ``targets``, in its regions or in the functions
     they call."""
-    for inner in _operations(operation):
+    for inner in operations(operation):
         if inner in targets:
             return True
         if inner.name == "func.call":
@@ -182,8 +169,8 @@ def add_device_thread_hint(module: Any) -> bool:
     run on one device of this process, unless it has one; returns whether it did."""
     with module.context, ir.Location.unknown():
         calls = _custom_calls(module)
-        p2p = [op for op in calls if _target(op) in (PSEND_TARGET, PRECV_TARGET)]
-        if not p2p or any(_target(op) == HINT_TARGET for op in calls):
+        p2p = [op for op in calls if call_target(op) in (PSEND_TARGET, PRECV_TARGET)]
+        if not p2p or any(call_target(op) == HINT_TARGET for op in calls):
             return False
         if _devices_here(p2p[0]) != 1:
             return False  # two or more: XLA runs the program on device threads already
@@ -211,22 +198,6 @@ def _wanted(platforms: Any, jaxpr: Any) -> bool:
             and bool(jax.config.values.get("jax_cpu_enable_async_dispatch", False)))
 
 
-def _hinting(lower: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(lower)
-    def lower_jaxpr_to_module(module_name, jaxpr, *args, platforms, **kwargs):
-        result = lower(module_name, jaxpr, *args, platforms=platforms, **kwargs)
-        if not _compat.FAST_DISPATCH.active:
-            return result
-        try:
-            if _wanted(platforms, jaxpr):
-                add_device_thread_hint(result.module)
-        except Exception as e:  # a JAX internal changed under us: never break jit
-            _compat.failed_at_run_time(_compat.FAST_DISPATCH.name, e)
-        return result
-
-    return lower_jaxpr_to_module
-
-
 def install() -> None:
     """Add the hint to every CPU program JAX lowers from now on where it pays (idempotent).
 
@@ -234,4 +205,5 @@ def install() -> None:
     kept-operands pass, which therefore see the program without it. Called by
     :func:`jax_cpu_mpi._fast_dispatch.install`.
     """
-    _compat.wrap_once(mlir, "lower_jaxpr_to_module", "_jax_cpu_mpi_hints", _hinting)
+    _compat.wrap_once(mlir, "lower_jaxpr_to_module", "_jax_cpu_mpi_hints",
+                      after_lowering(_compat.FAST_DISPATCH, _wanted, add_device_thread_hint))

@@ -17,29 +17,14 @@ or a call) behave the same, their psends finishing their sends before they retur
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterator
 from typing import Any
 
 from . import _compat
 from ._compat import ir, mlir, single_side_collective_effect
+from ._module_pass import after_lowering, call_target, operations
 from .lowering import OPERAND_KEPT, PRECV_TARGET, PSEND_TARGET
 
 _BACKEND_CONFIG = "mhlo.backend_config"
-
-
-def _operations(op: Any) -> Iterator[Any]:
-    for region in op.regions:
-        for block in region.blocks:
-            for inner in block.operations:
-                yield inner.operation
-                yield from _operations(inner.operation)
-
-
-def _target(op: Any) -> str | None:
-    if op.name != "stablehlo.custom_call":
-        return None
-    return ir.StringAttr(op.attributes["call_target_name"]).value
 
 
 def _config(op: Any) -> dict[str, Any]:
@@ -58,7 +43,7 @@ def _sending_psend(precv: Any) -> Any | None:
     if not isinstance(token, ir.OpResult):
         return None  # a block argument: a loop carry, a function argument...
     psend = token.owner.operation
-    if _target(psend) != PSEND_TARGET or psend.block != precv.block:
+    if call_target(psend) != PSEND_TARGET or psend.block != precv.block:
         return None
     config = _config(psend)
     if _kept_count(config) is None or len(ir.DenseIntElementsAttr(config["pairs"])) == 0:
@@ -94,8 +79,8 @@ def keep_psend_operands(module: Any) -> int:
     """Runs the pass on a lowered module; returns how many precvs now keep an operand."""
     with module.context:
         pairs = []
-        for op in _operations(module.operation):
-            if _target(op) == PRECV_TARGET and _kept_count(_config(op)) == 0:
+        for op in operations(module.operation):
+            if call_target(op) == PRECV_TARGET and _kept_count(_config(op)) == 0:
                 psend = _sending_psend(op)
                 if psend is not None:
                     pairs.append((op, psend))
@@ -105,20 +90,8 @@ def keep_psend_operands(module: Any) -> int:
         return len(pairs)
 
 
-def _keeping(lower: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(lower)
-    def lower_jaxpr_to_module(module_name, jaxpr, *args, platforms, **kwargs):
-        result = lower(module_name, jaxpr, *args, platforms=platforms, **kwargs)
-        if not _compat.KEPT_OPERANDS.active:
-            return result
-        try:
-            if "cpu" in tuple(platforms) and single_side_collective_effect in jaxpr.effects:
-                keep_psend_operands(result.module)
-        except Exception as e:  # a JAX internal changed under us: never break jit
-            _compat.failed_at_run_time(_compat.KEPT_OPERANDS.name, e)
-        return result
-
-    return lower_jaxpr_to_module
+def _wanted(platforms: Any, jaxpr: Any) -> bool:
+    return "cpu" in tuple(platforms) and single_side_collective_effect in jaxpr.effects
 
 
 def install() -> None:
@@ -128,4 +101,5 @@ def install() -> None:
     through ``_compat.enable("kept_operands", ...)``. If the pass fails on a program, the
     feature switches off with a warning and the program is left as JAX lowered it.
     """
-    _compat.wrap_once(mlir, "lower_jaxpr_to_module", "_jax_cpu_mpi_keeps", _keeping)
+    _compat.wrap_once(mlir, "lower_jaxpr_to_module", "_jax_cpu_mpi_keeps",
+                      after_lowering(_compat.KEPT_OPERANDS, _wanted, keep_psend_operands))
