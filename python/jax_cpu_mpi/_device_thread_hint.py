@@ -19,8 +19,8 @@ jit's C++ path take it. The program's results are unchanged.
 It runs only where it can pay: the program is lowered for CPU alone, holds our psend/precv
 custom calls, runs on exactly one device of this process, makes no array over 256 KiB
 (see ``SMALL_ARRAY_BYTES``), JAX's asynchronous CPU dispatch is on and fast dispatch is
-configured on. The GPU-parity check and the kept-operands pass
-see the program before this pass adds anything.
+configured on. The GPU-parity check and the kept-operands pass see the program before this
+pass adds anything.
 """
 
 from __future__ import annotations

@@ -43,10 +43,6 @@ import jax
 from . import _compat, _device_thread_hint
 from . import config as _config
 
-#: XLA CPU runs a single-device program inline, in the calling thread, when its HLO cost
-#: analysis counts fewer flops than this (``cheap_computation_`` in xla/pjrt/cpu/cpu_client.cc).
-XLA_CPU_INLINE_FLOPS = 1000
-
 
 def _p2p_effect(effect: Any) -> bool:
     p2p = _compat.single_side_collective_effect  # JAX's, or ours where JAX dropped it
@@ -78,7 +74,7 @@ def _runs_off_the_calling_thread(xla_executable: Any) -> bool:
         costs = costs[0] if len(costs) == 1 else None
     if not isinstance(costs, dict):
         return False
-    return float(costs.get("flops", 0.0)) >= XLA_CPU_INLINE_FLOPS
+    return float(costs.get("flops", 0.0)) >= _device_thread_hint.XLA_CPU_INLINE_FLOPS
 
 
 def _dispatching_fast(original: Any) -> Any:
