@@ -53,6 +53,12 @@ SMALL_ARRAY_BYTES = 256 * 1024
 XLA_CPU_INLINE_FLOPS = 1000
 
 
+def async_cpu_dispatch() -> bool:
+    """Whether JAX's asynchronous CPU dispatch is on (without it XLA runs every program
+    inline, and neither the hint nor fast dispatch applies)."""
+    return bool(jax.config.values.get("jax_cpu_enable_async_dispatch", False))
+
+
 def _custom_calls(module: Any) -> list[Any]:
     return [op for op in operations(module.operation) if call_target(op) is not None]
 
@@ -165,8 +171,9 @@ def _hint_block(module: Any, p2p: set[Any]) -> Any | None:
 
 
 def add_device_thread_hint(module: Any) -> bool:
-    """Adds the hint to the ``main`` function of a lowered module whose psend/precv calls
-    run on one device of this process, unless it has one; returns whether it did."""
+    """Adds the hint (where :func:`_hint_block` says) to a lowered module whose psend/precv
+    calls run on one device of this process and whose arrays are small, unless it has one;
+    returns whether it did."""
     with module.context, ir.Location.unknown():
         calls = _custom_calls(module)
         p2p = [op for op in calls if call_target(op) in (PSEND_TARGET, PRECV_TARGET)]
@@ -195,7 +202,7 @@ def _wanted(platforms: Any, jaxpr: Any) -> bool:
     return (tuple(platforms) == ("cpu",)
             and single_side_collective_effect in jaxpr.effects
             and _config.current().fast_dispatch
-            and bool(jax.config.values.get("jax_cpu_enable_async_dispatch", False)))
+            and async_cpu_dispatch())
 
 
 def install() -> None:

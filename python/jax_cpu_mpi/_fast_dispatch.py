@@ -38,8 +38,6 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import jax
-
 from . import _compat, _device_thread_hint
 from . import config as _config
 
@@ -64,7 +62,7 @@ def _runs_off_the_calling_thread(xla_executable: Any) -> bool:
     """Whether XLA CPU runs every call of this program on device threads (module doc)."""
     if len(xla_executable.local_devices()) >= 2:
         return True
-    if not jax.config.values.get("jax_cpu_enable_async_dispatch", False):
+    if not _device_thread_hint.async_cpu_dispatch():
         return False  # the CPU client runs every program inline
     try:
         costs = xla_executable.cost_analysis()
