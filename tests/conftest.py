@@ -26,19 +26,19 @@ jax_p2p_removal.simulate_if_requested()
 
 import jax_cpu_mpi  # noqa: E402
 
-if jax_p2p_removal.requested() and not jax_cpu_mpi.primitives.OURS:
+if jax_p2p_removal.requested() and not jax_cpu_mpi._src.ops.primitives.OURS:
     raise RuntimeError("JAX's psend/precv removal was simulated, but jax_cpu_mpi binds JAX's")
 if os.environ.get(jax_p2p_removal.ENV) == "effect":
-    assert jax_cpu_mpi.primitives.in_use()["effect"] == "jax_cpu_mpi"
+    assert jax_cpu_mpi._src.ops.primitives.in_use()["effect"] == "jax_cpu_mpi"
 
 def pytest_report_header(config):
-    use = jax_cpu_mpi.primitives.in_use()
+    use = jax_cpu_mpi._src.ops.primitives.in_use()
     return f"jax_cpu_mpi primitives: {use['primitives']} ({use['reason']})"
 
 
 #: Skips a test of plain ``jax.lax.psend``/``precv`` programs where JAX has none.
 needs_jax_p2p = pytest.mark.skipif(
-    not jax_cpu_mpi.primitives.in_use()["jax_has_primitives"],
+    not jax_cpu_mpi._src.ops.primitives.in_use()["jax_has_primitives"],
     reason="this JAX (or the simulated one) has no jax.lax.psend/precv")
 
 

@@ -18,9 +18,11 @@ from jax.sharding import PartitionSpec as P
 
 import jax_cpu_mpi
 from conftest import make_mesh
-from jax_cpu_mpi import _batching_p2p, batching, primitives
-from jax_cpu_mpi._compat import fancy_primitive_batchers, parallel
-from jax_cpu_mpi.primitives import psend_p
+from jax_cpu_mpi import batching
+from jax_cpu_mpi._src.batching import p2p as _batching_p2p
+from jax_cpu_mpi._src.compat import fancy_primitive_batchers, parallel
+from jax_cpu_mpi._src.ops import primitives
+from jax_cpu_mpi._src.ops.primitives import psend_p
 from mpi_launcher import assert_mpi_ok, run_mpi
 
 B = cases.B
@@ -400,7 +402,7 @@ def test_batching_rules_over_mpi():
 
 def _unreduced_extremum(op: str):
     """(primitive, UnreducedKind) for ``op``, or skip on a JAX without these primitives."""
-    from jax_cpu_mpi import _compat
+    from jax_cpu_mpi._src import compat as _compat
 
     prim = getattr(_compat, f"unreduced_p{op}_p")
     if not _compat.available(prim):

@@ -1,4 +1,4 @@
-"""``jax.distributed.initialize()`` with no arguments under mpirun (jax_cpu_mpi.cluster).
+"""``jax.distributed.initialize()`` with no arguments under mpirun (our cluster environment).
 
 The detection is checked in fresh Python processes with the launchers' variables set by
 hand (JAX's cluster detection reads ``os.environ``, and whether mpi4py was imported can only
@@ -16,7 +16,8 @@ import sys
 
 import pytest
 
-from jax_cpu_mpi import _compat, cluster
+from jax_cpu_mpi._src import compat as _compat
+from jax_cpu_mpi._src.runtime import launchers as cluster
 from mpi_launcher import assert_mpi_ok, run_mpi
 
 #: Every variable a launcher may have left in the test's environment.

@@ -19,8 +19,9 @@ from pathlib import Path
 import jax
 import pytest
 
-from jax_cpu_mpi import _compat, _versions
-from jax_cpu_mpi._barrier_tokens import ORDERING_OP
+from jax_cpu_mpi._src import compat as _compat
+from jax_cpu_mpi._src.compat import versions as _versions
+from jax_cpu_mpi._src.lowering.barrier_tokens import ORDERING_OP
 
 PROBE = Path(__file__).parent / "mpi_programs" / "compat_probe.py"
 
@@ -251,7 +252,7 @@ def test_untested_version_warns_once_naming_both_versions(monkeypatch):
 
 
 def test_ffi_api_of_a_newer_build_is_refused_before_registration():
-    from jax_cpu_mpi import _ffi_version
+    from jax_cpu_mpi._src.ffi import abi_version as _ffi_version
 
     built = (0, 5, "jaxlib 0.12.0.1")
     assert _ffi_version.mismatch_message(built, (0, 5), "0.12.0.1") is None
@@ -265,7 +266,7 @@ def test_ffi_api_of_a_newer_build_is_refused_before_registration():
 
 
 def test_this_build_matches_the_installed_jaxlib():
-    from jax_cpu_mpi import _ffi_version
+    from jax_cpu_mpi._src.ffi import abi_version as _ffi_version
 
     major, minor, headers = _ffi_version.built_api()
     assert _ffi_version.runtime_api() == (major, minor)

@@ -23,7 +23,9 @@ from jax.sharding import PartitionSpec as P
 
 import jax_cpu_mpi
 from conftest import make_mesh
-from jax_cpu_mpi import _compat, _device_thread_hint, config
+from jax_cpu_mpi import config
+from jax_cpu_mpi._src import compat as _compat
+from jax_cpu_mpi._src.dispatch import device_thread_hint as _device_thread_hint
 
 pytestmark = pytest.mark.skipif(not _compat.FAST_DISPATCH.active,
                                 reason="fast_dispatch is off with this JAX")

@@ -20,8 +20,9 @@ import pytest
 
 import jax_cpu_mpi
 from conftest import make_mesh
-from jax_cpu_mpi import _deadlock_check as dc
-from jax_cpu_mpi import config, validation
+from jax_cpu_mpi import config
+from jax_cpu_mpi._src.parity import check as validation
+from jax_cpu_mpi._src.parity import rule as dc
 from mpi_launcher import assert_mpi_ok, run_mpi
 
 
@@ -252,11 +253,28 @@ def test_programs_without_psend_precv_are_not_walked(mesh2, monkeypatch):
     assert len(walked) == 1  # the spy does see a program with psend/precv
 
 
-def test_install_is_idempotent():
-    wrapped = validation.mlir.lower_jaxpr_to_module
-    validation.install()
-    assert validation.mlir.lower_jaxpr_to_module is wrapped
-    assert wrapped._jax_cpu_mpi_checked
+def test_lowering_hook_is_installed_once_and_runs_the_check_first():
+    from jax_cpu_mpi._src import compat
+    from jax_cpu_mpi._src.passes import hook
+
+    wrapped = compat.mlir.lower_jaxpr_to_module
+    hook.install()
+    assert compat.mlir.lower_jaxpr_to_module is wrapped
+    assert wrapped._jax_cpu_mpi_passes
+    assert [p.feature.name for p in hook.PASSES] == [
+        "gpu_parity", "kept_operands", "fast_dispatch"]
+
+
+def test_public_check_runs_on_a_lowered_program(mesh2):
+    import jax_cpu_mpi
+
+    ok = cases.program(mesh2, lambda a: cases.p2p(a, [(0, 1)]))
+    jax_cpu_mpi.check(ok.lower(cases.put(mesh2, cases.ROWS, cases.rows(2))))  # no error
+    cyclic = cases.program(mesh2, lambda a: cases.p2p(a, [(0, 1), (1, 0)]))
+    with jax_cpu_mpi.config.overrides(gpu_parity=False):  # lowers unchecked...
+        lowered = cyclic.lower(cases.put(mesh2, cases.ROWS, cases.rows(2)))
+    with pytest.raises(jax_cpu_mpi.GpuParityError, match=re.escape(cases.CYCLE)):
+        jax_cpu_mpi.check(lowered)  # ...and the explicit check still finds the cycle
 
 
 # ------------------------------------------------ the XLA rules, on abstract programs

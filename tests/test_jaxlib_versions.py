@@ -70,7 +70,8 @@ _PROGRAM = """
     from importlib import metadata
     from jax.sharding import NamedSharding, PartitionSpec as P
     import jax_cpu_mpi
-    from jax_cpu_mpi import _jax_cpu_mpi as ext, info
+    from jax_cpu_mpi import _jax_cpu_mpi as ext
+    from jax_cpu_mpi._src.cli import info
 
     mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
     perm = [(0, 1), (1, 2), (2, 3)]

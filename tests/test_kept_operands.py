@@ -23,7 +23,8 @@ from jax.sharding import PartitionSpec as P
 
 import jax_cpu_mpi
 from conftest import make_mesh
-from jax_cpu_mpi import _compat, config
+from jax_cpu_mpi import config
+from jax_cpu_mpi._src import compat as _compat
 
 FORWARD = [(0, 1)]
 BACKWARD = [(1, 0)]

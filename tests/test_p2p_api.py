@@ -26,8 +26,10 @@ from jax_p2p_removal import python_prefix
 
 import jax_cpu_mpi
 from conftest import make_mesh, needs_jax_p2p
-from jax_cpu_mpi import config, info, primitives
-from jax_cpu_mpi._compat import parallel, single_side_collective_effect
+from jax_cpu_mpi import config
+from jax_cpu_mpi._src.cli import info
+from jax_cpu_mpi._src.compat import parallel, single_side_collective_effect
+from jax_cpu_mpi._src.ops import primitives
 
 CHAIN = [(0, 1), (1, 2), (2, 3)]
 
@@ -207,7 +209,7 @@ def test_parity_error_locates_the_users_line():
                                  jax.ShapeDtypeStruct(v.shape, v.dtype), "x", [(0, 1), (1, 0)])
 
     f = jax.jit(jax.shard_map(cycle, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-    with pytest.raises(jax_cpu_mpi.validation.GpuParityError) as err:
+    with pytest.raises(jax_cpu_mpi.GpuParityError) as err:
         f.lower(jax.device_put(jnp.zeros(4), NamedSharding(mesh, P("x"))))
     assert f"{os.path.basename(__file__)}:" in str(err.value)
     assert "jax_cpu_mpi/p2p.py" not in str(err.value)
@@ -228,8 +230,8 @@ import json, os, warnings
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 import jax_cpu_mpi
-from jax_cpu_mpi import primitives
-from jax_cpu_mpi._compat import parallel
+from jax_cpu_mpi._src.ops import primitives
+from jax_cpu_mpi._src.compat import parallel
 mesh = jax.make_mesh((4,), ("x",))
 perm = [(0, 1), (1, 2), (2, 3)]
 x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))

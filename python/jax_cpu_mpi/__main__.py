@@ -2,6 +2,6 @@
 
 import sys
 
-from .cli import main
+from jax_cpu_mpi._src.cli.main import main
 
 sys.exit(main())

@@ -6,7 +6,7 @@ When JAX initializes its backends (the first ``jax.devices()``, ``jax.jit(...)(x
 ``initialize()``. Importing this module imports the package, which registers the CPU
 lowerings of ``psend`` / ``precv`` and the batching rules; that is all it does. MPI stays
 untouched: ``mpi4py`` is imported, and ``MPI_Init`` called, only when a program whose mesh
-spans processes is lowered (see :mod:`jax_cpu_mpi.mpi_runtime`).
+spans processes is lowered.
 
 ``JAX_CPU_MPI_DISABLE=1`` (or ``true``/``yes``/``on``) turns automatic registration off,
 for the plugin and for ``import jax_cpu_mpi`` alike; ``jax_cpu_mpi.install()`` still
@@ -15,26 +15,7 @@ registers everything when a program asks for it explicitly.
 
 from __future__ import annotations
 
-import os
-
-#: Environment variable that turns automatic registration off.
-DISABLE_ENV = "JAX_CPU_MPI_DISABLE"
-
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"", "0", "false", "no", "off"}
-
-
-def disabled() -> bool:
-    """Whether :data:`DISABLE_ENV` asks for no automatic registration."""
-    value = os.environ.get(DISABLE_ENV, "").strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(
-        f"{DISABLE_ENV}={os.environ[DISABLE_ENV]!r} is not a boolean: use 1 to disable "
-        "jax_cpu_mpi's automatic registration, 0 or unset to keep it"
-    )
+from jax_cpu_mpi._src.runtime.config import DISABLE_ENV, disabled
 
 
 def initialize() -> None:
@@ -48,6 +29,9 @@ def initialize() -> None:
     """
     if disabled():
         return
-    from . import install
+    from jax_cpu_mpi import install
 
     install()
+
+
+__all__ = ["DISABLE_ENV", "disabled", "initialize"]

@@ -20,7 +20,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 if os.environ.get("JCM_TEST_PLAIN_INITIALIZE") == "1":
-    # As a user would under MPICH's or Open MPI 5's mpirun (jax_cpu_mpi.cluster).
+    # As a user would under MPICH's or Open MPI 5's mpirun (jax_cpu_mpi._src.runtime.launchers).
     import jax_cpu_mpi
 
     assert "mpi4py.MPI" not in sys.modules
@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_cpu_mpi  # noqa: E402
 
-if jax_p2p_removal.requested() and not jax_cpu_mpi.primitives.OURS:
+if jax_p2p_removal.requested() and not jax_cpu_mpi._src.ops.primitives.OURS:
     raise RuntimeError("JAX's psend/precv removal was simulated, but jax_cpu_mpi binds JAX's")
 
 

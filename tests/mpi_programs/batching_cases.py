@@ -207,7 +207,7 @@ def mixed_axes_scatter(mesh, gather: Gather, *, names: tuple[str, str],
     Member (a, i) holds the partial ``zs[a, i]``; it receives chunk ``k`` of the total, ``k``
     its index in ``names`` order.
     """
-    from jax_cpu_mpi._compat import parallel
+    from jax_cpu_mpi._src.compat import parallel
 
     n, m = _shards(mesh), B * _shards(mesh)
     chunk = 2 if tiled else 1
@@ -309,7 +309,7 @@ def unreduced_scatter(mesh, gather: Gather, *, tiled: bool, in_axes: int) -> lis
     Device i holds the partials ``zs[i, b]``; batch element b of device i receives chunk i
     of ``sum_i zs[i, b]``.
     """
-    from jax_cpu_mpi._compat import parallel
+    from jax_cpu_mpi._src.compat import parallel
 
     n = _shards(mesh)
     chunk = 2 if tiled else 1

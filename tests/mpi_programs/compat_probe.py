@@ -1,7 +1,7 @@
 """One private JAX name goes missing; does JAX still work, and what does jax_cpu_mpi report?
 
 ``python compat_probe.py HOW PATH`` (tests/test_compat.py runs it in a fresh interpreter
-with 4 virtual CPU devices), PATH as in jax_cpu_mpi._compat (``module:attribute`` or a
+with 4 virtual CPU devices), PATH as in jax_cpu_mpi._src.compat (``module:attribute`` or a
 module), HOW one of
 
 * ``none``: remove nothing (the baseline);
@@ -84,7 +84,8 @@ with warnings.catch_warnings(record=True) as caught:
 facts["loaded_by_jax"] = "jax_cpu_mpi" in sys.modules
 
 import jax_cpu_mpi  # noqa: E402
-from jax_cpu_mpi import _barrier_tokens, validation  # noqa: E402
+from jax_cpu_mpi._src.lowering import barrier_tokens as _barrier_tokens  # noqa: E402
+from jax_cpu_mpi._src.parity import check as validation  # noqa: E402
 
 if how == "break-parity":
     def broken(*args, **kwargs):

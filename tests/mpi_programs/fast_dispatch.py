@@ -27,7 +27,9 @@ from _mpi_common import P
 from jax.experimental import multihost_utils
 
 import jax_cpu_mpi
-from jax_cpu_mpi import _compat, _device_thread_hint, config
+from jax_cpu_mpi import config
+from jax_cpu_mpi._src import compat as _compat
+from jax_cpu_mpi._src.dispatch import device_thread_hint as _device_thread_hint
 
 assert jax.local_device_count() == 2, jax.local_devices()
 me = jax.process_index()

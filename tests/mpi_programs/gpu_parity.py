@@ -14,7 +14,8 @@ import parity_cases as cases
 from jax.experimental import multihost_utils
 
 import jax_cpu_mpi
-from jax_cpu_mpi import config, validation
+from jax_cpu_mpi import config
+from jax_cpu_mpi._src.parity import check as validation
 
 assert jax.device_count() == 2, jax.devices()
 mesh = jax.make_mesh((2,), ("x",))

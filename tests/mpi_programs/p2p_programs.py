@@ -200,6 +200,6 @@ if __name__ == "__main__":
     import jax_cpu_mpi
 
     print("JCM-EXPORTS " + json.dumps({
-        "in_use": jax_cpu_mpi.primitives.in_use(),
+        "in_use": jax_cpu_mpi._src.ops.primitives.in_use(),
         "exports": gpu_exports(jax_cpu_mpi.psend, jax_cpu_mpi.precv)}))
     sys.stdout.flush()

@@ -23,7 +23,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import _jax_cpu_mpi as ext
+from jax_cpu_mpi import _jax_cpu_mpi as ext
+
 from . import programs
 from .options import Plan
 from .programs import ACK_BYTES, count_wrong, pattern, shard_on

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from ..config import parse_bytes
+from jax_cpu_mpi._src.runtime.config import parse_bytes
 
 #: Method names, in the order they run. ``/call``: one jitted call per message (ping-pong:
 #: one call per round trip); ``/scan``: many messages inside one jitted ``lax.scan``.

@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..p2p import precv, psend
+from jax_cpu_mpi._src.ops.p2p import precv, psend
 
 AXIS = "x"
 FORWARD = [(0, 1)]

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import _jax_cpu_mpi as ext
+from jax_cpu_mpi import _jax_cpu_mpi as ext
+
 from . import methods
 from .options import GPU_METHODS, LOCAL_METHODS, MPI_METHODS, Options, format_size
 from .progress import Progress

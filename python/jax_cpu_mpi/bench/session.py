@@ -111,13 +111,14 @@ def _package_build() -> dict[str, Any]:
     import datetime
     import subprocess
 
-    from .. import __version__, _compat, config
-    from .. import _jax_cpu_mpi as ext
+    from jax_cpu_mpi import _jax_cpu_mpi as ext
+    from jax_cpu_mpi._src import __version__, compat
+    from jax_cpu_mpi._src.runtime import config
 
     info: dict[str, Any] = dict(jax_cpu_mpi=__version__)
     info["config"] = dataclasses.asdict(config.current())
     info["features_not_active"] = sorted(
-        f["feature"] for f in _compat.report() if f["state"] not in ("active", "not needed"))
+        f["feature"] for f in compat.report() if f["state"] not in ("active", "not needed"))
     # Zero-fills of this size and more use streaming stores (from the machine's cache size).
     info["streaming_zero_fill_min_bytes"] = ext.streaming_zero_fill_min_bytes()
     try:
@@ -174,7 +175,7 @@ def start(platform: str, local_devices: int) -> Session:
         if jax.process_count() >= 2:
             # Collective over all ranks: done here by every rank, not at the first lowering
             # (which only ranks 0 and 1 reach when there are more ranks).
-            from .. import mpi_runtime
+            from jax_cpu_mpi._src.runtime import mpi as mpi_runtime
 
             mpi_runtime.ensure_attached("jax_cpu_mpi.bench", jax.process_count())
     return session

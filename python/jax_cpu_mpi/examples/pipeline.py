@@ -366,8 +366,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{jax.local_device_count()} CPU device(s), {args.microbatches} microbatches of "
         f"{args.batch // args.microbatches}, width {args.width}, {args.steps} steps, "
         f"lr {args.lr:g}, seed {args.seed}")
-    whose = jax_cpu_mpi.primitives.in_use()["primitives"]
-    say(f"psend/precv: {'JAX' if whose == 'jax' else 'jax_cpu_mpi'}'s primitives")
+    ours = {f["feature"]: f["state"] for f in jax_cpu_mpi.features()}["own_primitives"]
+    say(f"psend/precv: {'jax_cpu_mpi' if ours == 'active' else 'JAX'}'s primitives")
     losses: list[float] = []
     timed = 0.0
     for i in range(args.steps):

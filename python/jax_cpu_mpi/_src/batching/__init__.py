@@ -1,0 +1,1 @@
+"""Batching rules JAX lacks: psend/precv and the reduced/unreduced collectives."""

@@ -1,0 +1,1 @@
+"""``python -m jax_cpu_mpi``: ``info`` and ``bench``."""

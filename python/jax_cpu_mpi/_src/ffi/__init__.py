@@ -1,0 +1,1 @@
+"""Our XLA FFI custom calls: target names, attributes, backend_config, registration."""

@@ -1,0 +1,114 @@
+"""Our custom calls as they appear in a lowered module: their names, the attributes the
+lowering gives them (XLA passes them to the handlers as the FFI attributes, and keeps them
+in ``mhlo.backend_config``), and how the module passes find and read them.
+
+The handlers (``cpp/ffi/``) decode exactly these attributes: a name or type changed here must
+change there too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from jax_cpu_mpi._src.compat import ir
+
+#: ``psend(x, partition_id) -> token``: sends ``x`` if this device is a source.
+PSEND_TARGET = "jax_cpu_mpi_psend"
+#: ``precv(token, partition_id[, kept operand]) -> out``: receives, or zeros.
+PRECV_TARGET = "jax_cpu_mpi_precv"
+#: Consumes the flops of the device-thread hint and does nothing (cpp/ffi/).
+HINT_TARGET = "jax_cpu_mpi_device_thread_hint"
+#: psend: 1 when a precv keeps its operand alive (and finishes its send); precv: how many
+#: operands it keeps (its operands after the token and the partition id).
+OPERAND_KEPT = "operand_kept"
+#: The ``op`` attribute of the psend/precv calls that only order an optimization barrier's
+#: values: no pairs, no data moved, and not a psend/precv to the GPU-parity check.
+ORDERING_OP = "optimization_barrier ordering (no pairs, moves no data)"
+
+_BACKEND_CONFIG = "mhlo.backend_config"
+
+
+def attributes(*, pairs: np.ndarray, device_index: np.ndarray, device_process: np.ndarray,
+               num_devices: int, op: str, operand: str) -> dict[str, Any]:
+    """The FFI attributes of a psend/precv call (``operand_kept`` starts at 0: the
+    kept-operands pass raises it)."""
+    return {
+        "pairs": np.asarray(pairs, dtype=np.int64).reshape(-1),
+        "device_index": device_index,
+        "device_process": device_process,
+        "num_devices": np.int64(num_devices),
+        "op": op,
+        "operand": operand,
+        OPERAND_KEPT: np.int64(0),
+    }
+
+
+def operations(op: Any) -> Iterator[Any]:
+    """Every operation nested in ``op``, in program order, depth first."""
+    for region in op.regions:
+        for block in region.blocks:
+            for inner in block.operations:
+                yield inner.operation
+                yield from operations(inner.operation)
+
+
+def call_target(op: Any) -> str | None:
+    """The target of a custom call, None for any other op."""
+    if op.name != "stablehlo.custom_call":
+        return None
+    return ir.StringAttr(op.attributes["call_target_name"]).value
+
+
+def is_p2p(op: Any) -> bool:
+    """Whether ``op`` is one of our psend/precv calls (ordering ones included)."""
+    return call_target(op) in (PSEND_TARGET, PRECV_TARGET)
+
+
+def backend_config(op: Any) -> dict[str, Any]:
+    """A custom call's attributes, ``{name: MLIR attribute}``."""
+    attr = ir.DictAttr(op.attributes[_BACKEND_CONFIG])
+    return {attr[i].name: attr[i].attr for i in range(len(attr))}
+
+
+def string_attribute(op: Any, name: str) -> str:
+    return ir.StringAttr(ir.DictAttr(op.attributes[_BACKEND_CONFIG])[name]).value
+
+
+def int_attribute(op: Any, name: str) -> int | None:
+    """An integer attribute, None where the call has none of that name."""
+    value = backend_config(op).get(name)
+    return None if value is None else ir.IntegerAttr(value).value
+
+
+def array_attribute(op: Any, name: str) -> np.ndarray:
+    """An integer array attribute (``pairs``, ``device_process``...) as int64."""
+    attr = ir.DictAttr(op.attributes[_BACKEND_CONFIG])[name]
+    return np.asarray(ir.DenseIntElementsAttr(attr), dtype=np.int64)
+
+
+def pairs(op: Any) -> tuple[tuple[int, int], ...]:
+    """The source-target pairs of a psend/precv call."""
+    return tuple(map(tuple, array_attribute(op, "pairs").reshape(-1, 2).tolist()))
+
+
+def is_ordering(op: Any) -> bool:
+    """One of our calls that only orders a barrier's values (absent on GPU)."""
+    return is_p2p(op) and string_attribute(op, "op") == ORDERING_OP
+
+
+def set_int_attribute(op: Any, name: str, value: int) -> None:
+    """Set (or add) an int64 attribute of a custom call."""
+    op.attributes[_BACKEND_CONFIG] = with_int_attribute(op, name, value)
+
+
+def with_int_attribute(op: Any, name: str, value: int) -> Any:
+    """The call's backend_config with ``name`` set to the int64 ``value``."""
+    entries = backend_config(op)
+    entries[name] = ir.IntegerAttr.get(ir.IntegerType.get_signless(64), value)
+    return ir.DictAttr.get(entries)
+
+
+BACKEND_CONFIG = _BACKEND_CONFIG

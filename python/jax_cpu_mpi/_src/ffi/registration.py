@@ -1,0 +1,29 @@
+"""Registering our FFI handlers with XLA's CPU platform (``jax.ffi``), once, and only where
+the installed jaxlib can take them (:mod:`.abi_version`)."""
+
+from __future__ import annotations
+
+import jax
+
+from jax_cpu_mpi import _jax_cpu_mpi as ext
+from jax_cpu_mpi._src.ffi import abi_version
+
+_registered = False
+
+
+def register_targets() -> None:
+    """Register every handler of the extension for CPU (idempotent).
+
+    Raises RuntimeError, naming the versions and the fix, when the extension was built
+    against a newer XLA FFI API than the installed jaxlib accepts: registering its handlers
+    would stop JAX's CPU backend from starting.
+    """
+    global _registered
+    if _registered:
+        return
+    problem = abi_version.mismatch()
+    if problem is not None:
+        raise RuntimeError(problem)
+    for name, capsule in ext.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    _registered = True

@@ -1,0 +1,80 @@
+"""Switching jax_cpu_mpi on: every feature, in order, each through the compat room's
+``enable`` (a feature whose JAX names are missing stays off with one warning; the others
+still install). What ``import jax_cpu_mpi`` and JAX's plugin discovery run."""
+
+from __future__ import annotations
+
+import warnings
+
+from jax_cpu_mpi import _jax_cpu_mpi as ext
+from jax_cpu_mpi._src import compat
+from jax_cpu_mpi._src.batching import rules as batching
+from jax_cpu_mpi._src.dispatch import fast_path
+from jax_cpu_mpi._src.lowering import barrier_tokens
+from jax_cpu_mpi._src.lowering import rules as lowering
+from jax_cpu_mpi._src.passes import hook
+from jax_cpu_mpi._src.runtime import config, launchers
+
+_installed = False
+
+
+def _fast_dispatch() -> None:
+    fast_path.install()
+    hook.install()  # the device-thread hint is the hook's last pass
+
+
+def install() -> None:
+    """Register the CPU lowerings (done on import; calling again is harmless).
+
+    Never raises because of JAX internals: a feature whose private JAX names are missing
+    or changed stays off, with one :class:`JaxCompatWarning` naming it.
+    """
+    global _installed
+    if _installed:
+        return
+    config.apply()
+    compat.enable("lowerings", lowering.register)
+    # The three module passes share one lowering hook (passes/hook.py runs them in order).
+    compat.enable("gpu_parity", hook.install)
+    compat.enable("kept_operands", hook.install)
+    compat.enable("barrier_tokens", barrier_tokens.install)
+    compat.enable("fast_dispatch", _fast_dispatch)
+    batching.install()
+    compat.enable("info:lowering_table", lambda: None)  # read-only: nothing to install
+    # Before jax.distributed.initialize(), which JAX runs before any plugin is loaded: only
+    # `import jax_cpu_mpi` gets there in time.
+    compat.enable("clusters", launchers.register)
+    compat.enable("exit_from_broken_job", lambda: None)  # used at exit (runtime.mpi)
+    _installed = True
+
+
+def features() -> list[dict[str, object]]:
+    """Every feature jax_cpu_mpi adds to JAX: state (active, off, not needed, not
+    installed) and why. The same list as ``python -m jax_cpu_mpi info``."""
+    return compat.report()
+
+
+def stats() -> dict[str, int]:
+    """Counters of this process: queued in-process messages, undelivered MPI sends."""
+    return dict(ext.stats())
+
+
+def activate_on_import() -> None:
+    """What ``import jax_cpu_mpi`` does: warn about an untested JAX, then :func:`install`
+    unless ``JAX_CPU_MPI_DISABLE`` says not to. Never raises (JAX's plugin discovery
+    imports the package and must never see an error)."""
+    compat.warn_if_untested()
+    try:
+        disabled = config.disabled()
+    except ValueError as e:  # a bad JAX_CPU_MPI_DISABLE must not break JAX's plugin discovery
+        warnings.warn(f"jax_cpu_mpi is not activated: {e}", RuntimeWarning, stacklevel=4)
+        return
+    if disabled:
+        return
+    try:
+        install()
+    except Exception as e:  # last resort: JAX's plugin discovery must never see an error
+        warnings.warn(
+            f"jax_cpu_mpi could not be activated with {compat.versions_text()}: "
+            f"{type(e).__name__}: {e}. JAX works as without jax_cpu_mpi. Please report this.",
+            compat.JaxCompatWarning, stacklevel=4)

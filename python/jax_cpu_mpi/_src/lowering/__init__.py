@@ -1,0 +1,1 @@
+"""CPU lowerings of psend/precv, their routing tables, optimization barriers over tokens."""

@@ -1,0 +1,108 @@
+"""CPU lowerings of psend / precv to our XLA FFI custom calls.
+
+The primitives are those of :mod:`jax_cpu_mpi.primitives`: JAX's while JAX has them (so
+``jax.lax.psend`` and ``jax_cpu_mpi.psend`` lower alike), ours once JAX drops them.
+
+Each rule computes the source-target pairs with JAX's own helper (the same pairs, the same
+validation and the same errors as JAX's GPU lowering), then emits a typed-FFI custom call
+whose operands are the data (or token) and the partition id of the running device:
+
+* ``jax_cpu_mpi_psend(x, partition_id) -> token``: sends ``x`` if this device is a source;
+* ``jax_cpu_mpi_precv(token, partition_id) -> out``: receives if this device is a
+  destination, zeros otherwise (like ``ppermute``).
+
+The token that psend returns is a result of its custom call, and precv takes it as an
+operand, so XLA cannot reorder a precv before the psend it depends on. Both calls are
+side-effecting, so a psend whose token is dropped still runs.
+
+Both calls carry ``operand_kept = 0``; the pass of :mod:`jax_cpu_mpi._kept_operands` later
+lets a precv keep alive the operand of the psend whose token it takes (and finish its send).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jax_cpu_mpi._src.compat import (
+    ShapedArray,
+    SPMDAxisContext,
+    hlo,
+    mlir,
+    pcollectives_lowering_common,
+    register_lowering,
+)
+from jax_cpu_mpi._src.ffi.custom_calls import PRECV_TARGET, PSEND_TARGET, attributes
+from jax_cpu_mpi._src.ffi.registration import register_targets
+from jax_cpu_mpi._src.lowering.topology import partition_tables
+from jax_cpu_mpi._src.ops.primitives import precv_p, psend_p
+from jax_cpu_mpi._src.runtime import mpi as mpi_runtime
+
+
+def _describe(aval: ShapedArray) -> str:
+    return f"{aval.dtype.name}[{','.join(map(str, aval.shape))}]"
+
+
+def _check_inside_shard_map(ctx: mlir.LoweringRuleContext, op_name: str, axis_name) -> None:
+    """Outside shard_map, fail as JAX's psend does at trace time (precv has no such check)."""
+    axis_context = ctx.module_context.axis_context
+    manual = axis_context.manual_axes if isinstance(axis_context, SPMDAxisContext) else ()
+    for name in axis_name:
+        if name not in manual:
+            raise NameError(
+                f"Found an unbound axis name: {name}. To fix this, please call {op_name} under "
+                "`jax.shard_map`."
+            )
+
+
+def _routing(ctx: mlir.LoweringRuleContext, op_name: str, axis_name, perm):
+    _check_inside_shard_map(ctx, op_name, axis_name)
+    full_perm, _ = pcollectives_lowering_common(
+        ctx, axis_name=axis_name, perm=perm, op_name=op_name
+    )
+    tables = partition_tables(ctx.module_context.axis_context, op_name)
+    if tables.spans_processes:
+        mpi_runtime.ensure_attached(op_name, int(np.unique(tables.device_process).size))
+    return np.asarray(full_perm, dtype=np.int64).reshape(-1), tables
+
+
+def _emit(ctx: mlir.LoweringRuleContext, target: str, op_name: str, operand, *, axis_name,
+          perm, data_aval: ShapedArray) -> list:
+    """The custom call ``target(operand, partition_id)`` with the routing attributes."""
+    pairs, tables = _routing(ctx, op_name, axis_name, perm)
+    op = f"{op_name}(axis_name={axis_name!r}, perm={list(map(tuple, perm))!r})"
+    sub_ctx = ctx.replace(avals_in=[*ctx.avals_in, ShapedArray((), np.uint32)])
+    rule = jax.ffi.ffi_lowering(target, has_side_effect=True)
+    return rule(sub_ctx, operand, hlo.partition_id(),
+                **attributes(pairs=pairs, device_index=tables.device_index,
+                           device_process=tables.device_process,
+                           num_devices=tables.num_devices, op=op,
+                           operand=_describe(data_aval)))
+
+
+def _psend_lowering_cpu(ctx: mlir.LoweringRuleContext, x, *, axis_name, perm):
+    return _emit(ctx, PSEND_TARGET, "psend", x, axis_name=axis_name, perm=perm,
+                 data_aval=ctx.avals_in[0])
+
+
+def _precv_lowering_cpu(ctx: mlir.LoweringRuleContext, token, *, out_shape, axis_name, perm):
+    return _emit(ctx, PRECV_TARGET, "precv", token, axis_name=axis_name, perm=perm,
+                 data_aval=out_shape)
+
+
+def register() -> None:
+    """Register the FFI targets and the CPU lowerings (idempotent).
+
+    Called through ``compat.enable("lowerings", ...)``: not at all when this JAX lacks a
+    name the lowerings need, and then psend/precv keep JAX's own lowering (on CPU, its
+    ``NotImplementedError``). The primitives are those of :mod:`jax_cpu_mpi.primitives`
+    (JAX's, or ours where JAX has none); if neither is usable, this raises and the
+    lowerings feature is off. Nor when the extension was built against a newer XLA FFI API
+    than the installed jaxlib accepts (:mod:`jax_cpu_mpi._src.ffi.abi_version`): registering its
+    handlers would stop JAX's CPU backend from starting.
+    """
+    for prim in (psend_p, precv_p):
+        prim.name  # noqa: B018  (a Missing primitive raises here, naming what is missing)
+    register_targets()
+    register_lowering(psend_p, _psend_lowering_cpu, platform="cpu")
+    register_lowering(precv_p, _precv_lowering_cpu, platform="cpu")

@@ -1,0 +1,126 @@
+"""``jax_cpu_mpi.psend`` / ``jax_cpu_mpi.precv``: JAX's point-to-point API, kept alive.
+
+JAX 0.12 deprecates ``jax.lax.psend`` / ``jax.lax.precv`` (a ``DeprecationWarning`` on each
+access) and names no replacement; JAX removes deprecated APIs a few releases later. These
+functions have JAX's signatures and semantics and bind the primitives of
+:mod:`jax_cpu_mpi.primitives`: JAX's own while JAX has them (so they never warn, and a
+program may mix them with ``jax.lax.psend``/``precv``), ours once JAX drops them. On CPU
+they lower to jax_cpu_mpi's transport, on GPU to ``stablehlo.send``/``recv`` (NCCL), the same
+program on both.
+
+Migrating is one import: replace ``jax.lax.psend`` / ``jax.lax.precv`` by
+``jax_cpu_mpi.psend`` / ``jax_cpu_mpi.precv``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import jax
+
+from jax_cpu_mpi._src.compat import available, insert_collective_pvary, register_source_exclusion
+from jax_cpu_mpi._src.ops.primitives import precv_p, psend_p
+
+# A psend is located at the user's line, not at the bind below (as jax.lax.psend is).
+register_source_exclusion(__file__)
+
+AxisName = Hashable | tuple[Hashable, ...]
+Perm = Sequence[tuple[int, int]]
+
+
+def _axis_tuple(axis_name: Any) -> tuple:
+    return tuple(axis_name) if isinstance(axis_name, (list, tuple)) else (axis_name,)
+
+
+def _perm_tuple(perm: Perm) -> tuple[tuple[int, int], ...]:
+    return tuple(map(tuple, perm))
+
+
+def _pvary(names: tuple, x: Any) -> Any:
+    """What JAX's psend does to its operand: mark it varying over ``names`` (vma types)."""
+    if available(insert_collective_pvary):
+        return insert_collective_pvary(names, x)
+    varying = getattr(jax.typeof(x), "vma", None)  # a JAX without the helper: public pcast
+    missing = tuple(n for n in names if varying is not None and n not in varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def psend(x: Any, axis_name: AxisName, perm: Perm) -> Any:
+    """Send ``x`` along the pairs ``perm`` of mesh axis ``axis_name``; returns a token.
+
+    ``jax.lax.psend`` without its deprecation: the analog of XLA's Send, inside
+    ``jax.shard_map``. Device ``src`` of each ``(src, dst)`` pair in ``perm`` (indices along
+    ``axis_name``; sources unique, destinations unique) sends its block of ``x``; a matching
+    :func:`precv` with the same ``perm`` on device ``dst`` receives it, so that
+    ``precv(psend(x, a, perm), ..., a, perm)`` equals ``jax.lax.ppermute(x, a, perm)``
+    (zeros on devices that are no destination). psend never waits for its receiver.
+
+    Args:
+      x: an array, or a pytree of arrays (one psend per leaf, in ``tree_map`` order).
+      axis_name: a mesh axis name bound by ``shard_map``, or a tuple of them.
+      perm: ``(source_index, destination_index)`` pairs.
+
+    Returns:
+      A token (a pytree of tokens for a pytree ``x``) for :func:`precv` and
+      ``jax.lax.optimization_barrier`` to order later ops after this send.
+
+    Raises:
+      NameError: an axis name that no enclosing ``shard_map`` binds.
+    """
+    names = _axis_tuple(axis_name)
+    pairs = _perm_tuple(perm)
+
+    def send(leaf: Any) -> Any:
+        return psend_p.bind(_pvary(names, leaf), axis_name=names, perm=pairs)
+
+    return jax.tree_util.tree_map(send, x)
+
+
+def _is_shape(value: Any) -> bool:
+    return hasattr(value, "shape") and hasattr(value, "dtype")
+
+
+def precv(token: Any, out_shape: Any, axis_name: AxisName, perm: Perm) -> Any:
+    """Receive along the pairs ``perm`` of ``axis_name`` what the matching :func:`psend` sent.
+
+    ``jax.lax.precv`` without its deprecation: the analog of XLA's Recv, inside
+    ``jax.shard_map``. Device ``dst`` of each ``(src, dst)`` pair receives the block that
+    device ``src`` sent with a :func:`psend` of the same ``perm``; a device that is no
+    destination gets zeros. The result is not typed as varying over ``axis_name`` (as JAX's):
+    a loop carry needs ``jax.lax.pcast(y, axis_name, to="varying")``.
+
+    Args:
+      token: a token from :func:`psend` or ``jax.lax.create_token()``; the receive is
+        ordered after what produced it. For a pytree ``out_shape``, one token for every leaf
+        or a pytree of tokens of the same structure (what :func:`psend` of a pytree returns).
+      out_shape: a ``jax.ShapeDtypeStruct`` (anything with ``shape`` and ``dtype``) of the
+        result, or a pytree of them (one precv per leaf, in ``tree_map`` order).
+      axis_name: a mesh axis name bound by ``shard_map``, or a tuple of them.
+      perm: ``(source_index, destination_index)`` pairs, those of the matching psend.
+
+    Returns:
+      An array of ``out_shape`` (a pytree of arrays for a pytree ``out_shape``).
+    """
+    names = _axis_tuple(axis_name)
+    pairs = _perm_tuple(perm)
+
+    def recv(tok: Any, shape: Any) -> Any:
+        aval = jax.core.ShapedArray(shape.shape, shape.dtype)  # as jax.lax.precv builds it
+        return precv_p.bind(tok, out_shape=aval, axis_name=names, perm=pairs)
+
+    if _is_shape(out_shape):
+        return recv(token, out_shape)
+    shapes, tree = jax.tree_util.tree_flatten(out_shape, is_leaf=_is_shape)
+    tokens = jax.tree_util.tree_leaves(token)
+    if len(tokens) == 1:
+        tokens = tokens * len(shapes)
+    elif jax.tree_util.tree_structure(token) != tree:
+        raise ValueError(
+            f"precv: token must be one token or a pytree of tokens shaped like out_shape "
+            f"({tree}), got {jax.tree_util.tree_structure(token)}")
+    return jax.tree_util.tree_unflatten(tree, [recv(t, s) for t, s in zip(tokens, shapes,
+                                                                           strict=True)])
+
+
+__all__ = ["precv", "psend"]

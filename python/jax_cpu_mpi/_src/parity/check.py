@@ -1,0 +1,223 @@
+"""GPU parity: reject at lowering the psend/precv programs that XLA GPU refuses to compile.
+
+XLA's GPU compiler verifies every program for send/recv deadlocks (a cycle in the pairs of
+one psend, a precv that no psend matches, mismatched pairs, a collective between a psend
+and its precv...). The CPU transport of jax_cpu_mpi would run some of these programs and
+hang on others, so a CPU CI would pass a program that fails on GPU. This module runs the
+same check (:mod:`jax_cpu_mpi._deadlock_check`) on every CPU program that contains our
+psend/precv, when JAX lowers it: ``jax.jit(f).lower(...)`` (hence also the first call)
+raises :class:`GpuParityError`, a :class:`jax.errors.JaxRuntimeError` like the GPU's
+error, with XLA's message first. The check depends only on the program, so every process
+of a multi-process job raises the same error before anything runs.
+
+Switch it off for CPU-only programs with ``JAX_CPU_MPI_GPU_PARITY=0`` or
+``jax_cpu_mpi.configure(gpu_parity=False)`` (programs lowered afterwards are not checked).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+
+from jax_cpu_mpi._src.compat import ir, single_side_collective_effect
+from jax_cpu_mpi._src.ffi.custom_calls import (
+    ORDERING_OP,
+    PRECV_TARGET,
+    PSEND_TARGET,
+    call_target,
+    is_ordering,
+    pairs,
+    string_attribute,
+)
+from jax_cpu_mpi._src.parity.rule import (
+    Collective,
+    Event,
+    P2POp,
+    Violation,
+    check,
+    format_pairs,
+)
+from jax_cpu_mpi._src.parity.xla_order import ModuleOrder
+from jax_cpu_mpi._src.runtime import config
+
+__all__ = ["GpuParityError", "check_lowered", "collect_events", "raise_on_violation", "wanted"]
+
+_SUFFIX = (
+    "jax_cpu_mpi raises this when the program is lowered, as XLA GPU does when it compiles "
+    "it. For CPU-only programs, JAX_CPU_MPI_GPU_PARITY=0 or "
+    "jax_cpu_mpi.configure(gpu_parity=False) turns the check off."
+)
+
+
+class GpuParityError(jax.errors.JaxRuntimeError):
+    """A psend/precv program that XLA GPU would reject at compile time.
+
+    Caught like the GPU's error (``except jax.errors.JaxRuntimeError``). ``str(error)``
+    starts with XLA's message; ``xla_message`` holds it alone and ``ops`` the psends,
+    precvs and collectives involved.
+    """
+
+    def __init__(self, violation: Violation) -> None:
+        super().__init__(
+            f"{violation.xla_message}\n\njax_cpu_mpi GPU-parity check (at lowering, before "
+            f"anything runs): {violation.explanation}\n{_SUFFIX}"
+        )
+        self.xla_message = violation.xla_message
+        self.ops = violation.ops
+
+
+# Collectives that XLA's check looks at (IsOtherCollective, on instructions that call no
+# computation), by StableHLO op name; all_reduce / reduce_scatter carry a reduction region
+# and are descended into instead, as XLA does.
+_OTHER_COLLECTIVES = {
+    "stablehlo.all_gather": "all-gather",
+    "stablehlo.all_to_all": "all-to-all",
+    "stablehlo.collective_permute": "collective-permute",
+    "stablehlo.collective_broadcast": "collective-broadcast",
+}
+_RAGGED_ALL_TO_ALL_TARGET = "ragged_all_to_all"
+_FILE_LINE = re.compile(r'"([^"]+)":(\d+):\d+')
+_INTEGER = re.compile(r"^(u?)i(\d+)$")
+
+
+def _hlo_type(t: Any) -> str:
+    """``tensor<1x2xf32>`` -> ``f32[1,2]``; ``!stablehlo.token`` -> ``token[]``."""
+    text = str(t)
+    if not text.startswith("tensor<"):
+        return "token[]" if "token" in text else text
+    ranked = ir.RankedTensorType(t)
+    element = str(ranked.element_type)
+    match = _INTEGER.match(element)
+    if element == "i1":
+        element = "pred"
+    elif match:
+        element = ("u" if match.group(1) else "s") + match.group(2)
+    elif element.startswith("complex<"):
+        element = {"complex<f32>": "c64", "complex<f64>": "c128"}.get(element, element)
+    return f"{element}[{','.join(map(str, ranked.shape))}]"
+
+
+def _location(op: Any) -> str | None:
+    match = _FILE_LINE.search(str(op.location))
+    return f"{match.group(1)}:{match.group(2)}" if match else None
+
+
+class _Walker:
+    """Our custom calls and the other collectives, in the order XLA's check visits them.
+
+    The order is XLA's instruction order (:mod:`jax_cpu_mpi._xla_order`); the check
+    descends into the computations an op calls (loop body then condition, branches in
+    order, reductions) at the op's place, once per occurrence.
+
+    Without ``details``, events carry only what the check needs (kinds, names, pairs);
+    types, source lines and HLO-like texts are read only to explain an error.
+    """
+
+    def __init__(self, module: Any, details: bool) -> None:
+        self.details = details
+        self.order = ModuleOrder(module, is_ordering)
+        self.counts: dict[str, int] = {}
+
+    def name(self, base: str) -> str:
+        """XLA-style unique names: ``psend``, ``psend.1``, ``psend.2``..."""
+        count = self.counts.get(base, 0)
+        self.counts[base] = count + 1
+        return base if count == 0 else f"{base}.{count}"
+
+    def computation(self, block: Any) -> Iterator[Event]:
+        for op in self.order.computation(block):
+            name = op.operation.name
+            if name == "stablehlo.custom_call":
+                event = self.custom_call(op)
+                if event is not None:
+                    yield event
+                continue
+            if name in _OTHER_COLLECTIVES:
+                yield self.collective(op, _OTHER_COLLECTIVES[name])
+                continue
+            regions = list(op.operation.regions)
+            if name == "stablehlo.while":  # XLA's while calls (body, condition)
+                regions.reverse()
+            for region in regions:
+                yield from self.computation(region.blocks[0])
+
+    def custom_call(self, op: Any) -> Event | None:
+        target = call_target(op.operation)
+        if target == _RAGGED_ALL_TO_ALL_TARGET:
+            return self.collective(op, "ragged-all-to-all")
+        if target not in (PSEND_TARGET, PRECV_TARGET):
+            return None
+        kind = "psend" if target == PSEND_TARGET else "precv"
+        source = string_attribute(op.operation, "op")
+        if source == ORDERING_OP:  # orders a barrier's values, moves nothing
+            return None
+        data = op.operands[0] if kind == "psend" else op.results[0]
+        return P2POp(
+            kind=kind,
+            name=self.name(kind),
+            pairs=pairs(op.operation),
+            shape=_hlo_type(data.type) if self.details else "",
+            source=source,
+            location=_location(op) if self.details else None,
+        )
+
+    def collective(self, op: Any, base: str) -> Collective:
+        name = self.name(base)
+        if not self.details:
+            return Collective(name=name, text="")
+        results = ", ".join(_hlo_type(r.type) for r in op.results)
+        operands = ", ".join(_hlo_type(o.type) for o in op.operands)
+        text = f"%{name} = {results} {base}({operands})"
+        if "source_target_pairs" in op.attributes:
+            flat = ir.DenseIntElementsAttr(op.attributes["source_target_pairs"])
+            listed = [int(v) for v in flat]
+            text += (", source_target_pairs="
+                     + format_pairs(tuple(zip(listed[::2], listed[1::2], strict=True))))
+        return Collective(name=name, text=text, location=_location(op))
+
+
+def collect_events(module: Any, details: bool = True) -> list[Event]:
+    """The psends/precvs and other collectives of a lowered module, in checking order.
+
+    Starts at ``main``; the order is the one XLA GPU's verifier walks (see
+    :mod:`jax_cpu_mpi._xla_order`), not program order: e.g. each precv comes right after
+    the psend whose token it takes.
+    """
+    with module.context:
+        walker = _Walker(module, details)
+        main = walker.order.entry_block("main")
+        return [] if main is None else list(walker.computation(main))
+
+
+def _violation(module: Any) -> Violation | None:
+    if check(collect_events(module, details=False)) is None:
+        return None
+    violation = check(collect_events(module))  # the same verdict, now with the details
+    assert violation is not None
+    return violation
+
+
+def raise_on_violation(module: Any) -> None:
+    """Raise :class:`GpuParityError` if XLA GPU would reject the psends/precvs of ``module``."""
+    violation = _violation(module)
+    if violation is not None:
+        raise GpuParityError(violation)
+
+
+def wanted(platforms: Any, jaxpr: Any) -> bool:
+    """The programs the check runs on when JAX lowers them: CPU programs with psend/precv
+    (they carry the effect; control flow, shard_map and jit propagate it), while the check
+    is configured on."""
+    return (config.current().gpu_parity and "cpu" in tuple(platforms)
+            and single_side_collective_effect in jaxpr.effects)
+
+
+def check_lowered(lowered: Any) -> None:
+    """Run the GPU-parity check on ``jax.jit(f).lower(...)`` (whatever the platforms it was
+    lowered for, the configuration aside); raise :class:`GpuParityError` if XLA GPU would
+    reject the program. Public as :func:`jax_cpu_mpi.check`."""
+    module = lowered.compiler_ir("stablehlo")
+    raise_on_violation(module)

@@ -1,0 +1,1 @@
+"""The lowering hook: module passes run in one fixed order after JAX lowers a program."""

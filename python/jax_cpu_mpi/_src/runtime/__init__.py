@@ -1,0 +1,1 @@
+"""Configuration, MPI attach and exit, and the launchers (cluster environment)."""

@@ -1,0 +1,241 @@
+"""MPI for cross-process psend/precv: our own communicator, attached on first need.
+
+MPI is touched only when a program whose mesh spans processes is lowered. Then, on every
+process (the same SPMD program is lowered everywhere), this module
+
+1. imports ``mpi4py.MPI`` (which calls ``MPI_Init_thread``, asking for
+   ``MPI_THREAD_MULTIPLE``: several device threads of a process may communicate at once),
+2. checks that the MPI job and the JAX job agree (same number of processes),
+3. gathers ``jax.process_index()`` of every rank, and
+4. hands ``MPI_COMM_WORLD`` to the extension, which duplicates it: our traffic never shares
+   a communicator with the user's.
+
+At interpreter exit, before mpi4py finalizes MPI, outstanding sends are completed and every
+rank meets the others in a polled barrier (up to ``JAX_CPU_MPI_EXIT_TIMEOUT`` seconds), then
+our communicator is freed. Once attached, an uncaught exception aborts the whole job
+(``JAX_CPU_MPI_ABORT_ON_ERROR``) rather than leaving the other ranks waiting for this one.
+If a peer failed to answer (a precv timed out, an MPI call failed) and misses the exit
+barrier, the process ends just before ``MPI_Finalize``, without JAX's distributed shutdown,
+with the status the program asked for (:func:`_leave_broken_job`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import sys
+import threading
+
+import jax
+
+from jax_cpu_mpi import _jax_cpu_mpi as ext
+from jax_cpu_mpi._src import compat
+from jax_cpu_mpi._src.runtime import abi as mpi_abi
+from jax_cpu_mpi._src.runtime import config
+
+_lock = threading.Lock()
+
+_LAUNCH_HINT = (
+    "Launch one process per host/rank with MPI, e.g. `mpirun -n 2 python train.py` (or "
+    "`srun`), and call `jax.distributed.initialize(cluster_detection_method='mpi4py')` (or the "
+    "Open MPI / Slurm auto-detection) before building the mesh."
+)
+
+
+class MpiSetupError(RuntimeError):
+    """MPI cannot serve a program whose mesh spans processes."""
+
+
+def import_mpi4py():  # -> module mpi4py.MPI
+    """``mpi4py.MPI`` (importing it initializes MPI, with every thread allowed to call it),
+    checked to be the MPI of our extension. Raises
+    :class:`~jax_cpu_mpi.mpi_abi.MpiMismatchError` if it is not."""
+    import mpi4py
+
+    if "mpi4py.MPI" not in sys.modules:
+        # Before mpi4py initializes an MPI of the wrong ABI, when it can tell.
+        mpi_abi.check_before_mpi4py_import()
+        # Device threads of one process may call MPI concurrently.
+        mpi4py.rc.thread_level = "multiple"
+    from mpi4py import MPI
+
+    mpi_abi.check_mpi4py(MPI)
+    return MPI
+
+
+def ensure_attached(op_name: str, num_processes_in_mesh: int) -> None:
+    """Attach MPI to the extension if it is not attached yet (collective over all ranks)."""
+    if ext.mpi_attached():
+        return
+    with _lock:
+        if ext.mpi_attached():
+            return
+        jax_processes = jax.process_count()
+        if jax_processes < 2:
+            raise MpiSetupError(
+                f"{op_name}: the mesh spans {num_processes_in_mesh} processes but JAX sees a "
+                f"single process. {_LAUNCH_HINT}"
+            )
+        try:
+            MPI = import_mpi4py()
+        except ImportError as e:  # pragma: no cover - mpi4py is a dependency
+            raise MpiSetupError(f"{op_name}: cannot import mpi4py ({e}). {_LAUNCH_HINT}") from e
+        except mpi_abi.MpiMismatchError as e:
+            raise MpiSetupError(f"{op_name}: {e}") from e
+        world = MPI.COMM_WORLD
+        if world.Get_size() != jax_processes:
+            launched = "PMI_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ
+            how = (
+                "this process was not started by mpirun/srun (MPI sees a singleton)"
+                if world.Get_size() == 1 and not launched
+                else f"the MPI job has {world.Get_size()} ranks"
+            )
+            raise MpiSetupError(
+                f"{op_name}: the mesh spans processes of a JAX job with {jax_processes} "
+                f"processes, but {how}. jax_cpu_mpi moves bytes between processes with MPI, "
+                f"so every JAX process must be one rank of the same MPI job. {_LAUNCH_HINT}"
+            )
+        process_and_host = world.allgather((jax.process_index(), socket.gethostname()))
+        process_of_rank = [process for process, _ in process_and_host]
+        if sorted(process_of_rank) != list(range(jax_processes)):
+            raise MpiSetupError(
+                f"{op_name}: MPI ranks report JAX process indices {process_of_rank}; expected "
+                f"each of 0..{jax_processes - 1} once. {_LAUNCH_HINT}"
+            )
+        rank_of_process = [0] * jax_processes
+        for rank, process in enumerate(process_of_rank):
+            rank_of_process[process] = rank
+        config.apply()
+        ext.attach_mpi(world.py2f(), rank_of_process)
+        ext.set_rank_hosts([host for _, host in process_and_host])
+        # Registered after mpi4py's own finalization hook, so it runs before MPI_Finalize.
+        atexit.register(_detach_at_exit)
+        ext.register_exit_before_finalize()  # after mpi4py's, so it runs just before it
+        _record_exit_status_requests()
+        if config.current().abort_on_error:
+            _abort_job_on_uncaught_exception(MPI)
+
+
+def _abort_job_on_uncaught_exception(MPI) -> None:
+    """Make an uncaught exception end the whole MPI job, as ``python -m mpi4py`` does.
+
+    Otherwise the failing rank reaches ``MPI_Finalize`` at exit and waits there for ranks
+    that wait for it (in a precv, a collective, or their own finalize): the job hangs.
+    """
+    previous = sys.excepthook
+
+    def excepthook(exc_type, exc, tb) -> None:
+        previous(exc_type, exc, tb)
+        print(
+            f"jax_cpu_mpi: uncaught {exc_type.__name__} on MPI rank "
+            f"{MPI.COMM_WORLD.Get_rank()}: aborting the MPI job (MPI_Abort) so that the other "
+            "ranks do not wait for this one forever (JAX_CPU_MPI_ABORT_ON_ERROR=0 disables "
+            "this).",
+            file=sys.stderr,
+            flush=True,
+        )
+        MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = excepthook
+
+
+def _detach_at_exit() -> None:
+    exit_timeout = config.current().exit_timeout
+    report = ext.detach_mpi(exit_timeout)
+    if report:
+        print(f"jax_cpu_mpi: at exit, {report} within JAX_CPU_MPI_EXIT_TIMEOUT="
+              f"{exit_timeout} s.", file=sys.stderr)
+    unreachable = ext.unreachable_peers()
+    if unreachable and not ext.exit_barrier_met():
+        _leave_broken_job(unreachable)
+
+
+def _leave_broken_job(unreachable: list[int]) -> None:
+    """End promptly a process whose job lost a peer: it did not answer, nor reach the exit
+    barrier.
+
+    Two waits would otherwise hold the process. MPI_Finalize: MPICH waits for every rank
+    through the process manager, and UCX closes each endpoint with a flush that waits for
+    the unreachable peer for minutes. And JAX's distributed shutdown: a barrier of every task
+    in the coordination service, which ends only when the service declares the peer dead
+    after ``heartbeat_timeout_seconds`` (100 s by default), and then aborts the process with
+    SIGABRT. So JAX's distributed runtime is abandoned (its shutdown skipped) and the
+    process ends, after the rest of the interpreter's exit (every other atexit handler, the
+    flush of stdout/stderr), just before mpi4py would call MPI_Finalize, with the status the
+    program asked for (``sys.exit(n)``, ``exit(n)``), or 1 if it asked for none.
+    """
+    hosts = ext.rank_hosts()
+    peers = ", ".join(
+        f"{r}" + (f" (host {hosts[r]})" if r < len(hosts) and hosts[r] else "")
+        for r in unreachable)
+    status = 1 if _requested_exit_status is None else _requested_exit_status
+    ext.arm_exit_before_finalize(status)
+    abandoned = _abandon_jax_distributed_runtime()
+    print(f"jax_cpu_mpi: at exit, MPI rank(s) {peers} did not answer and did not reach the "
+          f"exit barrier: this process ends now with status {status}, without MPI_Finalize"
+          + (" and without JAX's distributed shutdown" if abandoned else "")
+          + " (both would wait for the unreachable peer).", file=sys.stderr, flush=True)
+
+
+#: The status the program asked for with ``sys.exit(n)`` (None: not asked).
+_requested_exit_status: int | None = None
+
+
+def _exit_status(code: object) -> int:
+    """The process status Python gives ``SystemExit(code)``."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    return 1  # Python prints a non-integer code and exits with 1
+
+
+def _record_exit_status_requests() -> None:
+    """Wrap ``sys.exit`` (and ``exit``/``quit``) to remember the status asked for: Python
+    does not tell its atexit handlers, and a process leaving a broken job must end itself
+    (:func:`_leave_broken_job`) with the status the program chose."""
+    import builtins
+    import functools
+
+    def recording(original):
+        @functools.wraps(original)
+        def exit_recording_status(code=None):
+            global _requested_exit_status
+            _requested_exit_status = _exit_status(code)
+            return original(code)
+
+        return exit_recording_status
+
+    marker = "_jax_cpu_mpi_records_status"
+    compat.wrap_once(sys, "exit", marker, recording)
+    for name in ("exit", "quit"):  # site's Quitter objects, when present
+        quitter = getattr(builtins, name, None)
+        if quitter is not None and callable(quitter):
+            compat.wrap_once(builtins, name, marker, recording)
+
+
+def _abandon_jax_distributed_runtime() -> bool:
+    """Make JAX's distributed shutdown at exit a no-op: its client, service and preemption
+    manager are detached from JAX's state and deliberately kept alive until the process
+    ends (their destructors would run the same shutdown barrier). Returns whether there
+    was anything to abandon."""
+    import ctypes
+
+    if not compat.EXIT_FROM_BROKEN_JOB.active:
+        return False
+    state = compat.distributed_state
+    names = ("preemption_sync_manager", "client", "service")
+    try:
+        held = [getattr(state, name) for name in names]
+        if all(obj is None for obj in held):
+            return False
+        for obj in held:
+            if obj is not None:
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))  # never freed: no destructor
+        for name in names:
+            setattr(state, name, None)
+    except Exception as e:  # a changed JAX internal: leave JAX's shutdown to JAX
+        compat.failed_at_run_time("exit_from_broken_job", e)
+        return False
+    return True
