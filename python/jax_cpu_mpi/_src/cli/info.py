@@ -106,7 +106,7 @@ def primitives_in_use() -> dict[str, Any]:
 
 
 def features() -> list[dict[str, Any]]:
-    """Every feature of :mod:`jax_cpu_mpi._compat`: state and why (never raises)."""
+    """Every feature of :mod:`jax_cpu_mpi._src.compat`: state and why (never raises)."""
     try:
         return compat.report()
     except Exception as e:  # pragma: no cover - the report must not take info down

@@ -42,7 +42,7 @@ parallel = LOWERINGS.need("jax._src.lax.parallel", check=is_module)
 ir = LOWERINGS.need("jax._src.lib.mlir:ir", check=is_module)
 hlo = LOWERINGS.need("jax._src.lib.mlir.dialects:hlo", check=is_module)
 
-# The primitives the lowerings attach to are those of jax_cpu_mpi.primitives: JAX's
+# The primitives the lowerings attach to are those of ops/primitives.py: JAX's
 # psend_p/precv_p while JAX has them, ours after (section "own psend/precv primitives").
 #: JAX's own computation of source-target pairs (with its validation and its
 #: ``ValueError`` for duplicate sources/destinations), shared by ppermute/psend/precv.
@@ -67,7 +67,7 @@ lower_jaxpr_to_module = GPU_PARITY.need(
     "jax._src.interpreters.mlir:lower_jaxpr_to_module",
     check=has_params("module_name", "jaxpr", "platforms"))
 #: The effect psend and precv carry; jit, shard_map and control flow propagate it, so a
-#: program without it has no psend/precv (validation.py skips such programs).
+#: program without it has no psend/precv (the parity check skips such programs).
 single_side_collective_effect = GPU_PARITY.need(
     "jax._src.lax.parallel:single_side_collective_effect")
 _need_all([GPU_PARITY], "jax._src.lib.mlir:ir", check=is_module)
@@ -90,7 +90,7 @@ BARRIER_TOKENS = feature(
     "barrier_tokens", "optimization_barrier over tokens on CPU", requires=("lowerings",),
     when_off="jax.lax.optimization_barrier over tokens fails to lower on CPU, as in plain JAX")
 
-#: optimization_barrier and JAX's lowering rule for it (_barrier_tokens.py wraps it).
+#: optimization_barrier and JAX's lowering rule for it (lowering/barrier_tokens.py wraps it).
 optimization_barrier_p = BARRIER_TOKENS.need(
     "jax._src.lax.lax:optimization_barrier_p", check=is_primitive)
 optimization_barrier_lowering = BARRIER_TOKENS.need(
@@ -105,7 +105,7 @@ _need_all([BARRIER_TOKENS], "jax._src.lib.mlir.dialects:hlo", check=is_module)
 
 # ------------------------------------------------------------------- batching rules
 # One feature per rule (``batching:<primitive>``), so that a moved primitive switches off
-# only its own rule. The rules live in batching.py / _batching_*.py.
+# only its own rule. The rules live in batching/.
 
 _BATCHING_OFF = ("jax.vmap of {what} fails as in plain JAX (NotImplementedError or JAX's "
                  "own rule)")
@@ -229,8 +229,8 @@ distributed_state = EXIT_FROM_BROKEN_JOB.need("jax._src.distributed:global_state
 
 # ----------------------------------------------------------- own psend/precv primitives
 # JAX 0.12 deprecates jax.lax.psend/precv; a later JAX drops them with psend_p/precv_p.
-# jax_cpu_mpi.psend/precv (p2p.py) bind JAX's primitives while JAX has them, and primitives
-# of our own (_own_primitives.py) after: JAX's primitives are looked up here WITHOUT being a
+# jax_cpu_mpi.psend/precv (ops/p2p.py) bind JAX's primitives while JAX has them, and primitives
+# of our own (ops/own_primitives.py) after: JAX's primitives are looked up here WITHOUT being a
 # need of any feature (their absence is what the "own_primitives" feature is for).
 
 #: JAX's primitives, or a Missing where this JAX has dropped them.
@@ -295,7 +295,7 @@ _own_effect: Any = None
 if (not available(jax_psend_p) and not available(jax_single_side_collective_effect)
         and OWN_PRIMITIVES.usable):
     # JAX dropped psend/precv AND their effect: our primitives carry an effect of our own
-    # (_own_primitives.py), and the GPU-parity check recognises psend/precv programs by the
+    # (ops/own_primitives.py), and the GPU-parity check recognises psend/precv programs by the
     # effect they carry, so it looks for ours (the missing JAX effect is then no problem of
     # gpu_parity's). While JAX has its primitives, a missing effect keeps gpu_parity off:
     # JAX's primitives would carry an effect we cannot see.
@@ -342,7 +342,7 @@ def _executes_replicated(value: Any) -> str | None:
 
 
 #: What runs a compiled program; a true ``has_unordered_effects`` keeps jit off its C++
-#: fast path (_fast_dispatch.py wraps its ``__init__``).
+#: fast path (dispatch/fast_path.py wraps its ``__init__``).
 ExecuteReplicated = FAST_DISPATCH.need("jax._src.interpreters.pxla:ExecuteReplicated",
                                        check=_executes_replicated)
 #: XLA CPU runs a single-device program inline (in the calling thread) below this many flops

@@ -13,7 +13,7 @@ XLA's cost model counts and that cost about a microsecond: an add of a ``float32
 zeros with itself behind an ``optimization_barrier`` (so that nothing folds it), consumed by
 a side-effecting custom call of ours that does nothing (so that nothing drops it). XLA then
 runs the program on a device thread, it reports errors through its outputs as
-``JaxRuntimeError`` on either dispatch path, and :mod:`jax_cpu_mpi._fast_dispatch` lets
+``JaxRuntimeError`` on either dispatch path, and :mod:`jax_cpu_mpi._src.dispatch.fast_path` lets
 jit's C++ path take it. The program's results are unchanged.
 
 It runs only where it can pay: the program is lowered for CPU alone, holds our psend/precv

@@ -1,6 +1,6 @@
 """CPU lowerings of psend / precv to our XLA FFI custom calls.
 
-The primitives are those of :mod:`jax_cpu_mpi.primitives`: JAX's while JAX has them (so
+The primitives are those of :mod:`jax_cpu_mpi._src.ops.primitives`: JAX's while JAX has them (so
 ``jax.lax.psend`` and ``jax_cpu_mpi.psend`` lower alike), ours once JAX drops them.
 
 Each rule computes the source-target pairs with JAX's own helper (the same pairs, the same
@@ -15,8 +15,8 @@ The token that psend returns is a result of its custom call, and precv takes it 
 operand, so XLA cannot reorder a precv before the psend it depends on. Both calls are
 side-effecting, so a psend whose token is dropped still runs.
 
-Both calls carry ``operand_kept = 0``; the pass of :mod:`jax_cpu_mpi._kept_operands` later
-lets a precv keep alive the operand of the psend whose token it takes (and finish its send).
+Both calls carry ``operand_kept = 0``; the kept-operands pass
+(:mod:`jax_cpu_mpi._src.passes.kept_operands`) later lets a precv keep alive the operand of the psend whose token it takes (and finish its send).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def register() -> None:
 
     Called through ``compat.enable("lowerings", ...)``: not at all when this JAX lacks a
     name the lowerings need, and then psend/precv keep JAX's own lowering (on CPU, its
-    ``NotImplementedError``). The primitives are those of :mod:`jax_cpu_mpi.primitives`
+    ``NotImplementedError``). The primitives are those of :mod:`jax_cpu_mpi._src.ops.primitives`
     (JAX's, or ours where JAX has none); if neither is usable, this raises and the
     lowerings feature is off. Nor when the extension was built against a newer XLA FFI API
     than the installed jaxlib accepts (:mod:`jax_cpu_mpi._src.ffi.abi_version`): registering its

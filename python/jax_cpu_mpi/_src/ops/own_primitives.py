@@ -2,8 +2,8 @@
 
 JAX 0.12 deprecates ``jax.lax.psend`` / ``jax.lax.precv``, and a later JAX drops them with
 ``psend_p`` / ``precv_p``. Imported only then, or when ``JAX_CPU_MPI_PRIMITIVES=ours`` asks
-for it (:mod:`jax_cpu_mpi.primitives`, through the ``own_primitives`` feature of
-:mod:`jax_cpu_mpi._compat`, where every private JAX name used here is resolved), this
+for it (:mod:`jax_cpu_mpi._src.ops.primitives`, through the ``own_primitives`` feature of
+:mod:`jax_cpu_mpi._src.compat`, where every private JAX name used here is resolved), this
 module defines primitives that behave as JAX 0.10-0.12's, so that programs, our CPU
 lowerings, batching rules and GPU-parity check are unchanged:
 
@@ -17,7 +17,7 @@ lowerings, batching rules and GPU-parity check are unchanged:
 * on GPU (``cuda``, ``rocm``; ``oneapi`` as in JAX 0.12) a ``stablehlo.send`` /
   ``stablehlo.recv`` with the source-target pairs and the device-to-device channel handle
   of JAX's own helper, exactly what JAX's lowering emits; on every other platform JAX's
-  ``NotImplementedError`` (CPU gets our custom calls from :mod:`jax_cpu_mpi.lowering`).
+  ``NotImplementedError`` (CPU gets our custom calls from :mod:`jax_cpu_mpi._src.lowering.rules`).
 """
 
 from __future__ import annotations

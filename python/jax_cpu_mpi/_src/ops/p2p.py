@@ -3,7 +3,7 @@
 JAX 0.12 deprecates ``jax.lax.psend`` / ``jax.lax.precv`` (a ``DeprecationWarning`` on each
 access) and names no replacement; JAX removes deprecated APIs a few releases later. These
 functions have JAX's signatures and semantics and bind the primitives of
-:mod:`jax_cpu_mpi.primitives`: JAX's own while JAX has them (so they never warn, and a
+:mod:`jax_cpu_mpi._src.ops.primitives`: JAX's own while JAX has them (so they never warn, and a
 program may mix them with ``jax.lax.psend``/``precv``), ours once JAX drops them. On CPU
 they lower to jax_cpu_mpi's transport, on GPU to ``stablehlo.send``/``recv`` (NCCL), the same
 program on both.

@@ -4,7 +4,7 @@
   :data:`precv_p` ARE JAX's primitives. ``jax_cpu_mpi.psend`` and ``jax.lax.psend`` build the
   same equation, so one program mixes both, and our CPU lowering, batching rules and parity
   check serve both. The ``own_primitives`` feature is then "not needed".
-* **JAX dropped them**: they are the primitives of :mod:`jax_cpu_mpi._own_primitives`,
+* **JAX dropped them**: they are the primitives of :mod:`jax_cpu_mpi._src.ops.own_primitives`,
   which behave as JAX's did (params, effects, abstract eval, GPU lowering); the
   ``own_primitives`` feature is active (or off, with one warning, if a JAX name they are
   built from is missing: then :data:`psend_p` is a ``Missing`` that names it when used).
@@ -70,8 +70,8 @@ def _choose() -> tuple[Any, Any, bool, str]:
     if compat.enable("own_primitives", create):
         return made["psend"], made["precv"], True, why
     reason = "; ".join(compat.get_feature("own_primitives").problems)
-    return (compat.Missing("jax_cpu_mpi.primitives:psend_p", reason),
-            compat.Missing("jax_cpu_mpi.primitives:precv_p", reason), True,
+    return (compat.Missing("jax_cpu_mpi._src.ops.primitives:psend_p", reason),
+            compat.Missing("jax_cpu_mpi._src.ops.primitives:precv_p", reason), True,
             f"{why}, but jax_cpu_mpi's own primitives are off ({reason})")
 
 
@@ -79,7 +79,7 @@ psend_p, precv_p, OURS, REASON = _choose()
 
 
 def in_use() -> dict[str, Any]:
-    """What :mod:`jax_cpu_mpi.info` reports: whose primitives and effect, and why."""
+    """What :mod:`jax_cpu_mpi._src.cli.info` reports: whose primitives and effect, and why."""
     return {
         "primitives": "jax_cpu_mpi" if OURS else "jax",
         "reason": REASON,

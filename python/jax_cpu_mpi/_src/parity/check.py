@@ -4,7 +4,7 @@ XLA's GPU compiler verifies every program for send/recv deadlocks (a cycle in th
 one psend, a precv that no psend matches, mismatched pairs, a collective between a psend
 and its precv...). The CPU transport of jax_cpu_mpi would run some of these programs and
 hang on others, so a CPU CI would pass a program that fails on GPU. This module runs the
-same check (:mod:`jax_cpu_mpi._deadlock_check`) on every CPU program that contains our
+same check (:mod:`jax_cpu_mpi._src.parity.rule`) on every CPU program that contains our
 psend/precv, when JAX lowers it: ``jax.jit(f).lower(...)`` (hence also the first call)
 raises :class:`GpuParityError`, a :class:`jax.errors.JaxRuntimeError` like the GPU's
 error, with XLA's message first. The check depends only on the program, so every process
@@ -108,7 +108,7 @@ def _location(op: Any) -> str | None:
 class _Walker:
     """Our custom calls and the other collectives, in the order XLA's check visits them.
 
-    The order is XLA's instruction order (:mod:`jax_cpu_mpi._xla_order`); the check
+    The order is XLA's instruction order (:mod:`jax_cpu_mpi._src.parity.xla_order`); the check
     descends into the computations an op calls (loop body then condition, branches in
     order, reductions) at the op's place, once per occurrence.
 
@@ -183,7 +183,7 @@ def collect_events(module: Any, details: bool = True) -> list[Event]:
     """The psends/precvs and other collectives of a lowered module, in checking order.
 
     Starts at ``main``; the order is the one XLA GPU's verifier walks (see
-    :mod:`jax_cpu_mpi._xla_order`), not program order: e.g. each precv comes right after
+    :mod:`jax_cpu_mpi._src.parity.xla_order`), not program order: e.g. each precv comes right after
     the psend whose token it takes.
     """
     with module.context:

@@ -3,7 +3,7 @@
 This is the rule of ``VerifyNoCollectiveDeadlocks`` in XLA's ``hlo_verifier.cc``, which
 the GPU compiler runs on every scheduled module. It visits the instructions of the entry
 computation in XLA's instruction order (which is not JAX's program order: see
-:mod:`jax_cpu_mpi._xla_order`, which gives the events here in that order), descending
+:mod:`jax_cpu_mpi._src.parity.xla_order`, which gives the events here in that order), descending
 into every called computation (loop bodies, conditional branches) **once**, as
 straight-line code that shares one state:
 

@@ -32,7 +32,7 @@ our custom calls where the GPU module holds ``send``/``recv``; the graphs are th
   inputs being its operands then the values its regions use from outside (XLA's export
   passes them as operands); its regions are ordered as computations of their own;
 * an op is side-effecting if it is a custom call with ``has_side_effect`` (not the
-  ordering-only calls of ``_barrier_tokens``, which do not exist on GPU), a
+  ordering-only calls of ``lowering/barrier_tokens.py``, which do not exist on GPU), a
   send/recv/infeed/outfeed, or an op with regions that holds one.
 
 What XLA versions after 5a9e73cb change (their verifier walks the *schedule* when the

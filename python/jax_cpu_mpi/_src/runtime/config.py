@@ -61,7 +61,7 @@ class Config:
     #: In an MPI job, abort the job on an uncaught Python exception.
     abort_on_error: bool = True
     #: Dispatch jitted CPU programs with psend/precv that XLA never runs inline (2+ devices of
-    #: this process, or 1000+ flops) through JAX's C++ fast path (see _fast_dispatch.py).
+    #: this process, or 1000+ flops) through JAX's C++ fast path (see dispatch/fast_path.py).
     fast_dispatch: bool = True
 
     def __post_init__(self) -> None:
