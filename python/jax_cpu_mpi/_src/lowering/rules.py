@@ -16,7 +16,8 @@ operand, so XLA cannot reorder a precv before the psend it depends on. Both call
 side-effecting, so a psend whose token is dropped still runs.
 
 Both calls carry ``operand_kept = 0``; the kept-operands pass
-(:mod:`jax_cpu_mpi._src.passes.kept_operands`) later lets a precv keep alive the operand of the psend whose token it takes (and finish its send).
+(:mod:`jax_cpu_mpi._src.passes.kept_operands`) later lets a precv keep alive the operand of
+the psend whose token it takes (and finish its send).
 """
 
 from __future__ import annotations
