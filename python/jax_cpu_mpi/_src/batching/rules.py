@@ -29,7 +29,6 @@ primitive                      rule
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,25 +55,7 @@ from jax_cpu_mpi._src.ops.primitives import precv_p, psend_p
 Rule = Callable[..., object]
 
 
-def unwrap_rule(rule: Rule | None) -> Rule | None:
-    """The function behind a registered batcher (through partials and JAX's shims).
-
-    ``batching.primitive_batchers[p] = f`` registers a closure ``wrapped`` around ``f``;
-    this returns ``f``.
-    """
-    seen = 0
-    while rule is not None and seen < 8:
-        seen += 1
-        if isinstance(rule, functools.partial):
-            rule = rule.func
-            continue
-        code = getattr(rule, "__code__", None)
-        closure = getattr(rule, "__closure__", None)
-        if code is not None and closure and "batcher" in code.co_freevars:
-            rule = closure[code.co_freevars.index("batcher")].cell_contents
-            continue
-        break
-    return rule
+unwrap_rule = compat.unwrap_batcher
 
 
 def is_raising_stub(rule: Rule | None) -> bool:

@@ -8,6 +8,7 @@ here, never from ``jax._src`` itself.
 # The registry's machinery, then every name of every feature, as one namespace
 # (``compat.enable(...)``, ``compat.GPU_PARITY``, ``compat.hlo``).
 from .jax_names import *  # noqa: F403
+from .mpi4py_names import predicted_mpi4py_abi  # noqa: F401
 from .registry import *  # noqa: F403
 from .versions import (  # noqa: F401
     TESTED_JAX_VERSIONS,

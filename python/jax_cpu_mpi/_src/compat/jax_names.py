@@ -7,6 +7,7 @@ Every other module of jax_cpu_mpi takes a private JAX name from here (through
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Iterable
 from typing import Any
@@ -162,6 +163,29 @@ ppermute_batcher = _need_all([B_PSEND, B_PRECV], "jax._src.lax.parallel:_ppermut
                              check=is_callable)
 _need_all([B_PRECV], "jax._src.core:ShapedArray", check=is_type)
 
+
+
+def unwrap_batcher(rule: Any) -> Any:
+    """The function behind a registered batcher, through partials and JAX's shims.
+
+    ``batching.primitive_batchers[p] = f`` registers a closure around ``f`` whose free
+    variable is named ``batcher`` (a detail of JAX's, hence here); this returns ``f``.
+    """
+    seen = 0
+    while rule is not None and seen < 8:
+        seen += 1
+        if isinstance(rule, functools.partial):
+            rule = rule.func
+            continue
+        code = getattr(rule, "__code__", None)
+        closure = getattr(rule, "__closure__", None)
+        if code is not None and closure and "batcher" in code.co_freevars:
+            rule = closure[code.co_freevars.index("batcher")].cell_contents
+            continue
+        break
+    return rule
+
+
 # ------------------------------------------------------ diagnostics (info) of lowerings
 
 LOWERING_TABLE = feature(
@@ -214,6 +238,12 @@ CLUSTERS = feature(
 #: JAX's base class of cluster environments: a subclass joins jax.distributed.initialize()'s
 #: detection when it is defined (``__init_subclass__`` appends it to ``_cluster_types``).
 cluster_env_base = CLUSTERS.need("jax._src.clusters:ClusterEnv", check=_is_cluster_env_base)
+
+
+def registered_cluster_envs() -> list[type]:
+    """The cluster environments JAX's detection tries, in order (the check above made sure
+    the registry is a list)."""
+    return list(cluster_env_base._cluster_types)
 
 EXIT_FROM_BROKEN_JOB = feature(
     "exit_from_broken_job",
@@ -324,10 +354,10 @@ def register_source_exclusion(path: str) -> None:
 
 FAST_DISPATCH = feature(
     "fast_dispatch", "jitted CPU programs with psend/precv dispatched by JAX's C++ fast path "
-    "(100 to 200 us less per call); one-device programs get the flops that make XLA run them "
+    "(a Python dispatch less per call); one-device programs get the flops that make XLA run them "
     "on a device thread", requires=("lowerings",),
     when_off="every call of a jitted program with psend/precv goes through JAX's Python "
-             "dispatch of effectful programs (correct, 100 to 200 us more per call)")
+             "dispatch of effectful programs (correct, slower per call)")
 
 
 def _executes_replicated(value: Any) -> str | None:

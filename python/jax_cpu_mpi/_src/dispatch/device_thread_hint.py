@@ -5,8 +5,8 @@ XLA CPU runs a single-device program in the calling thread when its HLO cost ana
 counts fewer than 1000 flops, and JAX's C++ dispatch turns an error of such a run (a precv
 that timed out, an MPI failure) into a plain ``ValueError``. A program of little more than
 psend/precv counts almost nothing (XLA counts a custom call as -1 flop), so it kept JAX's
-Python dispatch, 150 to 250 us a call on the 2-core machine: the step of a pipeline stage,
-one device per MPI rank, paid that on every call.
+Python dispatch, many times the cost of the hop itself (benchmarks/results/): the step of
+a pipeline stage, one device per MPI rank, paid that on every call.
 
 This pass gives such a program, when JAX lowers it for CPU alone, a few thousand flops that
 XLA's cost model counts and that cost about a microsecond: an add of a ``float32`` vector of
@@ -48,10 +48,10 @@ from jax_cpu_mpi._src.ffi.custom_calls import (
 from jax_cpu_mpi._src.runtime import config as _config
 
 #: The hint goes only into programs whose arrays are all this small (the size where a
-#: psend switches from a staged copy to a direct send, cpp/mpi_transport.h). On a device
+#: psend switches from a staged copy to a direct send, in the MPI transport). On a device
 #: thread, XLA allocates a program's buffers from that thread's malloc arena, where large
-#: ones are mapped and faulted in again on every call (a 16 MiB ping-pong hop over MPI:
-#: 4.4-5.1 against 3.4 ms on the calling thread), while a large message's call cost is
+#: ones are mapped and faulted in again on every call (a large hop over MPI measured
+#: slower with the hint: benchmarks/README.md), while a large message's call cost is
 #: small beside its transfer anyway.
 SMALL_ARRAY_BYTES = 256 * 1024
 

@@ -2,9 +2,9 @@
 
 psend and precv carry an *unordered effect*. For a program with one, JAX gives up the C++
 fast path of ``jax.jit``: every call goes through its Python dispatch, which adds runtime
-tokens so that ``jax.effects_barrier()`` can wait for the program. That costs 100 to 200 us
-per call on the 2-core machine (a jitted in-process ping-pong: 235-265 us a call instead of
-60-90 us). On CPU the effect exists to keep psend/precv in place while JAX transforms and
+tokens so that ``jax.effects_barrier()`` can wait for the program. That costs several times
+a small hop per call (the benchmark's dispatch figures are in benchmarks/results/). On
+CPU the effect exists to keep psend/precv in place while JAX transforms and
 lowers the program; at run time they are custom calls whose completion shows in the
 program's outputs, like any computation's.
 

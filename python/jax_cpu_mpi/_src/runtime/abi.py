@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from jax_cpu_mpi import _jax_cpu_mpi as ext
+from jax_cpu_mpi._src.compat.mpi4py_names import predicted_mpi4py_abi
 
 #: ``MPI.<abi>.cpython-311-x86_64-linux-gnu.so``: the ABI variant mpi4py 4 loaded.
 _MPI4PY_ABI_IN_FILENAME = re.compile(r"^MPI\.([A-Za-z0-9]+)\.")
@@ -158,22 +159,6 @@ def mpi4py_mpi(mpi_module: ModuleType) -> MpiLibrary:
         abi=mpi4py_abi(mpi_module),
         path=libmpi_of(getattr(mpi_module, "__file__", None)),
     )
-
-
-def predicted_mpi4py_abi() -> str | None:
-    """The ABI mpi4py will pick when ``mpi4py.MPI`` is imported, if mpi4py 4 chooses one
-    at run time (the same computation mpi4py makes, without initializing MPI)."""
-    try:
-        from mpi4py import _mpiabi
-    except ImportError:
-        return None
-    if "mpi4py.MPI" not in getattr(_mpiabi, "_registry", {}):
-        return None
-    get = getattr(_mpiabi, "_get_mpiabi", None)
-    try:
-        return str(get()) if get is not None else None
-    except Exception:  # mpi4py raises its own errors later, with its own message
-        return None
 
 
 def mismatch(ours: MpiLibrary, theirs: MpiLibrary) -> str | None:

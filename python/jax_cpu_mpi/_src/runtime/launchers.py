@@ -270,7 +270,8 @@ def register() -> None:
     if _registered is not None:
         return
     base = compat.cluster_env_base
-    existing = [c for c in base._cluster_types if getattr(c, "name", None) == NAME]
+    existing = [c for c in compat.registered_cluster_envs()
+                if getattr(c, "name", None) == NAME]
     if existing:  # a second copy of the package in this process
         _registered = existing[0]
         return
