@@ -25,8 +25,6 @@ import jax
 
 from jax_cpu_mpi import _jax_cpu_mpi as ext
 from jax_cpu_mpi._src import compat
-from jax_cpu_mpi._src.compat import available, platform_lowering
-from jax_cpu_mpi._src.ops.primitives import precv_p, psend_p
 from jax_cpu_mpi._src.runtime import abi as mpi_abi
 from jax_cpu_mpi._src.runtime import config
 from jax_cpu_mpi._src.runtime import launchers as launch
@@ -77,25 +75,10 @@ def entry_point_registered() -> bool:
 
 
 def lowerings_active() -> dict[str, bool]:
-    """``{primitive: our CPU lowering is the registered one}``.
-
-    Read from JAX's lowering table; where this JAX's table cannot be read, from whether
-    the lowerings feature was installed.
-    """
+    """``{primitive: our CPU lowering is the registered one}``."""
     from jax_cpu_mpi._src.lowering import rules as lowering
 
-    active = compat.LOWERINGS.active
-    if not (available(psend_p) and available(precv_p)):
-        return {"psend": False, "precv": False}
-    ours = {psend_p: lowering._psend_lowering_cpu, precv_p: lowering._precv_lowering_cpu}
-    result = {}
-    for prim, rule in ours.items():
-        if not compat.LOWERING_TABLE.usable:
-            result[prim.name] = active
-            continue
-        entry = platform_lowering(prim, "cpu")
-        result[prim.name] = getattr(entry, "rule", entry) is rule
-    return result
+    return lowering.registered_on_cpu()
 
 
 def primitives_in_use() -> dict[str, Any]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from jax_cpu_mpi._src import compat
 from jax_cpu_mpi._src.compat import (
     ShapedArray,
     SPMDAxisContext,
@@ -107,3 +108,21 @@ def register() -> None:
     register_targets()
     register_lowering(psend_p, _psend_lowering_cpu, platform="cpu")
     register_lowering(precv_p, _precv_lowering_cpu, platform="cpu")
+
+
+def registered_on_cpu() -> dict[str, bool]:
+    """``{primitive name: our rule is the CPU lowering JAX has registered}``.
+
+    Read from JAX's lowering table; where this JAX's table cannot be read, from whether
+    the lowerings feature was installed.
+    """
+    if not (compat.available(psend_p) and compat.available(precv_p)):
+        return {"psend": False, "precv": False}
+    result = {}
+    for prim, rule in ((psend_p, _psend_lowering_cpu), (precv_p, _precv_lowering_cpu)):
+        if not compat.LOWERING_TABLE.usable:
+            result[prim.name] = compat.LOWERINGS.active
+            continue
+        entry = compat.platform_lowering(prim, "cpu")
+        result[prim.name] = getattr(entry, "rule", entry) is rule
+    return result
