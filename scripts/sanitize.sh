@@ -88,18 +88,18 @@ cd "$root"
 status=0
 if [[ -n ${QUICK:-} ]]; then  # a few minutes less: the smoke tests and one stress test
   tests=(tests/test_smoke.py
-         "tests/test_reliability.py::test_many_messages_in_flight_on_eight_devices_never_mix")
+         "tests/runtime/test_reliability.py::test_many_messages_in_flight_on_eight_devices_never_mix")
 else
   tests=(tests/test_smoke.py
-         tests/test_p2p_single_process.py
-         tests/test_kept_operands.py
-         tests/test_p2p_errors.py
-         "tests/test_reliability.py::test_rendezvous_direct_staged_and_mismatched_messages"
-         "tests/test_reliability.py::test_back_to_back_programs_on_same_and_disjoint_devices_never_mix"
-         "tests/test_reliability.py::test_many_messages_in_flight_on_eight_devices_never_mix"
-         "tests/test_reliability.py::test_ten_thousand_steps_in_one_process_keep_memory_flat"
-         "tests/test_reliability.py::test_ten_thousand_steps_and_back_to_back_programs_over_mpi"
-         tests/test_p2p_mpi.py::test_inflight_bound_and_sends_in_flight_at_exit)
+         tests/lowering/test_p2p_single_process.py
+         tests/passes/test_kept_operands.py
+         tests/lowering/test_p2p_errors.py
+         "tests/runtime/test_reliability.py::test_rendezvous_direct_staged_and_mismatched_messages"
+         "tests/runtime/test_reliability.py::test_back_to_back_programs_on_same_and_disjoint_devices_never_mix"
+         "tests/runtime/test_reliability.py::test_many_messages_in_flight_on_eight_devices_never_mix"
+         "tests/runtime/test_reliability.py::test_ten_thousand_steps_in_one_process_keep_memory_flat"
+         "tests/runtime/test_reliability.py::test_ten_thousand_steps_and_back_to_back_programs_over_mpi"
+         tests/runtime/test_p2p_mpi.py::test_inflight_bound_and_sends_in_flight_at_exit)
 fi
 "$python" -m pytest -q -p no:cacheprovider "${tests[@]}" \
   "$@" || status=$?

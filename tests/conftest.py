@@ -21,7 +21,7 @@ import jax_p2p_removal
 import pytest
 
 # JCM_TEST_JAX_WITHOUT_P2P=1: the suite runs as on a JAX that dropped psend/precv
-# (tests/test_without_jax_p2p.py runs parts of it that way in a subprocess).
+# (tests/ops/test_without_jax_p2p.py runs parts of it that way in a subprocess).
 jax_p2p_removal.simulate_if_requested()
 
 import jax_cpu_mpi  # noqa: E402

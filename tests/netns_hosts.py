@@ -1,6 +1,6 @@
 """Two "hosts" on one machine: network namespaces joined by a veth pair, MPI forced onto TCP.
 
-The test bed that ``tests/test_across_hosts.py`` runs MPI jobs on. Each :class:`TwoHosts`
+The test bed that ``tests/runtime/test_across_hosts.py`` runs MPI jobs on. Each :class:`TwoHosts`
 
 * creates two uniquely named network namespaces (``jcmh-<id>-a``, ``jcmh-<id>-b``) joined by
   a veth pair with addresses on a private /24, both ends and ``lo`` up, no other interface

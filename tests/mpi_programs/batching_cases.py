@@ -1,4 +1,4 @@
-"""vmap scenarios for jax_cpu_mpi's batching rules, shared by tests/test_batching.py (one
+"""vmap scenarios for jax_cpu_mpi's batching rules, shared by tests/batching/test_batching.py (one
 process) and batching_rules.py (mpirun).
 
 Each case builds jitted ``shard_map`` programs over a 1-D mesh ``'x'``, runs the vmapped one,

@@ -1,6 +1,6 @@
 """jax_cpu_mpi's batching rules across processes: every device of the job is one member.
 
-Run by tests/test_batching.py under ``mpirun -n 2`` (two devices per rank: a 4-device mesh
+Run by tests/batching/test_batching.py under ``mpirun -n 2`` (two devices per rank: a 4-device mesh
 whose collectives and messages cross the process boundary). Prints one line per check,
 then JCM-OK.
 """

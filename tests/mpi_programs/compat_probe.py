@@ -1,6 +1,6 @@
 """One private JAX name goes missing; does JAX still work, and what does jax_cpu_mpi report?
 
-``python compat_probe.py HOW PATH`` (tests/test_compat.py runs it in a fresh interpreter
+``python compat_probe.py HOW PATH`` (tests/compat/test_compat.py runs it in a fresh interpreter
 with 4 virtual CPU devices), PATH as in jax_cpu_mpi._src.compat (``module:attribute`` or a
 module), HOW one of
 

@@ -6,7 +6,7 @@ built with JAX's functions and with ours and compared: results, lowered CPU Stab
 the GPU lowering from ``jax.export`` (``platforms=["cuda"]``), which needs no GPU.
 
 Run as a script, it prints one JSON object ``{program: {platform: {"ops": [...], "module":
-text}}}`` of the GPU exports with ``jax_cpu_mpi``'s functions (tests/test_without_jax_p2p.py
+text}}}`` of the GPU exports with ``jax_cpu_mpi``'s functions (tests/ops/test_without_jax_p2p.py
 runs it with JAX's psend/precv removed, and compares with JAX's lowering in the parent).
 """
 

@@ -1,6 +1,6 @@
 """Every psend/precv scenario over all devices of an mpirun job (1 or 2 devices per rank).
 
-Run by tests/test_p2p_mpi.py. Prints one line per scenario, then JCM-OK. Like the
+Run by tests/runtime/test_p2p_mpi.py. Prints one line per scenario, then JCM-OK. Like the
 single-process semantics tests, it runs with GPU parity off (cyclic pairs in one op are
 transport semantics here), except for the patterns XLA GPU accepts.
 """

@@ -1,4 +1,4 @@
-"""GPU-parity scenarios shared by tests/test_gpu_parity.py and the mpirun program.
+"""GPU-parity scenarios shared by tests/parity/test_gpu_parity.py and the mpirun program.
 
 ``REJECTED`` holds the programs XLA GPU refuses to compile (JAX's GPU-only tests in
 ``tests/shard_map_test.py`` and the rules of XLA's send/recv deadlock verifier), each with

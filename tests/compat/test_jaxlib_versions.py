@@ -23,7 +23,7 @@ import pytest
 
 from jax_cpu_mpi import _jax_cpu_mpi as ext
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 #: For the installed jaxlib series, the older supported series whose headers we build with.
 OLDER_SERIES = {"0.12": ("0.11", "0.12"), "0.11": ("0.10.2", "0.11")}

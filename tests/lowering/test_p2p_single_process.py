@@ -21,7 +21,7 @@ from jax_cpu_mpi import config
 @pytest.fixture(autouse=True)
 def transport_semantics():
     """These tests pin the transport's semantics, cyclic pairs in one op included, which XLA
-    GPU rejects at compile time (tests/test_gpu_parity.py covers that): parity off here,
+    GPU rejects at compile time (tests/parity/test_gpu_parity.py covers that): parity off here,
     except where a test turns it back on."""
     with config.overrides(gpu_parity=False):
         yield

@@ -26,8 +26,8 @@ from jax_p2p_removal import ENV
 
 from conftest import needs_jax_p2p
 
-ROOT = Path(__file__).resolve().parent.parent
-REMOVAL = Path(__file__).parent / "mpi_programs" / "jax_p2p_removal.py"
+ROOT = Path(__file__).resolve().parents[2]
+REMOVAL = Path(__file__).parents[1] / "mpi_programs" / "jax_p2p_removal.py"
 _SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|deselected|errors?)")
 
 
@@ -55,21 +55,21 @@ def run_suite_part(*targets: str, marks: str | None = None, timeout: float,
 
 @pytest.mark.timeout(600)
 def test_p2p_scenarios_in_one_process():
-    counts = run_suite_part("tests/test_p2p_single_process.py", "tests/test_p2p_errors.py",
-                            "tests/test_p2p_api.py", "tests/test_smoke.py", marks="not mpi",
+    counts = run_suite_part("tests/lowering/test_p2p_single_process.py", "tests/lowering/test_p2p_errors.py",
+                            "tests/ops/test_p2p_api.py", "tests/test_smoke.py", marks="not mpi",
                             timeout=580)
     assert counts["passed"] >= 60, counts  # 82 tests; JAX-vs-ours comparisons skip
 
 
 @pytest.mark.timeout(600)
 def test_batching_rules():
-    counts = run_suite_part("tests/test_batching.py", marks="not mpi", timeout=580)
+    counts = run_suite_part("tests/batching/test_batching.py", marks="not mpi", timeout=580)
     assert counts["passed"] >= 65, counts
 
 
 @pytest.mark.timeout(600)
 def test_gpu_parity_rejections():
-    counts = run_suite_part("tests/test_gpu_parity.py", marks="not mpi", timeout=580)
+    counts = run_suite_part("tests/parity/test_gpu_parity.py", marks="not mpi", timeout=580)
     assert counts["passed"] >= 28, counts
 
 
@@ -77,7 +77,7 @@ def test_gpu_parity_rejections():
 def test_without_jax_effect_either():
     """JAX dropped psend/precv's effect too: ours carries an equivalent, and the parity check
     (which finds psend/precv programs by that effect), loops and the lowering still work."""
-    counts = run_suite_part("tests/test_gpu_parity.py", "tests/test_p2p_single_process.py",
+    counts = run_suite_part("tests/parity/test_gpu_parity.py", "tests/lowering/test_p2p_single_process.py",
                             marks="not mpi", what="effect", timeout=580)
     assert counts["passed"] >= 75, counts
 
@@ -95,9 +95,9 @@ def test_pipeline_example_one_process():
 def test_under_mpirun():
     """p2p scenarios with 1 and 2 devices per rank, batching, parity, pipeline (2 x 2)."""
     counts = run_suite_part(
-        "tests/test_p2p_mpi.py::test_all_scenarios_over_mpi",
-        "tests/test_batching.py::test_batching_rules_over_mpi",
-        "tests/test_gpu_parity.py::test_every_two_device_scenario_under_mpirun",
+        "tests/runtime/test_p2p_mpi.py::test_all_scenarios_over_mpi",
+        "tests/batching/test_batching.py::test_batching_rules_over_mpi",
+        "tests/parity/test_gpu_parity.py::test_every_two_device_scenario_under_mpirun",
         "tests/test_pipeline_example.py::test_mpirun_matches_reference_and_one_process"
         "[mpirun-n2x2devices]",
         timeout=880)

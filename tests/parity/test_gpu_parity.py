@@ -339,7 +339,7 @@ def test_gpu_check_script_lists_every_program_with_our_verdict():
     # scripts/gpu_parity_check.py needs 2 GPUs for XLA's verdicts; here it must still
     # build the whole corpus, give our verdict for each program (the one the corpus
     # expects) and say why XLA's are missing.
-    script = Path(__file__).parent.parent / "scripts" / "gpu_parity_check.py"
+    script = Path(__file__).parents[2] / "scripts" / "gpu_parity_check.py"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=300, env=env)

@@ -29,7 +29,7 @@ from conftest import make_mesh
 from jax_cpu_mpi import config
 from mpi_launcher import PROGRAMS, assert_mpi_ok, run_mpi
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_alone(program: str, *args: str, timeout: float,

@@ -87,7 +87,7 @@ def _free_port() -> int:
 @pytest.mark.timeout(120)
 def test_mesh_spanning_processes_without_mpirun_says_how_to_launch():
     """Two JAX processes joined by jax.distributed, but not an MPI job: a clear error."""
-    program = Path(__file__).parent / "mpi_programs" / "no_mpirun.py"
+    program = Path(__file__).parents[1] / "mpi_programs" / "no_mpirun.py"
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "HYDRA"))}
     procs = [subprocess.Popen([sys.executable, str(program), str(i), str(port)], env=env,

@@ -4,7 +4,7 @@ While JAX has ``psend_p``/``precv_p``, ours bind them: the same equations, resul
 lowered StableHLO as ``jax.lax.psend``/``precv``, mixed freely in one program, and no
 ``DeprecationWarning``. The GPU lowering is checked without a GPU through
 ``jax.export.export(..., platforms=["cuda"/"rocm"])``. The same file also runs with JAX's
-psend/precv removed (tests/test_without_jax_p2p.py), where the comparisons with JAX's
+psend/precv removed (tests/ops/test_without_jax_p2p.py), where the comparisons with JAX's
 functions skip and the rest checks our own primitives.
 """
 

@@ -23,7 +23,7 @@ from jax_cpu_mpi._src import compat as _compat
 from jax_cpu_mpi._src.compat import versions as _versions
 from jax_cpu_mpi._src.lowering.barrier_tokens import ORDERING_OP
 
-PROBE = Path(__file__).parent / "mpi_programs" / "compat_probe.py"
+PROBE = Path(__file__).parents[1] / "mpi_programs" / "compat_probe.py"
 
 #: Names JAX itself needs to run a jitted program on CPU, or its own psend/precv (deleting
 #: them breaks JAX with or without jax_cpu_mpi). The probe hides these from jax_cpu_mpi's
