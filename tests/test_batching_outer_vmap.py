@@ -17,6 +17,7 @@ from jax_cpu_mpi._src import compat
 from jax_cpu_mpi._src.batching import outer_vmap
 from mpi_launcher import assert_mpi_ok, run_mpi
 
+JAX_012 = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 12)
 DANGEROUS = "is dangerous when PartitionSpec has non-empty unreduced/reduced"
 
 
@@ -149,6 +150,9 @@ def test_psum_of_unreduced_and_its_grad(mesh, in_axes):
 # ---------------------------------------------------------- spmd_axis_name, jit, scan
 
 
+@pytest.mark.xfail(JAX_012, strict=True, raises=ValueError,
+                   reason="JAX 0.12's own lowering of vmap(spmd_axis_name=...) of a shard_map "
+                   "on an Explicit mesh fails the sdy verifier, with plain specs too")
 def test_spmd_axis_name(mesh2):
     with jax.set_mesh(mesh2):
         assert_rows(cases.spmd_axis_name(mesh2, gather))
@@ -186,10 +190,16 @@ def test_batch_spec_refuses_a_batch_over_a_set_axis():
         ours(P(None, unreduced={"x"}), 0, ("x",))
 
 
-def test_batch_sharded_over_an_explicit_axis_is_jaxs_own_limit(mesh2):
-    """JAX's shard_map refuses it before any batching rule runs (README, Limits)."""
-    with jax.set_mesh(mesh2), pytest.raises(NotImplementedError, match="full manual"):
-        cases.refused_batch_sharded_over_explicit_axis(mesh2)()
+def test_batch_sharded_over_an_explicit_axis(mesh2):
+    """JAX 0.12 runs it; JAX 0.10's shard_map refuses it before any batching rule (README,
+    Limits)."""
+    with jax.set_mesh(mesh2):
+        try:
+            rows = cases.batch_sharded_over_explicit_axis(mesh2, gather)
+        except NotImplementedError as e:
+            assert JAX_012 is False and "full manual" in str(e), e
+            return
+    assert_rows(rows)
 
 
 # ----------------------------------------------------------------------------- mpirun

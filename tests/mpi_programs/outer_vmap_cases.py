@@ -302,11 +302,15 @@ def refused_spmd_over_reduced_axis(mesh) -> Callable[[], object]:
     return lambda: jax.make_jaxpr(jax.vmap(layer(mesh), spmd_axis_name="x"))(x, w)
 
 
-def refused_batch_sharded_over_explicit_axis(mesh2) -> Callable[[], object]:
-    """The vmapped dimension sharded over Explicit 'y': JAX's own NotImplementedError, raised
-    by jax.shard_map itself (vmap takes 'y' out of the context mesh, so the shard_map is
-    manual over 'x' only, where JAX refuses reduced in_specs). Use spmd_axis_name."""
+def batch_sharded_over_explicit_axis(mesh2, gather: Gather) -> list[Check]:
+    """The vmapped dimension sharded over Explicit 'y', weights reduced over 'x'. JAX 0.12
+    runs it; JAX 0.10 raises its own NotImplementedError from jax.shard_map itself (vmap
+    takes 'y' out of the context mesh, so the shard_map is manual over 'x' only, where that
+    JAX refuses reduced in_specs), before any batching rule: use spmd_axis_name there."""
     n = mesh2.shape["x"]
-    x = put(mesh2, P("y", "x", None), sample((2, 2 * n, 4), seed=192))
-    w = put(mesh2, P("y", None, None, **R), sample((2, 4, 4), seed=193))
-    return lambda: jax.make_jaxpr(jax.vmap(layer(mesh2)))(x, w)
+    xs, ws = sample((2, 2 * n, 4), seed=192), sample((2, 4, 4), seed=193)
+    x = put(mesh2, P("y", "x", None), xs)
+    w = put(mesh2, P("y", None, None, **R), ws)
+    got = gather(jax.jit(jax.vmap(layer(mesh2)))(x, w))
+    want = np.stack([np.tanh(xs[b] @ ws[b]) for b in range(2)])
+    return [Check("vmapped dimension sharded over Explicit 'y'", got, want)]
