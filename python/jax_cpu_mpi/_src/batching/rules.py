@@ -25,6 +25,10 @@ primitive                      rule
 ``reduced_vary_cast``          dropped from ``axes``)
 ``psend`` / ``precv``          see :mod:`jax_cpu_mpi._batching_p2p`
 =============================  =====================================================
+
+Besides these primitive rules, :mod:`.outer_vmap` makes ``vmap`` from outside a
+``shard_map`` with reduced/unreduced specs work (features ``batching:shard_map``,
+``batching:vmap_in_axes``, ``batching:broadcast``; :data:`PATCHES`).
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from jax_cpu_mpi._src import compat
-from jax_cpu_mpi._src.batching import collectives, p2p
+from jax_cpu_mpi._src.batching import collectives, outer_vmap, p2p
+from jax_cpu_mpi._src.batching.outer_vmap import PATCHES
 from jax_cpu_mpi._src.compat import (
     all_gather_reduced_p,
     available,
@@ -174,16 +179,21 @@ def install() -> dict[str, bool]:
                 feature.not_needed = None
             feature.installed = fancy_primitive_batchers.get(spec.primitive) is spec.rule
         compat.enable(spec.feature, lambda spec=spec: _install_rule(spec))
+    outer_vmap.install()
     return status()
 
 
 def status() -> dict[str, bool]:
-    """``{primitive name: our rule is the active one}`` for every rule of :data:`RULES`."""
+    """``{primitive name: our rule is the active one}`` for every rule of :data:`RULES`,
+    then ``{name: ours is active}`` for each feature of :data:`PATCHES` (``shard_map``,
+    ``vmap_in_axes``, ``broadcast``: vmap from outside a reduced/unreduced shard_map)."""
     if not available(fancy_primitive_batchers):
-        return {spec.primitive.name: False for spec in RULES}
-    return {spec.primitive.name: fancy_primitive_batchers.get(spec.primitive) is spec.rule
-            for spec in RULES}
+        rules = {spec.primitive.name: False for spec in RULES}
+    else:
+        rules = {spec.primitive.name: fancy_primitive_batchers.get(spec.primitive) is spec.rule
+                 for spec in RULES}
+    return {**rules, **outer_vmap.status()}
 
 
-__all__ = ["RULES", "UPSTREAM_RULES", "RuleSpec", "install", "is_raising_stub", "status",
+__all__ = ["PATCHES", "RULES", "UPSTREAM_RULES", "RuleSpec", "install", "is_raising_stub", "status",
            "unwrap_rule"]

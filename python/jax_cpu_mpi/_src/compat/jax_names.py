@@ -163,6 +163,52 @@ ppermute_batcher = _need_all([B_PSEND, B_PRECV], "jax._src.lax.parallel:_ppermut
                              check=is_callable)
 _need_all([B_PRECV], "jax._src.core:ShapedArray", check=is_type)
 
+# ------------------------------------------- vmap from outside a reduced/unreduced shard_map
+# JAX's vmap machinery indexes PartitionSpecs (``spec[i]``, ``*spec``), which JAX refuses for
+# a spec with reduced/unreduced sets; batching/outer_vmap.py wraps the three functions that
+# do it. Each is a feature of its own, so that JAX fixing one makes only ours step aside.
+
+_OUTER_OFF = ("jax.vmap of {what} fails as in plain JAX (ValueError: Using pspec[...] is "
+              "dangerous when PartitionSpec has non-empty unreduced/reduced set)")
+
+
+def _has_shard_map_batcher(value: Any) -> str | None:
+    rule = getattr(value, "process_shard_map", None)
+    if rule is None:
+        return "has no process_shard_map"
+    return has_params("trace", "prim", "fun", "in_tracers", "mesh", "in_specs")(rule)
+
+
+B_SHARD_MAP = feature(
+    "batching:shard_map", "vmap of a shard_map whose in_specs/out_specs carry reduced/"
+    "unreduced sets", when_off=_OUTER_OFF.format(
+        what="a shard_map with reduced/unreduced in_specs or out_specs"))
+#: Where JAX's shard_map batcher (and jit's) inserts the batch dimension into a spec.
+pxla = B_SHARD_MAP.need("jax._src.interpreters.pxla", check=is_module)
+jax_batch_spec = B_SHARD_MAP.need("jax._src.interpreters.pxla:batch_spec",
+                                  check=has_params("spec", "dim", "val"))
+#: The trace whose ``process_shard_map`` is JAX's shard_map batcher.
+BatchTrace = B_SHARD_MAP.need("jax._src.interpreters.batching:BatchTrace",
+                              check=_has_shard_map_batcher)
+
+B_VMAP_IN_AXES = feature(
+    "batching:vmap_in_axes", "vmap over arguments whose sharding is reduced/unreduced",
+    when_off=_OUTER_OFF.format(what="an argument typed reduced/unreduced (in_axes not None)"))
+jax_api = B_VMAP_IN_AXES.need("jax._src.api", check=is_module)
+_need_all([B_VMAP_IN_AXES], "jax._src.api:_mapped_axis_spec",
+          check=has_params("args_flat", "in_axes_flat"))
+
+B_BROADCAST = feature(
+    "batching:broadcast", "an unbatched reduced/unreduced value given a batch dimension "
+    "under vmap (a scan carry, a vmap(grad) cotangent)",
+    when_off=_OUTER_OFF.format(what="a program where an unbatched reduced/unreduced value "
+                                    "meets a batched one"))
+batching_module = B_BROADCAST.need("jax._src.interpreters.batching", check=is_module)
+_need_all([B_BROADCAST], "jax._src.interpreters.batching:broadcast",
+          check=has_params("x", "sz", "axis", "mesh_axis"))
+spmd_names_insert_pvary = B_BROADCAST.need(
+    "jax._src.interpreters.batching:spmd_names_insert_pvary", check=is_callable)
+
 
 
 def unwrap_batcher(rule: Any) -> Any:
