@@ -18,8 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 import jax_cpu_mpi
 from conftest import make_mesh
-from jax_cpu_mpi._src.batching import rules as batching
 from jax_cpu_mpi._src.batching import p2p as _batching_p2p
+from jax_cpu_mpi._src.batching import rules as batching
 from jax_cpu_mpi._src.compat import fancy_primitive_batchers, parallel
 from jax_cpu_mpi._src.ops import primitives
 from jax_cpu_mpi._src.ops.primitives import psend_p

@@ -1,6 +1,6 @@
 """jax.vmap from outside a reduced/unreduced shard_map, across processes (issue 28).
 
-Run by tests/test_batching_outer_vmap.py under ``mpirun -n 2`` (two devices per rank: the
+Run by tests/batching/test_batching_outer_vmap.py under ``mpirun -n 2`` (two devices per rank: the
 4-device mesh's collectives cross the process boundary). Prints one line per check, then
 JCM-OK.
 """

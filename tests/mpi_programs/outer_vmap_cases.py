@@ -1,6 +1,6 @@
 """``jax.vmap`` from OUTSIDE a shard_map whose specs carry reduced/unreduced sets (issue 28).
 
-Shared by tests/test_batching_outer_vmap.py (one process) and outer_vmap.py (mpirun). Each
+Shared by tests/batching/test_batching_outer_vmap.py (one process) and outer_vmap.py (mpirun). Each
 case returns :class:`batching_cases.Check` rows ``(name, got, want)``: ``got`` from the
 vmapped program, ``want`` from a Python loop over the batch of the unbatched program (each
 example put on the mesh on its own). Reduced in_specs need a mesh whose axes are all

@@ -1,6 +1,7 @@
 """``jax.distributed.initialize()`` with no arguments under mpirun, after ``import jax_cpu_mpi``.
 
-Run by tests/runtime/test_cluster.py (one host) and tests/runtime/test_across_hosts.py (two hosts). Checks
+Run by tests/runtime/test_cluster.py (one host) and tests/runtime/test_across_hosts.py (two
+hosts). Checks
 that mpi4py is imported by the initialization and not before, that the process index is
 the MPI rank and the coordinator runs on rank 0's host, then that a chain of psend/precv in
 both directions over every device of the job equals lax.ppermute.

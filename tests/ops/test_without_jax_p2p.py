@@ -55,7 +55,8 @@ def run_suite_part(*targets: str, marks: str | None = None, timeout: float,
 
 @pytest.mark.timeout(600)
 def test_p2p_scenarios_in_one_process():
-    counts = run_suite_part("tests/lowering/test_p2p_single_process.py", "tests/lowering/test_p2p_errors.py",
+    counts = run_suite_part("tests/lowering/test_p2p_single_process.py",
+                            "tests/lowering/test_p2p_errors.py",
                             "tests/ops/test_p2p_api.py", "tests/test_smoke.py", marks="not mpi",
                             timeout=580)
     assert counts["passed"] >= 60, counts  # 82 tests; JAX-vs-ours comparisons skip
@@ -77,7 +78,8 @@ def test_gpu_parity_rejections():
 def test_without_jax_effect_either():
     """JAX dropped psend/precv's effect too: ours carries an equivalent, and the parity check
     (which finds psend/precv programs by that effect), loops and the lowering still work."""
-    counts = run_suite_part("tests/parity/test_gpu_parity.py", "tests/lowering/test_p2p_single_process.py",
+    counts = run_suite_part("tests/parity/test_gpu_parity.py",
+                            "tests/lowering/test_p2p_single_process.py",
                             marks="not mpi", what="effect", timeout=580)
     assert counts["passed"] >= 75, counts
 

@@ -3,7 +3,8 @@
 The detection is checked in fresh Python processes with the launchers' variables set by
 hand (JAX's cluster detection reads ``os.environ``, and whether mpi4py was imported can only
 be told in a process that did not import it yet); ``mpirun -n 2`` runs the real thing on one
-host. ``tests/runtime/test_across_hosts.py`` runs it across two hosts, and ``tests/test_packaging.py``
+host. ``tests/runtime/test_across_hosts.py`` runs it across two hosts, and
+``tests/test_packaging.py``
 under Open MPI 5's ``mpirun``.
 """
 
