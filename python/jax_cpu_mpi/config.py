@@ -3,12 +3,20 @@
 :mod:`jax_cpu_mpi._src.runtime.config`)."""
 
 from jax_cpu_mpi._src.runtime.config import (
+    VARIABLES,
     Config,
+    ConfigError,
+    ConfigWarning,
+    Variable,
+    check_environment,
     configure,
     current,
     from_environment,
+    markdown_table,
     overrides,
     parse_bytes,
 )
 
-__all__ = ["Config", "configure", "current", "from_environment", "overrides", "parse_bytes"]
+__all__ = ["VARIABLES", "Config", "ConfigError", "ConfigWarning", "Variable",
+           "check_environment", "configure", "current", "from_environment", "markdown_table",
+           "overrides", "parse_bytes"]

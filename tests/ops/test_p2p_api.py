@@ -272,5 +272,6 @@ def test_forced_ours_mode_behaves_as_after_the_removal():
 
 def test_bad_primitives_mode_is_a_clear_error(monkeypatch):
     monkeypatch.setenv(primitives.MODE_ENV, "jax-please")
-    with pytest.raises(ValueError, match=r"JAX_CPU_MPI_PRIMITIVES='jax-please': use 'auto'"):
+    with pytest.raises(ValueError, match=r"JAX_CPU_MPI_PRIMITIVES='jax-please' is not one of "
+                       r"'auto', 'ours': set auto"):
         primitives.requested_mode()

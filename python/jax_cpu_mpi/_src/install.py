@@ -32,7 +32,13 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    config.apply()
+    try:
+        config.apply()
+    except config.ConfigError:
+        # A bad JAX_CPU_MPI_* value: everything is still registered, so that the first
+        # psend/precv lowering raises this error (config.current() in lowering/rules.py),
+        # not JAX's "only implemented on GPU".
+        pass
     compat.enable("lowerings", lowering.register)
     # The three module passes share one lowering hook (passes/hook.py runs them in order).
     compat.enable("gpu_parity", hook.install)
@@ -60,15 +66,18 @@ def stats() -> dict[str, int]:
 
 
 def activate_on_import() -> None:
-    """What ``import jax_cpu_mpi`` does: warn about an untested JAX, then :func:`install`
-    unless ``JAX_CPU_MPI_DISABLE`` says not to. Never raises (JAX's plugin discovery
+    """What ``import jax_cpu_mpi`` does: warn about an untested JAX and about unknown
+    ``JAX_CPU_MPI_*`` names, then :func:`install` unless ``JAX_CPU_MPI_DISABLE`` says not
+    to. Never raises (JAX's plugin discovery
     imports the package and must never see an error)."""
     compat.warn_if_untested()
+    config.warn_about_unknown_names(stacklevel=4)
     try:
         disabled = config.disabled()
-    except ValueError as e:  # a bad JAX_CPU_MPI_DISABLE must not break JAX's plugin discovery
-        warnings.warn(f"jax_cpu_mpi is not activated: {e}", RuntimeWarning, stacklevel=4)
-        return
+    except config.ConfigError:
+        # A bad JAX_CPU_MPI_DISABLE must not break JAX's plugin discovery: activate, and let
+        # the first psend/precv lowering raise the error.
+        disabled = False
     if disabled:
         return
     try:

@@ -17,32 +17,30 @@ it to check a migration; the default, ``auto``, takes JAX's where they exist.
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Any
 
 from jax_cpu_mpi._src import compat
+from jax_cpu_mpi._src.runtime import config
 
-#: Environment variable choosing the primitives: ``auto`` (default) or ``ours``.
+#: Environment variable choosing the primitives: ``auto`` (default) or ``ours`` (parsed by
+#: its entry of :data:`jax_cpu_mpi._src.runtime.config.VARIABLES`).
 MODE_ENV = "JAX_CPU_MPI_PRIMITIVES"
-_MODES = ("auto", "ours")
 
 
 def requested_mode() -> str:
-    """The mode :data:`MODE_ENV` asks for (``auto`` when unset); ValueError if invalid."""
-    value = os.environ.get(MODE_ENV, "").strip().lower() or "auto"
-    if value not in _MODES:
-        raise ValueError(
-            f"{MODE_ENV}={os.environ[MODE_ENV]!r}: use 'auto' (JAX's psend/precv primitives "
-            "while JAX has them, jax_cpu_mpi's after) or 'ours' (jax_cpu_mpi's always)")
-    return value
+    """The mode :data:`MODE_ENV` asks for (``auto`` when unset); ConfigError if invalid."""
+    return config.BY_NAME[MODE_ENV].read() or "auto"
 
 
 def _mode() -> str:
     try:
         return requested_mode()
-    except ValueError as e:  # importing jax_cpu_mpi never fails (JAX's plugin discovery)
-        warnings.warn(f"jax_cpu_mpi: {e}; using 'auto'", RuntimeWarning, stacklevel=3)
+    except config.ConfigError as e:  # importing jax_cpu_mpi never fails (JAX's plugin
+        # discovery); the first psend/precv lowering raises this error (config.current()).
+        warnings.warn(f"jax_cpu_mpi: {e}. The primitives are chosen now, at import: 'auto' "
+                      "is taken, and the first psend/precv lowering raises this error.",
+                      config.ConfigWarning, stacklevel=3)
         return "auto"
 
 

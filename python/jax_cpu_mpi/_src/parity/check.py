@@ -211,8 +211,8 @@ def wanted(platforms: Any, jaxpr: Any) -> bool:
     """The programs the check runs on when JAX lowers them: CPU programs with psend/precv
     (they carry the effect; control flow, shard_map and jit propagate it), while the check
     is configured on."""
-    return (config.current().gpu_parity and "cpu" in tuple(platforms)
-            and single_side_collective_effect in jaxpr.effects)
+    return ("cpu" in tuple(platforms) and single_side_collective_effect in jaxpr.effects
+            and config.current().gpu_parity)
 
 
 def check_lowered(lowered: Any) -> None:

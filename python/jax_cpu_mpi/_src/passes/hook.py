@@ -29,6 +29,7 @@ from jax_cpu_mpi._src import compat
 from jax_cpu_mpi._src.dispatch import device_thread_hint
 from jax_cpu_mpi._src.parity import check as parity
 from jax_cpu_mpi._src.passes import kept_operands
+from jax_cpu_mpi._src.runtime import config
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,8 @@ def run_passes(module: Any, jaxpr: Any, platforms: Any) -> None:
         try:
             if module_pass.wanted(platforms, jaxpr):
                 module_pass.run(module)
-        except module_pass.verdicts:
-            raise
+        except (config.ConfigError, *module_pass.verdicts):
+            raise  # a bad JAX_CPU_MPI_* value, or the pass's verdict: the caller's error
         except Exception as e:  # a JAX internal changed under us: never break jit
             compat.failed_at_run_time(module_pass.feature.name, e)
 

@@ -1,39 +1,27 @@
 """Runtime configuration, from environment variables or :func:`configure`.
 
-=================================  ==========  ================================================
-Environment variable               Default     Meaning
-=================================  ==========  ================================================
-``JAX_CPU_MPI_RECV_TIMEOUT``       ``300``     Seconds a precv waits for its message before it
-                                               fails with an error naming the op and the peer.
-``JAX_CPU_MPI_MAX_INFLIGHT_BYTES`` ``1GiB``    Bytes of MPI sends copied and not yet received.
-                                               A psend beyond it waits for older sends first.
-``JAX_CPU_MPI_EXIT_TIMEOUT``       ``60``      Seconds the process waits at exit for its
-                                               undelivered MPI sends before MPI finalizes.
-``JAX_CPU_MPI_ABORT_ON_ERROR``     ``1``       In an MPI job (once MPI is attached), an uncaught
-                                               Python exception aborts the whole job
-                                               (``MPI_Abort``) instead of leaving the other
-                                               ranks waiting for this one forever.
-``JAX_CPU_MPI_GPU_PARITY``         ``1``       ``1``: reject at lowering what XLA GPU rejects
-                                               at compile time (cyclic pairs in one op,
-                                               unmatched psend/precv). ``0``: run every
-                                               pattern the CPU transport can run.
-``JAX_CPU_MPI_FAST_DISPATCH``      ``1``       ``1``: a jitted CPU program with psend/precv
-                                               that XLA never runs inline (2+ devices of
-                                               this process, or 1000+ flops) runs through
-                                               JAX's C++ dispatch like any other
-                                               (``jax.effects_barrier()`` then does not wait
-                                               for it: block on its outputs). ``0``: JAX's
-                                               Python dispatch of effectful programs.
-=================================  ==========  ================================================
+Every ``JAX_CPU_MPI_*`` variable is listed once, in :data:`VARIABLES`: its default, its
+meaning and how its value is read. The README's "Configuration" table is generated from it
+(:func:`markdown_table`; ``tests/runtime/test_config.py`` checks that they agree).
+
+A bad value never breaks ``import jax_cpu_mpi`` (JAX's plugin discovery imports the package):
+:func:`current`, :func:`configure` and the first psend/precv lowering raise a
+:class:`ConfigError` naming the variable, its value and what is allowed. A name that is not
+in :data:`VARIABLES` (a misspelling) gets one :class:`ConfigWarning` at import, naming the
+closest known one (:func:`warn_about_unknown_names`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import difflib
+import math
 import os
 import re
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -73,31 +61,176 @@ class Config:
             raise ValueError(f"exit_timeout must be >= 0 seconds, got {self.exit_timeout}")
 
 
-def _env_float(name: str, default: float) -> float:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
+class ConfigError(ValueError):
+    """A ``JAX_CPU_MPI_*`` variable has a value jax_cpu_mpi cannot use."""
+
+
+class ConfigWarning(UserWarning):
+    """A ``JAX_CPU_MPI_*`` variable that jax_cpu_mpi does not know (a misspelling?)."""
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One ``JAX_CPU_MPI_*`` environment variable."""
+
+    name: str
+    #: ``"runtime"`` (read by the package), ``"build"`` (a CMake option of the extension's
+    #: build), ``"ci"`` (read by ``.ci/run``) or ``"bench"`` (read by the benchmarks).
+    kind: str
+    #: The default, as a user would write it.
+    default: str
+    #: One line: what it does.
+    meaning: str
+    #: The :class:`Config` field that :func:`configure` changes, if any.
+    field: str | None = None
+    #: ``parse(variable, text) -> value``, raising :class:`ConfigError`; None for the
+    #: variables jax_cpu_mpi does not read at run time.
+    parse: Callable[[Variable, str], Any] | None = None
+
+    def error(self, value: str, problem: str, fix: str) -> ConfigError:
+        return ConfigError(f"{self.name}={value!r} {problem}: {fix}, or unset it for the "
+                           f"default {self.default}")
+
+    def read(self, environ: Mapping[str, str] | None = None) -> Any:
+        """The parsed value of the variable, or None when it is unset or empty."""
+        text = (os.environ if environ is None else environ).get(self.name)
+        if text is None or text.strip() == "" or self.parse is None:
+            return None
+        return self.parse(self, text)
+
+
+def _seconds(*, positive: bool, example: str) -> Callable[[Variable, str], float]:
+    bound = "a positive number of seconds" if positive else "a number of seconds >= 0"
+    fix = (f"set a positive number of seconds, e.g. {example}" if positive
+           else f"set a number of seconds, 0 or more, e.g. {example}")
+
+    def parse(var: Variable, text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise var.error(text, "is not a number of seconds", fix) from None
+        if not math.isfinite(value) or (value <= 0 if positive else value < 0):
+            raise var.error(text, f"is not {bound}", fix)
+        return value
+
+    return parse
+
+
+def _byte_count(var: Variable, text: str) -> int:
+    fix = "set a positive byte count, e.g. 1073741824, 512MiB or 1G"
     try:
-        return float(value)
+        value = parse_bytes(text)
     except ValueError:
-        raise ValueError(f"{name}={value!r} is not a number of seconds") from None
+        raise var.error(text, "is not a byte count", fix) from None
+    if value <= 0:
+        raise var.error(text, "is not a positive byte count", fix)
+    return value
 
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
-def _env_bool(name: str, default: bool, meaning: str = "use 1 or 0") -> bool:
-    """A boolean variable: 1/true/yes/on or 0/false/no/off (any case), ``default`` when
-    unset or empty; ValueError naming the variable, the value and ``meaning`` otherwise."""
-    value = os.environ.get(name, "").strip()
-    if value == "":
-        return default
-    if value.lower() in _TRUE:
-        return True
-    if value.lower() in _FALSE:
-        return False
-    raise ValueError(f"{name}={os.environ[name]!r} is not a boolean ({meaning})")
+def _boolean(on: str, off: str) -> Callable[[Variable, str], bool]:
+    """1/true/yes/on or 0/false/no/off, any case; ``on``/``off`` say what each does."""
+
+    def parse(var: Variable, text: str) -> bool:
+        value = text.strip().lower()
+        if value in _TRUE:
+            return True
+        if value in _FALSE:
+            return False
+        raise var.error(text, "is not a boolean", f"set 1 ({on}) or 0 ({off})")
+
+    return parse
+
+
+def _choice(**choices: str) -> Callable[[Variable, str], str]:
+    """One of ``choices`` (name: what it does), any case."""
+
+    def parse(var: Variable, text: str) -> str:
+        value = text.strip().lower()
+        if value in choices:
+            return value
+        listed = " or ".join(f"{name} ({what})" for name, what in choices.items())
+        raise var.error(text, f"is not one of {', '.join(map(repr, choices))}", f"set {listed}")
+
+    return parse
+
+
+#: Every ``JAX_CPU_MPI_*`` environment variable: those jax_cpu_mpi reads at run time, then
+#: the build's, CI's and the benchmarks'. The README's "Configuration" table is made from it.
+VARIABLES: tuple[Variable, ...] = (
+    Variable("JAX_CPU_MPI_RECV_TIMEOUT", "runtime", "300",
+             "seconds a precv waits for its message before it fails with an error naming the "
+             "op, the pair and the peer, instead of hanging",
+             "recv_timeout", _seconds(positive=True, example="30")),
+    Variable("JAX_CPU_MPI_MAX_INFLIGHT_BYTES", "runtime", "1GiB",
+             "bytes of MPI sends copied and not yet received; a psend beyond it first waits "
+             "for older sends", "max_inflight_bytes", _byte_count),
+    Variable("JAX_CPU_MPI_EXIT_TIMEOUT", "runtime", "60",
+             "seconds the process waits at exit for undelivered MPI sends and the other "
+             "ranks, before MPI finalizes (at most 2 s once a peer failed to answer)",
+             "exit_timeout", _seconds(positive=False, example="60")),
+    Variable("JAX_CPU_MPI_ABORT_ON_ERROR", "runtime", "1",
+             "in an MPI job (once MPI is attached), an uncaught exception, or an exit after a "
+             "peer stopped answering, aborts the whole launch (`MPI_Abort`) instead of "
+             "leaving the other ranks, or the launcher, waiting for this one; `0`: only this "
+             "process ends", "abort_on_error",
+             _boolean("abort the whole MPI launch", "end only this process")),
+    Variable("JAX_CPU_MPI_GPU_PARITY", "runtime", "1",
+             "reject when lowering what XLA GPU rejects when compiling (cyclic pairs in one "
+             "op, unmatched psend/precv: see \"GPU parity\"); `0` runs every pattern the CPU "
+             "transport can run", "gpu_parity",
+             _boolean("reject what XLA GPU rejects", "run every pattern the CPU can")),
+    Variable("JAX_CPU_MPI_FAST_DISPATCH", "runtime", "1",
+             "a jitted CPU program with psend/precv that XLA never runs inline (2+ devices of "
+             "this process, or 1000+ flops) runs on `jax.jit`'s C++ fast path "
+             "(`jax.effects_barrier()` then does not wait for it: block on its outputs); `0`: "
+             "JAX's Python dispatch of effectful programs, 100 to 200 us more per call, and no "
+             "device-thread hint; chosen when a program is lowered and compiled",
+             "fast_dispatch", _boolean("C++ dispatch", "JAX's Python dispatch")),
+    Variable("JAX_CPU_MPI_DISABLE", "runtime", "0",
+             "`1`: `import jax_cpu_mpi` and JAX's plugin discovery register nothing (JAX "
+             "behaves as without jax_cpu_mpi); `jax_cpu_mpi.install()` still registers "
+             "everything", None,
+             _boolean("register nothing automatically", "register on import")),
+    Variable("JAX_CPU_MPI_PRIMITIVES", "runtime", "auto",
+             "`auto`: bind JAX's psend/precv primitives while JAX has them, jax_cpu_mpi's "
+             "after; `ours`: jax_cpu_mpi's always, as once JAX drops them (to check a "
+             "migration; read once, at import)", None,
+             _choice(auto="JAX's primitives while JAX has them",
+                     ours="jax_cpu_mpi's always")),
+    Variable("JAX_CPU_MPI_MPICC", "build", "(the mpich wheel)",
+             "CMake option (`-Ccmake.define.JAX_CPU_MPI_MPICC=...`): the `mpicc` of the MPI "
+             "to build the extension against"),
+    Variable("JAX_CPU_MPI_SANITIZE", "build", "OFF",
+             "CMake option: build the extension with AddressSanitizer and UBSan "
+             "(`scripts/sanitize.sh`)"),
+    Variable("JAX_CPU_MPI_FFI_INCLUDE_DIR", "build", "(jaxlib's)",
+             "CMake option: the folder of the XLA FFI headers to build against "
+             "(default: those of the installed jaxlib)"),
+    Variable("JAX_CPU_MPI_FFI_HEADERS_FROM", "build", "(empty)",
+             "CMake option: where `JAX_CPU_MPI_FFI_INCLUDE_DIR` comes from, for the record "
+             "(e.g. `jaxlib 0.11.2`; `jax-cpu-mpi info` shows it)"),
+    Variable("JAX_CPU_MPI_MPI_FROM_WHEEL", "build", "(set by CMake)",
+             "compile definition that `CMakeLists.txt` sets when the extension is built "
+             "against the `mpich` wheel; not for users to set"),
+    Variable("JAX_CPU_MPI_CI_NEW_PYTHON", "ci", "python3.12",
+             "`.ci/run`: the Python (3.12 or newer) of the second, current-JAX run"),
+    Variable("JAX_CPU_MPI_BENCH_LOCAL_INFLIGHT", "bench", "8",
+             "`python -m jax_cpu_mpi.bench`: psend/precv calls kept in flight at once in the "
+             "in-process per-call bandwidth test (more than 32 deadlock: XLA's per-device "
+             "limit)"),
+)
+
+BY_NAME: dict[str, Variable] = {v.name: v for v in VARIABLES}
+PREFIX = "JAX_CPU_MPI_"
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    value = BY_NAME[name].read()
+    return default if value is None else value
 
 
 #: Environment variable that turns automatic registration off (``import jax_cpu_mpi`` and
@@ -106,37 +239,98 @@ DISABLE_ENV = "JAX_CPU_MPI_DISABLE"
 
 
 def disabled() -> bool:
-    """Whether :data:`DISABLE_ENV` asks for no automatic registration."""
-    return _env_bool(DISABLE_ENV, False, "use 1 to disable jax_cpu_mpi's automatic "
-                     "registration, 0 or unset to keep it")
+    """Whether :data:`DISABLE_ENV` asks for no automatic registration (ConfigError if its
+    value is no boolean)."""
+    return _env_bool(DISABLE_ENV, False)
+
+
+def check_environment(environ: Mapping[str, str] | None = None) -> None:
+    """Parse every variable jax_cpu_mpi reads; ConfigError naming each bad one."""
+    problems = []
+    for var in VARIABLES:
+        try:
+            var.read(environ)
+        except ConfigError as e:
+            problems.append(str(e))
+    if problems:
+        raise ConfigError("\n".join(problems))
 
 
 def from_environment() -> Config:
-    """The configuration described by the ``JAX_CPU_MPI_*`` environment variables."""
-    inflight = os.environ.get("JAX_CPU_MPI_MAX_INFLIGHT_BYTES")
-    try:
-        max_inflight = parse_bytes(inflight) if inflight else Config.max_inflight_bytes
-    except ValueError as e:
-        raise ValueError(f"JAX_CPU_MPI_MAX_INFLIGHT_BYTES: {e}") from None
-    return Config(
-        recv_timeout=_env_float("JAX_CPU_MPI_RECV_TIMEOUT", Config.recv_timeout),
-        max_inflight_bytes=max_inflight,
-        exit_timeout=_env_float("JAX_CPU_MPI_EXIT_TIMEOUT", Config.exit_timeout),
-        gpu_parity=_env_bool("JAX_CPU_MPI_GPU_PARITY", Config.gpu_parity),
-        abort_on_error=_env_bool("JAX_CPU_MPI_ABORT_ON_ERROR", Config.abort_on_error),
-        fast_dispatch=_env_bool("JAX_CPU_MPI_FAST_DISPATCH", Config.fast_dispatch),
-    )
+    """The configuration described by the ``JAX_CPU_MPI_*`` environment variables
+    (ConfigError if any variable jax_cpu_mpi reads has a bad value)."""
+    check_environment()
+    values = {}
+    for var in VARIABLES:
+        if var.field is not None:
+            value = var.read()
+            if value is not None:
+                values[var.field] = value
+    return Config(**values)
+
+
+def unknown_names(environ: Mapping[str, str] | None = None) -> dict[str, str | None]:
+    """``{unknown JAX_CPU_MPI_* name in the environment: the closest known name or None}``."""
+    env = os.environ if environ is None else environ
+    known = {name[len(PREFIX):]: name for name in BY_NAME}  # compared without the prefix
+
+    def closest(name: str) -> str | None:
+        found = difflib.get_close_matches(name[len(PREFIX):], list(known), n=1, cutoff=0.6)
+        return known[found[0]] if found else None
+
+    return {name: closest(name) for name in sorted(env)
+            if name.startswith(PREFIX) and name not in BY_NAME}
+
+
+_warned_unknown = False
+
+
+def warn_about_unknown_names(stacklevel: int = 2) -> None:
+    """One :class:`ConfigWarning` (once per process) naming every unknown ``JAX_CPU_MPI_*``
+    variable of the environment and the known one it most resembles."""
+    global _warned_unknown
+    unknown = unknown_names()
+    if _warned_unknown or not unknown:
+        return
+    _warned_unknown = True
+    described = "; ".join(
+        f"{name} is not a jax_cpu_mpi variable and is ignored"
+        + (f" (did you mean {close}?)" if close else "")
+        for name, close in unknown.items())
+    warnings.warn(f"jax_cpu_mpi: {described}. The variables jax_cpu_mpi reads: "
+                  f"{', '.join(v.name for v in VARIABLES if v.kind == 'runtime')} (README, "
+                  "\"Configuration\").", ConfigWarning, stacklevel=stacklevel + 1)
+
+
+def markdown_table() -> str:
+    """The README's "Configuration" table, made from :data:`VARIABLES`."""
+    kinds = {"runtime": "", "build": "build: ", "ci": "CI: ", "bench": "benchmarks: "}
+    lines = ["| variable | `configure` field | default | meaning |", "|---|---|---|---|"]
+    for var in VARIABLES:
+        field_text = f"`{var.field}`" if var.field else ""
+        lines.append(f"| `{var.name}` | {field_text} | `{var.default}` | "
+                     f"{kinds[var.kind]}{var.meaning} |")
+    return "\n".join(lines)
 
 
 _current: Config | None = None
 
 
 def current() -> Config:
-    """The configuration in force."""
+    """The configuration in force: on first use, read from the environment (ConfigError if
+    a variable has a bad value) and pushed into the extension."""
     global _current
     if _current is None:
-        _current = from_environment()
+        cfg = from_environment()
+        _push(cfg)
+        _current = cfg
     return _current
+
+
+def _push(cfg: Config) -> None:
+    from jax_cpu_mpi import _jax_cpu_mpi as ext
+
+    ext.configure(cfg.recv_timeout, cfg.max_inflight_bytes)
 
 
 def configure(**changes: float | int | bool) -> Config:
@@ -145,10 +339,8 @@ def configure(**changes: float | int | bool) -> Config:
     Takes effect for every psend/precv executed afterwards (compiled programs included).
     """
     global _current
-    from jax_cpu_mpi import _jax_cpu_mpi as ext
-
     new = replace(current(), **changes)  # type: ignore[arg-type]
-    ext.configure(new.recv_timeout, new.max_inflight_bytes)
+    _push(new)
     _current = new
     return new
 
@@ -164,8 +356,5 @@ def overrides(**changes: float | int | bool) -> Iterator[Config]:
 
 
 def apply() -> None:
-    """Push the current configuration into the extension."""
-    from jax_cpu_mpi import _jax_cpu_mpi as ext
-
-    cfg = current()
-    ext.configure(cfg.recv_timeout, cfg.max_inflight_bytes)
+    """Push the current configuration into the extension (ConfigError for a bad value)."""
+    _push(current())
