@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cpu_mpi
-from conftest import make_mesh
+from conftest import make_mesh, needs_jax_p2p
 from jax_cpu_mpi import config
 
 
@@ -104,3 +105,71 @@ def test_mesh_spanning_processes_without_mpirun_says_how_to_launch():
     for out in outputs:
         assert "GOT MpiSetupError" in out, report
         assert "mpirun" in out and "singleton" in out, report
+
+
+# ------------------------------------------------------------- pairs outside the axis
+
+
+def _exchange(psend, precv, axis_name, perm):
+    def body(v):
+        tok = psend(v, axis_name, perm)
+        return precv(tok, jax.ShapeDtypeStruct(v.shape, v.dtype), axis_name, perm)
+
+    return body
+
+
+@pytest.mark.parametrize(("perm", "bad"), [([(0, 3)], (0, 3)), ([(0, 1), (2, 0)], (2, 0)),
+                                           ([(0, -3)], (0, -3))])
+def test_pair_outside_the_axis_is_a_clear_error_when_traced(perm, bad):
+    mesh = make_mesh((2, "x"))
+    x = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P("x")))
+    f = _shmap(mesh, _exchange(jax_cpu_mpi.psend, jax_cpu_mpi.precv, "x", perm))
+    with pytest.raises(ValueError, match=re.escape(
+            f"psend: the pair {bad} of perm={perm} names a device outside axis 'x' of size 2: "
+            "indices must be 0..1 (or -2..-1, counted from the end)")):
+        jax.make_jaxpr(f)(x)
+    # precv alone (with a token of its own) is checked too.
+    g = _shmap(mesh, lambda v: jax_cpu_mpi.precv(jax.lax.create_token(),
+                                                 jax.ShapeDtypeStruct(v.shape, v.dtype), "x",
+                                                 perm))
+    with pytest.raises(ValueError, match=re.escape(f"precv: the pair {bad} of perm={perm}")):
+        jax.make_jaxpr(g)(x)
+
+
+def test_negative_indices_in_the_axis_count_from_the_end():
+    mesh = make_mesh((2, "x"))
+    x = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P("x")))
+    got = _shmap(mesh, _exchange(jax_cpu_mpi.psend, jax_cpu_mpi.precv, "x", [(-1, 0)]))(x)
+    np.testing.assert_array_equal(np.asarray(got), [2.0, 3.0, 0.0, 0.0])
+
+
+def test_pair_outside_a_tuple_of_axes_names_their_product():
+    mesh = make_mesh((2, "x"), (2, "y"))
+    spec = P(("x", "y"))
+    x = jax.device_put(jnp.arange(4.0) + 1, NamedSharding(mesh, spec))
+
+    def program(perm):
+        return jax.jit(jax.shard_map(
+            _exchange(jax_cpu_mpi.psend, jax_cpu_mpi.precv, ("x", "y"), perm), mesh=mesh,
+            in_specs=spec, out_specs=spec))
+
+    with pytest.raises(ValueError, match=re.escape(
+            "psend: the pair (0, 4) of perm=[(0, 4)] names a device outside axes ('x', 'y') "
+            "of size 4 (the product of their sizes): indices must be 0..3")):
+        program([(0, 4)]).lower(x)
+    np.testing.assert_array_equal(np.asarray(program([(0, 3)])(x)), [0.0, 0.0, 0.0, 1.0])
+
+
+@needs_jax_p2p
+def test_jax_lax_pair_outside_the_axis_is_a_clear_error_when_lowered():
+    import warnings
+
+    mesh = make_mesh((2, "x"))
+    x = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P("x")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # jax.lax.psend on JAX 0.12
+        f = _shmap(mesh, _exchange(jax.lax.psend, jax.lax.precv, "x", [(0, 3)]))
+        with pytest.raises(ValueError, match=re.escape(
+                "psend: the pair (0, 3) of perm=[(0, 3)] names a device outside axis 'x' of "
+                "size 2: indices must be 0..1")):
+            f.lower(x)

@@ -37,7 +37,9 @@ from jax_cpu_mpi._src.compat import (
 from jax_cpu_mpi._src.ffi.custom_calls import PRECV_TARGET, PSEND_TARGET, attributes
 from jax_cpu_mpi._src.ffi.registration import register_targets
 from jax_cpu_mpi._src.lowering.topology import partition_tables
+from jax_cpu_mpi._src.ops.p2p import check_perm_in_axis
 from jax_cpu_mpi._src.ops.primitives import precv_p, psend_p
+from jax_cpu_mpi._src.runtime import config
 from jax_cpu_mpi._src.runtime import mpi as mpi_runtime
 
 
@@ -58,7 +60,14 @@ def _check_inside_shard_map(ctx: mlir.LoweringRuleContext, op_name: str, axis_na
 
 
 def _routing(ctx: mlir.LoweringRuleContext, op_name: str, axis_name, perm):
+    config.current()  # a bad JAX_CPU_MPI_* value raises its ConfigError here, not at import
     _check_inside_shard_map(ctx, op_name, axis_name)
+    # Before JAX's helper, which takes indices modulo the axis size (then IndexError, or a
+    # wrong "sources and destinations must be unique"): jax.lax.psend is not checked when
+    # traced, as jax_cpu_mpi.psend is (ops/p2p.py).
+    sizes = ctx.module_context.axis_context.mesh.shape
+    check_perm_in_axis(op_name, axis_name, perm,
+                       int(np.prod([sizes[name] for name in axis_name], dtype=np.int64)))
     full_perm, _ = pcollectives_lowering_common(
         ctx, axis_name=axis_name, perm=perm, op_name=op_name
     )

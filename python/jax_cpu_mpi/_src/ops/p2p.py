@@ -37,6 +37,35 @@ def _perm_tuple(perm: Perm) -> tuple[tuple[int, int], ...]:
     return tuple(map(tuple, perm))
 
 
+def check_perm_in_axis(op_name: str, axis_name: tuple, perm: Perm, axis_size: int) -> None:
+    """ValueError unless every index of ``perm`` addresses a device of the axis: ``0`` to
+    ``axis_size - 1``, or ``-axis_size`` to ``-1`` counted from the end (as JAX's lowering
+    reads them). Outside that range JAX fails with an ``IndexError`` or a wrong
+    "sources and destinations must be unique"."""
+    for pair in perm:
+        if len(pair) != 2:
+            raise ValueError(f"{op_name}: perm={list(map(tuple, perm))!r} must be "
+                             f"(source, destination) pairs; got {tuple(pair)!r}")
+        if all(-axis_size <= int(i) < axis_size for i in pair):
+            continue
+        axes = (f"axis {axis_name[0]!r} of size {axis_size}" if len(axis_name) == 1 else
+                f"axes {tuple(axis_name)!r} of size {axis_size} (the product of their sizes)")
+        raise ValueError(
+            f"{op_name}: the pair {tuple(pair)!r} of perm={list(map(tuple, perm))!r} names a "
+            f"device outside {axes}: indices must be 0..{axis_size - 1} (or "
+            f"-{axis_size}..-1, counted from the end)")
+
+
+def _check_perm(op_name: str, names: tuple, pairs: tuple) -> None:
+    """:func:`check_perm_in_axis` at trace time, where the axis is bound (outside
+    ``shard_map`` the bind that follows raises JAX's own unbound-axis error)."""
+    try:
+        size = jax.lax.axis_size(names if len(names) > 1 else names[0])
+    except NameError:
+        return
+    check_perm_in_axis(op_name, names, pairs, int(size))
+
+
 def _pvary(names: tuple, x: Any) -> Any:
     """What JAX's psend does to its operand: mark it varying over ``names`` (vma types)."""
     if available(insert_collective_pvary):
@@ -67,9 +96,11 @@ def psend(x: Any, axis_name: AxisName, perm: Perm) -> Any:
 
     Raises:
       NameError: an axis name that no enclosing ``shard_map`` binds.
+      ValueError: an index of ``perm`` outside the axis (``-n..n-1`` for an axis of size n).
     """
     names = _axis_tuple(axis_name)
     pairs = _perm_tuple(perm)
+    _check_perm("psend", names, pairs)
 
     def send(leaf: Any) -> Any:
         return psend_p.bind(_pvary(names, leaf), axis_name=names, perm=pairs)
@@ -104,6 +135,7 @@ def precv(token: Any, out_shape: Any, axis_name: AxisName, perm: Perm) -> Any:
     """
     names = _axis_tuple(axis_name)
     pairs = _perm_tuple(perm)
+    _check_perm("precv", names, pairs)
 
     def recv(tok: Any, shape: Any) -> Any:
         aval = jax.core.ShapedArray(shape.shape, shape.dtype)  # as jax.lax.precv builds it
