@@ -144,3 +144,36 @@ def test_plain_initialize_under_mpirun_on_one_host():
         text = "\n".join(lines)
         assert f"process index {rank} of 2" in text, run.report()
         assert "mpi4py imported by initialize, not before" in text, run.report()
+
+
+def test_forgotten_initialize_under_mpirun_warns_once_naming_the_fix():
+    # mpirun -n 2, no jax.distributed.initialize(): each rank's JAX runs alone (a ring of
+    # its own two devices); the first psend/precv lowering says so, once per process.
+    run = run_mpi("no_initialize.py", nprocs=2, timeout=120)
+    assert run.returncode == 0, run.report()
+    for rank in (0, 1):
+        out = run.rank_output[rank]
+        assert "process 0/1: result [0.0, 0.0]" in out, run.report()
+        assert "JCM-WARNINGS 1" in out, run.report()
+        for part in (f"psend: this process is rank {rank} of 2 started by ",
+                     f"PMI_RANK={rank}, PMI_SIZE=2", "jax.process_count() == 1",
+                     "Call jax.distributed.initialize()",
+                     "jax_cpu_mpi.initialize_distributed()"):
+            assert part in out, (part, run.report())
+
+
+def test_no_launcher_warning_in_a_plain_process(monkeypatch):
+    for name in _LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(cluster, "_warned_jax_alone", False)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cluster.warn_if_jax_runs_alone("psend")
+    monkeypatch.setenv("PMI_RANK", "1")
+    monkeypatch.setenv("PMI_SIZE", "4")
+    import jax_cpu_mpi
+
+    with pytest.warns(jax_cpu_mpi.MpiSetupWarning, match=r"rank 1 of 4 started by MPICH"):
+        cluster.warn_if_jax_runs_alone("precv")

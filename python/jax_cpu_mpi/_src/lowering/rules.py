@@ -39,7 +39,7 @@ from jax_cpu_mpi._src.ffi.registration import register_targets
 from jax_cpu_mpi._src.lowering.topology import partition_tables
 from jax_cpu_mpi._src.ops.p2p import check_perm_in_axis
 from jax_cpu_mpi._src.ops.primitives import precv_p, psend_p
-from jax_cpu_mpi._src.runtime import config
+from jax_cpu_mpi._src.runtime import config, launchers
 from jax_cpu_mpi._src.runtime import mpi as mpi_runtime
 
 
@@ -68,6 +68,7 @@ def _routing(ctx: mlir.LoweringRuleContext, op_name: str, axis_name, perm):
     sizes = ctx.module_context.axis_context.mesh.shape
     check_perm_in_axis(op_name, axis_name, perm,
                        int(np.prod([sizes[name] for name in axis_name], dtype=np.int64)))
+    launchers.warn_if_jax_runs_alone(op_name)
     full_perm, _ = pcollectives_lowering_common(
         ctx, axis_name=axis_name, perm=perm, op_name=op_name
     )

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 from dataclasses import dataclass
 
 import jax
@@ -96,6 +97,8 @@ class Launch:
     slurm_ntasks: int | None
     #: ``OMPI_MCA_orte_hnp_uri`` is set (Open MPI 4 and older): JAX detects it.
     orte: bool
+    #: The variables that gave ``mpi_rank`` and ``mpi_size`` (for messages).
+    rank_variables: tuple[str, ...] = ()
 
     @property
     def multi_process(self) -> bool:
@@ -139,10 +142,12 @@ def detect() -> Launch:
     """Read the launcher's environment variables (nothing is initialized)."""
     mpi_rank = mpi_size = None
     launcher = "none"
+    rank_variables: tuple[str, ...] = ()
     for rank_var, size_var in _MPI_RANK_VARS:
         if _int_env(rank_var) is not None:
             mpi_rank, mpi_size = _int_env(rank_var), _int_env(size_var)
             launcher = "openmpi" if rank_var.startswith("OMPI_") else "mpi"
+            rank_variables = tuple(v for v in (rank_var, size_var) if v)
             break
     slurm = all(v in os.environ for v in _SLURM_VARS)
     if slurm and (launcher == "none" or mpi_rank == _int_env("SLURM_PROCID")):
@@ -154,7 +159,45 @@ def detect() -> Launch:
         slurm_procid=_int_env("SLURM_PROCID") if slurm else None,
         slurm_ntasks=_int_env("SLURM_NTASKS") if slurm else None,
         orte=_ORTE_URI in os.environ,
+        rank_variables=rank_variables,
     )
+
+
+_LAUNCHER_NAMES = {"mpich": "MPICH's mpirun/mpiexec (Hydra)",
+                   "openmpi5": "Open MPI 5's mpirun (PRRTE)"}
+_warned_jax_alone = False
+
+
+def warn_if_jax_runs_alone(op_name: str) -> None:
+    """One :class:`MpiSetupWarning` (per process) when a launcher started this process as
+    one of several ranks but JAX runs alone in it: ``jax.distributed.initialize()`` was
+    forgotten, so every rank runs its own single-process copy of the program.
+
+    Called when psend/precv is lowered: JAX's backends are up by then, so
+    ``jax.process_count()`` is safe (it is not at import, see ``plugin.initialize``).
+    """
+    global _warned_jax_alone
+    if _warned_jax_alone:
+        return
+    launch = detect()
+    if not launch.multi_process or jax.process_count() != 1:
+        return
+    _warned_jax_alone = True
+    if launch.launcher == "slurm":
+        rank, size = launch.slurm_procid, launch.slurm_ntasks
+        said = "SLURM_PROCID, SLURM_NTASKS"
+        name = "srun (Slurm)"
+    else:
+        rank, size = launch.mpi_rank, launch.mpi_size
+        said = ", ".join(f"{v}={os.environ.get(v)}" for v in launch.rank_variables)
+        name = _LAUNCHER_NAMES.get(launcher() or "", "an MPI launcher (mpirun/mpiexec)")
+    warnings.warn(
+        f"jax_cpu_mpi: {op_name}: this process is rank {rank} of {size} started by {name} "
+        f"({said}), but JAX runs alone in it (jax.process_count() == 1): every rank runs its "
+        "own single-process copy of the program and no psend/precv reaches another process. "
+        "Call jax.distributed.initialize() (or jax_cpu_mpi.initialize_distributed(), which "
+        "picks its arguments for this launcher) at the start of the program, before building "
+        "the mesh.", mpi_runtime.MpiSetupWarning, stacklevel=2)
 
 
 def initialize_distributed(**kwargs) -> str:
@@ -180,7 +223,7 @@ def initialize_distributed(**kwargs) -> str:
     return method
 
 
-__all__ = ["Launch", "detect", "initialize_distributed"]
+__all__ = ["Launch", "detect", "initialize_distributed", "warn_if_jax_runs_alone"]
 
 
 # ---- the cluster environment for MPICH's and Open MPI 5's mpirun

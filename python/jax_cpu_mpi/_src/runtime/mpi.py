@@ -47,6 +47,11 @@ class MpiSetupError(RuntimeError):
     """MPI cannot serve a program whose mesh spans processes."""
 
 
+class MpiSetupWarning(UserWarning):
+    """The launch looks wrong: e.g. ``mpirun`` started several ranks but JAX runs alone in
+    each (``jax.distributed.initialize()`` forgotten)."""
+
+
 def import_mpi4py():  # -> module mpi4py.MPI
     """``mpi4py.MPI`` (importing it initializes MPI, with every thread allowed to call it),
     checked to be the MPI of our extension. Raises
