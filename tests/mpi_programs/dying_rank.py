@@ -15,6 +15,9 @@
   sends straight from its operand, a send that cannot complete; a thread of rank 0 then
   SIGKILLs rank 1.
 * ``exits-mid-rendezvous``: rank 1 waits in that precv and leaves with ``os._exit(0)``.
+* ``stopped-then-peer-exits``: rank 1 stops itself (SIGSTOP) and never answers; rank 0's
+  precv times out, rank 0 catches the ``JaxRuntimeError`` and calls ``sys.exit(3)``: the whole
+  launch must end at once (``MPI_Abort``), not wait for the stopped rank.
 
 The survivor must not hang: either the launcher aborts the job when it sees a rank die, or
 the survivor's precv gives up after ``JAX_CPU_MPI_RECV_TIMEOUT`` and raises. The test runs
@@ -71,6 +74,20 @@ def die(how: str) -> None:
 if SCENARIO == "killed-while-peer-receives" and me == 0:
     time.sleep(2.0)  # rank 1 is in its precv by now
     die("kill")
+if SCENARIO == "stopped-then-peer-exits":
+    if me == 1:
+        print(f"process {me}: stopping (SIGSTOP), never answers", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(3600)
+    time.sleep(1.0)
+    try:
+        jax.block_until_ready(compiled(x))
+    except jax.errors.JaxRuntimeError as e:  # handled: the program decides to exit
+        print(f"process {me}: failed: {e}", flush=True)
+        print(f"process {me}: sys.exit(3) at {time.time():.3f}", flush=True)
+        sys.exit(3)
+    print(f"process {me}: completed, unexpectedly", flush=True)
+    sys.exit(0)
 if SCENARIO == "hangs-while-peer-receives" and me == 0:
     print(f"process {me}: stuck, never sends", flush=True)
     time.sleep(3600)

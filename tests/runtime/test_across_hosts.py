@@ -149,8 +149,10 @@ def test_link_down_caught_error_and_sys_exit_ends_the_process_promptly(hosts):
         job.mark("up")
         hosts.set_link(True)
 
-    run = hosts.run("network_fault.py", "catch-exit", env=_fault_env(), during=cut,
-                    timeout=120)
+    # JAX_CPU_MPI_ABORT_ON_ERROR=0: each process ends alone (the default aborts the launch:
+    # the next test).
+    run = hosts.run("network_fault.py", "catch-exit", during=cut, timeout=120,
+                    env=_fault_env(JAX_CPU_MPI_ABORT_ON_ERROR="0"))
     job = run.job
     assert sorted(job.exits) == [0, 1], run.report()
     for rank in (0, 1):
@@ -165,6 +167,27 @@ def test_link_down_caught_error_and_sys_exit_ends_the_process_promptly(hosts):
         assert "Terminating process because the JAX distributed service" not in \
             run.rank_output[rank], run.report()
     assert run.returncode is not None, run.report()  # mpiexec ended once the link was back
+
+
+@pytest.mark.timeout(150)
+def test_link_down_caught_error_and_sys_exit_aborts_the_whole_launch(hosts):
+    # The default: a process that exits (here sys.exit(1) after catching the precv error)
+    # from a job whose peer stopped answering aborts the launch (MPI_Abort), so mpiexec ends
+    # within seconds, with the link still down, instead of waiting for the other host.
+    def cut(job):
+        job.wait_for(0, "JCM-LOOPING")
+        job.mark("down")
+        hosts.set_link(False)
+
+    run = hosts.run("network_fault.py", "catch-exit", env=_fault_env(), during=cut,
+                    timeout=120)
+    job = run.job
+    assert run.returncode not in (None, 0), run.report()
+    assert job.ended_at - job.marks["down"] < FAULT_RECV_TIMEOUT + PROMPT, run.report()
+    for rank in (0, 1):
+        assert re.search(r"JCM-CAUGHT at ([\d.]+)", run.rank_output[rank]), run.report()
+    assert "aborting the whole MPI launch (MPI_Abort) with status 1" in _all_output(run), \
+        run.report()
 
 
 @pytest.mark.timeout(150)

@@ -295,6 +295,30 @@ def test_stuck_peer_makes_precv_fail_and_the_job_abort():
     assert "aborting the MPI job (MPI_Abort)" in everything, run.report()
 
 
+@pytest.mark.mpi
+@pytest.mark.timeout(DYING_TIMEOUT + 30)
+def test_handled_error_after_a_stopped_peer_aborts_the_whole_launch():
+    # Rank 1 stops (SIGSTOP) and never answers; rank 0's precv times out after 3 s, rank 0
+    # catches the error and calls sys.exit(3). Its exit barrier is not met, so jax_cpu_mpi
+    # aborts the launch (MPI_Abort) with status 3: mpirun ends within seconds, instead of
+    # waiting for the stopped rank (then the job would hit DYING_TIMEOUT: a failure here).
+    env = {"JAX_CPU_MPI_RECV_TIMEOUT": "3", "JAX_CPU_MPI_EXIT_TIMEOUT": "5"}
+    run = run_mpi("dying_rank.py", "stopped-then-peer-exits", nprocs=2, timeout=DYING_TIMEOUT,
+                  env=env)
+    ended = time.time()
+    assert run.returncode is not None, f"mpirun waited for the stopped rank:\n{run.report()}"
+    assert run.returncode != 0, run.report()
+    out = run.rank_output.get(0, "")
+    assert "process 1: stopping (SIGSTOP)" in run.rank_output.get(1, ""), run.report()
+    for part in ("DEADLINE_EXCEEDED", "precv(axis_name=('x',), perm=[(1, 0)])",
+                 "MPI rank(s) 1 (host ", "aborting the whole MPI launch (MPI_Abort) with "
+                 "status 3", "JAX_CPU_MPI_ABORT_ON_ERROR=0"):
+        assert part in out, (part, run.report())
+    exited = float(re.search(r"sys\.exit\(3\) at ([0-9.]+)", out).group(1))
+    # At most 2 s at the exit barrier (a peer is suspect), then MPI_Abort.
+    assert ended - exited < 15, (ended - exited, run.report())
+
+
 # --- 4b. the rendezvous path of large MPI messages -----------------------------------------
 
 

@@ -15,8 +15,9 @@ rank meets the others in a polled barrier (up to ``JAX_CPU_MPI_EXIT_TIMEOUT`` se
 our communicator is freed. Once attached, an uncaught exception aborts the whole job
 (``JAX_CPU_MPI_ABORT_ON_ERROR``) rather than leaving the other ranks waiting for this one.
 If a peer failed to answer (a precv timed out, an MPI call failed) and misses the exit
-barrier, the process ends just before ``MPI_Finalize``, without JAX's distributed shutdown,
-with the status the program asked for (:func:`_leave_broken_job`).
+barrier, however the program exits, the whole launch is aborted with the status the program
+asked for (never 0), or with ``JAX_CPU_MPI_ABORT_ON_ERROR=0`` this process alone ends just
+before ``MPI_Finalize``, without JAX's distributed shutdown (:func:`_leave_broken_job`).
 """
 
 from __future__ import annotations
@@ -140,6 +141,8 @@ def _abort_job_on_uncaught_exception(MPI) -> None:
             file=sys.stderr,
             flush=True,
         )
+        global _abort_attempted
+        _abort_attempted = True
         MPI.COMM_WORLD.Abort(1)
 
     sys.excepthook = excepthook
@@ -158,30 +161,56 @@ def _detach_at_exit() -> None:
 
 def _leave_broken_job(unreachable: list[int]) -> None:
     """End promptly a process whose job lost a peer: it did not answer, nor reach the exit
-    barrier.
+    barrier (whatever the way the program exits: ``sys.exit``, ``exit``, the end of main).
 
-    Two waits would otherwise hold the process. MPI_Finalize: MPICH waits for every rank
-    through the process manager, and UCX closes each endpoint with a flush that waits for
-    the unreachable peer for minutes. And JAX's distributed shutdown: a barrier of every task
-    in the coordination service, which ends only when the service declares the peer dead
-    after ``heartbeat_timeout_seconds`` (100 s by default), and then aborts the process with
+    By default (``JAX_CPU_MPI_ABORT_ON_ERROR=1``) the whole launch ends: ``MPI_Abort`` on
+    ``MPI_COMM_WORLD``, with the status the program asked for (``sys.exit(n)``), or 1 if it
+    asked for none or for 0: a broken job never ends with 0. Ending this process alone is
+    not enough: under a launch across hosts, ``mpiexec`` waits minutes for the proxy of the
+    unreachable host behind the dead link, and the unanswering rank may live on forever.
+
+    With ``JAX_CPU_MPI_ABORT_ON_ERROR=0``, only this process ends, promptly. Two waits would
+    otherwise hold it. MPI_Finalize: MPICH waits for every rank through the process manager,
+    and UCX closes each endpoint with a flush that waits for the unreachable peer for
+    minutes. And JAX's distributed shutdown: a barrier of every task in the coordination
+    service, which ends only when the service declares the peer dead after
+    ``heartbeat_timeout_seconds`` (100 s by default), and then aborts the process with
     SIGABRT. So JAX's distributed runtime is abandoned (its shutdown skipped) and the
     process ends, after the rest of the interpreter's exit (every other atexit handler, the
     flush of stdout/stderr), just before mpi4py would call MPI_Finalize, with the status the
     program asked for (``sys.exit(n)``, ``exit(n)``), or 1 if it asked for none.
     """
+    global _abort_attempted
     hosts = ext.rank_hosts()
     peers = ", ".join(
         f"{r}" + (f" (host {hosts[r]})" if r < len(hosts) and hosts[r] else "")
         for r in unreachable)
+    if config.current().abort_on_error and not _abort_attempted:
+        status = _requested_exit_status or 1
+        from mpi4py import MPI  # imported when MPI was attached
+
+        print(f"jax_cpu_mpi: at exit, MPI rank(s) {peers} did not answer and did not reach "
+              f"the exit barrier: aborting the whole MPI launch (MPI_Abort) with status "
+              f"{status} so that it does not wait for the lost rank(s) "
+              "(JAX_CPU_MPI_ABORT_ON_ERROR=0 ends only this process instead).",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        _abort_attempted = True
+        MPI.COMM_WORLD.Abort(status)
+        # MPI_Abort does not return; where it did (seen with MPICH over a dead link), this
+        # process at least ends alone, below.
     status = 1 if _requested_exit_status is None else _requested_exit_status
     ext.arm_exit_before_finalize(status)
     abandoned = _abandon_jax_distributed_runtime()
     print(f"jax_cpu_mpi: at exit, MPI rank(s) {peers} did not answer and did not reach the "
           f"exit barrier: this process ends now with status {status}, without MPI_Finalize"
           + (" and without JAX's distributed shutdown" if abandoned else "")
-          + " (both would wait for the unreachable peer).", file=sys.stderr, flush=True)
+          + " (both would wait for the unreachable peer; JAX_CPU_MPI_ABORT_ON_ERROR=1, the "
+          "default, would abort the whole launch).", file=sys.stderr, flush=True)
 
+
+#: Whether MPI_Abort was called already (by the excepthook): not twice.
+_abort_attempted = False
 
 #: The status the program asked for with ``sys.exit(n)`` (None: not asked).
 _requested_exit_status: int | None = None
