@@ -10,7 +10,8 @@ spans processes is lowered.
 
 ``JAX_CPU_MPI_DISABLE=1`` (or ``true``/``yes``/``on``) turns automatic registration off,
 for the plugin and for ``import jax_cpu_mpi`` alike; ``jax_cpu_mpi.install()`` still
-registers everything when a program asks for it explicitly.
+registers everything when a program asks for it explicitly. A value that is no boolean
+disables nothing: the first psend/precv lowering raises its ``ConfigError``.
 """
 
 from __future__ import annotations

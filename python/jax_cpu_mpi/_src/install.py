@@ -68,8 +68,8 @@ def stats() -> dict[str, int]:
 def activate_on_import() -> None:
     """What ``import jax_cpu_mpi`` does: warn about an untested JAX and about unknown
     ``JAX_CPU_MPI_*`` names, then :func:`install` unless ``JAX_CPU_MPI_DISABLE`` says not
-    to. Never raises (JAX's plugin discovery
-    imports the package and must never see an error)."""
+    to. Never raises (JAX's plugin discovery imports the package and must never see an
+    error)."""
     compat.warn_if_untested()
     config.warn_about_unknown_names(stacklevel=4)
     try:
