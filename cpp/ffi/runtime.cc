@@ -1,8 +1,8 @@
-#include "runtime.h"
+#include "ffi/runtime.h"
 
 #include <algorithm>
 
-#include "immortal.h"
+#include "common/immortal.h"
 
 namespace jcm {
 
@@ -104,6 +104,10 @@ std::string Runtime::detach_mpi(double timeout_s) {
   if (drained.undelivered > 0) {
     report = std::to_string(drained.undelivered) +
              " psend message(s) were never received by their peer(s)";
+  }
+  if (!drained.status.ok()) {
+    report += (report.empty() ? "" : "; ") + ("an MPI call failed while draining: " +
+                                              drained.status.message());
   }
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -12,12 +12,12 @@
 #include <string>
 #include <vector>
 
-#include "core_probe.h"
-#include "device_thread_hint.h"
-#include "mpi_finalize.h"
-#include "p2p_handlers.h"
-#include "runtime.h"
-#include "zero_fill.h"
+#include "bench/core_probe.h"
+#include "ffi/device_thread_hint.h"
+#include "ffi/p2p_handlers.h"
+#include "ffi/runtime.h"
+#include "local/zero_fill.h"
+#include "mpi/exit_before_finalize.h"
 
 namespace nb = nanobind;
 
@@ -33,7 +33,9 @@ nb::capsule EncapsulateFfiHandler(T* fn) {
 std::string MpiLibraryVersion() {
   char version[MPI_MAX_LIBRARY_VERSION_STRING] = {0};
   int len = 0;
-  MPI_Get_library_version(version, &len);
+  if (int rc = MPI_Get_library_version(version, &len); rc != MPI_SUCCESS) {
+    throw std::runtime_error(jcm::Status::MpiError("MPI_Get_library_version", rc).message());
+  }
   return std::string(version, len);
 }
 
@@ -97,9 +99,9 @@ NB_MODULE(_jax_cpu_mpi, m) {
   m.def("attach_mpi",
         [](int64_t comm_fortran_handle, std::vector<int> rank_of_process) {
           MPI_Comm comm = MPI_Comm_f2c(static_cast<MPI_Fint>(comm_fortran_handle));
-          std::string error;
-          auto transport = jcm::MpiTransport::Create(comm, std::move(rank_of_process), &error);
-          if (!transport) throw std::runtime_error("jax_cpu_mpi: cannot attach MPI: " + error);
+          std::unique_ptr<jcm::MpiTransport> transport;
+          jcm::Status s = jcm::MpiTransport::Create(comm, std::move(rank_of_process), &transport);
+          if (!s.ok()) throw std::runtime_error("jax_cpu_mpi: cannot attach MPI: " + s.message());
           jcm::Runtime::Get().attach_mpi(std::move(transport));
         },
         nb::arg("comm_fortran_handle"), nb::arg("rank_of_process"),
@@ -173,7 +175,7 @@ NB_MODULE(_jax_cpu_mpi, m) {
         },
         nb::arg("cpu_a"), nb::arg("cpu_b"), nb::arg("iterations") = 2000,
         "Mean round trip (ns) of a cache line between two CPUs, -1 if one cannot be used "
-        "(for the benchmark's record of the machine).");
+        "(for the benchmark's record of the machine; cpp/bench/core_probe.h).");
   m.def("mpi_library_version", &MpiLibraryVersion,
         "MPI_Get_library_version() of the libmpi the extension is linked to.");
   m.def("mpi_build_info", &BuildMpiInfo, "Which MPI the extension was compiled against.");

@@ -1,17 +1,12 @@
 // MPI transport: point-to-point between processes on a communicator owned by this package
 // (a duplicate of MPI_COMM_WORLD made by mpi4py, never the user's communicator).
 //
-// Messages of kChunkedThreshold bytes or more travel as a 32-byte header (magic, total size,
-// chunk size) and chunks of kChunkBytes: the copy of chunk k+1 overlaps the transfer of
-// chunk k, every MPI count fits an int (messages over 2 GiB work on any MPI), and the
-// receiver learns the sender's size before it touches its output buffer.
-//
 // Small messages are copy-and-Isend: a psend copies its operand into a buffer the transport
 // owns and returns without waiting for the receiver, so that two devices that both send
 // before they receive never deadlock, whatever the message size. The bytes of undelivered
-// sends are bounded (Config::max_inflight_bytes). Receives probe with a deadline
-// (MPI_Improbe) so a receive that nothing matches fails instead of hanging, and check the
-// byte count.
+// sends are bounded (Config::max_inflight_bytes). Large staged messages are framed in
+// chunks (mpi/framing.h). Receives probe with a deadline (MPI_Improbe) so a receive that
+// nothing matches fails instead of hanging, and check the byte count.
 //
 // Messages of kRendezvousMinBytes or more may skip the copy (rendezvous). Both ends number
 // the messages of each channel (sequence numbers, one counter per direction and channel).
@@ -28,6 +23,10 @@
 // message arrives staged cancels its direct receives, which cannot have matched: the
 // sender takes exactly one of the two paths per message. A byte-count mismatch is always
 // sent staged, so the receiver reports it as on the plain path.
+//
+// The code is split by concern: mpi/setup.cc (communicators, channels), mpi/send_queue.cc
+// (staged sends, the in-flight bound, progress), mpi/rendezvous.cc (direct path),
+// mpi/receive.cc (staged receives, waits and cancellation), mpi/drain.cc (exit).
 #pragma once
 
 #include <mpi.h>
@@ -37,6 +36,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -44,31 +44,32 @@
 #include <utility>
 #include <vector>
 
-#include "buffer_pool.h"
+#include "common/buffer_pool.h"
+#include "common/status.h"
+#include "mpi/framing.h"
 
 namespace jcm {
 
-struct MpiResult {
-  bool ok = true;
-  std::string error;        // set when !ok
-  bool timed_out = false;   // receive deadline passed
-  bool size_mismatch = false;
-  size_t sender_bytes = 0;  // for size_mismatch
-  static MpiResult Ok() { return {}; }
-  static MpiResult Error(std::string message) {
-    MpiResult r;
-    r.ok = false;
-    r.error = std::move(message);
-    return r;
-  }
-};
-
+// Locking:
+//   mu_            pending_, has_pending_ (written), inflight_bytes_, the counters
+//                  (sends_completed_, peak_inflight_bytes_, direct_sends_,
+//                  staged_large_sends_), control_sends_, direct_in_flight_ and each
+//                  DirectSend::done; also every MPI call when the library is not
+//                  MPI_THREAD_MULTIPLE (MpiCallLock()).
+//   channels_mu_   channels_ (the map only: a ChannelState is never erased, so a reference
+//                  to one stays valid without the lock).
+//   ChannelState::send_mu  that channel's next_send_seq, has_early_ready, early_ready; held
+//                  for a whole Send, so one psend per channel runs at a time.
+//   ChannelState::recv_mu  that channel's next_recv_seq; held for a whole Recv.
+//   Order: a channel's send_mu/recv_mu before mu_; channels_mu_ is never held with another.
+//   Set once by Create, read without a lock: the communicators, rank_, size_, tag_ub_,
+//   thread_multiple_, rank_of_process_, id_. has_pending_ is read without a lock.
 class MpiTransport {
  public:
   // `comm` is duplicated again, so the transport owns its communicator; `rank_of_process`
   // maps jax.process_index() to the rank in `comm`.
-  static std::unique_ptr<MpiTransport> Create(MPI_Comm comm, std::vector<int> rank_of_process,
-                                              std::string* error);
+  static Status Create(MPI_Comm comm, std::vector<int> rank_of_process,
+                       std::unique_ptr<MpiTransport>* out);
   struct PrivateTag {};
   explicit MpiTransport(PrivateTag) {}
   ~MpiTransport();
@@ -89,14 +90,14 @@ class MpiTransport {
 
   // With `kept` (the operand stays alive and unchanged until FinishDirect(*kept)), a
   // direct send may be left in flight: *kept is then set, else left null.
-  MpiResult Send(int dest_rank, int tag, const void* data, size_t bytes,
-                 uint64_t max_inflight_bytes, std::chrono::steady_clock::time_point deadline,
-                 std::shared_ptr<DirectSend>* kept = nullptr);
+  Status Send(int dest_rank, int tag, const void* data, size_t bytes,
+              uint64_t max_inflight_bytes, std::chrono::steady_clock::time_point deadline,
+              std::shared_ptr<DirectSend>* kept = nullptr);
   // Waits until a direct send left in flight completes (or the deadline: then cancels it).
-  MpiResult FinishDirect(const std::shared_ptr<DirectSend>& send,
-                         std::chrono::steady_clock::time_point deadline);
-  MpiResult Recv(int source_rank, int tag, void* out, size_t bytes,
-                 std::chrono::steady_clock::time_point deadline);
+  Status FinishDirect(const std::shared_ptr<DirectSend>& send,
+                      std::chrono::steady_clock::time_point deadline);
+  Status Recv(int source_rank, int tag, void* out, size_t bytes,
+              std::chrono::steady_clock::time_point deadline);
 
   // At exit (collective over the communicator): completes every outstanding send and waits
   // for every rank to get there (joining them halfway to the deadline even with sends still
@@ -104,6 +105,7 @@ class MpiTransport {
   struct DrainResult {
     size_t undelivered = 0;      // our sends left undelivered
     bool all_ranks_met = false;  // the exit barrier completed
+    Status status;               // an MPI call that failed while draining
   };
   DrainResult Drain(std::chrono::steady_clock::time_point deadline);
 
@@ -120,15 +122,6 @@ class MpiTransport {
   uint64_t staged_large_sends() const;
 
  private:
-  struct ChunkHeader {
-    uint64_t magic = 0;
-    uint64_t total_bytes = 0;
-    uint64_t chunk_bytes = 0;
-    uint64_t reserved = 0;
-  };
-  static constexpr uint64_t kChunkMagic = 0x6a636d2d6368756bULL;  // "jcm-chuk"
-  static constexpr size_t kChunkedThreshold = size_t{4} << 20;
-  static constexpr size_t kChunkBytes = size_t{1} << 20;
   // Rendezvous (see the top of this file): smallest message, the largest count of one
   // direct MPI message (messages beyond it go as several, every count within an int), and
   // how many bytes a staging sender copies between two looks for the ready signal.
@@ -144,13 +137,13 @@ class MpiTransport {
     uint64_t bytes = 0;  // the receiver's byte count
   };
   // Per channel (peer rank, tag): one psend and one precv at a time, so that sequence
-  // numbers follow the order of the messages on the wire.
+  // numbers follow the order of the messages on the wire. Locking: see the class comment.
   struct ChannelState {
     std::mutex send_mu;
     std::mutex recv_mu;
-    uint64_t next_send_seq = 0;  // under send_mu
-    uint64_t next_recv_seq = 0;  // under recv_mu
-    bool has_early_ready = false;  // a ready signal for a later message (under send_mu)
+    uint64_t next_send_seq = 0;
+    uint64_t next_recv_seq = 0;
+    bool has_early_ready = false;  // a ready signal for a later message
     ReadySignal early_ready;
   };
   struct ControlSend {
@@ -165,51 +158,57 @@ class MpiTransport {
     std::vector<MPI_Request> requests;  // header and chunks, or the one message
   };
 
+  // Told by ReserveInflight whether to stop waiting (sets *stop); an error ends the wait.
+  using StopWaiting = std::function<Status(bool* stop)>;
+
+  // mpi/receive.cc
   // Polls `requests` to completion; at the deadline cancels them and reports a timeout.
-  MpiResult WaitAll(std::vector<MPI_Request>& requests,
+  Status WaitAll(std::vector<MPI_Request>& requests,
+                 std::chrono::steady_clock::time_point deadline);
+  Status ReceiveChunks(int source_rank, int tag, std::byte* out, size_t total,
+                       size_t chunk_bytes, std::chrono::steady_clock::time_point deadline);
+  Status RecvStaged(int source_rank, int tag, void* out, size_t bytes,
                     std::chrono::steady_clock::time_point deadline);
-  MpiResult ReceiveChunks(int source_rank, int tag, std::byte* out, size_t total,
-                          size_t chunk_bytes, std::chrono::steady_clock::time_point deadline);
 
+  // mpi/setup.cc
   ChannelState& Channel(int peer_rank, int tag);
-  // Copy-and-Isend (small messages, and large ones to a receiver that is not ready).
-  MpiResult SendStaged(int dest_rank, int tag, const void* data, size_t bytes,
-                       uint64_t max_inflight_bytes,
-                       std::chrono::steady_clock::time_point deadline);
-  MpiResult SendLarge(ChannelState& ch, uint64_t seq, int dest_rank, int tag, const void* data,
-                      size_t bytes, uint64_t max_inflight_bytes,
-                      std::chrono::steady_clock::time_point deadline,
-                      std::shared_ptr<DirectSend>* kept);
-  // Sends the staged copy (header and chunks, or one message); the caller reserved the bytes.
-  MpiResult IsendStaged(PendingSend send, int dest_rank, int tag);
-  // Starts the direct send; finishes it too unless `kept` takes it.
-  MpiResult SendDirect(int dest_rank, int tag, const void* data, size_t bytes,
-                       std::chrono::steady_clock::time_point deadline,
-                       std::shared_ptr<DirectSend>* kept);
-  // Looks for the ready signal of message `seq`: sets *ready and *receiver_bytes.
-  MpiResult PollReady(ChannelState& ch, uint64_t seq, int dest_rank, int tag, bool* ready,
-                      uint64_t* receiver_bytes);
-  // Waits until the in-flight bytes leave room for `bytes` (or nothing else is in flight),
-  // then reserves them. Stops early, reserving nothing, when `stop()` says so.
-  template <typename Stop>
-  MpiResult ReserveInflight(size_t bytes, uint64_t max_inflight_bytes,
-                            std::chrono::steady_clock::time_point deadline, Stop stop,
-                            bool* stopped);
-  MpiResult RecvStaged(int source_rank, int tag, void* out, size_t bytes,
-                       std::chrono::steady_clock::time_point deadline);
-  MpiResult RecvLarge(uint64_t seq, int source_rank, int tag, void* out, size_t bytes,
-                      std::chrono::steady_clock::time_point deadline);
-  // Cancels the direct receives; *all_cancelled / *none_cancelled tell what had matched.
-  MpiResult CancelDirect(std::vector<MPI_Request>& requests, bool* all_cancelled,
-                         bool* none_cancelled);
-
   // Held around an MPI call when the library is not MPI_THREAD_MULTIPLE (else unlocked).
   std::unique_lock<std::mutex> MpiCallLock();
+
+  // mpi/send_queue.cc
+  // Copy-and-Isend (small messages, and large ones to a receiver that is not ready).
+  Status SendStaged(int dest_rank, int tag, const void* data, size_t bytes,
+                    uint64_t max_inflight_bytes,
+                    std::chrono::steady_clock::time_point deadline);
+  // Sends the staged copy (header and chunks, or one message); the caller reserved the bytes.
+  Status IsendStaged(PendingSend send, int dest_rank, int tag);
+  // Waits until the in-flight bytes leave room for `bytes` (or nothing else is in flight),
+  // then reserves them. Stops early, reserving nothing, when `stop` says so.
+  Status ReserveInflight(size_t bytes, uint64_t max_inflight_bytes,
+                         std::chrono::steady_clock::time_point deadline,
+                         const StopWaiting& stop, bool* stopped);
   // Frees completed sends; caller holds mu_.
-  MpiResult ProgressLocked();
+  Status ProgressLocked();
   // Staged and direct sends not completed when last tested; caller holds mu_.
   size_t SendsInFlightLocked() const;
-  std::string ErrorString(int code) const;
+
+  // mpi/rendezvous.cc
+  Status SendLarge(ChannelState& ch, uint64_t seq, int dest_rank, int tag, const void* data,
+                   size_t bytes, uint64_t max_inflight_bytes,
+                   std::chrono::steady_clock::time_point deadline,
+                   std::shared_ptr<DirectSend>* kept);
+  // Starts the direct send; finishes it too unless `kept` takes it.
+  Status SendDirect(int dest_rank, int tag, const void* data, size_t bytes,
+                    std::chrono::steady_clock::time_point deadline,
+                    std::shared_ptr<DirectSend>* kept);
+  // Looks for the ready signal of message `seq`: sets *ready and *receiver_bytes.
+  Status PollReady(ChannelState& ch, uint64_t seq, int dest_rank, int tag, bool* ready,
+                   uint64_t* receiver_bytes);
+  Status RecvLarge(uint64_t seq, int source_rank, int tag, void* out, size_t bytes,
+                   std::chrono::steady_clock::time_point deadline);
+  // Cancels the direct receives; *all_cancelled / *none_cancelled tell what had matched.
+  Status CancelDirect(std::vector<MPI_Request>& requests, bool* all_cancelled,
+                      bool* none_cancelled);
 
   MPI_Comm comm_ = MPI_COMM_NULL;         // staged messages
   MPI_Comm ctrl_comm_ = MPI_COMM_NULL;    // ready signals, receiver -> sender
@@ -220,7 +219,7 @@ class MpiTransport {
   bool thread_multiple_ = false;
   std::vector<int> rank_of_process_;
 
-  mutable std::mutex mu_;       // guards the pending list (and MPI, if not THREAD_MULTIPLE)
+  mutable std::mutex mu_;
   std::deque<PendingSend> pending_;
   std::atomic<bool> has_pending_{false};  // !pending_.empty(), as of the last change or test
   uint64_t inflight_bytes_ = 0;
@@ -228,8 +227,8 @@ class MpiTransport {
   uint64_t peak_inflight_bytes_ = 0;
   uint64_t direct_sends_ = 0;
   uint64_t staged_large_sends_ = 0;
-  std::deque<ControlSend> control_sends_;  // ready signals not yet completed (under mu_)
-  std::vector<std::shared_ptr<DirectSend>> direct_in_flight_;  // left in flight (under mu_)
+  std::deque<ControlSend> control_sends_;  // ready signals not yet completed
+  std::vector<std::shared_ptr<DirectSend>> direct_in_flight_;  // left in flight
 
   uint64_t id_ = 0;  // unique per transport in the process (Channel()'s per-thread cache)
   std::mutex channels_mu_;
