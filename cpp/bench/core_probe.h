@@ -1,9 +1,10 @@
 // CoreToCoreRoundTripNs: how long a cache line takes to go from one CPU to another and back.
 //
-// For the benchmark's record of the machine: on the 2-core development VM this round trip
-// switches between about 100 ns and about 500 ns within seconds (the host moving the two
-// vCPUs between cores that share a cache and cores that do not), and MPI's 8 B and 1 MiB
-// hops mostly follow it (2.8-3.3 us against 3.6-4.4 us, 117-171 us against 286-323 us).
+// Benchmark-only (python/jax_cpu_mpi/bench/): the record of the machine a result was
+// measured on. On a virtual machine the host may move vCPUs between cores that share a
+// cache and cores that do not, and the latency of small MPI hops follows this round trip,
+// so a result is only comparable with others measured at a similar round trip
+// (benchmarks/results/ has the figures). Not used by the transports.
 #pragma once
 
 namespace jcm {

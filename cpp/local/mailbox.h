@@ -106,10 +106,9 @@ class Mailbox {
   static constexpr double kGraceBytesPerSecond = 4e9;
   // How a side waits for the other: it spins kSpin, then yields its core until the wait
   // has lasted kYield, then sleeps on the condition variable (a wake-up then costs little
-  // next to the wait). Spinning longer than a quick
-  // handoff costs dearly on a loaded machine: the other device thread may be waiting for
-  // this very core (measured on 2 shared cores: an 8 B hop cost the whole spin budget,
-  // 57 us with 50 us of spinning, 13 us with 5 us and yielding).
+  // next to the wait). Spinning longer than a quick handoff costs dearly on a loaded
+  // machine: the other device thread may be waiting for this very core, so a longer spin
+  // only delays the copy it waits for (benchmarks/README.md has the measurements).
   static constexpr std::chrono::microseconds kSpin{5};
   static constexpr std::chrono::microseconds kYield{200};
   struct PostedRecv {
