@@ -18,6 +18,7 @@
 #include "ffi/runtime.h"
 #include "local/zero_fill.h"
 #include "mpi/exit_before_finalize.h"
+#include "mpi/stop_for_test.h"
 
 namespace nb = nanobind;
 
@@ -124,6 +125,18 @@ NB_MODULE(_jax_cpu_mpi, m) {
   }, "Hostname of each MPI rank, as set by set_rank_hosts.");
   m.def("unreachable_peers", [] { return jcm::Runtime::Get().unreachable_peers(); },
         "MPI ranks that did not answer this process (a precv timed out, an MPI call failed).");
+  m.def("job_broken", [] { return jcm::Runtime::Get().job_broken(); },
+        "Whether the MPI transport gave up on a message that MPI could not cancel at its "
+        "deadline (a peer stopped mid-message): the job should end, not go on.");
+  m.def("_stop_mid_next_mpi_send",
+        [](uint64_t min_bytes, double after_s) {
+          jcm::StopMidSendForTest::Arm(
+              min_bytes, std::chrono::microseconds(static_cast<int64_t>(after_s * 1e6)));
+        },
+        nb::arg("min_bytes"), nb::arg("after_s"),
+        "Testing only: the next MPI send of at least min_bytes stops this process (SIGSTOP) "
+        "at the first test that finds it incomplete after_s or more after it was posted, as "
+        "a peer whose link dies mid-message; min_bytes 0 disarms.");
   m.def("exit_barrier_met", [] { return jcm::Runtime::Get().exit_barrier_met(); },
         "Whether detach_mpi met every rank in the exit barrier.");
   m.def("register_exit_before_finalize", [] { jcm::RegisterExitBeforeFinalize(); },

@@ -112,12 +112,19 @@ std::string Runtime::detach_mpi(double timeout_s) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     exit_barrier_met_ = drained.all_ranks_met;
-    // Keep the transport (and its undelivered buffers) alive if sends are still pending or
-    // a rank never met us: MPI may still read them. Otherwise free the communicator now,
-    // before MPI_Finalize.
-    if (drained.undelivered == 0 && drained.all_ranks_met) mpi_.reset();
+    // Keep the transport (and its undelivered buffers) alive if sends are still pending, a
+    // rank never met us or requests were abandoned: MPI may still use them. Otherwise free
+    // the communicator now, before MPI_Finalize.
+    if (drained.undelivered == 0 && drained.all_ranks_met && !transport->broken()) {
+      mpi_.reset();
+    }
   }
   return report;
+}
+
+bool Runtime::job_broken() const {
+  std::shared_ptr<MpiTransport> transport = mpi();
+  return transport && transport->broken();
 }
 
 bool Runtime::exit_barrier_met() const {

@@ -58,6 +58,9 @@ class Runtime {
   std::string detach_mpi(double timeout_s);
   // Whether the last detach_mpi met every rank in the exit barrier.
   bool exit_barrier_met() const;
+  // Whether the MPI transport abandoned a receive or send that MPI could not cancel at its
+  // deadline (a peer stopped mid-message): the job should end (mpi/transport.h).
+  bool job_broken() const;
 
   // An MPI rank that did not answer: a precv from it timed out or an MPI call with it
   // failed. The exit barrier then waits only a few seconds: a peer that is just slow

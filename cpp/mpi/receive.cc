@@ -1,5 +1,6 @@
 // Receives of the MPI transport: the entry point, the staged path (one message, or a
-// chunk header and its chunks) and the deadline-bound wait that cancels at the deadline.
+// chunk header and its chunks), and the waits with a deadline that cancel, and abandon
+// what MPI cannot cancel, at that deadline (see the top of mpi/transport.h).
 #include <climits>
 #include <cstring>
 
@@ -17,8 +18,9 @@ Status MpiTransport::Recv(int source_rank, int tag, void* out, size_t bytes,
   return RecvStaged(source_rank, tag, out, bytes, deadline);
 }
 
-Status MpiTransport::WaitAll(std::vector<MPI_Request>& requests,
-                             std::chrono::steady_clock::time_point deadline) {
+Status MpiTransport::WaitAll(std::span<MPI_Request> requests,
+                             std::chrono::steady_clock::time_point deadline,
+                             std::shared_ptr<void> keep_alive) {
   Backoff backoff;
   uint64_t polls = 0;
   while (true) {
@@ -31,18 +33,13 @@ Status MpiTransport::WaitAll(std::vector<MPI_Request>& requests,
     }
     if (done) return Status::Ok();
     if ((++polls & 63) == 0 && std::chrono::steady_clock::now() > deadline) {
-      // Never leave a receive pointing into a buffer that XLA will reuse.
-      std::unique_lock<std::mutex> lock = MpiCallLock();
-      Status failure;
-      for (MPI_Request& r : requests) {
-        if (r == MPI_REQUEST_NULL) continue;
-        int rc = MPI_Cancel(&r);
-        if (rc != MPI_SUCCESS && failure.ok()) failure = Status::MpiError("MPI_Cancel", rc);
-      }
-      int rc = MPI_Waitall(static_cast<int>(requests.size()), requests.data(),
-                           MPI_STATUSES_IGNORE);
-      if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Waitall", rc);
-      if (!failure.ok()) return failure;
+      // Never leave a receive pointing into a buffer that XLA will reuse, unless MPI
+      // cannot cancel it (then the transport is broken, see Abandon).
+      size_t cancelled = 0;
+      bool abandoned = false;
+      Status s = CancelWithGrace(requests, &cancelled, &abandoned, std::move(keep_alive));
+      if (!s.ok() && !abandoned) return s;
+      if (cancelled == 0 && !abandoned) return Status::Ok();  // all arrived, just in time
       return Status::Timeout(
           "the message started to arrive but its payload did not complete in time");
     }
@@ -50,9 +47,84 @@ Status MpiTransport::WaitAll(std::vector<MPI_Request>& requests,
   }
 }
 
+Status MpiTransport::CancelWithGrace(std::span<MPI_Request> requests, size_t* cancelled,
+                                     bool* abandoned, std::shared_ptr<void> keep_alive) {
+  *cancelled = 0;
+  *abandoned = false;
+  Status failure;
+  auto note = [&failure](const char* call, int rc) {
+    if (rc != MPI_SUCCESS && failure.ok()) failure = Status::MpiError(call, rc);
+  };
+  {
+    std::unique_lock<std::mutex> lock = MpiCallLock();
+    for (MPI_Request& r : requests) {
+      if (r != MPI_REQUEST_NULL) note("MPI_Cancel", MPI_Cancel(&r));
+    }
+  }
+  // A cancelled request, or one whose message is flowing, completes within the grace
+  // period; one that matched a message whose sender stopped never does.
+  const auto grace_end = std::chrono::steady_clock::now() + kCancelGrace;
+  Backoff backoff;
+  while (true) {
+    size_t open = 0;
+    {
+      std::unique_lock<std::mutex> lock = MpiCallLock();
+      for (MPI_Request& r : requests) {
+        if (r == MPI_REQUEST_NULL) continue;
+        int flag = 0;
+        MPI_Status status;
+        int rc = MPI_Test(&r, &flag, &status);
+        note("MPI_Test", rc);
+        if (rc != MPI_SUCCESS || !flag) {
+          ++open;
+          continue;
+        }
+        int was_cancelled = 0;
+        note("MPI_Test_cancelled", MPI_Test_cancelled(&status, &was_cancelled));
+        if (was_cancelled) ++*cancelled;
+      }
+    }
+    if (open == 0) return failure;
+    if (std::chrono::steady_clock::now() > grace_end) {
+      Abandon(requests, std::move(keep_alive));
+      *abandoned = true;
+      return failure;
+    }
+    backoff.Pause();
+  }
+}
+
+void MpiTransport::Abandon(std::span<MPI_Request> requests, std::shared_ptr<void> keep_alive) {
+  // Neither waited on (it would never end) nor freed (MPI_Request_free would let MPI
+  // release the request while it may still write into its buffer): kept until the process
+  // ends, with the buffer the transport owns, if any. The exit drain does not look at them.
+  Abandoned entry;
+  entry.keep_alive = std::move(keep_alive);
+  for (MPI_Request& r : requests) {
+    if (r != MPI_REQUEST_NULL) entry.requests.push_back(r);
+    r = MPI_REQUEST_NULL;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  abandoned_.push_back(std::move(entry));
+  broken_.store(true, std::memory_order_release);
+}
+
+Status MpiTransport::ReceiveMatched(MPI_Message* message, void* buf, int count,
+                                    std::chrono::steady_clock::time_point deadline,
+                                    std::shared_ptr<void> keep_alive) {
+  MPI_Request request = MPI_REQUEST_NULL;
+  {
+    std::unique_lock<std::mutex> lock = MpiCallLock();
+    int rc = MPI_Imrecv(buf, count, MPI_BYTE, message, &request);
+    if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Imrecv", rc);
+  }
+  return WaitAll({&request, 1}, deadline, std::move(keep_alive));
+}
+
 Status MpiTransport::ReceiveChunks(int source_rank, int tag, std::byte* out, size_t total,
                                    size_t chunk_bytes,
-                                   std::chrono::steady_clock::time_point deadline) {
+                                   std::chrono::steady_clock::time_point deadline,
+                                   std::shared_ptr<void> keep_alive) {
   if (chunk_bytes == 0 || chunk_bytes > static_cast<size_t>(INT_MAX)) {
     return Status::Invalid("corrupt chunk header (chunk size " + std::to_string(chunk_bytes) +
                            ")");
@@ -70,12 +142,12 @@ Status MpiTransport::ReceiveChunks(int source_rank, int tag, std::byte* out, siz
         requests.pop_back();
         if (lock.owns_lock()) lock.unlock();
         // Cancels what was posted; the Irecv failure is the error to report.
-        (void)WaitAll(requests, std::chrono::steady_clock::now());
+        (void)WaitAll(requests, std::chrono::steady_clock::now(), keep_alive);
         return Status::MpiError("MPI_Irecv", rc);
       }
     }
   }
-  return WaitAll(requests, deadline);
+  return WaitAll(requests, deadline, std::move(keep_alive));
 }
 
 Status MpiTransport::RecvStaged(int source_rank, int tag, void* out, size_t bytes,
@@ -107,17 +179,18 @@ Status MpiTransport::RecvStaged(int source_rank, int tag, void* out, size_t byte
   if (int rc = MPI_Get_count(&status, MPI_BYTE, &count); rc != MPI_SUCCESS) {
     return Status::MpiError("MPI_Get_count", rc);
   }
-  auto mrecv = [&](void* buf, int n) -> int {
-    std::unique_lock<std::mutex> lock = MpiCallLock();
-    return MPI_Mrecv(buf, n, MPI_BYTE, &message, MPI_STATUS_IGNORE);
-  };
-
+  // The message has matched: from here on its sender may stop mid-message, so every
+  // receive is non-blocking and waited for with the deadline (a message that matched just
+  // before it still gets CancelWithGrace's grace period).
   if (static_cast<size_t>(count) == sizeof(ChunkHeader)) {
     // Either the header of a chunked message or a payload of exactly that size.
-    ChunkHeader header;
-    if (int rc = mrecv(&header, count); rc != MPI_SUCCESS) {
-      return Status::MpiError("MPI_Mrecv", rc);
+    auto header_buffer = std::make_shared<ChunkHeader>();
+    if (Status s = ReceiveMatched(&message, header_buffer.get(), count, deadline,
+                                  header_buffer);
+        !s.ok()) {
+      return s;
     }
+    const ChunkHeader header = *header_buffer;
     if (header.magic != kChunkMagic) {
       if (bytes != sizeof(ChunkHeader)) return Status::SizeMismatch(sizeof(ChunkHeader));
       std::memcpy(out, &header, sizeof(ChunkHeader));
@@ -125,9 +198,10 @@ Status MpiTransport::RecvStaged(int source_rank, int tag, void* out, size_t byte
     }
     if (header.total_bytes != bytes) {
       // Drain the payload so the channel stays usable, then report.
-      PooledBuffer scratch = GlobalBufferPool().Acquire(header.total_bytes);
-      Status s = ReceiveChunks(source_rank, tag, scratch.data(), header.total_bytes,
-                               header.chunk_bytes, deadline);
+      auto scratch = std::make_shared<PooledBuffer>(
+          GlobalBufferPool().Acquire(header.total_bytes));
+      Status s = ReceiveChunks(source_rank, tag, scratch->data(), header.total_bytes,
+                               header.chunk_bytes, deadline, scratch);
       if (!s.ok()) return s;
       return Status::SizeMismatch(header.total_bytes);
     }
@@ -135,14 +209,15 @@ Status MpiTransport::RecvStaged(int source_rank, int tag, void* out, size_t byte
                          header.chunk_bytes, deadline);
   }
   if (static_cast<size_t>(count) != bytes) {
-    PooledBuffer scratch = GlobalBufferPool().Acquire(static_cast<size_t>(count));
-    if (int rc = mrecv(scratch.data(), count); rc != MPI_SUCCESS) {
-      return Status::MpiError("MPI_Mrecv", rc);
+    auto scratch = std::make_shared<PooledBuffer>(
+        GlobalBufferPool().Acquire(static_cast<size_t>(count)));
+    if (Status s = ReceiveMatched(&message, scratch->data(), count, deadline, scratch);
+        !s.ok()) {
+      return s;
     }
     return Status::SizeMismatch(static_cast<size_t>(count));
   }
-  if (int rc = mrecv(out, count); rc != MPI_SUCCESS) return Status::MpiError("MPI_Mrecv", rc);
-  return Status::Ok();
+  return ReceiveMatched(&message, out, count, deadline);
 }
 
 }  // namespace jcm

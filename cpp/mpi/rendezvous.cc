@@ -5,12 +5,14 @@
 #include <cstring>
 
 #include "mpi/internal.h"
+#include "mpi/stop_for_test.h"
 #include "mpi/transport.h"
 
 namespace jcm {
 
 Status MpiTransport::PollReady(ChannelState& ch, uint64_t seq, int dest_rank, int tag,
-                               bool* ready, uint64_t* receiver_bytes) {
+                               bool* ready, uint64_t* receiver_bytes,
+                               std::chrono::steady_clock::time_point deadline) {
   *ready = false;
   auto take = [&](const ReadySignal& signal) {
     if (signal.seq < seq) return false;  // an older message, which went staged: forget it
@@ -30,17 +32,22 @@ Status MpiTransport::PollReady(ChannelState& ch, uint64_t seq, int dest_rank, in
   while (true) {
     int flag = 0;
     MPI_Message message = MPI_MESSAGE_NULL;
-    ReadySignal signal;
     {
       std::unique_lock<std::mutex> lock = MpiCallLock();
       if (!MpiIsUsable()) return Status::Invalid(kMpiNotUsable);
       int rc = MPI_Improbe(dest_rank, tag, ctrl_comm_, &flag, &message, MPI_STATUS_IGNORE);
       if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Improbe", rc);
       if (!flag) return Status::Ok();
-      rc = MPI_Mrecv(&signal, sizeof(ReadySignal), MPI_BYTE, &message, MPI_STATUS_IGNORE);
-      if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Mrecv", rc);
     }
-    if (take(signal)) return Status::Ok();
+    // Tiny, so it has arrived whole by now on any MPI we know of; still waited for with a
+    // deadline, and owned by the wait in case it has to be abandoned.
+    auto signal = std::make_shared<ReadySignal>();
+    if (Status s = ReceiveMatched(&message, signal.get(), sizeof(ReadySignal), deadline,
+                                  signal);
+        !s.ok()) {
+      return s;
+    }
+    if (take(*signal)) return Status::Ok();
   }
 }
 
@@ -70,6 +77,7 @@ Status MpiTransport::SendDirect(int dest_rank, int tag, const void* data, size_t
         return Status::MpiError("MPI_Issend", rc);
       }
     }
+    send->posted_for_test = StopMidSendForTest::Posted(bytes);
     direct_in_flight_.push_back(send);
   }
   if (kept) {
@@ -91,29 +99,31 @@ Status MpiTransport::FinishDirect(const std::shared_ptr<DirectSend>& send,
       if (Status s = ProgressLocked(); !s.ok()) return s;
       if (send->done) return Status::Ok();
       if ((++polls & 63) == 0 && std::chrono::steady_clock::now() > deadline) {
-        // The receiver matched (or will never match) a send from an operand that XLA is
-        // about to reuse: cancel what can be cancelled and forget the rest.
-        Status failure;
-        for (MPI_Request& r : send->requests) {
-          if (r == MPI_REQUEST_NULL) continue;
-          int rc = MPI_Cancel(&r);
-          if (rc != MPI_SUCCESS && failure.ok()) failure = Status::MpiError("MPI_Cancel", rc);
-          rc = MPI_Request_free(&r);
-          if (rc != MPI_SUCCESS && failure.ok()) {
-            failure = Status::MpiError("MPI_Request_free", rc);
-          }
-        }
+        // Ours alone from here: the progress of other threads no longer tests it.
         direct_in_flight_.erase(
             std::remove(direct_in_flight_.begin(), direct_in_flight_.end(), send),
             direct_in_flight_.end());
-        if (!failure.ok()) return failure;
-        return Status::SendTimeout(
-            "the receiver signalled that it was ready for this message, then did not take it "
-            "before the timeout (JAX_CPU_MPI_RECV_TIMEOUT); did its process fail or exit?");
+        break;
       }
     }
     backoff.Pause();
   }
+  // The receiver matched (or will never match) a send from an operand that XLA is about to
+  // reuse: cancel what can be cancelled, abandon the rest (the transport is then broken).
+  size_t cancelled = 0;
+  bool abandoned = false;
+  Status s = CancelWithGrace(send->requests, &cancelled, &abandoned, nullptr);
+  if (!s.ok() && !abandoned) return s;
+  if (cancelled == 0 && !abandoned) {  // delivered whole, just in time
+    std::lock_guard<std::mutex> lock(mu_);
+    send->done = true;
+    ++sends_completed_;
+    ++direct_sends_;
+    return Status::Ok();
+  }
+  return Status::SendTimeout(
+      "the receiver signalled that it was ready for this message, then did not take it "
+      "before the timeout (JAX_CPU_MPI_RECV_TIMEOUT); did its process fail or exit?");
 }
 
 Status MpiTransport::SendLarge(ChannelState& ch, uint64_t seq, int dest_rank, int tag,
@@ -126,7 +136,7 @@ Status MpiTransport::SendLarge(ChannelState& ch, uint64_t seq, int dest_rank, in
     *go_direct = false;
     if (mismatch) return Status::Ok();
     uint64_t receiver_bytes = 0;
-    Status s = PollReady(ch, seq, dest_rank, tag, &ready, &receiver_bytes);
+    Status s = PollReady(ch, seq, dest_rank, tag, &ready, &receiver_bytes, deadline);
     if (s.ok() && ready) {
       if (receiver_bytes == bytes) *go_direct = true;
       else mismatch = true;
@@ -174,34 +184,6 @@ Status MpiTransport::SendLarge(ChannelState& ch, uint64_t seq, int dest_rank, in
   return IsendStaged(std::move(send), dest_rank, tag);
 }
 
-Status MpiTransport::CancelDirect(std::vector<MPI_Request>& requests, bool* all_cancelled,
-                                  bool* none_cancelled) {
-  std::vector<MPI_Status> statuses(requests.size());
-  std::unique_lock<std::mutex> lock = MpiCallLock();
-  // Every request is cancelled and completed even after a failure: none may be left
-  // pointing into the output.
-  Status failure;
-  for (MPI_Request& r : requests) {
-    if (r == MPI_REQUEST_NULL) continue;
-    int rc = MPI_Cancel(&r);
-    if (rc != MPI_SUCCESS && failure.ok()) failure = Status::MpiError("MPI_Cancel", rc);
-  }
-  // A receive that matched completes (its sender is under way); the others are cancelled.
-  int rc = MPI_Waitall(static_cast<int>(requests.size()), requests.data(), statuses.data());
-  if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Waitall", rc);
-  if (!failure.ok()) return failure;
-  size_t cancelled = 0;
-  for (MPI_Status& status : statuses) {
-    int flag = 0;
-    rc = MPI_Test_cancelled(&status, &flag);
-    if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Test_cancelled", rc);
-    cancelled += flag ? 1 : 0;
-  }
-  *all_cancelled = cancelled == statuses.size();
-  *none_cancelled = cancelled == 0;
-  return Status::Ok();
-}
-
 Status MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out,
                                size_t bytes, std::chrono::steady_clock::time_point deadline) {
   {
@@ -230,8 +212,10 @@ Status MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out
       if (rc != MPI_SUCCESS) {
         requests.pop_back();
         if (lock.owns_lock()) lock.unlock();
-        bool all = false, none = false;
-        (void)CancelDirect(requests, &all, &none);  // the Irecv failure is the error
+        size_t cancelled = 0;
+        bool abandoned = false;
+        // Nothing can have matched before the ready signal; the Irecv failure is the error.
+        (void)CancelWithGrace(requests, &cancelled, &abandoned, nullptr);
         return Status::MpiError("MPI_Irecv", rc);
       }
     }
@@ -246,8 +230,9 @@ Status MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out
                        ctrl_comm_, &control.request);
     if (rc != MPI_SUCCESS) {
       lock.unlock();
-      bool all = false, none = false;
-      (void)CancelDirect(requests, &all, &none);  // the Isend failure is the error
+      size_t cancelled = 0;
+      bool abandoned = false;
+      (void)CancelWithGrace(requests, &cancelled, &abandoned, nullptr);  // as above
       return Status::MpiError("MPI_Isend of the ready signal", rc);
     }
     control_sends_.push_back(std::move(control));
@@ -277,12 +262,18 @@ Status MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out
       // Either this message went staged (the sender did not see us in time; its direct
       // receives cannot have matched) or, if the direct message completed meanwhile, the
       // staged one is the next message, left for the next precv.
-      bool all_cancelled = false, none_cancelled = false;
-      if (Status s = CancelDirect(requests, &all_cancelled, &none_cancelled); !s.ok()) {
-        return s;
+      // Receives that matched complete (the sender is under way) within the grace period,
+      // unless that sender stopped mid-message: then they are abandoned, and this precv
+      // fails with the usual timeout.
+      size_t cancelled = 0;
+      bool abandoned = false;
+      Status s = CancelWithGrace(requests, &cancelled, &abandoned, nullptr);
+      if (abandoned) {
+        return Status::Timeout("a direct message started to arrive but did not complete");
       }
-      if (none_cancelled) return Status::Ok();
-      if (!all_cancelled) {
+      if (!s.ok()) return s;
+      if (cancelled == 0) return Status::Ok();
+      if (cancelled != requests.size()) {
         return Status::Invalid("internal error: a direct message arrived in part only");
       }
       if (staged) return RecvStaged(source_rank, tag, out, bytes, deadline);

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "mpi/internal.h"
+#include "mpi/stop_for_test.h"
 #include "mpi/transport.h"
 
 namespace jcm {
@@ -43,6 +44,7 @@ Status MpiTransport::ProgressLocked() {
       ++direct_sends_;
       it = direct_in_flight_.erase(it);
     } else {
+      StopMidSendForTest::Check(send.posted_for_test);
       ++it;
     }
   }
@@ -57,6 +59,7 @@ Status MpiTransport::ProgressLocked() {
       ++sends_completed_;
       it = pending_.erase(it);
     } else {
+      StopMidSendForTest::Check(it->posted_for_test);
       ++it;
     }
   }
@@ -136,6 +139,7 @@ Status MpiTransport::IsendStaged(PendingSend send, int dest_rank, int tag) {
       rc = isend(send.buffer.data() + offset, std::min(kChunkBytes, bytes - offset));
     }
   }
+  send.posted_for_test = StopMidSendForTest::Posted(bytes);
   if (rc == MPI_SUCCESS && send.requests.size() == 1) {
     // A small message usually leaves at once (eager protocol): then it needs no entry in the
     // pending list, and its buffer goes back when this function returns. A failed test

@@ -24,6 +24,16 @@
 // sender takes exactly one of the two paths per message. A byte-count mismatch is always
 // sent staged, so the receiver reports it as on the plain path.
 //
+// Every wait has a deadline, matched receives included: requests are tested in a loop
+// (never MPI_Wait/MPI_Mrecv/MPI_Recv), and at the deadline they are cancelled and tested
+// for a short grace period. A request that still has not completed then has matched a
+// message whose sender has stopped mid-message (a dead link, a stopped process): MPI cannot
+// cancel it, and no wait would end. It is abandoned (kept, never waited on again: see
+// Abandon), the operation fails with its usual timeout error and the transport is marked
+// broken (broken(); the extension's job_broken()): if that sender ever resumes, MPI may still
+// write the rest of the message into the abandoned receive's buffer, which may be an XLA
+// buffer by then reused, so the job should end rather than go on.
+//
 // The code is split by concern: mpi/setup.cc (communicators, channels), mpi/send_queue.cc
 // (staged sends, the in-flight bound, progress), mpi/rendezvous.cc (direct path),
 // mpi/receive.cc (staged receives, waits and cancellation), mpi/drain.cc (exit).
@@ -40,6 +50,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -53,8 +64,8 @@ namespace jcm {
 // Locking:
 //   mu_            pending_, has_pending_ (written), inflight_bytes_, the counters
 //                  (sends_completed_, peak_inflight_bytes_, direct_sends_,
-//                  staged_large_sends_), control_sends_, direct_in_flight_ and each
-//                  DirectSend::done; also every MPI call when the library is not
+//                  staged_large_sends_), control_sends_, direct_in_flight_, abandoned_
+//                  and each DirectSend::done; also every MPI call when the library is not
 //                  MPI_THREAD_MULTIPLE (MpiCallLock()).
 //   channels_mu_   channels_ (the map only: a ChannelState is never erased, so a reference
 //                  to one stays valid without the lock).
@@ -63,7 +74,8 @@ namespace jcm {
 //   ChannelState::recv_mu  that channel's next_recv_seq; held for a whole Recv.
 //   Order: a channel's send_mu/recv_mu before mu_; channels_mu_ is never held with another.
 //   Set once by Create, read without a lock: the communicators, rank_, size_, tag_ub_,
-//   thread_multiple_, rank_of_process_, id_. has_pending_ is read without a lock.
+//   thread_multiple_, rank_of_process_, id_. has_pending_ is read without a lock, broken_
+//   is an atomic.
 class MpiTransport {
  public:
   // `comm` is duplicated again, so the transport owns its communicator; `rank_of_process`
@@ -76,6 +88,9 @@ class MpiTransport {
   MpiTransport(const MpiTransport&) = delete;
   MpiTransport& operator=(const MpiTransport&) = delete;
 
+  // Whether a request was abandoned (see the top of this file): the job should end.
+  bool broken() const { return broken_.load(std::memory_order_acquire); }
+
   int rank() const { return rank_; }
   int size() const { return size_; }
   int64_t tag_ub() const { return tag_ub_; }
@@ -86,6 +101,7 @@ class MpiTransport {
   struct DirectSend {
     std::vector<MPI_Request> requests;
     bool done = false;  // under mu_
+    std::chrono::steady_clock::time_point posted_for_test;  // mpi/stop_for_test.h
   };
 
   // With `kept` (the operand stays alive and unchanged until FinishDirect(*kept)), a
@@ -131,6 +147,10 @@ class MpiTransport {
   // A sender looks for the ready signal this long before it starts staging: a receiver
   // that has just finished the previous message signals within a few microseconds.
   static constexpr std::chrono::microseconds kReadySpin{5};
+  // After cancelling at a deadline, how long requests are tested before those still open
+  // are abandoned: a cancellable request completes at once, and a message already flowing
+  // from a live peer finishes (a message matched just before the deadline is not failed).
+  static constexpr std::chrono::milliseconds kCancelGrace{1000};
 
   struct ReadySignal {
     uint64_t seq = 0;    // which message of the channel the receiver waits for
@@ -156,17 +176,39 @@ class MpiTransport {
     std::unique_ptr<ChunkHeader> header;  // chunked messages only
     size_t bytes = 0;
     std::vector<MPI_Request> requests;  // header and chunks, or the one message
+    std::chrono::steady_clock::time_point posted_for_test;  // mpi/stop_for_test.h
   };
 
   // Told by ReserveInflight whether to stop waiting (sets *stop); an error ends the wait.
   using StopWaiting = std::function<Status(bool* stop)>;
+  // Requests given up at a deadline, and what their buffers belong to (kept alive for them).
+  struct Abandoned {
+    std::vector<MPI_Request> requests;
+    std::shared_ptr<void> keep_alive;
+  };
 
   // mpi/receive.cc
-  // Polls `requests` to completion; at the deadline cancels them and reports a timeout.
-  Status WaitAll(std::vector<MPI_Request>& requests,
-                 std::chrono::steady_clock::time_point deadline);
+  // Polls `requests` to completion; at the deadline cancels them (CancelWithGrace) and
+  // reports a timeout, unless every one completed with its data after all.
+  // `keep_alive` owns the receive buffers, if the transport owns them.
+  Status WaitAll(std::span<MPI_Request> requests,
+                 std::chrono::steady_clock::time_point deadline,
+                 std::shared_ptr<void> keep_alive = nullptr);
+  // Cancels `requests` and tests them for kCancelGrace; *cancelled counts those cancelled
+  // (the others completed), and *abandoned tells that some never completed: Abandon took
+  // them. A failed MPI call is returned after every request was dealt with.
+  Status CancelWithGrace(std::span<MPI_Request> requests, size_t* cancelled,
+                         bool* abandoned, std::shared_ptr<void> keep_alive);
+  // Keeps the open requests of `requests` (never to be waited on) and marks the transport
+  // broken; leaves `requests` all MPI_REQUEST_NULL.
+  void Abandon(std::span<MPI_Request> requests, std::shared_ptr<void> keep_alive);
+  // Receives the message that MPI_Improbe matched into `buf` (MPI_Imrecv), by `deadline`.
+  Status ReceiveMatched(MPI_Message* message, void* buf, int count,
+                        std::chrono::steady_clock::time_point deadline,
+                        std::shared_ptr<void> keep_alive = nullptr);
   Status ReceiveChunks(int source_rank, int tag, std::byte* out, size_t total,
-                       size_t chunk_bytes, std::chrono::steady_clock::time_point deadline);
+                       size_t chunk_bytes, std::chrono::steady_clock::time_point deadline,
+                       std::shared_ptr<void> keep_alive = nullptr);
   Status RecvStaged(int source_rank, int tag, void* out, size_t bytes,
                     std::chrono::steady_clock::time_point deadline);
 
@@ -203,12 +245,9 @@ class MpiTransport {
                     std::shared_ptr<DirectSend>* kept);
   // Looks for the ready signal of message `seq`: sets *ready and *receiver_bytes.
   Status PollReady(ChannelState& ch, uint64_t seq, int dest_rank, int tag, bool* ready,
-                   uint64_t* receiver_bytes);
+                   uint64_t* receiver_bytes, std::chrono::steady_clock::time_point deadline);
   Status RecvLarge(uint64_t seq, int source_rank, int tag, void* out, size_t bytes,
                    std::chrono::steady_clock::time_point deadline);
-  // Cancels the direct receives; *all_cancelled / *none_cancelled tell what had matched.
-  Status CancelDirect(std::vector<MPI_Request>& requests, bool* all_cancelled,
-                      bool* none_cancelled);
 
   MPI_Comm comm_ = MPI_COMM_NULL;         // staged messages
   MPI_Comm ctrl_comm_ = MPI_COMM_NULL;    // ready signals, receiver -> sender
@@ -229,6 +268,8 @@ class MpiTransport {
   uint64_t staged_large_sends_ = 0;
   std::deque<ControlSend> control_sends_;  // ready signals not yet completed
   std::vector<std::shared_ptr<DirectSend>> direct_in_flight_;  // left in flight
+  std::vector<Abandoned> abandoned_;  // never tested again, never freed
+  std::atomic<bool> broken_{false};   // set once a request is abandoned
 
   uint64_t id_ = 0;  // unique per transport in the process (Channel()'s per-thread cache)
   std::mutex channels_mu_;
