@@ -12,7 +12,9 @@ void KeptSends::Add(const void* operand, Finish finish) {
   ++kept_total_;
 }
 
-Status KeptSends::FinishAllSlow(const void* operand, double timeout_s) {
+Status KeptSends::FinishAllSlow(
+    const void* operand,
+    const std::function<std::chrono::steady_clock::time_point()>& deadline_of) {
   std::vector<Finish> finishes;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -22,9 +24,7 @@ Status KeptSends::FinishAllSlow(const void* operand, double timeout_s) {
     pending_count_.store(pending_.size(), std::memory_order_release);
   }
   if (finishes.empty()) return Status::Ok();
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                            std::chrono::duration<double>(timeout_s));
+  const auto deadline = deadline_of();
   Status first_failure;
   for (Finish& finish : finishes) {  // every one, even after an error: none may be left
     Status s = finish(deadline);

@@ -12,6 +12,8 @@
 // attributes only hold partition -> (global device index, process index) tables.
 // The transports report a jcm::Status; this file alone turns it into an ffi::Error, with
 // the op, the pair and the peer in the text.
+#include <algorithm>
+#include <chrono>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -27,6 +29,9 @@ namespace jcm {
 namespace {
 
 using I64Span = ffi::Span<const int64_t>;
+
+// How long a send kept by a precv whose receive failed may still take (see PrecvImpl).
+constexpr std::chrono::milliseconds kKeptSendGraceAfterFailure{500};
 
 // Everything the lowering tells a handler about one psend/precv.
 struct OpInfo {
@@ -201,9 +206,11 @@ std::string Timeout(const OpInfo& info, int64_t me, int64_t peer, double seconds
   return s.str();
 }
 
+// Sets *deadline to the receive's deadline once it has one (it is left alone otherwise).
 ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> out,
                    I64Span pairs, I64Span device_index, I64Span device_process,
-                   int64_t num_devices, std::string_view op, std::string_view operand) {
+                   int64_t num_devices, std::string_view op, std::string_view operand,
+                   Clock::time_point* deadline_out) {
   const OpInfo info{op, operand, pairs, device_index, device_process, num_devices};
   const int64_t me = static_cast<int64_t>(partition.typed_data()[0]);
   if (ffi::Error e = CheckTables(info, me); e.failure()) return e;
@@ -221,6 +228,7 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
   const Runtime::State state = local ? Runtime::State{rt.config(), nullptr} : rt.state();
   const Config& config = state.config;
   const auto deadline = DeadlineAfter(config.recv_timeout_s);
+  *deadline_out = deadline;
   const int64_t my_dev = device_index[me], peer_dev = device_index[peer];
   if (local) {
     Status r = rt.mailbox().Recv({peer_dev, my_dev}, out->untyped_data(), bytes, deadline);
@@ -269,14 +277,25 @@ ffi::Error PrecvImpl(ffi::Token /*token*/, ffi::Buffer<ffi::U32> partition,
                      ffi::RemainingArgs kept, ffi::Result<ffi::AnyBuffer> out, I64Span pairs,
                      I64Span device_index, I64Span device_process, int64_t num_devices,
                      std::string_view op, std::string_view operand, int64_t operand_kept) {
+  Clock::time_point receive_deadline = Clock::time_point::min();
   ffi::Error received = Receive(partition, out, pairs, device_index, device_process,
-                                num_devices, op, operand);
+                                num_devices, op, operand, &receive_deadline);
+  // After a successful receive a kept send gets a whole timeout of its own, as a psend
+  // would. After a failed one it gets what is left of the receive's deadline, at least
+  // kKeptSendGraceAfterFailure: its error must not come a whole timeout after the
+  // receive's, and a send that is just completing still may.
+  auto send_deadline = [&received, receive_deadline] {
+    if (received.failure()) {
+      return std::max(receive_deadline, Clock::now() + kKeptSendGraceAfterFailure);
+    }
+    return DeadlineAfter(Runtime::Get().config().recv_timeout_s);
+  };
   Status send_status;
   for (size_t i = 0; i < kept.size(); ++i) {
     ffi::ErrorOr<ffi::AnyBuffer> operand_buffer = kept.get<ffi::AnyBuffer>(i);
     if (operand_buffer.has_error()) return operand_buffer.error();
-    Status s = Runtime::Get().kept_sends().FinishAll(
-        operand_buffer->untyped_data(), [] { return Runtime::Get().config().recv_timeout_s; });
+    Status s = Runtime::Get().kept_sends().FinishAll(operand_buffer->untyped_data(),
+                                                     send_deadline);
     if (send_status.ok()) send_status = std::move(s);
   }
   if (static_cast<int64_t>(kept.size()) != operand_kept) {  // after finishing them all
