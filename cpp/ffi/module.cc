@@ -8,6 +8,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -101,7 +102,13 @@ NB_MODULE(_jax_cpu_mpi, m) {
         [](int64_t comm_fortran_handle, std::vector<int> rank_of_process) {
           MPI_Comm comm = MPI_Comm_f2c(static_cast<MPI_Fint>(comm_fortran_handle));
           std::unique_ptr<jcm::MpiTransport> transport;
-          jcm::Status s = jcm::MpiTransport::Create(comm, std::move(rank_of_process), &transport);
+          // Ranks attach when they lower their first program, which may be minutes apart
+          // (compilation): the receive timeout, but never less than kAttachWaitS.
+          constexpr double kAttachWaitS = 600.0;
+          const auto deadline = jcm::DeadlineAfter(
+              std::max(jcm::Runtime::Get().config().recv_timeout_s, kAttachWaitS));
+          jcm::Status s = jcm::MpiTransport::Create(comm, std::move(rank_of_process), deadline,
+                                                    &transport);
           if (!s.ok()) throw std::runtime_error("jax_cpu_mpi: cannot attach MPI: " + s.message());
           jcm::Runtime::Get().attach_mpi(std::move(transport));
         },

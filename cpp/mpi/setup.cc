@@ -3,6 +3,7 @@
 #include <array>
 #include <atomic>
 
+#include "common/config.h"
 #include "mpi/internal.h"
 #include "mpi/transport.h"
 
@@ -17,20 +18,48 @@ std::string MpiErrorText(int rc) {
   return std::string(text, len);
 }
 
+namespace {
+
+// MPI_Comm_dup is collective: a rank that never gets there would hold the others in it
+// for good. MPI_Comm_idup, tested until `deadline`, fails instead (the request of a
+// collective cannot be cancelled: it is left to MPI, with its communicator).
+Status DupWithDeadline(MPI_Comm comm, MPI_Comm* dup, Clock::time_point deadline) {
+  MPI_Request request = MPI_REQUEST_NULL;
+  if (int rc = MPI_Comm_idup(comm, dup, &request); rc != MPI_SUCCESS) {
+    return Status::MpiError("MPI_Comm_dup", rc);
+  }
+  Backoff backoff;
+  while (true) {
+    int done = 0;
+    if (int rc = MPI_Test(&request, &done, MPI_STATUS_IGNORE); rc != MPI_SUCCESS) {
+      return Status::MpiError("MPI_Comm_dup", rc);
+    }
+    if (done) return Status::Ok();
+    if (Clock::now() > deadline) {
+      *dup = MPI_COMM_NULL;
+      return Status::Invalid(
+          "MPI_Comm_dup of the communicator did not complete in time: a rank did not "
+          "attach MPI");
+    }
+    backoff.Pause();
+  }
+}
+
+}  // namespace
+
 Status MpiTransport::Create(MPI_Comm comm, std::vector<int> rank_of_process,
-                            std::unique_ptr<MpiTransport>* out) {
+                            Clock::time_point deadline, std::unique_ptr<MpiTransport>* out) {
   if (!MpiIsUsable()) return Status::Invalid("MPI is not initialized (or already finalized)");
   auto t = std::make_unique<MpiTransport>(PrivateTag{});
   static std::atomic<uint64_t> last_id{0};
   t->id_ = ++last_id;
-  int rc = MPI_Comm_dup(comm, &t->comm_);
-  if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Comm_dup", rc);
+  if (Status s = DupWithDeadline(comm, &t->comm_, deadline); !s.ok()) return s;
   // Errors on our communicator come back as codes, never abort the job behind our back.
-  rc = MPI_Comm_set_errhandler(t->comm_, MPI_ERRORS_RETURN);
+  int rc = MPI_Comm_set_errhandler(t->comm_, MPI_ERRORS_RETURN);
   if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Comm_set_errhandler", rc);
   for (MPI_Comm* extra : {&t->ctrl_comm_, &t->direct_comm_}) {
-    rc = MPI_Comm_dup(t->comm_, extra);  // inherits the error handler
-    if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Comm_dup", rc);
+    // Each inherits the error handler.
+    if (Status s = DupWithDeadline(t->comm_, extra, deadline); !s.ok()) return s;
   }
   if ((rc = MPI_Comm_rank(t->comm_, &t->rank_)) != MPI_SUCCESS) {
     return Status::MpiError("MPI_Comm_rank", rc);
@@ -57,8 +86,9 @@ Status MpiTransport::Create(MPI_Comm comm, std::vector<int> rank_of_process,
 MpiTransport::~MpiTransport() {
   if (!MpiIsUsable()) return;
   for (MPI_Comm* comm : {&ctrl_comm_, &direct_comm_, &comm_}) {
-    // A failure here has nobody to report to (the transport is going away) and leaves
-    // nothing to undo: the communicator is at worst leaked until MPI_Finalize.
+    // Local in practice (it marks the communicator for freeing, it waits for no peer). A
+    // failure has nobody to report to (the transport is going away) and leaves nothing to
+    // undo: the communicator is at worst leaked until MPI_Finalize.
     if (*comm != MPI_COMM_NULL) (void)MPI_Comm_free(comm);
   }
 }

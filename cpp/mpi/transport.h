@@ -79,8 +79,10 @@ namespace jcm {
 class MpiTransport {
  public:
   // `comm` is duplicated again, so the transport owns its communicator; `rank_of_process`
-  // maps jax.process_index() to the rank in `comm`.
+  // maps jax.process_index() to the rank in `comm`. Fails if the duplication (collective)
+  // has not completed by `deadline`.
   static Status Create(MPI_Comm comm, std::vector<int> rank_of_process,
+                       std::chrono::steady_clock::time_point deadline,
                        std::unique_ptr<MpiTransport>* out);
   struct PrivateTag {};
   explicit MpiTransport(PrivateTag) {}
