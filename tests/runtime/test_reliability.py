@@ -319,6 +319,37 @@ def test_handled_error_after_a_stopped_peer_aborts_the_whole_launch():
     assert ended - exited < 15, (ended - exited, run.report())
 
 
+STOPPED_TIMEOUT = 45  # hard limit of each job; the precv timeout inside is 3 s
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(STOPPED_TIMEOUT + 15)
+@pytest.mark.parametrize("path", ["eager", "staged", "direct"])
+def test_sender_stopped_mid_message_fails_the_receive_in_time(path):
+    # stopped_sender.py: rank 0 stops (SIGSTOP) before its 8 B psend, or in the middle of a
+    # staged (chunked) or direct message that rank 1's precv has already matched, which MPI
+    # cannot cancel. Over TCP (as across hosts) the payload then never comes: the precv must
+    # still fail with the timeout error within the timeout and the cancel grace (1 s), say
+    # the transport is broken when it had to abandon a matched receive, and the job end.
+    env = {"JAX_CPU_MPI_RECV_TIMEOUT": "3", "JAX_CPU_MPI_EXIT_TIMEOUT": "5",
+           # Through UCX on TCP even between ranks of one host, and rendezvous from 16 KiB.
+           "MPIR_CVAR_NOLOCAL": "1", "UCX_TLS": "tcp,self", "UCX_RNDV_THRESH": "16k"}
+    start = time.monotonic()
+    run = run_mpi("stopped_sender.py", path, nprocs=2, timeout=STOPPED_TIMEOUT, env=env)
+    elapsed = time.monotonic() - start
+    assert run.returncode is not None, f"job hung ({elapsed:.0f} s):\n{run.report()}"
+    assert run.returncode != 0, run.report()
+    out = run.rank_output.get(1, "")
+    failed = re.search(r"process 1: failed after ([0-9.]+) s, job_broken (True|False)", out)
+    assert failed, run.report()
+    assert float(failed.group(1)) < 3 + 1 + 3, run.report()  # timeout, grace, margin
+    assert failed.group(2) == ("False" if path == "eager" else "True"), run.report()
+    for part in ("DEADLINE_EXCEEDED", "partition 1 (process 1) waited 3 s for uint8[",
+                 "from partition 0 (process 0) (MPI rank 0"):
+        assert part in out, run.report()
+    assert "aborting the MPI job (MPI_Abort)" in out, run.report()
+
+
 # --- 4b. the rendezvous path of large MPI messages -----------------------------------------
 
 

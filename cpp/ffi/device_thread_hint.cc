@@ -1,6 +1,6 @@
 // The custom call that consumes the device-thread hint (device_thread_hint.h). It is
 // side-effecting only so that XLA keeps it, and the flops feeding it, in the program.
-#include "device_thread_hint.h"
+#include "ffi/device_thread_hint.h"
 
 #include "xla/ffi/api/ffi.h"
 

@@ -10,13 +10,17 @@
 // finishes the send (kept_sends.h).
 // Nothing about the process (communicators, pointers) is baked into the executable: the
 // attributes only hold partition -> (global device index, process index) tables.
+// The transports report a jcm::Status; this file alone turns it into an ffi::Error, with
+// the op, the pair and the peer in the text.
+#include <algorithm>
+#include <chrono>
 #include <sstream>
 #include <string>
 #include <string_view>
 
-#include "p2p_handlers.h"
-#include "runtime.h"
-#include "zero_fill.h"
+#include "ffi/p2p_handlers.h"
+#include "ffi/runtime.h"
+#include "local/zero_fill.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -25,6 +29,9 @@ namespace jcm {
 namespace {
 
 using I64Span = ffi::Span<const int64_t>;
+
+// How long a send kept by a precv whose receive failed may still take (see PrecvImpl).
+constexpr std::chrono::milliseconds kKeptSendGraceAfterFailure{500};
 
 // Everything the lowering tells a handler about one psend/precv.
 struct OpInfo {
@@ -125,7 +132,7 @@ ffi::Error PsendImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
     if (offer) {
       rt.kept_sends().Add(x.untyped_data(), [offer](auto /*deadline*/) {
         Runtime::Get().mailbox().Finish(offer);
-        return std::string();
+        return Status::Ok();
       });
     }
     return ffi::Error::Success();
@@ -142,8 +149,8 @@ ffi::Error PsendImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
   }
   const Config& config = state.config;
   std::shared_ptr<MpiTransport::DirectSend> in_flight;
-  MpiResult r = mpi->Send(dest, *tag, x.untyped_data(), bytes, config.max_inflight_bytes,
-                          DeadlineAfter(config.recv_timeout_s), kept ? &in_flight : nullptr);
+  Status r = mpi->Send(dest, *tag, x.untyped_data(), bytes, config.max_inflight_bytes,
+                       DeadlineAfter(config.recv_timeout_s), kept ? &in_flight : nullptr);
   if (in_flight) {
     // Finished by the precv that keeps the operand; its error names this psend.
     std::ostringstream what;
@@ -151,22 +158,22 @@ ffi::Error PsendImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
          << ProcessSuffix(info, peer) << MpiPeer(dest) << " failed: ";
     rt.kept_sends().Add(x.untyped_data(), [mpi, in_flight, dest, what = what.str()](
                                               std::chrono::steady_clock::time_point deadline) {
-      MpiResult done = mpi->FinishDirect(in_flight, deadline);
-      if (done.ok) return std::string();
+      Status done = mpi->FinishDirect(in_flight, deadline);
+      if (done.ok()) return done;
       Runtime::Get().note_unreachable_peer(dest);
-      return what + done.error;
+      return done.WithPrefix(what);
     });
   }
   // Only a staged send left in flight needs the progress thread: waking it after every
   // psend (most small sends complete at once) costs a context switch per hop. A direct send
   // left in flight does not: the precv that keeps its operand finishes it (over TCP its
   // bytes may then move only once that precv runs, as when psend waited for them).
-  if (r.ok && mpi->has_pending_sends()) rt.mpi_send_in_flight();
-  if (!r.ok) {
+  if (r.ok() && mpi->has_pending_sends()) rt.mpi_send_in_flight();
+  if (!r.ok()) {
     rt.note_unreachable_peer(dest);
     std::ostringstream s;
     s << op << " of " << operand << " from " << ProcessSuffix(info, me) << " to "
-      << ProcessSuffix(info, peer) << MpiPeer(dest) << " failed: " << r.error;
+      << ProcessSuffix(info, peer) << MpiPeer(dest) << " failed: " << r.message();
     return ffi::Error::Internal(s.str());
   }
   return ffi::Error::Success();
@@ -199,9 +206,11 @@ std::string Timeout(const OpInfo& info, int64_t me, int64_t peer, double seconds
   return s.str();
 }
 
+// Sets *deadline to the receive's deadline once it has one (it is left alone otherwise).
 ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> out,
                    I64Span pairs, I64Span device_index, I64Span device_process,
-                   int64_t num_devices, std::string_view op, std::string_view operand) {
+                   int64_t num_devices, std::string_view op, std::string_view operand,
+                   Clock::time_point* deadline_out) {
   const OpInfo info{op, operand, pairs, device_index, device_process, num_devices};
   const int64_t me = static_cast<int64_t>(partition.typed_data()[0]);
   if (ffi::Error e = CheckTables(info, me); e.failure()) return e;
@@ -219,18 +228,21 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
   const Runtime::State state = local ? Runtime::State{rt.config(), nullptr} : rt.state();
   const Config& config = state.config;
   const auto deadline = DeadlineAfter(config.recv_timeout_s);
+  *deadline_out = deadline;
   const int64_t my_dev = device_index[me], peer_dev = device_index[peer];
   if (local) {
-    RecvOutcome r = rt.mailbox().Recv({peer_dev, my_dev}, out->untyped_data(), bytes, deadline);
-    switch (r.status) {
-      case RecvStatus::kOk:
+    Status r = rt.mailbox().Recv({peer_dev, my_dev}, out->untyped_data(), bytes, deadline);
+    switch (r.code()) {
+      case StatusCode::kOk:
         return ffi::Error::Success();
-      case RecvStatus::kSizeMismatch:
+      case StatusCode::kSizeMismatch:
         return ffi::Error::InvalidArgument(
-            SizeMismatch(info, me, peer, bytes, r.sender_bytes, r.sender_desc));
-      case RecvStatus::kTimeout:
+            SizeMismatch(info, me, peer, bytes, r.sender_bytes(), r.sender_desc()));
+      case StatusCode::kTimeout:
         return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
                           Timeout(info, me, peer, config.recv_timeout_s));
+      default:  // the mailbox reports nothing else
+        return ffi::Error::Internal(std::string(op) + ": " + r.message());
     }
   }
   const std::shared_ptr<MpiTransport>& mpi = state.mpi;
@@ -242,19 +254,20 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
     return ffi::Error::Internal(std::string(op) + ": no MPI rank known for " +
                                 ProcessSuffix(info, peer));
   }
-  MpiResult r = mpi->Recv(source, *tag, out->untyped_data(), bytes, deadline);
-  if (r.ok) return ffi::Error::Success();
-  if (r.size_mismatch) {
-    return ffi::Error::InvalidArgument(SizeMismatch(info, me, peer, bytes, r.sender_bytes, ""));
+  Status r = mpi->Recv(source, *tag, out->untyped_data(), bytes, deadline);
+  if (r.ok()) return ffi::Error::Success();
+  if (r.code() == StatusCode::kSizeMismatch) {
+    return ffi::Error::InvalidArgument(
+        SizeMismatch(info, me, peer, bytes, r.sender_bytes(), r.sender_desc()));
   }
   rt.note_unreachable_peer(source);
-  if (r.timed_out) {
+  if (r.code() == StatusCode::kTimeout) {
     return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
                       Timeout(info, me, peer, config.recv_timeout_s, MpiPeer(source)));
   }
   std::ostringstream s;
   s << op << " of " << operand << " on " << ProcessSuffix(info, me) << " from "
-    << ProcessSuffix(info, peer) << MpiPeer(source) << " failed: " << r.error;
+    << ProcessSuffix(info, peer) << MpiPeer(source) << " failed: " << r.message();
   return ffi::Error::Internal(s.str());
 }
 
@@ -264,23 +277,34 @@ ffi::Error PrecvImpl(ffi::Token /*token*/, ffi::Buffer<ffi::U32> partition,
                      ffi::RemainingArgs kept, ffi::Result<ffi::AnyBuffer> out, I64Span pairs,
                      I64Span device_index, I64Span device_process, int64_t num_devices,
                      std::string_view op, std::string_view operand, int64_t operand_kept) {
+  Clock::time_point receive_deadline = Clock::time_point::min();
   ffi::Error received = Receive(partition, out, pairs, device_index, device_process,
-                                num_devices, op, operand);
-  std::string send_error;
+                                num_devices, op, operand, &receive_deadline);
+  // After a successful receive a kept send gets a whole timeout of its own, as a psend
+  // would. After a failed one it gets what is left of the receive's deadline, at least
+  // kKeptSendGraceAfterFailure: its error must not come a whole timeout after the
+  // receive's, and a send that is just completing still may.
+  auto send_deadline = [&received, receive_deadline] {
+    if (received.failure()) {
+      return std::max(receive_deadline, Clock::now() + kKeptSendGraceAfterFailure);
+    }
+    return DeadlineAfter(Runtime::Get().config().recv_timeout_s);
+  };
+  Status send_status;
   for (size_t i = 0; i < kept.size(); ++i) {
     ffi::ErrorOr<ffi::AnyBuffer> operand_buffer = kept.get<ffi::AnyBuffer>(i);
     if (operand_buffer.has_error()) return operand_buffer.error();
-    std::string e = Runtime::Get().kept_sends().FinishAll(
-        operand_buffer->untyped_data(), [] { return Runtime::Get().config().recv_timeout_s; });
-    if (send_error.empty()) send_error = std::move(e);
+    Status s = Runtime::Get().kept_sends().FinishAll(operand_buffer->untyped_data(),
+                                                     send_deadline);
+    if (send_status.ok()) send_status = std::move(s);
   }
   if (static_cast<int64_t>(kept.size()) != operand_kept) {  // after finishing them all
     return ffi::Error::Internal(std::string(op) + ": malformed call (" +
                                 std::to_string(kept.size()) + " kept operands, expected " +
                                 std::to_string(operand_kept) + ")");
   }
-  if (received.failure() || send_error.empty()) return received;
-  return ffi::Error::Internal(send_error);
+  if (received.failure() || send_status.ok()) return received;
+  return ffi::Error::Internal(send_status.message());
 }
 
 }  // namespace

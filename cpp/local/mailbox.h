@@ -29,7 +29,8 @@
 #include <utility>
 #include <vector>
 
-#include "buffer_pool.h"
+#include "common/buffer_pool.h"
+#include "common/status.h"
 
 namespace jcm {
 
@@ -37,14 +38,16 @@ namespace jcm {
 // indices. Messages on a channel are delivered in the order they were sent (like NCCL).
 using ChannelKey = std::pair<int64_t, int64_t>;
 
-enum class RecvStatus { kOk, kTimeout, kSizeMismatch };
-
-struct RecvOutcome {
-  RecvStatus status = RecvStatus::kOk;
-  size_t sender_bytes = 0;   // what the sender sent (for kSizeMismatch)
-  std::string sender_desc;   // the sender's description of its operand
-};
-
+// Locking:
+//   map_mu_       channels_ (the map only: a Channel is never erased, so a reference to one
+//                 stays valid without the lock).
+//   Channel::mu   that channel's queued and posted lists, every change of an Offer's or a
+//                 PostedRecv's state, and PostedRecv::handed; Channel::cv is notified under
+//                 it. A side that spins reads `state` without the lock (it is atomic).
+//   Ownership instead of a lock: the side that moved a state to kClaimed/kHanded copies the
+//   bytes (and writes PostedRecv::outcome) without any lock; the other side touches neither
+//   until it sees kDone.
+//   Order: map_mu_ before a Channel::mu (queued_messages/queued_bytes), never the reverse.
 class Mailbox {
  public:
   struct Offer;
@@ -61,8 +64,9 @@ class Mailbox {
   // Afterwards the operand is no longer read.
   void Finish(const std::shared_ptr<Offer>& offer);
 
-  // Waits until a message arrives on the channel or `deadline` passes.
-  RecvOutcome Recv(ChannelKey key, void* out, size_t bytes,
+  // Waits until a message arrives on the channel or `deadline` passes: kOk, kTimeout or
+  // kSizeMismatch (with the sender's byte count and description).
+  Status Recv(ChannelKey key, void* out, size_t bytes,
                    std::chrono::steady_clock::time_point deadline);
 
   // Number of messages sent and not yet received (all channels).
@@ -102,10 +106,9 @@ class Mailbox {
   static constexpr double kGraceBytesPerSecond = 4e9;
   // How a side waits for the other: it spins kSpin, then yields its core until the wait
   // has lasted kYield, then sleeps on the condition variable (a wake-up then costs little
-  // next to the wait). Spinning longer than a quick
-  // handoff costs dearly on a loaded machine: the other device thread may be waiting for
-  // this very core (measured on 2 shared cores: an 8 B hop cost the whole spin budget,
-  // 57 us with 50 us of spinning, 13 us with 5 us and yielding).
+  // next to the wait). Spinning longer than a quick handoff costs dearly on a loaded
+  // machine: the other device thread may be waiting for this very core, so a longer spin
+  // only delays the copy it waits for (benchmarks/README.md has the measurements).
   static constexpr std::chrono::microseconds kSpin{5};
   static constexpr std::chrono::microseconds kYield{200};
   struct PostedRecv {
@@ -113,7 +116,7 @@ class Mailbox {
     size_t bytes = 0;
     // Written under the channel lock; read without it while the receiver spins.
     std::atomic<PostState> state{PostState::kPosted};
-    RecvOutcome outcome;
+    Status outcome;
     std::shared_ptr<Offer> handed;  // set with kHanded: the operand to copy from
   };
   struct Channel {
@@ -125,7 +128,7 @@ class Mailbox {
 
   Channel& GetChannel(ChannelKey key);
   // Copies an offer's bytes into `out` (or reports a size mismatch); marks it done.
-  static RecvOutcome TakeOffer(Channel& ch, Offer& offer, void* out, size_t bytes);
+  static Status TakeOffer(Channel& ch, Offer& offer, void* out, size_t bytes);
   // Finish() with the channel lock held.
   static void FinishLocked(Channel& ch, std::unique_lock<std::mutex>& lock, Offer& offer);
 

@@ -1,6 +1,6 @@
-#include "buffer_pool.h"
+#include "common/buffer_pool.h"
 
-#include "immortal.h"
+#include "common/immortal.h"
 
 namespace jcm {
 

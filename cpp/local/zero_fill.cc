@@ -1,4 +1,4 @@
-#include "zero_fill.h"
+#include "local/zero_fill.h"
 
 #include <algorithm>
 #include <cstdint>

@@ -2,8 +2,8 @@
 //
 // glibc before 2.40 writes memset's bytes through the cache at every size. A buffer larger
 // than this core's share of the last-level cache then costs a read of every line before
-// its write, and evicts what the peer's copy is using: on the 2-core benchmark VM, 16 and
-// 64 MiB zero-fills took 2 to 2.5 times as long as with streaming (non-temporal) stores.
+// its write, and evicts what the peer's copy is using, where streaming (non-temporal) stores
+// write it without reading it first (benchmarks/results/ has the measured difference).
 // ZeroFill streams such buffers (x86-64) and leaves the rest to memset.
 #pragma once
 

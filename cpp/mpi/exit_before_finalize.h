@@ -1,4 +1,4 @@
-// Finalizing MPI in a job that a peer can no longer answer.
+// Ending the process before MPI_Finalize in a job that a peer can no longer answer.
 #pragma once
 
 namespace jcm {

@@ -8,16 +8,18 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
 
-#include "core_probe.h"
-#include "device_thread_hint.h"
-#include "mpi_finalize.h"
-#include "p2p_handlers.h"
-#include "runtime.h"
-#include "zero_fill.h"
+#include "bench/core_probe.h"
+#include "ffi/device_thread_hint.h"
+#include "ffi/p2p_handlers.h"
+#include "ffi/runtime.h"
+#include "local/zero_fill.h"
+#include "mpi/exit_before_finalize.h"
+#include "mpi/stop_for_test.h"
 
 namespace nb = nanobind;
 
@@ -33,7 +35,9 @@ nb::capsule EncapsulateFfiHandler(T* fn) {
 std::string MpiLibraryVersion() {
   char version[MPI_MAX_LIBRARY_VERSION_STRING] = {0};
   int len = 0;
-  MPI_Get_library_version(version, &len);
+  if (int rc = MPI_Get_library_version(version, &len); rc != MPI_SUCCESS) {
+    throw std::runtime_error(jcm::Status::MpiError("MPI_Get_library_version", rc).message());
+  }
   return std::string(version, len);
 }
 
@@ -97,9 +101,15 @@ NB_MODULE(_jax_cpu_mpi, m) {
   m.def("attach_mpi",
         [](int64_t comm_fortran_handle, std::vector<int> rank_of_process) {
           MPI_Comm comm = MPI_Comm_f2c(static_cast<MPI_Fint>(comm_fortran_handle));
-          std::string error;
-          auto transport = jcm::MpiTransport::Create(comm, std::move(rank_of_process), &error);
-          if (!transport) throw std::runtime_error("jax_cpu_mpi: cannot attach MPI: " + error);
+          std::unique_ptr<jcm::MpiTransport> transport;
+          // Ranks attach when they lower their first program, which may be minutes apart
+          // (compilation): the receive timeout, but never less than kAttachWaitS.
+          constexpr double kAttachWaitS = 600.0;
+          const auto deadline = jcm::DeadlineAfter(
+              std::max(jcm::Runtime::Get().config().recv_timeout_s, kAttachWaitS));
+          jcm::Status s = jcm::MpiTransport::Create(comm, std::move(rank_of_process), deadline,
+                                                    &transport);
+          if (!s.ok()) throw std::runtime_error("jax_cpu_mpi: cannot attach MPI: " + s.message());
           jcm::Runtime::Get().attach_mpi(std::move(transport));
         },
         nb::arg("comm_fortran_handle"), nb::arg("rank_of_process"),
@@ -122,6 +132,18 @@ NB_MODULE(_jax_cpu_mpi, m) {
   }, "Hostname of each MPI rank, as set by set_rank_hosts.");
   m.def("unreachable_peers", [] { return jcm::Runtime::Get().unreachable_peers(); },
         "MPI ranks that did not answer this process (a precv timed out, an MPI call failed).");
+  m.def("job_broken", [] { return jcm::Runtime::Get().job_broken(); },
+        "Whether the MPI transport gave up on a message that MPI could not cancel at its "
+        "deadline (a peer stopped mid-message): the job should end, not go on.");
+  m.def("_stop_mid_next_mpi_send",
+        [](uint64_t min_bytes, double after_s) {
+          jcm::StopMidSendForTest::Arm(
+              min_bytes, std::chrono::microseconds(static_cast<int64_t>(after_s * 1e6)));
+        },
+        nb::arg("min_bytes"), nb::arg("after_s"),
+        "Testing only: the next MPI send of at least min_bytes stops this process (SIGSTOP) "
+        "at the first test that finds it incomplete after_s or more after it was posted, as "
+        "a peer whose link dies mid-message; min_bytes 0 disarms.");
   m.def("exit_barrier_met", [] { return jcm::Runtime::Get().exit_barrier_met(); },
         "Whether detach_mpi met every rank in the exit barrier.");
   m.def("register_exit_before_finalize", [] { jcm::RegisterExitBeforeFinalize(); },
@@ -173,7 +195,7 @@ NB_MODULE(_jax_cpu_mpi, m) {
         },
         nb::arg("cpu_a"), nb::arg("cpu_b"), nb::arg("iterations") = 2000,
         "Mean round trip (ns) of a cache line between two CPUs, -1 if one cannot be used "
-        "(for the benchmark's record of the machine).");
+        "(for the benchmark's record of the machine; cpp/bench/core_probe.h).");
   m.def("mpi_library_version", &MpiLibraryVersion,
         "MPI_Get_library_version() of the libmpi the extension is linked to.");
   m.def("mpi_build_info", &BuildMpiInfo, "Which MPI the extension was compiled against.");

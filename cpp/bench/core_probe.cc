@@ -1,4 +1,4 @@
-#include "core_probe.h"
+#include "bench/core_probe.h"
 
 #include <pthread.h>
 #include <sched.h>

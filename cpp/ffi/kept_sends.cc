@@ -1,4 +1,4 @@
-#include "kept_sends.h"
+#include "ffi/kept_sends.h"
 
 #include <utility>
 #include <vector>
@@ -12,7 +12,9 @@ void KeptSends::Add(const void* operand, Finish finish) {
   ++kept_total_;
 }
 
-std::string KeptSends::FinishAllSlow(const void* operand, double timeout_s) {
+Status KeptSends::FinishAllSlow(
+    const void* operand,
+    const std::function<std::chrono::steady_clock::time_point()>& deadline_of) {
   std::vector<Finish> finishes;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -21,16 +23,14 @@ std::string KeptSends::FinishAllSlow(const void* operand, double timeout_s) {
     pending_.erase(first, last);
     pending_count_.store(pending_.size(), std::memory_order_release);
   }
-  if (finishes.empty()) return std::string();
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                            std::chrono::duration<double>(timeout_s));
-  std::string error;
+  if (finishes.empty()) return Status::Ok();
+  const auto deadline = deadline_of();
+  Status first_failure;
   for (Finish& finish : finishes) {  // every one, even after an error: none may be left
-    std::string e = finish(deadline);
-    if (error.empty()) error = std::move(e);
+    Status s = finish(deadline);
+    if (first_failure.ok()) first_failure = std::move(s);
   }
-  return error;
+  return first_failure;
 }
 
 size_t KeptSends::pending() const {

@@ -1,8 +1,8 @@
-#include "runtime.h"
+#include "ffi/runtime.h"
 
 #include <algorithm>
 
-#include "immortal.h"
+#include "common/immortal.h"
 
 namespace jcm {
 
@@ -105,15 +105,26 @@ std::string Runtime::detach_mpi(double timeout_s) {
     report = std::to_string(drained.undelivered) +
              " psend message(s) were never received by their peer(s)";
   }
+  if (!drained.status.ok()) {
+    report += (report.empty() ? "" : "; ") + ("an MPI call failed while draining: " +
+                                              drained.status.message());
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     exit_barrier_met_ = drained.all_ranks_met;
-    // Keep the transport (and its undelivered buffers) alive if sends are still pending or
-    // a rank never met us: MPI may still read them. Otherwise free the communicator now,
-    // before MPI_Finalize.
-    if (drained.undelivered == 0 && drained.all_ranks_met) mpi_.reset();
+    // Keep the transport (and its undelivered buffers) alive if sends are still pending, a
+    // rank never met us or requests were abandoned: MPI may still use them. Otherwise free
+    // the communicator now, before MPI_Finalize.
+    if (drained.undelivered == 0 && drained.all_ranks_met && !transport->broken()) {
+      mpi_.reset();
+    }
   }
   return report;
+}
+
+bool Runtime::job_broken() const {
+  std::shared_ptr<MpiTransport> transport = mpi();
+  return transport && transport->broken();
 }
 
 bool Runtime::exit_barrier_met() const {

@@ -1,7 +1,7 @@
 // Python.h first, as Python asks of every file that includes it.
 #include <Python.h>
 
-#include "mpi_finalize.h"
+#include "mpi/exit_before_finalize.h"
 
 #include <unistd.h>
 

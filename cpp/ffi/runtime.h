@@ -13,20 +13,19 @@
 #include <string>
 #include <vector>
 
-#include "kept_sends.h"
-#include "mailbox.h"
-#include "mpi_transport.h"
+#include "common/config.h"
+#include "ffi/kept_sends.h"
+#include "local/mailbox.h"
+#include "mpi/transport.h"
 
 namespace jcm {
 
-struct Config {
-  // How long a precv waits for its message before failing (seconds).
-  double recv_timeout_s = 300.0;
-  // Upper bound on the bytes of MPI sends that are copied and not yet delivered.
-  // A psend that would exceed it first waits for older sends to complete.
-  uint64_t max_inflight_bytes = uint64_t{1} << 30;
-};
-
+// Locking:
+//   mu_           config_, mpi_, unreachable_peers_, exit_barrier_met_, rank_hosts_.
+//   progress_mu_  progress_wanted_, progress_stop_, progress_thread_ (start and join);
+//                 progress_cv_ waits on it.
+//   Order: progress_mu_ before mu_ (ProgressLoop calls mpi() holding progress_mu_).
+//   mailbox_ and kept_sends_ lock themselves.
 class Runtime {
  public:
   static Runtime& Get();
@@ -59,6 +58,9 @@ class Runtime {
   std::string detach_mpi(double timeout_s);
   // Whether the last detach_mpi met every rank in the exit barrier.
   bool exit_barrier_met() const;
+  // Whether the MPI transport abandoned a receive or send that MPI could not cancel at its
+  // deadline (a peer stopped mid-message): the job should end (mpi/transport.h).
+  bool job_broken() const;
 
   // An MPI rank that did not answer: a precv from it timed out or an MPI call with it
   // failed. The exit barrier then waits only a few seconds: a peer that is just slow
@@ -84,18 +86,11 @@ class Runtime {
   std::set<int> unreachable_peers_;
   std::mutex progress_mu_;
   std::condition_variable progress_cv_;
-  bool progress_wanted_ = false;  // guarded by progress_mu_
-  bool progress_stop_ = false;    // guarded by progress_mu_
+  bool progress_wanted_ = false;
+  bool progress_stop_ = false;
   std::thread progress_thread_;
   bool exit_barrier_met_ = false;
   std::vector<std::string> rank_hosts_;
 };
-
-// Deadline helper.
-using Clock = std::chrono::steady_clock;
-inline Clock::time_point DeadlineAfter(double seconds) {
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                            std::chrono::duration<double>(seconds));
-}
 
 }  // namespace jcm

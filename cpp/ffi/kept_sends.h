@@ -18,23 +18,29 @@
 #include <mutex>
 #include <string>
 
+#include "common/status.h"
+
 namespace jcm {
 
+// Locking:
+//   mu_   pending_ and kept_total_. A Finish runs without it (it may wait for a peer).
+//   pending_count_ mirrors pending_.size() for the lock-free check of FinishAll.
 class KeptSends {
  public:
-  // Waits for the send to finish by `deadline`; returns "" on success, else the error.
-  using Finish = std::function<std::string(std::chrono::steady_clock::time_point)>;
+  // Waits for the send to finish by `deadline`; its status says how it ended.
+  using Finish = std::function<Status(std::chrono::steady_clock::time_point)>;
 
   // A send still reading from `operand` (a buffer XLA keeps alive until a precv finishes it).
   void Add(const void* operand, Finish finish);
 
-  // Finishes every send still reading from `operand`; returns the first error, or "".
-  // `timeout_s` is read only when there is a send to finish (not on the path of a precv
-  // whose psend finished its own send, e.g. every small message).
-  template <typename TimeoutSeconds>
-  std::string FinishAll(const void* operand, TimeoutSeconds timeout_s) {
-    if (pending_count_.load(std::memory_order_acquire) == 0) return std::string();
-    return FinishAllSlow(operand, timeout_s());
+  // Finishes every send still reading from `operand` by the time `deadline()` returns;
+  // returns the first failure, or ok. `deadline` is called only when there is a send to
+  // finish (not on the path of a precv whose psend finished its own send, e.g. every small
+  // message).
+  template <typename Deadline>
+  Status FinishAll(const void* operand, Deadline deadline) {
+    if (pending_count_.load(std::memory_order_acquire) == 0) return Status::Ok();
+    return FinishAllSlow(operand, deadline);
   }
 
   // Sends not finished yet, and sends that were kept at all (since the start).
@@ -42,7 +48,8 @@ class KeptSends {
   uint64_t kept_total() const;
 
  private:
-  std::string FinishAllSlow(const void* operand, double timeout_s);
+  Status FinishAllSlow(const void* operand,
+                       const std::function<std::chrono::steady_clock::time_point()>& deadline);
 
   // pending_.size(), readable without the lock: the precv that finishes a send runs after
   // its psend (it takes the psend's token), so a zero here never hides a send it must finish.

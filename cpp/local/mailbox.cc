@@ -1,4 +1,4 @@
-#include "mailbox.h"
+#include "local/mailbox.h"
 
 #include <sched.h>
 
@@ -89,11 +89,9 @@ std::shared_ptr<Mailbox::Offer> Mailbox::Send(ChannelKey key, const void* data, 
     lock.unlock();
     if (recv->bytes == bytes) {
       if (bytes > 0) std::memcpy(recv->out, data, bytes);
-      recv->outcome.status = RecvStatus::kOk;
+      recv->outcome = Status::Ok();
     } else {
-      recv->outcome.status = RecvStatus::kSizeMismatch;
-      recv->outcome.sender_bytes = bytes;
-      recv->outcome.sender_desc = sender_desc;
+      recv->outcome = Status::SizeMismatch(bytes, sender_desc);
     }
     lock.lock();
     recv->state.store(PostState::kDone, std::memory_order_release);  // `recv` is gone now
@@ -148,12 +146,10 @@ void Mailbox::FinishLocked(Channel& ch, std::unique_lock<std::mutex>& lock, Offe
         Clock::time_point::max());
 }
 
-RecvOutcome Mailbox::TakeOffer(Channel& ch, Offer& offer, void* out, size_t bytes) {
-  RecvOutcome outcome;
+Status Mailbox::TakeOffer(Channel& ch, Offer& offer, void* out, size_t bytes) {
+  Status outcome;
   if (offer.bytes != bytes) {
-    outcome.status = RecvStatus::kSizeMismatch;
-    outcome.sender_bytes = offer.bytes;
-    outcome.sender_desc = offer.sender_desc;
+    outcome = Status::SizeMismatch(offer.bytes, offer.sender_desc);
   } else if (bytes > 0) {
     std::memcpy(out, offer.data, bytes);
   }
@@ -163,7 +159,7 @@ RecvOutcome Mailbox::TakeOffer(Channel& ch, Offer& offer, void* out, size_t byte
   return outcome;
 }
 
-RecvOutcome Mailbox::Recv(ChannelKey key, void* out, size_t bytes,
+Status Mailbox::Recv(ChannelKey key, void* out, size_t bytes,
                           std::chrono::steady_clock::time_point deadline) {
   Channel& ch = GetChannel(key);
   std::unique_lock<std::mutex> lock(ch.mu);
@@ -182,9 +178,7 @@ RecvOutcome Mailbox::Recv(ChannelKey key, void* out, size_t bytes,
           break;
         }
       }
-      RecvOutcome timeout;
-      timeout.status = RecvStatus::kTimeout;
-      return timeout;
+      return Status::Timeout();
     }
     if (state == PostState::kHanded) {  // the sender handed us its operand: copy it
       std::shared_ptr<Offer> offer = std::move(recv.handed);
@@ -205,11 +199,9 @@ RecvOutcome Mailbox::Recv(ChannelKey key, void* out, size_t bytes,
     return TakeOffer(ch, *msg.offer, out, bytes);
   }
   lock.unlock();
-  RecvOutcome outcome;
+  Status outcome;
   if (msg.bytes != bytes) {
-    outcome.status = RecvStatus::kSizeMismatch;
-    outcome.sender_bytes = msg.bytes;
-    outcome.sender_desc = std::move(msg.sender_desc);
+    outcome = Status::SizeMismatch(msg.bytes, std::move(msg.sender_desc));
   } else if (bytes > 0) {
     std::memcpy(out, msg.data.data(), bytes);
   }

@@ -1,0 +1,223 @@
+// Receives of the MPI transport: the entry point, the staged path (one message, or a
+// chunk header and its chunks), and the waits with a deadline that cancel, and abandon
+// what MPI cannot cancel, at that deadline (see the top of mpi/transport.h).
+#include <climits>
+#include <cstring>
+
+#include "mpi/internal.h"
+#include "mpi/transport.h"
+
+namespace jcm {
+
+Status MpiTransport::Recv(int source_rank, int tag, void* out, size_t bytes,
+                          std::chrono::steady_clock::time_point deadline) {
+  ChannelState& ch = Channel(source_rank, tag);
+  std::lock_guard<std::mutex> channel_lock(ch.recv_mu);
+  const uint64_t seq = ch.next_recv_seq++;  // every message counts, whatever its size
+  if (bytes >= kRendezvousMinBytes) return RecvLarge(seq, source_rank, tag, out, bytes, deadline);
+  return RecvStaged(source_rank, tag, out, bytes, deadline);
+}
+
+Status MpiTransport::WaitAll(std::span<MPI_Request> requests,
+                             std::chrono::steady_clock::time_point deadline,
+                             std::shared_ptr<void> keep_alive) {
+  Backoff backoff;
+  uint64_t polls = 0;
+  while (true) {
+    int done = 0;
+    {
+      std::unique_lock<std::mutex> lock = MpiCallLock();
+      int rc = MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
+                           MPI_STATUSES_IGNORE);
+      if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Testall", rc);
+    }
+    if (done) return Status::Ok();
+    if ((++polls & 63) == 0 && std::chrono::steady_clock::now() > deadline) {
+      // Never leave a receive pointing into a buffer that XLA will reuse, unless MPI
+      // cannot cancel it (then the transport is broken, see Abandon).
+      size_t cancelled = 0;
+      bool abandoned = false;
+      Status s = CancelWithGrace(requests, &cancelled, &abandoned, std::move(keep_alive));
+      if (!s.ok() && !abandoned) return s;
+      if (cancelled == 0 && !abandoned) return Status::Ok();  // all arrived, just in time
+      return Status::Timeout(
+          "the message started to arrive but its payload did not complete in time");
+    }
+    backoff.Pause();
+  }
+}
+
+Status MpiTransport::CancelWithGrace(std::span<MPI_Request> requests, size_t* cancelled,
+                                     bool* abandoned, std::shared_ptr<void> keep_alive) {
+  *cancelled = 0;
+  *abandoned = false;
+  Status failure;
+  auto note = [&failure](const char* call, int rc) {
+    if (rc != MPI_SUCCESS && failure.ok()) failure = Status::MpiError(call, rc);
+  };
+  {
+    std::unique_lock<std::mutex> lock = MpiCallLock();
+    for (MPI_Request& r : requests) {
+      if (r != MPI_REQUEST_NULL) note("MPI_Cancel", MPI_Cancel(&r));
+    }
+  }
+  // A cancelled request, or one whose message is flowing, completes within the grace
+  // period; one that matched a message whose sender stopped never does.
+  const auto grace_end = std::chrono::steady_clock::now() + kCancelGrace;
+  Backoff backoff;
+  while (true) {
+    size_t open = 0;
+    {
+      std::unique_lock<std::mutex> lock = MpiCallLock();
+      for (MPI_Request& r : requests) {
+        if (r == MPI_REQUEST_NULL) continue;
+        int flag = 0;
+        MPI_Status status;
+        int rc = MPI_Test(&r, &flag, &status);
+        note("MPI_Test", rc);
+        if (rc != MPI_SUCCESS || !flag) {
+          ++open;
+          continue;
+        }
+        int was_cancelled = 0;
+        note("MPI_Test_cancelled", MPI_Test_cancelled(&status, &was_cancelled));
+        if (was_cancelled) ++*cancelled;
+      }
+    }
+    if (open == 0) return failure;
+    if (std::chrono::steady_clock::now() > grace_end) {
+      Abandon(requests, std::move(keep_alive));
+      *abandoned = true;
+      return failure;
+    }
+    backoff.Pause();
+  }
+}
+
+void MpiTransport::Abandon(std::span<MPI_Request> requests, std::shared_ptr<void> keep_alive) {
+  // Neither waited on (it would never end) nor freed (MPI_Request_free would let MPI
+  // release the request while it may still write into its buffer): kept until the process
+  // ends, with the buffer the transport owns, if any. The exit drain does not look at them.
+  Abandoned entry;
+  entry.keep_alive = std::move(keep_alive);
+  for (MPI_Request& r : requests) {
+    if (r != MPI_REQUEST_NULL) entry.requests.push_back(r);
+    r = MPI_REQUEST_NULL;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  abandoned_.push_back(std::move(entry));
+  broken_.store(true, std::memory_order_release);
+}
+
+Status MpiTransport::ReceiveMatched(MPI_Message* message, void* buf, int count,
+                                    std::chrono::steady_clock::time_point deadline,
+                                    std::shared_ptr<void> keep_alive) {
+  MPI_Request request = MPI_REQUEST_NULL;
+  {
+    std::unique_lock<std::mutex> lock = MpiCallLock();
+    int rc = MPI_Imrecv(buf, count, MPI_BYTE, message, &request);
+    if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Imrecv", rc);
+  }
+  return WaitAll({&request, 1}, deadline, std::move(keep_alive));
+}
+
+Status MpiTransport::ReceiveChunks(int source_rank, int tag, std::byte* out, size_t total,
+                                   size_t chunk_bytes,
+                                   std::chrono::steady_clock::time_point deadline,
+                                   std::shared_ptr<void> keep_alive) {
+  if (chunk_bytes == 0 || chunk_bytes > static_cast<size_t>(INT_MAX)) {
+    return Status::Invalid("corrupt chunk header (chunk size " + std::to_string(chunk_bytes) +
+                           ")");
+  }
+  std::vector<MPI_Request> requests;
+  requests.reserve(total / chunk_bytes + 1);
+  {
+    std::unique_lock<std::mutex> lock = MpiCallLock();
+    for (size_t offset = 0; offset < total; offset += chunk_bytes) {
+      const size_t n = std::min(chunk_bytes, total - offset);
+      requests.emplace_back();
+      int rc = MPI_Irecv(out + offset, static_cast<int>(n), MPI_BYTE, source_rank, tag, comm_,
+                         &requests.back());
+      if (rc != MPI_SUCCESS) {
+        requests.pop_back();
+        if (lock.owns_lock()) lock.unlock();
+        // Cancels what was posted; the Irecv failure is the error to report.
+        (void)WaitAll(requests, std::chrono::steady_clock::now(), keep_alive);
+        return Status::MpiError("MPI_Irecv", rc);
+      }
+    }
+  }
+  return WaitAll(requests, deadline, std::move(keep_alive));
+}
+
+Status MpiTransport::RecvStaged(int source_rank, int tag, void* out, size_t bytes,
+                                std::chrono::steady_clock::time_point deadline) {
+  MPI_Message message = MPI_MESSAGE_NULL;
+  MPI_Status status;
+  Backoff backoff;
+  uint64_t polls = 0;
+  while (true) {
+    int flag = 0;
+    {
+      std::unique_lock<std::mutex> lock = MpiCallLock();
+      if (!MpiIsUsable()) return Status::Invalid(kMpiNotUsable);
+      int rc = MPI_Improbe(source_rank, tag, comm_, &flag, &message, &status);
+      if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Improbe", rc);
+    }
+    if (flag) break;
+    if ((++polls & 63) == 0) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (Status s = ProgressLocked(); !s.ok()) return s;
+      }
+      if (std::chrono::steady_clock::now() > deadline) return Status::Timeout();
+    }
+    backoff.Pause();
+  }
+
+  int count = 0;
+  if (int rc = MPI_Get_count(&status, MPI_BYTE, &count); rc != MPI_SUCCESS) {
+    return Status::MpiError("MPI_Get_count", rc);
+  }
+  // The message has matched: from here on its sender may stop mid-message, so every
+  // receive is non-blocking and waited for with the deadline (a message that matched just
+  // before it still gets CancelWithGrace's grace period).
+  if (static_cast<size_t>(count) == sizeof(ChunkHeader)) {
+    // Either the header of a chunked message or a payload of exactly that size.
+    auto header_buffer = std::make_shared<ChunkHeader>();
+    if (Status s = ReceiveMatched(&message, header_buffer.get(), count, deadline,
+                                  header_buffer);
+        !s.ok()) {
+      return s;
+    }
+    const ChunkHeader header = *header_buffer;
+    if (header.magic != kChunkMagic) {
+      if (bytes != sizeof(ChunkHeader)) return Status::SizeMismatch(sizeof(ChunkHeader));
+      std::memcpy(out, &header, sizeof(ChunkHeader));
+      return Status::Ok();
+    }
+    if (header.total_bytes != bytes) {
+      // Drain the payload so the channel stays usable, then report.
+      auto scratch = std::make_shared<PooledBuffer>(
+          GlobalBufferPool().Acquire(header.total_bytes));
+      Status s = ReceiveChunks(source_rank, tag, scratch->data(), header.total_bytes,
+                               header.chunk_bytes, deadline, scratch);
+      if (!s.ok()) return s;
+      return Status::SizeMismatch(header.total_bytes);
+    }
+    return ReceiveChunks(source_rank, tag, static_cast<std::byte*>(out), bytes,
+                         header.chunk_bytes, deadline);
+  }
+  if (static_cast<size_t>(count) != bytes) {
+    auto scratch = std::make_shared<PooledBuffer>(
+        GlobalBufferPool().Acquire(static_cast<size_t>(count)));
+    if (Status s = ReceiveMatched(&message, scratch->data(), count, deadline, scratch);
+        !s.ok()) {
+      return s;
+    }
+    return Status::SizeMismatch(static_cast<size_t>(count));
+  }
+  return ReceiveMatched(&message, out, count, deadline);
+}
+
+}  // namespace jcm

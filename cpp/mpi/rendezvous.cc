@@ -1,0 +1,286 @@
+// The rendezvous path of large MPI messages (see mpi/transport.h): the receiver's ready
+// signal, the sender's choice between a direct send from its operand and a staged copy,
+// and the receiver's direct receives into its output.
+#include <algorithm>
+#include <cstring>
+
+#include "mpi/internal.h"
+#include "mpi/stop_for_test.h"
+#include "mpi/transport.h"
+
+namespace jcm {
+
+Status MpiTransport::PollReady(ChannelState& ch, uint64_t seq, int dest_rank, int tag,
+                               bool* ready, uint64_t* receiver_bytes,
+                               std::chrono::steady_clock::time_point deadline) {
+  *ready = false;
+  auto take = [&](const ReadySignal& signal) {
+    if (signal.seq < seq) return false;  // an older message, which went staged: forget it
+    if (signal.seq == seq) {
+      *ready = true;
+      *receiver_bytes = signal.bytes;
+    } else {
+      ch.has_early_ready = true;  // a later message (the two ends lost count after an error)
+      ch.early_ready = signal;
+    }
+    return true;
+  };
+  if (ch.has_early_ready) {
+    ch.has_early_ready = false;
+    if (take(ch.early_ready)) return Status::Ok();
+  }
+  while (true) {
+    int flag = 0;
+    MPI_Message message = MPI_MESSAGE_NULL;
+    {
+      std::unique_lock<std::mutex> lock = MpiCallLock();
+      if (!MpiIsUsable()) return Status::Invalid(kMpiNotUsable);
+      int rc = MPI_Improbe(dest_rank, tag, ctrl_comm_, &flag, &message, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Improbe", rc);
+      if (!flag) return Status::Ok();
+    }
+    // Tiny, so it has arrived whole by now on any MPI we know of; still waited for with a
+    // deadline, and owned by the wait in case it has to be abandoned.
+    auto signal = std::make_shared<ReadySignal>();
+    if (Status s = ReceiveMatched(&message, signal.get(), sizeof(ReadySignal), deadline,
+                                  signal);
+        !s.ok()) {
+      return s;
+    }
+    if (take(*signal)) return Status::Ok();
+  }
+}
+
+Status MpiTransport::SendDirect(int dest_rank, int tag, const void* data, size_t bytes,
+                                std::chrono::steady_clock::time_point deadline,
+                                std::shared_ptr<DirectSend>* kept) {
+  auto send = std::make_shared<DirectSend>();
+  send->requests.reserve(bytes / kDirectChunkBytes + 1);
+  const auto* src = static_cast<const std::byte*>(data);
+  {
+    std::unique_lock<std::mutex> lock(mu_);  // direct_in_flight_ (and MPI if needed)
+    for (size_t offset = 0; offset < bytes; offset += kDirectChunkBytes) {
+      const size_t n = std::min(kDirectChunkBytes, bytes - offset);
+      send->requests.emplace_back();
+      // Synchronous mode: once it completes, the receive has matched, so the receiver can
+      // never cancel it as a receive that a staged message superseded.
+      int rc = MPI_Issend(src + offset, static_cast<int>(n), MPI_BYTE, dest_rank, tag,
+                          direct_comm_, &send->requests.back());
+      if (rc != MPI_SUCCESS) {
+        send->requests.pop_back();
+        if (!send->requests.empty()) {
+          // The pieces already posted read from the operand: finish them before returning.
+          direct_in_flight_.push_back(send);
+          lock.unlock();
+          (void)FinishDirect(send, deadline);  // the Issend failure is the error to report
+        }
+        return Status::MpiError("MPI_Issend", rc);
+      }
+    }
+    send->posted_for_test = StopMidSendForTest::Posted(bytes);
+    direct_in_flight_.push_back(send);
+  }
+  if (kept) {
+    *kept = std::move(send);
+    return Status::Ok();
+  }
+  return FinishDirect(send, deadline);
+}
+
+Status MpiTransport::FinishDirect(const std::shared_ptr<DirectSend>& send,
+                                  std::chrono::steady_clock::time_point deadline) {
+  Backoff backoff;
+  uint64_t polls = 0;
+  while (true) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (send->done) return Status::Ok();
+      if (!MpiIsUsable()) return Status::Invalid(kMpiNotUsable);
+      if (Status s = ProgressLocked(); !s.ok()) return s;
+      if (send->done) return Status::Ok();
+      if ((++polls & 63) == 0 && std::chrono::steady_clock::now() > deadline) {
+        // Ours alone from here: the progress of other threads no longer tests it.
+        direct_in_flight_.erase(
+            std::remove(direct_in_flight_.begin(), direct_in_flight_.end(), send),
+            direct_in_flight_.end());
+        break;
+      }
+    }
+    backoff.Pause();
+  }
+  // The receiver matched (or will never match) a send from an operand that XLA is about to
+  // reuse: cancel what can be cancelled, abandon the rest (the transport is then broken).
+  size_t cancelled = 0;
+  bool abandoned = false;
+  Status s = CancelWithGrace(send->requests, &cancelled, &abandoned, nullptr);
+  if (!s.ok() && !abandoned) return s;
+  if (cancelled == 0 && !abandoned) {  // delivered whole, just in time
+    std::lock_guard<std::mutex> lock(mu_);
+    send->done = true;
+    ++sends_completed_;
+    ++direct_sends_;
+    return Status::Ok();
+  }
+  return Status::SendTimeout(
+      "the receiver signalled that it was ready for this message, then did not take it "
+      "before the timeout (JAX_CPU_MPI_RECV_TIMEOUT); did its process fail or exit?");
+}
+
+Status MpiTransport::SendLarge(ChannelState& ch, uint64_t seq, int dest_rank, int tag,
+                               const void* data, size_t bytes, uint64_t max_inflight_bytes,
+                               std::chrono::steady_clock::time_point deadline,
+                               std::shared_ptr<DirectSend>* kept) {
+  bool ready = false;
+  bool mismatch = false;  // the receiver waits for another byte count: send staged
+  auto poll = [&](bool* go_direct) -> Status {
+    *go_direct = false;
+    if (mismatch) return Status::Ok();
+    uint64_t receiver_bytes = 0;
+    Status s = PollReady(ch, seq, dest_rank, tag, &ready, &receiver_bytes, deadline);
+    if (s.ok() && ready) {
+      if (receiver_bytes == bytes) *go_direct = true;
+      else mismatch = true;
+    }
+    return s;
+  };
+  bool go_direct = false;
+  if (Status s = poll(&go_direct); !s.ok()) return s;
+  const auto spin_until = std::chrono::steady_clock::now() + kReadySpin;
+  while (!go_direct && !mismatch && std::chrono::steady_clock::now() < spin_until) {
+    if (Status s = poll(&go_direct); !s.ok()) return s;
+  }
+  if (go_direct) return SendDirect(dest_rank, tag, data, bytes, deadline, kept);
+
+  bool stopped = false;
+  if (Status s = ReserveInflight(bytes, max_inflight_bytes, deadline, poll, &stopped);
+      !s.ok()) {
+    return s;
+  }
+  if (stopped) return SendDirect(dest_rank, tag, data, bytes, deadline, kept);
+
+  // Stage, looking for the receiver between steps: a receiver that gets ready within about
+  // one copy's time still gets the message straight from the operand.
+  PendingSend send;
+  send.bytes = bytes;
+  send.buffer = GlobalBufferPool().Acquire(bytes);
+  const auto* src = static_cast<const std::byte*>(data);
+  for (size_t offset = 0; offset < bytes; offset += kStageStepBytes) {
+    std::memcpy(send.buffer.data() + offset, src + offset, std::min(kStageStepBytes,
+                                                                    bytes - offset));
+    if (offset + kStageStepBytes >= bytes) break;  // copied: send the copy, return at once
+    if (Status s = poll(&go_direct); !s.ok() || go_direct) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        inflight_bytes_ -= bytes;  // the reservation is not needed
+      }
+      if (!s.ok()) return s;
+      return SendDirect(dest_rank, tag, data, bytes, deadline, kept);
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++staged_large_sends_;
+  }
+  return IsendStaged(std::move(send), dest_rank, tag);
+}
+
+Status MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out,
+                               size_t bytes, std::chrono::steady_clock::time_point deadline) {
+  {
+    // Already sent staged (the sender did not find us ready): take it the plain way.
+    int flag = 0;
+    std::unique_lock<std::mutex> lock = MpiCallLock();
+    if (!MpiIsUsable()) return Status::Invalid(kMpiNotUsable);
+    int rc = MPI_Iprobe(source_rank, tag, comm_, &flag, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Iprobe", rc);
+    if (flag) {
+      if (lock.owns_lock()) lock.unlock();
+      return RecvStaged(source_rank, tag, out, bytes, deadline);
+    }
+  }
+  // Post the receives into the output, then tell the sender that we are ready.
+  std::vector<MPI_Request> requests;
+  requests.reserve(bytes / kDirectChunkBytes + 1);
+  auto* dst = static_cast<std::byte*>(out);
+  {
+    std::unique_lock<std::mutex> lock = MpiCallLock();
+    for (size_t offset = 0; offset < bytes; offset += kDirectChunkBytes) {
+      const size_t n = std::min(kDirectChunkBytes, bytes - offset);
+      requests.emplace_back();
+      int rc = MPI_Irecv(dst + offset, static_cast<int>(n), MPI_BYTE, source_rank, tag,
+                         direct_comm_, &requests.back());
+      if (rc != MPI_SUCCESS) {
+        requests.pop_back();
+        if (lock.owns_lock()) lock.unlock();
+        size_t cancelled = 0;
+        bool abandoned = false;
+        // Nothing can have matched before the ready signal; the Irecv failure is the error.
+        (void)CancelWithGrace(requests, &cancelled, &abandoned, nullptr);
+        return Status::MpiError("MPI_Irecv", rc);
+      }
+    }
+  }
+  {
+    ControlSend control;
+    control.signal = std::make_unique<ReadySignal>();
+    control.signal->seq = seq;
+    control.signal->bytes = bytes;
+    std::unique_lock<std::mutex> lock(mu_);  // control_sends_ (and MPI if needed)
+    int rc = MPI_Isend(control.signal.get(), sizeof(ReadySignal), MPI_BYTE, source_rank, tag,
+                       ctrl_comm_, &control.request);
+    if (rc != MPI_SUCCESS) {
+      lock.unlock();
+      size_t cancelled = 0;
+      bool abandoned = false;
+      (void)CancelWithGrace(requests, &cancelled, &abandoned, nullptr);  // as above
+      return Status::MpiError("MPI_Isend of the ready signal", rc);
+    }
+    control_sends_.push_back(std::move(control));
+  }
+  Backoff backoff;
+  uint64_t polls = 0;
+  while (true) {
+    int done = 0, staged = 0;
+    {
+      std::unique_lock<std::mutex> lock = MpiCallLock();
+      int rc = MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
+                           MPI_STATUSES_IGNORE);
+      if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Testall", rc);
+      if (done) return Status::Ok();  // straight into the output
+      rc = MPI_Iprobe(source_rank, tag, comm_, &staged, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Iprobe", rc);
+    }
+    bool timed_out = false;
+    if (!staged && (++polls & 63) == 0) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (Status s = ProgressLocked(); !s.ok()) return s;
+      }
+      timed_out = std::chrono::steady_clock::now() > deadline;
+    }
+    if (staged || timed_out) {
+      // Either this message went staged (the sender did not see us in time; its direct
+      // receives cannot have matched) or, if the direct message completed meanwhile, the
+      // staged one is the next message, left for the next precv.
+      // Receives that matched complete (the sender is under way) within the grace period,
+      // unless that sender stopped mid-message: then they are abandoned, and this precv
+      // fails with the usual timeout.
+      size_t cancelled = 0;
+      bool abandoned = false;
+      Status s = CancelWithGrace(requests, &cancelled, &abandoned, nullptr);
+      if (abandoned) {
+        return Status::Timeout("a direct message started to arrive but did not complete");
+      }
+      if (!s.ok()) return s;
+      if (cancelled == 0) return Status::Ok();
+      if (cancelled != requests.size()) {
+        return Status::Invalid("internal error: a direct message arrived in part only");
+      }
+      if (staged) return RecvStaged(source_rank, tag, out, bytes, deadline);
+      return Status::Timeout();
+    }
+    backoff.Pause();
+  }
+}
+
+}  // namespace jcm

@@ -1,0 +1,216 @@
+// Staged sends of the MPI transport: the copy-and-Isend path, the bound on the bytes of
+// undelivered sends, and the progress that frees completed sends.
+#include <algorithm>
+#include <cstring>
+
+#include "mpi/internal.h"
+#include "mpi/stop_for_test.h"
+#include "mpi/transport.h"
+
+namespace jcm {
+
+Status MpiTransport::Send(int dest_rank, int tag, const void* data, size_t bytes,
+                          uint64_t max_inflight_bytes,
+                          std::chrono::steady_clock::time_point deadline,
+                          std::shared_ptr<DirectSend>* kept) {
+  ChannelState& ch = Channel(dest_rank, tag);
+  std::lock_guard<std::mutex> channel_lock(ch.send_mu);
+  const uint64_t seq = ch.next_send_seq++;  // every message counts, whatever its size
+  if (bytes >= kRendezvousMinBytes) {
+    return SendLarge(ch, seq, dest_rank, tag, data, bytes, max_inflight_bytes, deadline, kept);
+  }
+  return SendStaged(dest_rank, tag, data, bytes, max_inflight_bytes, deadline);
+}
+
+Status MpiTransport::ProgressLocked() {
+  while (!control_sends_.empty()) {  // ready signals: tiny, complete in order
+    int done = 0;
+    int rc = MPI_Test(&control_sends_.front().request, &done, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Test", rc);
+    if (!done) break;
+    control_sends_.pop_front();
+  }
+  // Direct sends left in flight for the precv that keeps their operand (testing them here
+  // also moves them along whenever anything else polls: a precv, the progress thread).
+  for (auto it = direct_in_flight_.begin(); it != direct_in_flight_.end();) {
+    DirectSend& send = **it;
+    int done = 0;
+    int rc = MPI_Testall(static_cast<int>(send.requests.size()), send.requests.data(), &done,
+                         MPI_STATUSES_IGNORE);
+    if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Testall", rc);
+    if (done) {
+      send.done = true;
+      ++sends_completed_;
+      ++direct_sends_;
+      it = direct_in_flight_.erase(it);
+    } else {
+      StopMidSendForTest::Check(send.posted_for_test);
+      ++it;
+    }
+  }
+  // Sends to different peers complete in any order: test them all.
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    int done = 0;
+    int rc = MPI_Testall(static_cast<int>(it->requests.size()), it->requests.data(), &done,
+                         MPI_STATUSES_IGNORE);
+    if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Testall", rc);
+    if (done) {
+      inflight_bytes_ -= it->bytes;
+      ++sends_completed_;
+      it = pending_.erase(it);
+    } else {
+      StopMidSendForTest::Check(it->posted_for_test);
+      ++it;
+    }
+  }
+  has_pending_.store(!pending_.empty(), std::memory_order_release);
+  return Status::Ok();
+}
+
+Status MpiTransport::ReserveInflight(size_t bytes, uint64_t max_inflight_bytes,
+                                     std::chrono::steady_clock::time_point deadline,
+                                     const StopWaiting& stop, bool* stopped) {
+  *stopped = false;
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!MpiIsUsable()) return Status::Invalid(kMpiNotUsable);
+  if (Status s = ProgressLocked(); !s.ok()) return s;
+  // Bound the memory of undelivered sends: wait for older ones to complete first.
+  Backoff backoff;
+  while (!pending_.empty() && inflight_bytes_ + bytes > max_inflight_bytes) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      return Status::SendTimeout(
+          "gave up waiting for earlier sends to be received: " +
+          std::to_string(inflight_bytes_) + " bytes in " + std::to_string(pending_.size()) +
+          " sends are undelivered and the limit is " + std::to_string(max_inflight_bytes) +
+          " bytes (JAX_CPU_MPI_MAX_INFLIGHT_BYTES); the receivers never posted their precv");
+    }
+    lock.unlock();
+    bool stop_now = false;
+    if (Status s = stop(&stop_now); !s.ok()) return s;
+    if (stop_now) {
+      *stopped = true;
+      return Status::Ok();
+    }
+    backoff.Pause();
+    lock.lock();
+    if (Status s = ProgressLocked(); !s.ok()) return s;
+  }
+  inflight_bytes_ += bytes;  // reserved now, released when the send completes
+  peak_inflight_bytes_ = std::max(peak_inflight_bytes_, inflight_bytes_);
+  return Status::Ok();
+}
+
+Status MpiTransport::SendStaged(int dest_rank, int tag, const void* data, size_t bytes,
+                                uint64_t max_inflight_bytes,
+                                std::chrono::steady_clock::time_point deadline) {
+  bool stopped = false;
+  static const StopWaiting never = [](bool* stop) {
+    *stop = false;
+    return Status::Ok();
+  };
+  if (Status s = ReserveInflight(bytes, max_inflight_bytes, deadline, never, &stopped);
+      !s.ok()) {
+    return s;
+  }
+  PendingSend send;
+  send.bytes = bytes;
+  if (bytes > 0) {
+    send.buffer = GlobalBufferPool().Acquire(bytes);
+    std::memcpy(send.buffer.data(), data, bytes);
+  }
+  return IsendStaged(std::move(send), dest_rank, tag);
+}
+
+Status MpiTransport::IsendStaged(PendingSend send, int dest_rank, int tag) {
+  const size_t bytes = send.bytes;
+  auto isend = [&](const void* buf, size_t count) -> int {
+    std::unique_lock<std::mutex> lock = MpiCallLock();
+    send.requests.emplace_back();
+    return MPI_Isend(buf, static_cast<int>(count), MPI_BYTE, dest_rank, tag, comm_,
+                     &send.requests.back());
+  };
+  int rc = MPI_SUCCESS;
+  if (bytes < kChunkedThreshold) {
+    rc = isend(send.buffer.data(), bytes);
+  } else {
+    send.header = std::make_unique<ChunkHeader>(MakeChunkHeader(bytes));
+    rc = isend(send.header.get(), sizeof(ChunkHeader));
+    for (size_t offset = 0; offset < bytes && rc == MPI_SUCCESS; offset += kChunkBytes) {
+      rc = isend(send.buffer.data() + offset, std::min(kChunkBytes, bytes - offset));
+    }
+  }
+  send.posted_for_test = StopMidSendForTest::Posted(bytes);
+  if (rc == MPI_SUCCESS && send.requests.size() == 1) {
+    // A small message usually leaves at once (eager protocol): then it needs no entry in the
+    // pending list, and its buffer goes back when this function returns. A failed test
+    // leaves the send to the pending list, whose test reports the error.
+    int done = 0;
+    {
+      std::unique_lock<std::mutex> lock = MpiCallLock();
+      if (MPI_Test(&send.requests[0], &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) done = 0;
+    }
+    if (done) {
+      std::lock_guard<std::mutex> lock(mu_);
+      inflight_bytes_ -= bytes;
+      ++sends_completed_;
+      return ProgressLocked();  // the other sends, as after every send
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (rc != MPI_SUCCESS) {
+    // Requests already started keep referring to the buffer: keep it until they complete.
+    send.requests.pop_back();
+    pending_.push_back(std::move(send));
+    has_pending_.store(true, std::memory_order_release);
+    return Status::MpiError("MPI_Isend", rc);
+  }
+  pending_.push_back(std::move(send));
+  has_pending_.store(true, std::memory_order_release);
+  // Small messages often complete at once (eager protocol): free them now.
+  return ProgressLocked();
+}
+
+size_t MpiTransport::SendsInFlightLocked() const {
+  return pending_.size() + direct_in_flight_.size();
+}
+
+bool MpiTransport::has_pending_sends() const {
+  return has_pending_.load(std::memory_order_acquire);
+}
+
+// The statistics below test the sends first so that they count only what is really still
+// in flight. An MPI error there is not theirs to report: the next psend, precv or the exit
+// drain meets it again and reports it.
+size_t MpiTransport::inflight_sends() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (MpiIsUsable()) (void)ProgressLocked();
+  return SendsInFlightLocked();
+}
+
+uint64_t MpiTransport::inflight_bytes() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (MpiIsUsable()) (void)ProgressLocked();
+  return inflight_bytes_;
+}
+
+uint64_t MpiTransport::peak_inflight_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return peak_inflight_bytes_;
+}
+
+uint64_t MpiTransport::direct_sends() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return direct_sends_;
+}
+
+uint64_t MpiTransport::staged_large_sends() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return staged_large_sends_;
+}
+
+uint64_t MpiTransport::sends_completed() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return sends_completed_;
+}
+
+}  // namespace jcm

@@ -1,0 +1,281 @@
+// MPI transport: point-to-point between processes on a communicator owned by this package
+// (a duplicate of MPI_COMM_WORLD made by mpi4py, never the user's communicator).
+//
+// Small messages are copy-and-Isend: a psend copies its operand into a buffer the transport
+// owns and returns without waiting for the receiver, so that two devices that both send
+// before they receive never deadlock, whatever the message size. The bytes of undelivered
+// sends are bounded (Config::max_inflight_bytes). Large staged messages are framed in
+// chunks (mpi/framing.h). Receives probe with a deadline (MPI_Improbe) so a receive that
+// nothing matches fails instead of hanging, and check the byte count.
+//
+// Messages of kRendezvousMinBytes or more may skip the copy (rendezvous). Both ends number
+// the messages of each channel (sequence numbers, one counter per direction and channel).
+// A receiver that reaches its precv before the message posts its receives straight into
+// its output buffer (on direct_comm_) and sends the sender a ready signal {sequence number,
+// byte count} (on ctrl_comm_). A sender that holds the ready signal of *this* message, with
+// its own byte count, sends straight from its operand (MPI_Issend, so a completed send
+// means the receives matched) and returns once that send completes. Otherwise it starts
+// staging: it copies its operand into a transport buffer step by step, looking for the
+// ready signal between steps, so it waits for a late receiver at most about one copy's
+// time, and never for one that is not coming; when the copy is done it sends the staged
+// copy as above. Ready signals of older messages (the receiver got them staged) are
+// discarded by sequence number, so one never matches a later message. A receiver whose
+// message arrives staged cancels its direct receives, which cannot have matched: the
+// sender takes exactly one of the two paths per message. A byte-count mismatch is always
+// sent staged, so the receiver reports it as on the plain path.
+//
+// Every wait has a deadline, matched receives included: requests are tested in a loop
+// (never MPI_Wait/MPI_Mrecv/MPI_Recv), and at the deadline they are cancelled and tested
+// for a short grace period. A request that still has not completed then has matched a
+// message whose sender has stopped mid-message (a dead link, a stopped process): MPI cannot
+// cancel it, and no wait would end. It is abandoned (kept, never waited on again: see
+// Abandon), the operation fails with its usual timeout error and the transport is marked
+// broken (broken(); the extension's job_broken()): if that sender ever resumes, MPI may still
+// write the rest of the message into the abandoned receive's buffer, which may be an XLA
+// buffer by then reused, so the job should end rather than go on.
+//
+// The code is split by concern: mpi/setup.cc (communicators, channels), mpi/send_queue.cc
+// (staged sends, the in-flight bound, progress), mpi/rendezvous.cc (direct path),
+// mpi/receive.cc (staged receives, waits and cancellation), mpi/drain.cc (exit).
+#pragma once
+
+#include <mpi.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/buffer_pool.h"
+#include "common/status.h"
+#include "mpi/framing.h"
+
+namespace jcm {
+
+// Locking:
+//   mu_            pending_, has_pending_ (written), inflight_bytes_, the counters
+//                  (sends_completed_, peak_inflight_bytes_, direct_sends_,
+//                  staged_large_sends_), control_sends_, direct_in_flight_, abandoned_
+//                  and each DirectSend::done; also every MPI call when the library is not
+//                  MPI_THREAD_MULTIPLE (MpiCallLock()).
+//   channels_mu_   channels_ (the map only: a ChannelState is never erased, so a reference
+//                  to one stays valid without the lock).
+//   ChannelState::send_mu  that channel's next_send_seq, has_early_ready, early_ready; held
+//                  for a whole Send, so one psend per channel runs at a time.
+//   ChannelState::recv_mu  that channel's next_recv_seq; held for a whole Recv.
+//   Order: a channel's send_mu/recv_mu before mu_; channels_mu_ is never held with another.
+//   Set once by Create, read without a lock: the communicators, rank_, size_, tag_ub_,
+//   thread_multiple_, rank_of_process_, id_. has_pending_ is read without a lock, broken_
+//   is an atomic.
+class MpiTransport {
+ public:
+  // `comm` is duplicated again, so the transport owns its communicator; `rank_of_process`
+  // maps jax.process_index() to the rank in `comm`. Fails if the duplication (collective)
+  // has not completed by `deadline`.
+  static Status Create(MPI_Comm comm, std::vector<int> rank_of_process,
+                       std::chrono::steady_clock::time_point deadline,
+                       std::unique_ptr<MpiTransport>* out);
+  struct PrivateTag {};
+  explicit MpiTransport(PrivateTag) {}
+  ~MpiTransport();
+  MpiTransport(const MpiTransport&) = delete;
+  MpiTransport& operator=(const MpiTransport&) = delete;
+
+  // Whether a request was abandoned (see the top of this file): the job should end.
+  bool broken() const { return broken_.load(std::memory_order_acquire); }
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  int64_t tag_ub() const { return tag_ub_; }
+  // The MPI rank of a JAX process, or -1 if unknown.
+  int RankOfProcess(int64_t process_index) const;
+
+  // A direct send (straight from the operand) in flight.
+  struct DirectSend {
+    std::vector<MPI_Request> requests;
+    bool done = false;  // under mu_
+    std::chrono::steady_clock::time_point posted_for_test;  // mpi/stop_for_test.h
+  };
+
+  // With `kept` (the operand stays alive and unchanged until FinishDirect(*kept)), a
+  // direct send may be left in flight: *kept is then set, else left null.
+  Status Send(int dest_rank, int tag, const void* data, size_t bytes,
+              uint64_t max_inflight_bytes, std::chrono::steady_clock::time_point deadline,
+              std::shared_ptr<DirectSend>* kept = nullptr);
+  // Waits until a direct send left in flight completes (or the deadline: then cancels it).
+  Status FinishDirect(const std::shared_ptr<DirectSend>& send,
+                      std::chrono::steady_clock::time_point deadline);
+  Status Recv(int source_rank, int tag, void* out, size_t bytes,
+              std::chrono::steady_clock::time_point deadline);
+
+  // At exit (collective over the communicator): completes every outstanding send and waits
+  // for every rank to get there (joining them halfway to the deadline even with sends still
+  // undelivered), or gives up at the deadline.
+  struct DrainResult {
+    size_t undelivered = 0;      // our sends left undelivered
+    bool all_ranks_met = false;  // the exit barrier completed
+    Status status;               // an MPI call that failed while draining
+  };
+  DrainResult Drain(std::chrono::steady_clock::time_point deadline);
+
+  // Sends not yet completed (after testing them) and their bytes.
+  size_t inflight_sends();
+  // Whether staged sends were left in flight when last tested (cheap: no MPI call). Direct
+  // sends left in flight are not counted: the precv that keeps their operand finishes them.
+  bool has_pending_sends() const;
+  uint64_t inflight_bytes();
+  uint64_t sends_completed() const;
+  uint64_t peak_inflight_bytes() const;
+  // Sends of the rendezvous path that went straight from the operand / through a copy.
+  uint64_t direct_sends() const;
+  uint64_t staged_large_sends() const;
+
+ private:
+  // Rendezvous (see the top of this file): smallest message, the largest count of one
+  // direct MPI message (messages beyond it go as several, every count within an int), and
+  // how many bytes a staging sender copies between two looks for the ready signal.
+  static constexpr size_t kRendezvousMinBytes = size_t{256} << 10;
+  static constexpr size_t kDirectChunkBytes = size_t{256} << 20;
+  static constexpr size_t kStageStepBytes = size_t{128} << 10;
+  // A sender looks for the ready signal this long before it starts staging: a receiver
+  // that has just finished the previous message signals within a few microseconds.
+  static constexpr std::chrono::microseconds kReadySpin{5};
+  // After cancelling at a deadline, how long requests are tested before those still open
+  // are abandoned: a cancellable request completes at once, and a message already flowing
+  // from a live peer finishes (a message matched just before the deadline is not failed).
+  static constexpr std::chrono::milliseconds kCancelGrace{1000};
+
+  struct ReadySignal {
+    uint64_t seq = 0;    // which message of the channel the receiver waits for
+    uint64_t bytes = 0;  // the receiver's byte count
+  };
+  // Per channel (peer rank, tag): one psend and one precv at a time, so that sequence
+  // numbers follow the order of the messages on the wire. Locking: see the class comment.
+  struct ChannelState {
+    std::mutex send_mu;
+    std::mutex recv_mu;
+    uint64_t next_send_seq = 0;
+    uint64_t next_recv_seq = 0;
+    bool has_early_ready = false;  // a ready signal for a later message
+    ReadySignal early_ready;
+  };
+  struct ControlSend {
+    std::unique_ptr<ReadySignal> signal;
+    MPI_Request request = MPI_REQUEST_NULL;
+  };
+
+  struct PendingSend {
+    PooledBuffer buffer;
+    std::unique_ptr<ChunkHeader> header;  // chunked messages only
+    size_t bytes = 0;
+    std::vector<MPI_Request> requests;  // header and chunks, or the one message
+    std::chrono::steady_clock::time_point posted_for_test;  // mpi/stop_for_test.h
+  };
+
+  // Told by ReserveInflight whether to stop waiting (sets *stop); an error ends the wait.
+  using StopWaiting = std::function<Status(bool* stop)>;
+  // Requests given up at a deadline, and what their buffers belong to (kept alive for them).
+  struct Abandoned {
+    std::vector<MPI_Request> requests;
+    std::shared_ptr<void> keep_alive;
+  };
+
+  // mpi/receive.cc
+  // Polls `requests` to completion; at the deadline cancels them (CancelWithGrace) and
+  // reports a timeout, unless every one completed with its data after all.
+  // `keep_alive` owns the receive buffers, if the transport owns them.
+  Status WaitAll(std::span<MPI_Request> requests,
+                 std::chrono::steady_clock::time_point deadline,
+                 std::shared_ptr<void> keep_alive = nullptr);
+  // Cancels `requests` and tests them for kCancelGrace; *cancelled counts those cancelled
+  // (the others completed), and *abandoned tells that some never completed: Abandon took
+  // them. A failed MPI call is returned after every request was dealt with.
+  Status CancelWithGrace(std::span<MPI_Request> requests, size_t* cancelled,
+                         bool* abandoned, std::shared_ptr<void> keep_alive);
+  // Keeps the open requests of `requests` (never to be waited on) and marks the transport
+  // broken; leaves `requests` all MPI_REQUEST_NULL.
+  void Abandon(std::span<MPI_Request> requests, std::shared_ptr<void> keep_alive);
+  // Receives the message that MPI_Improbe matched into `buf` (MPI_Imrecv), by `deadline`.
+  Status ReceiveMatched(MPI_Message* message, void* buf, int count,
+                        std::chrono::steady_clock::time_point deadline,
+                        std::shared_ptr<void> keep_alive = nullptr);
+  Status ReceiveChunks(int source_rank, int tag, std::byte* out, size_t total,
+                       size_t chunk_bytes, std::chrono::steady_clock::time_point deadline,
+                       std::shared_ptr<void> keep_alive = nullptr);
+  Status RecvStaged(int source_rank, int tag, void* out, size_t bytes,
+                    std::chrono::steady_clock::time_point deadline);
+
+  // mpi/setup.cc
+  ChannelState& Channel(int peer_rank, int tag);
+  // Held around an MPI call when the library is not MPI_THREAD_MULTIPLE (else unlocked).
+  std::unique_lock<std::mutex> MpiCallLock();
+
+  // mpi/send_queue.cc
+  // Copy-and-Isend (small messages, and large ones to a receiver that is not ready).
+  Status SendStaged(int dest_rank, int tag, const void* data, size_t bytes,
+                    uint64_t max_inflight_bytes,
+                    std::chrono::steady_clock::time_point deadline);
+  // Sends the staged copy (header and chunks, or one message); the caller reserved the bytes.
+  Status IsendStaged(PendingSend send, int dest_rank, int tag);
+  // Waits until the in-flight bytes leave room for `bytes` (or nothing else is in flight),
+  // then reserves them. Stops early, reserving nothing, when `stop` says so.
+  Status ReserveInflight(size_t bytes, uint64_t max_inflight_bytes,
+                         std::chrono::steady_clock::time_point deadline,
+                         const StopWaiting& stop, bool* stopped);
+  // Frees completed sends; caller holds mu_.
+  Status ProgressLocked();
+  // Staged and direct sends not completed when last tested; caller holds mu_.
+  size_t SendsInFlightLocked() const;
+
+  // mpi/rendezvous.cc
+  Status SendLarge(ChannelState& ch, uint64_t seq, int dest_rank, int tag, const void* data,
+                   size_t bytes, uint64_t max_inflight_bytes,
+                   std::chrono::steady_clock::time_point deadline,
+                   std::shared_ptr<DirectSend>* kept);
+  // Starts the direct send; finishes it too unless `kept` takes it.
+  Status SendDirect(int dest_rank, int tag, const void* data, size_t bytes,
+                    std::chrono::steady_clock::time_point deadline,
+                    std::shared_ptr<DirectSend>* kept);
+  // Looks for the ready signal of message `seq`: sets *ready and *receiver_bytes.
+  Status PollReady(ChannelState& ch, uint64_t seq, int dest_rank, int tag, bool* ready,
+                   uint64_t* receiver_bytes, std::chrono::steady_clock::time_point deadline);
+  Status RecvLarge(uint64_t seq, int source_rank, int tag, void* out, size_t bytes,
+                   std::chrono::steady_clock::time_point deadline);
+
+  MPI_Comm comm_ = MPI_COMM_NULL;         // staged messages
+  MPI_Comm ctrl_comm_ = MPI_COMM_NULL;    // ready signals, receiver -> sender
+  MPI_Comm direct_comm_ = MPI_COMM_NULL;  // direct messages, straight from the operand
+  int rank_ = 0;
+  int size_ = 0;
+  int64_t tag_ub_ = 32767;
+  bool thread_multiple_ = false;
+  std::vector<int> rank_of_process_;
+
+  mutable std::mutex mu_;
+  std::deque<PendingSend> pending_;
+  std::atomic<bool> has_pending_{false};  // !pending_.empty(), as of the last change or test
+  uint64_t inflight_bytes_ = 0;
+  uint64_t sends_completed_ = 0;
+  uint64_t peak_inflight_bytes_ = 0;
+  uint64_t direct_sends_ = 0;
+  uint64_t staged_large_sends_ = 0;
+  std::deque<ControlSend> control_sends_;  // ready signals not yet completed
+  std::vector<std::shared_ptr<DirectSend>> direct_in_flight_;  // left in flight
+  std::vector<Abandoned> abandoned_;  // never tested again, never freed
+  std::atomic<bool> broken_{false};   // set once a request is abandoned
+
+  uint64_t id_ = 0;  // unique per transport in the process (Channel()'s per-thread cache)
+  std::mutex channels_mu_;
+  std::map<std::pair<int, int>, std::unique_ptr<ChannelState>> channels_;
+};
+
+}  // namespace jcm
