@@ -90,14 +90,6 @@ NB_MODULE(_jax_cpu_mpi, m) {
           jcm::Runtime::Get().set_config(c);
         },
         nb::arg("recv_timeout_s"), nb::arg("max_inflight_bytes"));
-  m.def("get_config", [] {
-    jcm::Config c = jcm::Runtime::Get().config();
-    nb::dict d;
-    d["recv_timeout_s"] = c.recv_timeout_s;
-    d["max_inflight_bytes"] = c.max_inflight_bytes;
-    return d;
-  });
-
   m.def("attach_mpi",
         [](int64_t comm_fortran_handle, std::vector<int> rank_of_process) {
           MPI_Comm comm = MPI_Comm_f2c(static_cast<MPI_Fint>(comm_fortran_handle));
