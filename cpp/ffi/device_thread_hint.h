@@ -1,5 +1,5 @@
 // XLA FFI handler of the custom call that makes XLA CPU run a program on a device thread
-// (see python/jax_cpu_mpi/_device_thread_hint.py): it takes the result of a few thousand
+// (see python/jax_cpu_mpi/_src/dispatch/device_thread_hint.py): it takes the result of a few thousand
 // flops that XLA's cost model counts, and does nothing with it.
 #pragma once
 

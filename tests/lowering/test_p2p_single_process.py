@@ -193,7 +193,7 @@ def test_programs_on_disjoint_devices_do_not_mix():
 
 def test_zero_fill_writes_exactly_its_buffer():
     """The zeros of a precv that is no destination: streaming stores from a cache-sized
-    threshold (cpp/zero_fill.h), memset below it. Every byte of the buffer, at every
+    threshold (cpp/local/zero_fill.h), memset below it. Every byte of the buffer, at every
     alignment, and none around it."""
     streaming = ext.streaming_zero_fill_min_bytes()
     assert streaming == 0 or streaming >= 1 << 20, streaming  # 0: not on this platform

@@ -3,7 +3,7 @@
 The module pass (python/jax_cpu_mpi/_kept_operands.py) gives a precv the operand of the
 psend whose token it takes in the same block, and marks that psend; at run time such a
 psend hands its operand to a waiting receiver and returns, and the precv finishes the send
-(cpp/kept_sends.h). These tests pin where the pass applies (and where it must not), and
+(cpp/ffi/kept_sends.h). These tests pin where the pass applies (and where it must not), and
 that values, errors and the transports' state are what they are without it (the results
 are compared with lax.ppermute and with the pass switched off). Over MPI the same path is
 taken by every precv(psend(x)) of 256 KiB and more whose receiver is ready: see

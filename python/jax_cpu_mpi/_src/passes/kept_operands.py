@@ -6,7 +6,7 @@ CPU program, this pass finds every precv whose token is the result of a psend of
 block, gives that precv the psend's operand as an extra operand (XLA then keeps the buffer
 until the precv has run) and marks the psend ``operand_kept = 1``. At run time the psend
 may then hand its operand itself to a receiver that is already waiting and return at once,
-and the precv finishes the send before it returns (``cpp/kept_sends.h``).
+and the precv finishes the send before it returns (``cpp/ffi/kept_sends.h``).
 
 The psend and precv must share a block: a precv of the same block runs whenever the psend
 does (a precv in a branch of a ``cond`` might not). The pass runs on the finished module
