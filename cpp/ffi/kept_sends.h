@@ -2,7 +2,7 @@
 // read from its operand.
 //
 // When a precv takes a psend's token in the same computation, the CPU lowering also gives
-// that precv the psend's operand (python/jax_cpu_mpi/lowering.py). XLA then keeps the
+// that precv the psend's operand (python/jax_cpu_mpi/_src/passes/kept_operands.py). XLA then keeps the
 // operand's buffer alive, and unchanged, until that precv has run, so the psend may hand
 // the operand itself to a receiver that is already waiting and return at once: the device
 // goes on with its own work (say, the zero-fill of its precv output) while the peer copies.

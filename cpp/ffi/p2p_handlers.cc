@@ -311,7 +311,7 @@ ffi::Error PrecvImpl(ffi::Token /*token*/, ffi::Buffer<ffi::U32> partition,
 }  // namespace jcm
 
 namespace {
-// The attributes every psend/precv custom call carries (see python/jax_cpu_mpi/lowering.py).
+// The attributes every psend/precv custom call carries (see python/jax_cpu_mpi/_src/ffi/custom_calls.py).
 template <typename Binding>
 auto WithRoutingAttributes(Binding binding) {
   return std::move(binding)
