@@ -155,7 +155,10 @@ def _detach_at_exit() -> None:
         print(f"jax_cpu_mpi: at exit, {report} within JAX_CPU_MPI_EXIT_TIMEOUT="
               f"{exit_timeout} s.", file=sys.stderr)
     unreachable = ext.unreachable_peers()
-    if unreachable and not ext.exit_barrier_met():
+    # A transport that abandoned receives MPI could not cancel (a peer stopped mid-message)
+    # must not reach MPI_Finalize either, even if that peer came back for the barrier: MPI
+    # may still complete those receives into buffers XLA has reused, or wait for them.
+    if unreachable and (ext.job_broken() or not ext.exit_barrier_met()):
         _leave_broken_job(unreachable)
 
 
