@@ -6,9 +6,9 @@ jax_cpu_mpi is imported, JAX's ``psend``/``precv`` functions and ``psend_p``/``p
 primitives are deleted (``mpi_programs/jax_p2p_removal.py``; every mpirun rank and every
 Python subprocess of those tests does the same), so jax_cpu_mpi defines and lowers its own.
 The subprocesses rerun parts of this suite that way: the p2p scenarios in one process and
-under ``mpirun -n 2`` (1 and 2 devices per rank), the batching rules, the GPU-parity
-rejections and the pipeline example; and the GPU lowering of our own primitives is compared
-with what JAX's lowering produced for the same programs in this process.
+under ``mpirun -n 2`` (2 devices per rank), the batching rules, the GPU-parity rejections
+and the pipeline example; and the GPU lowering of our own primitives is compared with what
+JAX's lowering produced for the same programs in this process.
 
 The parts that need no mpirun share ONE pytest subprocess (:func:`simulated_suite`; each
 part's test asserts on its own files' results, read from the run's JUnit XML report), as
@@ -171,7 +171,16 @@ def test_pipeline_example_one_process(simulated_suite):
     assert counts == {"passed": 1}, counts
 
 
-MPIRUN = ("tests/runtime/test_p2p_mpi.py::test_all_scenarios_over_mpi",
+#: Under mpirun, 2 devices per rank only. With 1 device per rank p2p_semantics.py runs the
+#: same programs (fewer: no 2-D mesh), lowered by the same rule of ours whoever's primitive
+#: was bound; what it adds is transport, every pair across ranks, which the suite checks
+#: without the simulation (tests/runtime/test_p2p_mpi.py, 1 and 2 devices per rank), and
+#: the device-thread hint for one-device programs, which finds them by the psend/precv
+#: effect: in this simulation that is JAX's own effect object (ops/own_primitives.py takes
+#: it where JAX has it), so the hint decides as it does with JAX's primitives
+#: (tests/dispatch/test_fast_dispatch.py). With 2 devices per rank, pairs within a rank and
+#: across ranks still go through our primitives.
+MPIRUN = ("tests/runtime/test_p2p_mpi.py::test_all_scenarios_over_mpi[2]",
           "tests/batching/test_batching.py::test_batching_rules_over_mpi",
           "tests/parity/test_gpu_parity.py::test_every_two_device_scenario_under_mpirun",
           "tests/test_pipeline_example.py::test_mpirun_matches_reference_and_one_process"
@@ -181,11 +190,11 @@ MPIRUN = ("tests/runtime/test_p2p_mpi.py::test_all_scenarios_over_mpi",
 @pytest.mark.mpi
 @pytest.mark.timeout(900)
 def test_under_mpirun():
-    """p2p scenarios with 1 and 2 devices per rank, batching, parity, pipeline (2 x 2)."""
+    """p2p scenarios with 2 devices per rank, batching, parity, pipeline (2 x 2)."""
     run = run_suite_part(*MPIRUN, timeout=880)
     assert run.returncode == 0, run.output[-20000:]
     counts = run.counts(*MPIRUN)
-    assert counts == {"passed": 5}, counts
+    assert counts == {"passed": 4}, counts
 
 
 def _subprocess_json(args: list[str], marker: str, timeout: float) -> dict:
