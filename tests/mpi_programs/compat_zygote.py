@@ -5,8 +5,9 @@ the environment a probe gets) imports jax, as compat_probe.py does before it rem
 name, and nothing else of JAX's or jax_cpu_mpi's: JAX's backends are not started and its
 plugins not discovered, so jax_cpu_mpi is not imported (the probe's own assertion) and JAX
 has not installed its at-fork warning (it does so when it starts its backends). The only
-thread besides Python's is OpenBLAS's pool, started by ``import numpy``, which OpenBLAS shuts
-down around ``fork()`` itself (pthread_atfork). It prints ``READY <json>`` with those facts.
+threads besides Python's are OpenBLAS's pool, started by ``import numpy`` (imported first to
+tell them apart), which OpenBLAS itself shuts down around ``fork()`` (pthread_atfork). It
+prints ``READY <json>`` with those facts.
 
 Then, for each request line ``{"argv": [SCRIPT, ARGS...], "stdout": FILE, "stderr": FILE,
 "timeout": SECONDS}`` on stdin, it forks a child that sends its stdout/stderr (file
@@ -30,8 +31,12 @@ import sys
 import threading
 import time
 
-import jax  # noqa: F401  (what compat_probe.py imports before it removes a name)
-from jax._src import xla_bridge
+import numpy  # noqa: F401  (first: JAX imports it, and the threads it starts are OpenBLAS's)
+
+THREADS_AFTER_NUMPY = len(os.listdir("/proc/self/task"))
+
+import jax  # noqa: E402, F401  (what compat_probe.py imports before it removes a name)
+from jax._src import xla_bridge  # noqa: E402
 
 
 def _facts() -> dict:
@@ -42,6 +47,7 @@ def _facts() -> dict:
         "jax_at_fork_handler": bool(getattr(xla_bridge, "_at_fork_handler_installed", False)),
         "python_threads": threading.active_count(),
         "native_threads": len(os.listdir("/proc/self/task")),
+        "native_threads_after_numpy": THREADS_AFTER_NUMPY,
         "pid": os.getpid(),
     }
 
