@@ -1,18 +1,29 @@
 """JAX internals that move: a missing or changed private name switches off only its feature.
 
-Each test runs a fresh interpreter (tests/mpi_programs/compat_probe.py) that removes one
-private name before JAX's plugin discovery imports jax_cpu_mpi, then checks that
+Each test runs tests/mpi_programs/compat_probe.py in an interpreter of its own: it removes
+one private name before JAX's plugin discovery imports jax_cpu_mpi, then checks that
 ``jax.devices()`` and jitted programs still work, which features report off (in
 ``jax_cpu_mpi.features()`` and in ``python -m jax_cpu_mpi info --json``), what a psend/precv
 program does, and which warnings were given.
+
+Most of a fresh interpreter's time went to ``import jax``, the same in every probe, so a fork
+server (tests/mpi_programs/compat_zygote.py, one per module) imports jax once and runs each
+probe in a forked child, which starts from that state and never from another probe's: the
+probe itself (the removal, the plugin discovery, the programs) runs unchanged in the child.
+The baseline runs in a fresh interpreter as before, and the forked baseline must equal it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -24,6 +35,8 @@ from jax_cpu_mpi._src.compat import versions as _versions
 from jax_cpu_mpi._src.lowering.barrier_tokens import ORDERING_OP
 
 PROBE = Path(__file__).parents[1] / "mpi_programs" / "compat_probe.py"
+ZYGOTE = PROBE.with_name("compat_zygote.py")
+PROBE_TIMEOUT = 180  # seconds, for one probe (a fresh interpreter's, or a forked child's)
 
 #: Names JAX itself needs to run a jitted program on CPU, or its own psend/precv (deleting
 #: them breaks JAX with or without jax_cpu_mpi). The probe hides these from jax_cpu_mpi's
@@ -59,26 +72,169 @@ JAX_NEEDS_ITSELF = frozenset({
 NAMES = _compat.names()
 
 
-def _probe(*args: str, env: dict[str, str] | None = None) -> dict:
-    full_env = {k: v for k, v in os.environ.items()
-                if not k.startswith(("JAX_CPU_MPI_DISABLE", "XLA_FLAGS"))}
-    full_env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    full_env.update(env or {})
-    run = subprocess.run([sys.executable, str(PROBE), *args], capture_output=True, text=True,
-                         env=full_env, timeout=180)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    lines = [line for line in run.stdout.splitlines() if line.startswith("PROBE ")]
-    assert lines, run.stdout[-4000:] + run.stderr[-4000:]
+def _probe_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("JAX_CPU_MPI_DISABLE", "XLA_FLAGS"))}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    return env
+
+
+def _facts(returncode: int | str, stdout: str, stderr: str) -> dict:
+    output = f"exit {returncode}\n--- stdout\n{stdout[-4000:]}\n--- stderr\n{stderr[-4000:]}"
+    assert returncode == 0, output
+    lines = [line for line in stdout.splitlines() if line.startswith("PROBE ")]
+    assert lines, output
     return json.loads(lines[-1][len("PROBE "):])
 
 
+def _probe_fresh(*args: str) -> dict:
+    """The probe in a fresh interpreter: ``python compat_probe.py HOW PATH``."""
+    run = subprocess.run([sys.executable, str(PROBE), *args], capture_output=True, text=True,
+                         env=_probe_env(), timeout=PROBE_TIMEOUT)
+    return _facts(run.returncode, run.stdout, run.stderr)
+
+
+class Zygote:
+    """compat_zygote.py: runs ``python SCRIPT ARGS`` as a child forked after ``import jax``."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.count = 0
+        self.proc: subprocess.Popen | None = None
+        self.child: int | None = None
+        self.facts = self._start()
+
+    def _start(self) -> dict:
+        self.log = self.workdir / f"zygote-{self.count}.stderr"
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, str(ZYGOTE)], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=log, env=_probe_env(),
+                                         text=True)
+        self._pending = ""
+        ready = self._line(PROBE_TIMEOUT)
+        assert ready.startswith("READY "), ready
+        return json.loads(ready[len("READY "):])
+
+    def _line(self, timeout: float) -> str:
+        """The server's next line; a failure with its stderr if none comes within ``timeout``."""
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while "\n" not in self._pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                self.close()
+                pytest.fail(f"compat_zygote.py did not answer in {timeout} s:\n"
+                            + self.log.read_text()[-4000:])
+            chunk = os.read(fd, 65536).decode()
+            if not chunk:
+                self.close()
+                pytest.fail("compat_zygote.py died:\n" + self.log.read_text()[-4000:])
+            self._pending += chunk
+        line, self._pending = self._pending.split("\n", 1)
+        return line
+
+    def run(self, script: Path, *args: str, timeout: float = PROBE_TIMEOUT
+            ) -> tuple[int | str, str, str]:
+        """A forked child's exit code (or ``"TIMEOUT"``: killed), stdout and stderr."""
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()  # an earlier failure closed it
+        self.count += 1
+        out = self.workdir / f"{self.count}.stdout"
+        err = self.workdir / f"{self.count}.stderr"
+        request = {"argv": [str(script), *args], "stdout": str(out), "stderr": str(err),
+                   "timeout": timeout}
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            self.child = int(self._line(60).removeprefix("PID "))
+            answer = self._line(timeout + 60)  # the server kills the child at ``timeout``
+            self.child = None
+        except BaseException:  # e.g. pytest-timeout: never leave a child or a late answer
+            self.close()
+            raise
+        status = "TIMEOUT" if answer == "TIMEOUT" else int(answer.removeprefix("DONE "))
+        read = lambda p: p.read_text(errors="replace") if p.exists() else ""  # noqa: E731
+        return status, read(out), read(err)
+
+    def probe(self, *args: str) -> dict:
+        return _facts(*self.run(PROBE, *args))
+
+    def close(self) -> None:
+        if self.child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.child, signal.SIGKILL)
+            self.child = None
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc is not None:
+            self.proc.stdout.close()
+
+
 @pytest.fixture(scope="module")
-def baseline() -> dict:
-    """The probe with nothing removed."""
-    facts = _probe("none")
+def zygote():
+    with tempfile.TemporaryDirectory(prefix="compat-zygote-") as workdir:
+        server = Zygote(Path(workdir))
+        try:
+            yield server
+        finally:
+            server.close()
+
+
+def test_zygote_has_only_imported_jax(zygote):
+    """Forking is sound only from a server that has not loaded jax_cpu_mpi, started JAX's
+    backends or discovered its plugins, and runs no thread but the main one and those
+    ``import numpy`` started (OpenBLAS's pool, which OpenBLAS itself stops around fork())."""
+    facts = zygote.facts
+    assert not facts["jax_cpu_mpi_imported"], facts
+    assert not facts["backends_started"] and not facts["plugins_discovered"], facts
+    assert not facts["jax_at_fork_handler"], facts
+    assert facts["python_threads"] == 1, facts
+    assert facts["native_threads"] == facts["native_threads_after_numpy"], facts
+
+
+def test_zygote_reports_a_crash_an_exit_code_and_a_hang(zygote, tmp_path):
+    """A child that dies or hangs becomes a failure with its output, never a hang."""
+    script = tmp_path / "child.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "print('out', sys.argv[1:], flush=True)\n"
+        "print('err', file=sys.stderr, flush=True)\n"
+        "if sys.argv[1] == 'crash': os.kill(os.getpid(), signal.SIGSEGV)\n"
+        "if sys.argv[1] == 'raise': raise ValueError('boom')\n"
+        "if sys.argv[1] == 'hang': time.sleep(600)\n"
+        "print('PROBE {\"ok\": true}')\n")
+    status, out, err = zygote.run(script, "crash")
+    assert status == -signal.SIGSEGV and out == "out ['crash']\n", (status, out, err)
+    assert err.startswith("err\n") and "Segmentation fault" in err, err
+    status, out, err = zygote.run(script, "raise")
+    assert status == 1 and "ValueError: boom" in err and out == "out ['raise']\n", err
+    started = time.monotonic()
+    status, out, err = zygote.run(script, "hang", timeout=1)
+    assert status == "TIMEOUT" and out == "out ['hang']\n", (status, out)
+    assert time.monotonic() - started < 30
+    with pytest.raises(AssertionError, match="exit -11"):
+        _facts(*zygote.run(script, "crash"))
+    with pytest.raises(AssertionError, match="exit TIMEOUT"):
+        _facts(*zygote.run(script, "hang", timeout=1))
+    # A child that is fine: its facts, and the server still serves after all that.
+    assert _facts(*zygote.run(script, "fine")) == {"ok": True}
+
+
+@pytest.fixture(scope="module")
+def baseline(zygote) -> dict:
+    """The probe with nothing removed, in a fresh interpreter."""
+    facts = _probe_fresh("none")
     # With every name present, nothing is off and nothing warns about JAX internals.
     assert [f for f, s in facts["states"].items() if s == "off"] == []
     assert facts["compat_warnings"] == []
+    # A child of the fork server finds the same: the forked probes below measure what a
+    # fresh interpreter would.
+    assert zygote.probe("none") == facts
     return facts
 
 
@@ -139,9 +295,9 @@ def test_nothing_is_off_with_this_jax(baseline):
 
 
 @pytest.mark.parametrize("path", sorted(NAMES))
-def test_missing_private_name_switches_off_only_its_feature(baseline, path):
+def test_missing_private_name_switches_off_only_its_feature(baseline, zygote, path):
     how = "hide" if path in JAX_NEEDS_ITSELF or ":" not in path else "delete"
-    facts = _probe(how, path)
+    facts = zygote.probe(how, path)
     _assert_jax_works(facts)
     expected = _expected_off(path)
     want = {}
@@ -182,9 +338,9 @@ def test_missing_private_name_switches_off_only_its_feature(baseline, path):
     "jax._src.lax.parallel:_ppermute_batcher",
     "jax._src.lax.parallel:single_side_collective_effect",
 ])
-def test_issue_reproduction(path):
+def test_issue_reproduction(zygote, path):
     """The issue's reproduction: a name deleted from JAX took ``jax.devices()`` down."""
-    facts = _probe("delete", path)
+    facts = zygote.probe("delete", path)
     _assert_jax_works(facts)
     warned = facts["compat_warnings"]
     # One per feature that needs the name (a feature this JAX does not need stays silent).
@@ -193,8 +349,8 @@ def test_issue_reproduction(path):
     assert all(path in m and f"jax {jax.__version__}" in m for m in warned), warned
 
 
-def test_changed_signature_switches_the_feature_off():
-    facts = _probe("change", "jax._src.lax.parallel:_pcollectives_lowering_common")
+def test_changed_signature_switches_the_feature_off(zygote):
+    facts = zygote.probe("change", "jax._src.lax.parallel:_pcollectives_lowering_common")
     _assert_jax_works(facts)
     assert facts["states"]["lowerings"] == "off"
     (why,) = [f["why"] for f in facts["features"] if f["feature"] == "lowerings"]
@@ -202,9 +358,9 @@ def test_changed_signature_switches_the_feature_off():
     assert facts["p2p"]["error_type"] == "NotImplementedError", facts["p2p"]
 
 
-def test_parity_check_that_breaks_while_running_switches_itself_off():
+def test_parity_check_that_breaks_while_running_switches_itself_off(zygote):
     """A changed internal seen only when a program is lowered: jit keeps working."""
-    facts = _probe("break-parity", "-")
+    facts = zygote.probe("break-parity", "-")
     _assert_jax_works(facts)
     assert facts["p2p"] == {"result": facts["p2p_reference"]}, facts["p2p"]
     assert facts["states"]["gpu_parity"] == "off"
@@ -212,8 +368,8 @@ def test_parity_check_that_breaks_while_running_switches_itself_off():
     assert "(gpu_parity)" in message and "failed while running" in message, message
 
 
-def test_barrier_that_breaks_while_running_falls_back_to_jax():
-    facts = _probe("break-barrier", "-")
+def test_barrier_that_breaks_while_running_falls_back_to_jax(zygote):
+    facts = zygote.probe("break-barrier", "-")
     _assert_jax_works(facts)
     assert facts["states"]["barrier_tokens"] == "off"
     # JAX's own rule lowered the barrier (or raised JAX's own error, as without us).
