@@ -190,6 +190,24 @@ std::string SizeMismatch(const OpInfo& info, int64_t me, int64_t peer, size_t ex
   return s.str();
 }
 
+// The same byte count as the receiver's, but another dtype or shape: the bytes would be
+// reinterpreted (float32 bits read as int32), so the receive fails instead.
+std::string TypeMismatch(const OpInfo& info, int64_t me, int64_t peer, size_t bytes,
+                         std::string_view sender_desc) {
+  std::ostringstream s;
+  s << info.op << " on " << ProcessSuffix(info, me) << " expected " << info.operand << " ("
+    << bytes << " bytes) from " << ProcessSuffix(info, peer) << ", but the matching psend sent ";
+  if (!sender_desc.empty()) {
+    s << sender_desc << " (" << bytes << " bytes): the byte counts agree, but the receiver "
+      << "would reinterpret the sender's " << sender_desc << " as the receiver's "
+      << info.operand;
+  } else {
+    s << bytes << " bytes of another dtype or shape than " << info.operand;
+  }
+  s << ". psend's operand and precv's out_shape must have the same shape and dtype.";
+  return s.str();
+}
+
 // `mpi_peer`: MpiPeer() of the sender when the message comes over MPI, else empty.
 std::string Timeout(const OpInfo& info, int64_t me, int64_t peer, double seconds,
                     const std::string& mpi_peer = "") {
@@ -231,13 +249,16 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
   *deadline_out = deadline;
   const int64_t my_dev = device_index[me], peer_dev = device_index[peer];
   if (local) {
-    Status r = rt.mailbox().Recv({peer_dev, my_dev}, out->untyped_data(), bytes, deadline);
+    Status r = rt.mailbox().Recv({peer_dev, my_dev}, out->untyped_data(), bytes, operand,
+                                 deadline);
     switch (r.code()) {
       case StatusCode::kOk:
         return ffi::Error::Success();
       case StatusCode::kSizeMismatch:
         return ffi::Error::InvalidArgument(
             SizeMismatch(info, me, peer, bytes, r.sender_bytes(), r.sender_desc()));
+      case StatusCode::kTypeMismatch:
+        return ffi::Error::InvalidArgument(TypeMismatch(info, me, peer, bytes, r.sender_desc()));
       case StatusCode::kTimeout:
         return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
                           Timeout(info, me, peer, config.recv_timeout_s));
