@@ -149,7 +149,7 @@ ffi::Error PsendImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
   }
   const Config& config = state.config;
   std::shared_ptr<MpiTransport::DirectSend> in_flight;
-  Status r = mpi->Send(dest, *tag, x.untyped_data(), bytes, config.max_inflight_bytes,
+  Status r = mpi->Send(dest, *tag, x.untyped_data(), bytes, operand, config.max_inflight_bytes,
                        DeadlineAfter(config.recv_timeout_s), kept ? &in_flight : nullptr);
   if (in_flight) {
     // Finished by the precv that keeps the operand; its error names this psend.
@@ -275,11 +275,14 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
     return ffi::Error::Internal(std::string(op) + ": no MPI rank known for " +
                                 ProcessSuffix(info, peer));
   }
-  Status r = mpi->Recv(source, *tag, out->untyped_data(), bytes, deadline);
+  Status r = mpi->Recv(source, *tag, out->untyped_data(), bytes, operand, deadline);
   if (r.ok()) return ffi::Error::Success();
   if (r.code() == StatusCode::kSizeMismatch) {
     return ffi::Error::InvalidArgument(
         SizeMismatch(info, me, peer, bytes, r.sender_bytes(), r.sender_desc()));
+  }
+  if (r.code() == StatusCode::kTypeMismatch) {
+    return ffi::Error::InvalidArgument(TypeMismatch(info, me, peer, bytes, r.sender_desc()));
   }
   rt.note_unreachable_peer(source);
   if (r.code() == StatusCode::kTimeout) {
