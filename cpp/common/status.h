@@ -8,7 +8,8 @@
 //                  any, is detail for logs, not shown);
 //   kSizeMismatch  the sender sent another byte count: sender_bytes (and sender_desc when
 //                  the sender described its operand) say what it sent;
-//   kTypeMismatch  reserved for a dtype check between the two ends (none is made yet);
+//   kTypeMismatch  the sender sent the same byte count, but described its operand otherwise
+//                  (another dtype or shape): sender_bytes and sender_desc say what it sent;
 //   kMpiError      an MPI call failed: the text names the call and MPI_Error_string's text;
 //   kSendTimeout   a send gave up at its deadline (its receiver never took the bytes): the
 //                  text explains why;
@@ -46,6 +47,13 @@ class Status {
     s.sender_desc_ = std::move(sender_desc);
     return s;
   }
+  // Same byte count, another description ("float32[4]" sent into an "int32[4]" precv).
+  static Status TypeMismatch(size_t sender_bytes, std::string sender_desc) {
+    Status s(StatusCode::kTypeMismatch, "");
+    s.sender_bytes_ = sender_bytes;
+    s.sender_desc_ = std::move(sender_desc);
+    return s;
+  }
   // `call` failed with MPI error code `rc`: "<call> failed: <MPI_Error_string(rc)>".
   static Status MpiError(const std::string& call, int rc);
   static Status SendTimeout(std::string message) {
@@ -73,8 +81,8 @@ class Status {
 
   StatusCode code_ = StatusCode::kOk;
   std::string message_;
-  size_t sender_bytes_ = 0;  // kSizeMismatch
-  std::string sender_desc_;  // kSizeMismatch, when the sender described its operand
+  size_t sender_bytes_ = 0;  // kSizeMismatch, kTypeMismatch
+  std::string sender_desc_;  // kSizeMismatch (when the sender described it), kTypeMismatch
 };
 
 // MPI_Error_string's text for `rc` (defined in mpi/setup.cc, the only user of mpi.h here).

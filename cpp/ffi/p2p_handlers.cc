@@ -149,7 +149,7 @@ ffi::Error PsendImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
   }
   const Config& config = state.config;
   std::shared_ptr<MpiTransport::DirectSend> in_flight;
-  Status r = mpi->Send(dest, *tag, x.untyped_data(), bytes, config.max_inflight_bytes,
+  Status r = mpi->Send(dest, *tag, x.untyped_data(), bytes, operand, config.max_inflight_bytes,
                        DeadlineAfter(config.recv_timeout_s), kept ? &in_flight : nullptr);
   if (in_flight) {
     // Finished by the precv that keeps the operand; its error names this psend.
@@ -186,6 +186,24 @@ std::string SizeMismatch(const OpInfo& info, int64_t me, int64_t peer, size_t ex
     << expected << " bytes) from " << ProcessSuffix(info, peer) << ", but the matching psend sent ";
   if (!sender_desc.empty()) s << sender_desc << " (" << got << " bytes)";
   else s << got << " bytes";
+  s << ". psend's operand and precv's out_shape must have the same shape and dtype.";
+  return s.str();
+}
+
+// The same byte count as the receiver's, but another dtype or shape: the bytes would be
+// reinterpreted (float32 bits read as int32), so the receive fails instead.
+std::string TypeMismatch(const OpInfo& info, int64_t me, int64_t peer, size_t bytes,
+                         std::string_view sender_desc) {
+  std::ostringstream s;
+  s << info.op << " on " << ProcessSuffix(info, me) << " expected " << info.operand << " ("
+    << bytes << " bytes) from " << ProcessSuffix(info, peer) << ", but the matching psend sent ";
+  if (!sender_desc.empty()) {
+    s << sender_desc << " (" << bytes << " bytes): the byte counts agree, but the receiver "
+      << "would reinterpret the sender's " << sender_desc << " as the receiver's "
+      << info.operand;
+  } else {
+    s << bytes << " bytes of another dtype or shape than " << info.operand;
+  }
   s << ". psend's operand and precv's out_shape must have the same shape and dtype.";
   return s.str();
 }
@@ -231,13 +249,16 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
   *deadline_out = deadline;
   const int64_t my_dev = device_index[me], peer_dev = device_index[peer];
   if (local) {
-    Status r = rt.mailbox().Recv({peer_dev, my_dev}, out->untyped_data(), bytes, deadline);
+    Status r = rt.mailbox().Recv({peer_dev, my_dev}, out->untyped_data(), bytes, operand,
+                                 deadline);
     switch (r.code()) {
       case StatusCode::kOk:
         return ffi::Error::Success();
       case StatusCode::kSizeMismatch:
         return ffi::Error::InvalidArgument(
             SizeMismatch(info, me, peer, bytes, r.sender_bytes(), r.sender_desc()));
+      case StatusCode::kTypeMismatch:
+        return ffi::Error::InvalidArgument(TypeMismatch(info, me, peer, bytes, r.sender_desc()));
       case StatusCode::kTimeout:
         return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
                           Timeout(info, me, peer, config.recv_timeout_s));
@@ -254,11 +275,14 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
     return ffi::Error::Internal(std::string(op) + ": no MPI rank known for " +
                                 ProcessSuffix(info, peer));
   }
-  Status r = mpi->Recv(source, *tag, out->untyped_data(), bytes, deadline);
+  Status r = mpi->Recv(source, *tag, out->untyped_data(), bytes, operand, deadline);
   if (r.ok()) return ffi::Error::Success();
   if (r.code() == StatusCode::kSizeMismatch) {
     return ffi::Error::InvalidArgument(
         SizeMismatch(info, me, peer, bytes, r.sender_bytes(), r.sender_desc()));
+  }
+  if (r.code() == StatusCode::kTypeMismatch) {
+    return ffi::Error::InvalidArgument(TypeMismatch(info, me, peer, bytes, r.sender_desc()));
   }
   rt.note_unreachable_peer(source);
   if (r.code() == StatusCode::kTimeout) {

@@ -87,12 +87,8 @@ std::shared_ptr<Mailbox::Offer> Mailbox::Send(ChannelKey key, const void* data, 
     // Copy straight into the waiting receiver's output buffer.
     recv->state.store(PostState::kClaimed, std::memory_order_release);
     lock.unlock();
-    if (recv->bytes == bytes) {
-      if (bytes > 0) std::memcpy(recv->out, data, bytes);
-      recv->outcome = Status::Ok();
-    } else {
-      recv->outcome = Status::SizeMismatch(bytes, sender_desc);
-    }
+    recv->outcome = Match(bytes, sender_desc, recv->bytes, recv->desc);
+    if (recv->outcome.ok() && bytes > 0) std::memcpy(recv->out, data, bytes);
     lock.lock();
     recv->state.store(PostState::kDone, std::memory_order_release);  // `recv` is gone now
     ch.cv.notify_all();
@@ -146,27 +142,33 @@ void Mailbox::FinishLocked(Channel& ch, std::unique_lock<std::mutex>& lock, Offe
         Clock::time_point::max());
 }
 
-Status Mailbox::TakeOffer(Channel& ch, Offer& offer, void* out, size_t bytes) {
-  Status outcome;
-  if (offer.bytes != bytes) {
-    outcome = Status::SizeMismatch(offer.bytes, offer.sender_desc);
-  } else if (bytes > 0) {
-    std::memcpy(out, offer.data, bytes);
-  }
+Status Mailbox::Match(size_t sender_bytes, const std::string& sender_desc, size_t bytes,
+                      std::string_view desc) {
+  if (sender_bytes != bytes) return Status::SizeMismatch(sender_bytes, sender_desc);
+  // Both descriptions come from the same lowering ("float32[4]"): equal text, same array.
+  if (sender_desc != desc) return Status::TypeMismatch(sender_bytes, sender_desc);
+  return Status::Ok();
+}
+
+Status Mailbox::TakeOffer(Channel& ch, Offer& offer, void* out, size_t bytes,
+                          std::string_view desc) {
+  Status outcome = Match(offer.bytes, offer.sender_desc, bytes, desc);
+  if (outcome.ok() && bytes > 0) std::memcpy(out, offer.data, bytes);
   std::lock_guard<std::mutex> lock(ch.mu);
   offer.state.store(PostState::kDone, std::memory_order_release);  // the sender may go on
   ch.cv.notify_all();
   return outcome;
 }
 
-Status Mailbox::Recv(ChannelKey key, void* out, size_t bytes,
-                          std::chrono::steady_clock::time_point deadline) {
+Status Mailbox::Recv(ChannelKey key, void* out, size_t bytes, std::string_view desc,
+                     std::chrono::steady_clock::time_point deadline) {
   Channel& ch = GetChannel(key);
   std::unique_lock<std::mutex> lock(ch.mu);
   if (ch.queued.empty()) {
     PostedRecv recv;
     recv.out = out;
     recv.bytes = bytes;
+    recv.desc = desc;
     ch.posted.push_back(&recv);
     const PostState state = Await(ch, lock, recv.state, /*until_claimed=*/true,
                                   Clock::now() + kYield, deadline);
@@ -183,7 +185,7 @@ Status Mailbox::Recv(ChannelKey key, void* out, size_t bytes,
     if (state == PostState::kHanded) {  // the sender handed us its operand: copy it
       std::shared_ptr<Offer> offer = std::move(recv.handed);
       lock.unlock();
-      return TakeOffer(ch, *offer, out, bytes);
+      return TakeOffer(ch, *offer, out, bytes, desc);
     }
     // A sender is copying into `out`: it takes about one copy's time.
     Await(ch, lock, recv.state, /*until_claimed=*/false, Clock::now() + kYield,
@@ -196,15 +198,11 @@ Status Mailbox::Recv(ChannelKey key, void* out, size_t bytes,
     // The sender keeps its operand for us.
     msg.offer->state.store(PostState::kClaimed, std::memory_order_release);
     lock.unlock();
-    return TakeOffer(ch, *msg.offer, out, bytes);
+    return TakeOffer(ch, *msg.offer, out, bytes, desc);
   }
   lock.unlock();
-  Status outcome;
-  if (msg.bytes != bytes) {
-    outcome = Status::SizeMismatch(msg.bytes, std::move(msg.sender_desc));
-  } else if (bytes > 0) {
-    std::memcpy(out, msg.data.data(), bytes);
-  }
+  Status outcome = Match(msg.bytes, msg.sender_desc, bytes, desc);
+  if (outcome.ok() && bytes > 0) std::memcpy(out, msg.data.data(), bytes);
   return outcome;
 }
 

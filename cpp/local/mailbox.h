@@ -26,6 +26,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -64,10 +65,12 @@ class Mailbox {
   // Afterwards the operand is no longer read.
   void Finish(const std::shared_ptr<Offer>& offer);
 
-  // Waits until a message arrives on the channel or `deadline` passes: kOk, kTimeout or
-  // kSizeMismatch (with the sender's byte count and description).
-  Status Recv(ChannelKey key, void* out, size_t bytes,
-                   std::chrono::steady_clock::time_point deadline);
+  // Waits until a message arrives on the channel or `deadline` passes: kOk, kTimeout,
+  // kSizeMismatch or kTypeMismatch (the same byte count, but a sender's description other
+  // than `desc`; both with the sender's byte count and description). A mismatched message
+  // is consumed all the same: the next one on the channel is the next message.
+  Status Recv(ChannelKey key, void* out, size_t bytes, std::string_view desc,
+              std::chrono::steady_clock::time_point deadline);
 
   // Number of messages sent and not yet received (all channels).
   size_t queued_messages() const;
@@ -114,6 +117,7 @@ class Mailbox {
   struct PostedRecv {
     void* out = nullptr;
     size_t bytes = 0;
+    std::string_view desc;  // the receiver's description of its output ("int32[4]")
     // Written under the channel lock; read without it while the receiver spins.
     std::atomic<PostState> state{PostState::kPosted};
     Status outcome;
@@ -127,8 +131,12 @@ class Mailbox {
   };
 
   Channel& GetChannel(ChannelKey key);
-  // Copies an offer's bytes into `out` (or reports a size mismatch); marks it done.
-  static Status TakeOffer(Channel& ch, Offer& offer, void* out, size_t bytes);
+  // Ok when the sender's message fits the receiver's output, else why not.
+  static Status Match(size_t sender_bytes, const std::string& sender_desc, size_t bytes,
+                      std::string_view desc);
+  // Copies an offer's bytes into `out` (or reports a mismatch); marks it done.
+  static Status TakeOffer(Channel& ch, Offer& offer, void* out, size_t bytes,
+                          std::string_view desc);
   // Finish() with the channel lock held.
   static void FinishLocked(Channel& ch, std::unique_lock<std::mutex>& lock, Offer& offer);
 

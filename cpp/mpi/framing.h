@@ -1,36 +1,77 @@
 // Framing of staged MPI messages.
 //
-// A staged message of kChunkedThreshold bytes or more travels as a 32-byte header (magic,
-// total size, chunk size) followed by chunks of kChunkBytes: the copy of chunk k+1 overlaps
-// the transfer of chunk k, every MPI count fits an int (messages over 2 GiB work on any
-// MPI), and the receiver learns the sender's size before it touches its output buffer.
-// Smaller messages travel as one MPI message with no header; a receiver tells the two apart
-// by the magic (a plain message of exactly sizeof(ChunkHeader) bytes has another one, or is
-// rejected as a header only if it happens to carry the magic).
+// Every staged message carries an Envelope (64 bytes): the payload's byte count and the
+// sender's description of its operand ("float32[4]": a 64-bit hash of the whole text, and
+// the text itself, cut short if long), so that a receiver rejects a message of another
+// byte count, dtype or shape instead of reinterpreting its bytes.
+//   - A message of kChunkedThreshold bytes or more travels as its Envelope alone (the chunk
+//     header: magic kChunkMagic, chunk size) followed by chunks of kChunkBytes: the copy of
+//     chunk k+1 overlaps the transfer of chunk k, every MPI count fits an int (messages over
+//     2 GiB work on any MPI), and the receiver learns the sender's size before it touches
+//     its output buffer.
+//   - A smaller one travels as one MPI message: the payload, then its Envelope (magic
+//     kPayloadMagic) as a trailer.
+// So the last 64 bytes of every staged MPI message are an Envelope, and its magic tells a
+// chunk header from the trailer of an empty payload. Direct messages (mpi/rendezvous.cc)
+// carry none: the receiver's ready signal names its byte count and description hash, and
+// the sender goes direct only when both are its own.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
 
 namespace jcm {
 
-struct ChunkHeader {
-  uint64_t magic = 0;
-  uint64_t total_bytes = 0;
-  uint64_t chunk_bytes = 0;
-  uint64_t reserved = 0;
-};
+struct Envelope {
+  uint64_t magic = 0;        // kChunkMagic or kPayloadMagic
+  uint64_t total_bytes = 0;  // the payload's byte count
+  uint64_t chunk_bytes = 0;  // chunk headers only
+  uint64_t desc_hash = 0;    // DescriptionHash() of the sender's operand description
+  char desc[32] = {};        // that description, NUL-padded ("..." at the end if cut short)
 
-inline constexpr uint64_t kChunkMagic = 0x6a636d2d6368756bULL;  // "jcm-chuk"
+  std::string Description() const { return std::string(desc, strnlen(desc, sizeof(desc))); }
+};
+static_assert(sizeof(Envelope) == 64);
+
+inline constexpr uint64_t kChunkMagic = 0x6a636d2d6368756bULL;    // "jcm-chuk"
+inline constexpr uint64_t kPayloadMagic = 0x6a636d2d7061796cULL;  // "jcm-payl"
 inline constexpr size_t kChunkedThreshold = size_t{4} << 20;
 inline constexpr size_t kChunkBytes = size_t{1} << 20;
 
-inline ChunkHeader MakeChunkHeader(size_t total_bytes) {
-  ChunkHeader header;
-  header.magic = kChunkMagic;
-  header.total_bytes = total_bytes;
-  header.chunk_bytes = kChunkBytes;
-  return header;
+// FNV-1a, 64 bits: equal descriptions, equal hashes; a collision of two different ones that
+// also have the same byte count is not a concern.
+inline uint64_t DescriptionHash(std::string_view desc) {
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (char c : desc) {
+    h ^= static_cast<unsigned char>(c);
+    h *= 0x100000001b3ULL;
+  }
+  return h;
+}
+
+inline Envelope MakeEnvelope(uint64_t magic, size_t total_bytes, uint64_t desc_hash,
+                             std::string_view desc) {
+  Envelope e;
+  e.magic = magic;
+  e.total_bytes = total_bytes;
+  e.chunk_bytes = magic == kChunkMagic ? kChunkBytes : 0;
+  e.desc_hash = desc_hash;
+  if (desc.size() <= sizeof(e.desc)) {
+    std::memcpy(e.desc, desc.data(), desc.size());
+  } else {
+    std::memcpy(e.desc, desc.data(), sizeof(e.desc) - 3);
+    std::memcpy(e.desc + sizeof(e.desc) - 3, "...", 3);
+  }
+  return e;
+}
+
+// The bytes of the staged copy of a `bytes`-byte message: one-message payloads carry their
+// Envelope behind them in the same buffer.
+inline size_t StagedBufferBytes(size_t bytes) {
+  return bytes < kChunkedThreshold ? bytes + sizeof(Envelope) : bytes;
 }
 
 }  // namespace jcm

@@ -1,6 +1,7 @@
-// Receives of the MPI transport: the entry point, the staged path (one message, or a
-// chunk header and its chunks), and the waits with a deadline that cancel, and abandon
-// what MPI cannot cancel, at that deadline (see the top of mpi/transport.h).
+// Receives of the MPI transport: the entry point, the staged path (one message with its
+// envelope, or a chunk header and its chunks; mpi/framing.h), and the waits with a
+// deadline that cancel, and abandon what MPI cannot cancel, at that deadline (see the top
+// of mpi/transport.h).
 #include <climits>
 #include <cstring>
 
@@ -10,13 +11,29 @@
 namespace jcm {
 
 Status MpiTransport::Recv(int source_rank, int tag, void* out, size_t bytes,
-                          std::chrono::steady_clock::time_point deadline) {
+                          std::string_view desc, std::chrono::steady_clock::time_point deadline) {
   ChannelState& ch = Channel(source_rank, tag);
   std::lock_guard<std::mutex> channel_lock(ch.recv_mu);
   const uint64_t seq = ch.next_recv_seq++;  // every message counts, whatever its size
-  if (bytes >= kRendezvousMinBytes) return RecvLarge(seq, source_rank, tag, out, bytes, deadline);
-  return RecvStaged(source_rank, tag, out, bytes, deadline);
+  const uint64_t desc_hash = DescriptionHash(desc);
+  if (bytes >= kRendezvousMinBytes) {
+    return RecvLarge(seq, source_rank, tag, out, bytes, desc_hash, deadline);
+  }
+  return RecvStaged(source_rank, tag, out, bytes, desc_hash, deadline);
 }
+
+namespace {
+
+// Whether a one-message payload of `payload_bytes` with trailer `e` is what the receiver
+// waits for (`bytes` bytes of the description hashed `desc_hash`).
+Status Arrived(const Envelope& e, size_t payload_bytes, size_t bytes, uint64_t desc_hash) {
+  if (e.magic != kPayloadMagic) return Status::Invalid("corrupt message (no envelope)");
+  if (payload_bytes != bytes) return Status::SizeMismatch(payload_bytes, e.Description());
+  if (e.desc_hash != desc_hash) return Status::TypeMismatch(bytes, e.Description());
+  return Status::Ok();
+}
+
+}  // namespace
 
 Status MpiTransport::WaitAll(std::span<MPI_Request> requests,
                              std::chrono::steady_clock::time_point deadline,
@@ -151,6 +168,7 @@ Status MpiTransport::ReceiveChunks(int source_rank, int tag, std::byte* out, siz
 }
 
 Status MpiTransport::RecvStaged(int source_rank, int tag, void* out, size_t bytes,
+                                uint64_t desc_hash,
                                 std::chrono::steady_clock::time_point deadline) {
   MPI_Message message = MPI_MESSAGE_NULL;
   MPI_Status status;
@@ -181,43 +199,87 @@ Status MpiTransport::RecvStaged(int source_rank, int tag, void* out, size_t byte
   }
   // The message has matched: from here on its sender may stop mid-message, so every
   // receive is non-blocking and waited for with the deadline (a message that matched just
-  // before it still gets CancelWithGrace's grace period).
-  if (static_cast<size_t>(count) == sizeof(ChunkHeader)) {
-    // Either the header of a chunked message or a payload of exactly that size.
-    auto header_buffer = std::make_shared<ChunkHeader>();
-    if (Status s = ReceiveMatched(&message, header_buffer.get(), count, deadline,
-                                  header_buffer);
-        !s.ok()) {
-      return s;
-    }
-    const ChunkHeader header = *header_buffer;
-    if (header.magic != kChunkMagic) {
-      if (bytes != sizeof(ChunkHeader)) return Status::SizeMismatch(sizeof(ChunkHeader));
-      std::memcpy(out, &header, sizeof(ChunkHeader));
-      return Status::Ok();
-    }
-    if (header.total_bytes != bytes) {
-      // Drain the payload so the channel stays usable, then report.
-      auto scratch = std::make_shared<PooledBuffer>(
-          GlobalBufferPool().Acquire(header.total_bytes));
-      Status s = ReceiveChunks(source_rank, tag, scratch->data(), header.total_bytes,
-                               header.chunk_bytes, deadline, scratch);
-      if (!s.ok()) return s;
-      return Status::SizeMismatch(header.total_bytes);
-    }
-    return ReceiveChunks(source_rank, tag, static_cast<std::byte*>(out), bytes,
-                         header.chunk_bytes, deadline);
+  // before it still gets CancelWithGrace's grace period). Every staged message ends with
+  // an Envelope (mpi/framing.h).
+  if (static_cast<size_t>(count) != sizeof(Envelope)) {
+    return RecvOneMessage(&message, count, out, bytes, desc_hash, deadline);
   }
-  if (static_cast<size_t>(count) != bytes) {
+  // A chunk header, or the trailer of an empty payload.
+  auto envelope = std::make_shared<Envelope>();
+  if (Status s = ReceiveMatched(&message, envelope.get(), count, deadline, envelope); !s.ok()) {
+    return s;
+  }
+  const Envelope header = *envelope;
+  if (header.magic != kChunkMagic) return Arrived(header, 0, bytes, desc_hash);
+  if (header.total_bytes != bytes) {
+    // Drain the payload so the channel stays usable, then report.
+    auto scratch = std::make_shared<PooledBuffer>(
+        GlobalBufferPool().Acquire(header.total_bytes));
+    Status s = ReceiveChunks(source_rank, tag, scratch->data(), header.total_bytes,
+                             header.chunk_bytes, deadline, scratch);
+    if (!s.ok()) return s;
+    return Status::SizeMismatch(header.total_bytes, header.Description());
+  }
+  // Same byte count: taken into the output even when the description differs (an error
+  // then, whatever the output holds), which keeps the channel in step.
+  if (Status s = ReceiveChunks(source_rank, tag, static_cast<std::byte*>(out), bytes,
+                               header.chunk_bytes, deadline);
+      !s.ok()) {
+    return s;
+  }
+  if (header.desc_hash != desc_hash) return Status::TypeMismatch(bytes, header.Description());
+  return Status::Ok();
+}
+
+Status MpiTransport::RecvOneMessage(MPI_Message* message, int count, void* out, size_t bytes,
+                                    uint64_t desc_hash,
+                                    std::chrono::steady_clock::time_point deadline) {
+  if (static_cast<size_t>(count) < sizeof(Envelope)) {
     auto scratch = std::make_shared<PooledBuffer>(
         GlobalBufferPool().Acquire(static_cast<size_t>(count)));
-    if (Status s = ReceiveMatched(&message, scratch->data(), count, deadline, scratch);
+    if (Status s = ReceiveMatched(message, scratch->data(), count, deadline, scratch);
         !s.ok()) {
       return s;
     }
-    return Status::SizeMismatch(static_cast<size_t>(count));
+    return Status::Invalid("corrupt message of " + std::to_string(count) +
+                           " bytes (shorter than its envelope)");
   }
-  return ReceiveMatched(&message, out, count, deadline);
+  const size_t payload = static_cast<size_t>(count) - sizeof(Envelope);
+  if (payload == bytes && bytes >= kScatterMinBytes) {
+    // Straight into the output, the trailer into a buffer of its own: one receive with a
+    // datatype of two blocks (its setup costs less than copying the payload once more).
+    auto envelope = std::make_shared<Envelope>();
+    MPI_Request request = MPI_REQUEST_NULL;
+    {
+      std::unique_lock<std::mutex> lock = MpiCallLock();
+      MPI_Aint displacements[2];
+      int rc = MPI_Get_address(out, &displacements[0]);
+      if (rc == MPI_SUCCESS) rc = MPI_Get_address(envelope.get(), &displacements[1]);
+      if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Get_address", rc);
+      const int lengths[2] = {static_cast<int>(bytes), static_cast<int>(sizeof(Envelope))};
+      MPI_Datatype type = MPI_DATATYPE_NULL;
+      rc = MPI_Type_create_hindexed(2, lengths, displacements, MPI_BYTE, &type);
+      if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Type_create_hindexed", rc);
+      rc = MPI_Type_commit(&type);
+      if (rc == MPI_SUCCESS) rc = MPI_Imrecv(MPI_BOTTOM, 1, type, message, &request);
+      MPI_Type_free(&type);  // the pending receive keeps what it needs
+      if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Imrecv", rc);
+    }
+    if (Status s = WaitAll({&request, 1}, deadline, envelope); !s.ok()) return s;
+    return Arrived(*envelope, payload, bytes, desc_hash);
+  }
+  // Small (a copy costs less than a datatype), or not the byte count expected (drained to
+  // keep the channel in step): through a buffer of our own.
+  auto scratch = std::make_shared<PooledBuffer>(
+      GlobalBufferPool().Acquire(static_cast<size_t>(count)));
+  if (Status s = ReceiveMatched(message, scratch->data(), count, deadline, scratch); !s.ok()) {
+    return s;
+  }
+  Envelope trailer;
+  std::memcpy(&trailer, scratch->data() + payload, sizeof(trailer));
+  Status arrived = Arrived(trailer, payload, bytes, desc_hash);
+  if (arrived.ok() && bytes > 0) std::memcpy(out, scratch->data(), bytes);
+  return arrived;
 }
 
 }  // namespace jcm

@@ -11,14 +11,14 @@
 namespace jcm {
 
 Status MpiTransport::PollReady(ChannelState& ch, uint64_t seq, int dest_rank, int tag,
-                               bool* ready, uint64_t* receiver_bytes,
+                               bool* ready, ReadySignal* receiver,
                                std::chrono::steady_clock::time_point deadline) {
   *ready = false;
   auto take = [&](const ReadySignal& signal) {
     if (signal.seq < seq) return false;  // an older message, which went staged: forget it
     if (signal.seq == seq) {
       *ready = true;
-      *receiver_bytes = signal.bytes;
+      *receiver = signal;
     } else {
       ch.has_early_ready = true;  // a later message (the two ends lost count after an error)
       ch.early_ready = signal;
@@ -127,18 +127,21 @@ Status MpiTransport::FinishDirect(const std::shared_ptr<DirectSend>& send,
 }
 
 Status MpiTransport::SendLarge(ChannelState& ch, uint64_t seq, int dest_rank, int tag,
-                               const void* data, size_t bytes, uint64_t max_inflight_bytes,
+                               const void* data, size_t bytes, const Desc& desc,
+                               uint64_t max_inflight_bytes,
                                std::chrono::steady_clock::time_point deadline,
                                std::shared_ptr<DirectSend>* kept) {
   bool ready = false;
-  bool mismatch = false;  // the receiver waits for another byte count: send staged
+  // The receiver waits for another byte count, dtype or shape: send staged (its envelope
+  // lets the receiver report the mismatch).
+  bool mismatch = false;
   auto poll = [&](bool* go_direct) -> Status {
     *go_direct = false;
     if (mismatch) return Status::Ok();
-    uint64_t receiver_bytes = 0;
-    Status s = PollReady(ch, seq, dest_rank, tag, &ready, &receiver_bytes, deadline);
+    ReadySignal receiver;
+    Status s = PollReady(ch, seq, dest_rank, tag, &ready, &receiver, deadline);
     if (s.ok() && ready) {
-      if (receiver_bytes == bytes) *go_direct = true;
+      if (receiver.bytes == bytes && receiver.desc_hash == desc.hash) *go_direct = true;
       else mismatch = true;
     }
     return s;
@@ -162,7 +165,7 @@ Status MpiTransport::SendLarge(ChannelState& ch, uint64_t seq, int dest_rank, in
   // one copy's time still gets the message straight from the operand.
   PendingSend send;
   send.bytes = bytes;
-  send.buffer = GlobalBufferPool().Acquire(bytes);
+  send.buffer = GlobalBufferPool().Acquire(StagedBufferBytes(bytes));
   const auto* src = static_cast<const std::byte*>(data);
   for (size_t offset = 0; offset < bytes; offset += kStageStepBytes) {
     std::memcpy(send.buffer.data() + offset, src + offset, std::min(kStageStepBytes,
@@ -181,11 +184,12 @@ Status MpiTransport::SendLarge(ChannelState& ch, uint64_t seq, int dest_rank, in
     std::lock_guard<std::mutex> lock(mu_);
     ++staged_large_sends_;
   }
-  return IsendStaged(std::move(send), dest_rank, tag);
+  return IsendStaged(std::move(send), dest_rank, tag, desc);
 }
 
 Status MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out,
-                               size_t bytes, std::chrono::steady_clock::time_point deadline) {
+                               size_t bytes, uint64_t desc_hash,
+                               std::chrono::steady_clock::time_point deadline) {
   {
     // Already sent staged (the sender did not find us ready): take it the plain way.
     int flag = 0;
@@ -195,7 +199,7 @@ Status MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out
     if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Iprobe", rc);
     if (flag) {
       if (lock.owns_lock()) lock.unlock();
-      return RecvStaged(source_rank, tag, out, bytes, deadline);
+      return RecvStaged(source_rank, tag, out, bytes, desc_hash, deadline);
     }
   }
   // Post the receives into the output, then tell the sender that we are ready.
@@ -225,6 +229,7 @@ Status MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out
     control.signal = std::make_unique<ReadySignal>();
     control.signal->seq = seq;
     control.signal->bytes = bytes;
+    control.signal->desc_hash = desc_hash;
     std::unique_lock<std::mutex> lock(mu_);  // control_sends_ (and MPI if needed)
     int rc = MPI_Isend(control.signal.get(), sizeof(ReadySignal), MPI_BYTE, source_rank, tag,
                        ctrl_comm_, &control.request);
@@ -276,7 +281,7 @@ Status MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out
       if (cancelled != requests.size()) {
         return Status::Invalid("internal error: a direct message arrived in part only");
       }
-      if (staged) return RecvStaged(source_rank, tag, out, bytes, deadline);
+      if (staged) return RecvStaged(source_rank, tag, out, bytes, desc_hash, deadline);
       return Status::Timeout();
     }
     backoff.Pause();

@@ -10,16 +10,18 @@
 namespace jcm {
 
 Status MpiTransport::Send(int dest_rank, int tag, const void* data, size_t bytes,
-                          uint64_t max_inflight_bytes,
+                          std::string_view desc_text, uint64_t max_inflight_bytes,
                           std::chrono::steady_clock::time_point deadline,
                           std::shared_ptr<DirectSend>* kept) {
   ChannelState& ch = Channel(dest_rank, tag);
   std::lock_guard<std::mutex> channel_lock(ch.send_mu);
   const uint64_t seq = ch.next_send_seq++;  // every message counts, whatever its size
+  const Desc desc{desc_text, DescriptionHash(desc_text)};
   if (bytes >= kRendezvousMinBytes) {
-    return SendLarge(ch, seq, dest_rank, tag, data, bytes, max_inflight_bytes, deadline, kept);
+    return SendLarge(ch, seq, dest_rank, tag, data, bytes, desc, max_inflight_bytes, deadline,
+                     kept);
   }
-  return SendStaged(dest_rank, tag, data, bytes, max_inflight_bytes, deadline);
+  return SendStaged(dest_rank, tag, data, bytes, desc, max_inflight_bytes, deadline);
 }
 
 Status MpiTransport::ProgressLocked() {
@@ -101,7 +103,7 @@ Status MpiTransport::ReserveInflight(size_t bytes, uint64_t max_inflight_bytes,
 }
 
 Status MpiTransport::SendStaged(int dest_rank, int tag, const void* data, size_t bytes,
-                                uint64_t max_inflight_bytes,
+                                const Desc& desc, uint64_t max_inflight_bytes,
                                 std::chrono::steady_clock::time_point deadline) {
   bool stopped = false;
   static const StopWaiting never = [](bool* stop) {
@@ -114,14 +116,12 @@ Status MpiTransport::SendStaged(int dest_rank, int tag, const void* data, size_t
   }
   PendingSend send;
   send.bytes = bytes;
-  if (bytes > 0) {
-    send.buffer = GlobalBufferPool().Acquire(bytes);
-    std::memcpy(send.buffer.data(), data, bytes);
-  }
-  return IsendStaged(std::move(send), dest_rank, tag);
+  send.buffer = GlobalBufferPool().Acquire(StagedBufferBytes(bytes));
+  if (bytes > 0) std::memcpy(send.buffer.data(), data, bytes);
+  return IsendStaged(std::move(send), dest_rank, tag, desc);
 }
 
-Status MpiTransport::IsendStaged(PendingSend send, int dest_rank, int tag) {
+Status MpiTransport::IsendStaged(PendingSend send, int dest_rank, int tag, const Desc& desc) {
   const size_t bytes = send.bytes;
   auto isend = [&](const void* buf, size_t count) -> int {
     std::unique_lock<std::mutex> lock = MpiCallLock();
@@ -131,10 +131,13 @@ Status MpiTransport::IsendStaged(PendingSend send, int dest_rank, int tag) {
   };
   int rc = MPI_SUCCESS;
   if (bytes < kChunkedThreshold) {
-    rc = isend(send.buffer.data(), bytes);
+    const Envelope trailer = MakeEnvelope(kPayloadMagic, bytes, desc.hash, desc.text);
+    std::memcpy(send.buffer.data() + bytes, &trailer, sizeof(trailer));
+    rc = isend(send.buffer.data(), bytes + sizeof(trailer));
   } else {
-    send.header = std::make_unique<ChunkHeader>(MakeChunkHeader(bytes));
-    rc = isend(send.header.get(), sizeof(ChunkHeader));
+    send.header = std::make_unique<Envelope>(MakeEnvelope(kChunkMagic, bytes, desc.hash,
+                                                          desc.text));
+    rc = isend(send.header.get(), sizeof(Envelope));
     for (size_t offset = 0; offset < bytes && rc == MPI_SUCCESS; offset += kChunkBytes) {
       rc = isend(send.buffer.data() + offset, std::min(kChunkBytes, bytes - offset));
     }

@@ -6,23 +6,26 @@
 // before they receive never deadlock, whatever the message size. The bytes of undelivered
 // sends are bounded (Config::max_inflight_bytes). Large staged messages are framed in
 // chunks (mpi/framing.h). Receives probe with a deadline (MPI_Improbe) so a receive that
-// nothing matches fails instead of hanging, and check the byte count.
+// nothing matches fails instead of hanging, and check the byte count and the sender's
+// description of its operand (dtype and shape: every staged message carries a hash of it,
+// mpi/framing.h), so that a float32[4] never lands in an int32[4] as garbage.
 //
 // Messages of kRendezvousMinBytes or more may skip the copy (rendezvous). Both ends number
 // the messages of each channel (sequence numbers, one counter per direction and channel).
 // A receiver that reaches its precv before the message posts its receives straight into
 // its output buffer (on direct_comm_) and sends the sender a ready signal {sequence number,
-// byte count} (on ctrl_comm_). A sender that holds the ready signal of *this* message, with
-// its own byte count, sends straight from its operand (MPI_Issend, so a completed send
-// means the receives matched) and returns once that send completes. Otherwise it starts
+// byte count, description hash} (on ctrl_comm_). A sender that holds the ready signal of
+// *this* message, with its own byte count and description hash, sends straight from its
+// operand (MPI_Issend, so a completed send means the receives matched) and returns once
+// that send completes. Otherwise it starts
 // staging: it copies its operand into a transport buffer step by step, looking for the
 // ready signal between steps, so it waits for a late receiver at most about one copy's
 // time, and never for one that is not coming; when the copy is done it sends the staged
 // copy as above. Ready signals of older messages (the receiver got them staged) are
 // discarded by sequence number, so one never matches a later message. A receiver whose
 // message arrives staged cancels its direct receives, which cannot have matched: the
-// sender takes exactly one of the two paths per message. A byte-count mismatch is always
-// sent staged, so the receiver reports it as on the plain path.
+// sender takes exactly one of the two paths per message. A byte-count or description
+// mismatch is always sent staged, so the receiver reports it as on the plain path.
 //
 // Every wait has a deadline, matched receives included: requests are tested in a loop
 // (never MPI_Wait/MPI_Mrecv/MPI_Recv), and at the deadline they are cancelled and tested
@@ -52,6 +55,7 @@
 #include <mutex>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -106,15 +110,18 @@ class MpiTransport {
     std::chrono::steady_clock::time_point posted_for_test;  // mpi/stop_for_test.h
   };
 
+  // `desc` describes the operand ("float32[4]"); the receiver checks it against its own.
   // With `kept` (the operand stays alive and unchanged until FinishDirect(*kept)), a
   // direct send may be left in flight: *kept is then set, else left null.
-  Status Send(int dest_rank, int tag, const void* data, size_t bytes,
+  Status Send(int dest_rank, int tag, const void* data, size_t bytes, std::string_view desc,
               uint64_t max_inflight_bytes, std::chrono::steady_clock::time_point deadline,
               std::shared_ptr<DirectSend>* kept = nullptr);
   // Waits until a direct send left in flight completes (or the deadline: then cancels it).
   Status FinishDirect(const std::shared_ptr<DirectSend>& send,
                       std::chrono::steady_clock::time_point deadline);
-  Status Recv(int source_rank, int tag, void* out, size_t bytes,
+  // kSizeMismatch or kTypeMismatch (with the sender's byte count and description) when the
+  // message is not a `desc` ("int32[4]") of `bytes` bytes; the message is consumed anyway.
+  Status Recv(int source_rank, int tag, void* out, size_t bytes, std::string_view desc,
               std::chrono::steady_clock::time_point deadline);
 
   // At exit (collective over the communicator): completes every outstanding send and waits
@@ -146,6 +153,9 @@ class MpiTransport {
   static constexpr size_t kRendezvousMinBytes = size_t{256} << 10;
   static constexpr size_t kDirectChunkBytes = size_t{256} << 20;
   static constexpr size_t kStageStepBytes = size_t{128} << 10;
+  // Smallest one-message payload received straight into the output (with its trailer
+  // scattered apart by a datatype); smaller ones go through a buffer and one more copy.
+  static constexpr size_t kScatterMinBytes = size_t{16} << 10;
   // A sender looks for the ready signal this long before it starts staging: a receiver
   // that has just finished the previous message signals within a few microseconds.
   static constexpr std::chrono::microseconds kReadySpin{5};
@@ -155,8 +165,14 @@ class MpiTransport {
   static constexpr std::chrono::milliseconds kCancelGrace{1000};
 
   struct ReadySignal {
-    uint64_t seq = 0;    // which message of the channel the receiver waits for
-    uint64_t bytes = 0;  // the receiver's byte count
+    uint64_t seq = 0;        // which message of the channel the receiver waits for
+    uint64_t bytes = 0;      // the receiver's byte count
+    uint64_t desc_hash = 0;  // DescriptionHash() of the receiver's description
+  };
+  // An operand's description ("float32[4]") and its DescriptionHash().
+  struct Desc {
+    std::string_view text;
+    uint64_t hash = 0;
   };
   // Per channel (peer rank, tag): one psend and one precv at a time, so that sequence
   // numbers follow the order of the messages on the wire. Locking: see the class comment.
@@ -175,7 +191,7 @@ class MpiTransport {
 
   struct PendingSend {
     PooledBuffer buffer;
-    std::unique_ptr<ChunkHeader> header;  // chunked messages only
+    std::unique_ptr<Envelope> header;  // chunked messages only
     size_t bytes = 0;
     std::vector<MPI_Request> requests;  // header and chunks, or the one message
     std::chrono::steady_clock::time_point posted_for_test;  // mpi/stop_for_test.h
@@ -211,8 +227,11 @@ class MpiTransport {
   Status ReceiveChunks(int source_rank, int tag, std::byte* out, size_t total,
                        size_t chunk_bytes, std::chrono::steady_clock::time_point deadline,
                        std::shared_ptr<void> keep_alive = nullptr);
-  Status RecvStaged(int source_rank, int tag, void* out, size_t bytes,
+  Status RecvStaged(int source_rank, int tag, void* out, size_t bytes, uint64_t desc_hash,
                     std::chrono::steady_clock::time_point deadline);
+  // Receives the matched one-message payload of `count` bytes (payload and Envelope).
+  Status RecvOneMessage(MPI_Message* message, int count, void* out, size_t bytes,
+                        uint64_t desc_hash, std::chrono::steady_clock::time_point deadline);
 
   // mpi/setup.cc
   ChannelState& Channel(int peer_rank, int tag);
@@ -221,11 +240,13 @@ class MpiTransport {
 
   // mpi/send_queue.cc
   // Copy-and-Isend (small messages, and large ones to a receiver that is not ready).
-  Status SendStaged(int dest_rank, int tag, const void* data, size_t bytes,
+  Status SendStaged(int dest_rank, int tag, const void* data, size_t bytes, const Desc& desc,
                     uint64_t max_inflight_bytes,
                     std::chrono::steady_clock::time_point deadline);
-  // Sends the staged copy (header and chunks, or one message); the caller reserved the bytes.
-  Status IsendStaged(PendingSend send, int dest_rank, int tag);
+  // Sends the staged copy (header and chunks, or one message: its buffer has
+  // StagedBufferBytes(), the Envelope is written behind the payload); the caller reserved
+  // the bytes.
+  Status IsendStaged(PendingSend send, int dest_rank, int tag, const Desc& desc);
   // Waits until the in-flight bytes leave room for `bytes` (or nothing else is in flight),
   // then reserves them. Stops early, reserving nothing, when `stop` says so.
   Status ReserveInflight(size_t bytes, uint64_t max_inflight_bytes,
@@ -238,18 +259,18 @@ class MpiTransport {
 
   // mpi/rendezvous.cc
   Status SendLarge(ChannelState& ch, uint64_t seq, int dest_rank, int tag, const void* data,
-                   size_t bytes, uint64_t max_inflight_bytes,
+                   size_t bytes, const Desc& desc, uint64_t max_inflight_bytes,
                    std::chrono::steady_clock::time_point deadline,
                    std::shared_ptr<DirectSend>* kept);
   // Starts the direct send; finishes it too unless `kept` takes it.
   Status SendDirect(int dest_rank, int tag, const void* data, size_t bytes,
                     std::chrono::steady_clock::time_point deadline,
                     std::shared_ptr<DirectSend>* kept);
-  // Looks for the ready signal of message `seq`: sets *ready and *receiver_bytes.
+  // Looks for the ready signal of message `seq`: sets *ready and *receiver (its signal).
   Status PollReady(ChannelState& ch, uint64_t seq, int dest_rank, int tag, bool* ready,
-                   uint64_t* receiver_bytes, std::chrono::steady_clock::time_point deadline);
+                   ReadySignal* receiver, std::chrono::steady_clock::time_point deadline);
   Status RecvLarge(uint64_t seq, int source_rank, int tag, void* out, size_t bytes,
-                   std::chrono::steady_clock::time_point deadline);
+                   uint64_t desc_hash, std::chrono::steady_clock::time_point deadline);
 
   MPI_Comm comm_ = MPI_COMM_NULL;         // staged messages
   MPI_Comm ctrl_comm_ = MPI_COMM_NULL;    // ready signals, receiver -> sender

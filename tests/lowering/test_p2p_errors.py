@@ -42,6 +42,36 @@ def test_byte_count_mismatch_names_op_pair_and_shapes():
         assert part in msg, (part, msg)
 
 
+# Same byte count, another type: float32[n] into int32[n] (dtype) or float32[2, n/2] (shape).
+# 4 elements are queued or copied into a waiting receiver; 16 Ki elements (64 KiB) are
+# offered from the sender's operand (the mailbox's path from 16 KiB).
+@pytest.mark.parametrize("n", [4, 1 << 14])
+@pytest.mark.parametrize("kind", ["dtype", "shape"])
+def test_same_bytes_other_dtype_or_shape_names_both_sides(kind, n):
+    mesh = make_mesh((2, "x"))
+    want = (jax.ShapeDtypeStruct((n,), jnp.int32) if kind == "dtype"
+            else jax.ShapeDtypeStruct((2, n // 2), jnp.float32))
+    recv_desc = "int32" if kind == "dtype" else "float32"
+    recv_desc += f"[{n}]" if kind == "dtype" else f"[2,{n // 2}]"
+
+    def body(v):
+        r = jax_cpu_mpi.precv(jax_cpu_mpi.psend(v, "x", [(0, 1)]), want, "x", [(0, 1)])
+        return v + r.reshape(n).astype(v.dtype)
+
+    x = jax.device_put(jnp.arange(2.0 * n, dtype=jnp.float32), NamedSharding(mesh, P("x")))
+    with pytest.raises(jax.errors.JaxRuntimeError) as err:
+        np.asarray(_shmap(mesh, body)(x))
+    msg = str(err.value)
+    for part in ("INVALID_ARGUMENT", "precv", "on partition 1", "from partition 0",
+                 f"expected {recv_desc} ({4 * n} bytes)", f"sent float32[{n}] ({4 * n} bytes)",
+                 f"the sender's float32[{n}] as the receiver's {recv_desc}",
+                 "same shape and dtype"):
+        assert part in msg, (part, msg)
+    # The mismatched message was consumed: the channel delivers the next one.
+    got = _shmap(mesh, _exchange(jax_cpu_mpi.psend, jax_cpu_mpi.precv, "x", [(0, 1)]))(x)
+    np.testing.assert_array_equal(np.asarray(got)[n:], np.arange(n, dtype=np.float32))
+
+
 def test_outside_shard_map_keeps_jax_message():
     with pytest.raises(NameError, match="unbound axis name: x"):
         jax.jit(lambda v: jax_cpu_mpi.psend(v, "x", [(0, 1)])).lower(jnp.ones(2))

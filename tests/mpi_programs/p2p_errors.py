@@ -1,4 +1,7 @@
-"""Errors across processes: byte-count mismatch and an unmatched precv (timeout)."""
+"""Errors across processes: byte-count mismatch, same byte count but another dtype or
+shape, and an unmatched precv (timeout)."""
+
+import time
 
 import _mpi_common as common
 import jax
@@ -26,9 +29,10 @@ def mismatch(v):
     return jnp.concatenate([r, r])
 
 
-def expect_error(body, parts):
+def expect_error(body, parts, f=None):
     try:
-        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+        if f is None:
+            f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
         out = f(x)
         out.block_until_ready()
     except jax.errors.JaxRuntimeError as e:
@@ -68,8 +72,51 @@ def sizes(send_count, recv_count):
 for send_count, recv_count in [(2 << 20, 6 << 18), (2 << 20, 8), (8, 2 << 20)]:
     expect_error(sizes(send_count, recv_count),
                  ["precv", f"float32[{recv_count}]", f"({4 * recv_count} bytes)",
-                  f"sent {4 * send_count} bytes"])
+                  f"sent float32[{send_count}] ({4 * send_count} bytes)"])
     barrier(f"after {send_count}->{recv_count}")
+
+
+# Same byte count, another dtype (int32) or shape (2 x n/2): float32[n] must not land as
+# garbage. Every path: 16 B (eager, one message with its envelope), 64 KiB (one message,
+# received straight into the output), 512 KiB and 8 MiB (rendezvous: with the receiver
+# first, its ready signal names another type, so the sender stages; otherwise staged, the
+# 8 MiB one as a chunk header and chunks). The sender first, then the receiver first.
+def retyped(n, kind):
+    want = (jax.ShapeDtypeStruct((n,), jnp.int32) if kind == "dtype"
+            else jax.ShapeDtypeStruct((2, n // 2), jnp.float32))
+
+    def body(v):
+        payload = jnp.broadcast_to(v[:1], (n,))
+        r = jax_cpu_mpi.precv(jax_cpu_mpi.psend(payload, "x", [(0, 1)]), want, "x", [(0, 1)])
+        return v + r.reshape(-1)[:1].astype(v.dtype)
+    return body
+
+
+for n in (4, 16 << 10, 128 << 10, 2 << 20):
+    for kind in ("dtype", "shape"):
+        recv_desc = f"int32[{n}]" if kind == "dtype" else f"float32[2,{n // 2}]"
+        f = jax.jit(jax.shard_map(retyped(n, kind), mesh=mesh, in_specs=P("x"),
+                                  out_specs=P("x")))
+        f.lower(x).compile()
+        for late in (1, 0):  # rank 1 late: the sender first; rank 0 late: the receiver first
+            barrier(f"retyped {n} {kind} {late}")
+            if me == late:
+                time.sleep(0.3)
+            expect_error(None,
+                         ["INVALID_ARGUMENT", f"expected {recv_desc} ({4 * n} bytes)",
+                          "from partition 0 (process 0)", f"sent float32[{n}] ({4 * n} bytes)",
+                          f"the sender's float32[{n}] as the receiver's {recv_desc}"], f)
+            barrier(f"after retyped {n} {kind} {late}")
+
+# After those, the largest still arrives right (straight from the operand, if the receiver
+# is first).
+big = common.global_array(mesh, P("x"), np.arange(2 * (2 << 20), dtype=np.float32))
+got = common.gather(jax.jit(jax.shard_map(
+    lambda v: jax_cpu_mpi.precv(jax_cpu_mpi.psend(v, "x", [(0, 1)]),
+                                jax.ShapeDtypeStruct(v.shape, v.dtype), "x", [(0, 1)]),
+    mesh=mesh, in_specs=P("x"), out_specs=P("x")))(big))
+np.testing.assert_array_equal(got[2 << 20:], np.arange(2 << 20, dtype=np.float32))
+barrier("after retyped")
 
 
 def dangling(v):

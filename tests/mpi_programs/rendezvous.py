@@ -114,7 +114,8 @@ def run_paths() -> None:
             jax.block_until_ready(f(x))
         except jax.errors.JaxRuntimeError as e:
             assert me == 1, f"rank 0 must not fail: {e}"
-            for part in (f"uint8[{recv_n}]", f"({recv_n} bytes)", f"sent {send_n} bytes"):
+            for part in (f"uint8[{recv_n}]", f"({recv_n} bytes)",
+                         f"sent uint8[{send_n}] ({send_n} bytes)"):
                 assert part in str(e), (part, str(e))
             print(f"ok   mismatch {send_n} -> {recv_n}: {str(e).splitlines()[0][:160]}",
                   flush=True)
