@@ -166,8 +166,9 @@ def run_trial(size: int, direction: str, mode: str, recv_timeout: float, max_del
 
 def table(records: list[dict]) -> str:
     rows = ["| size | direction (receiver of the size) | error | pass | ended | rank 0 printed "
-            "timeout error | max s link-down to end | exit statuses | rank 0 errors |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "timeout error | max s link-down to end | exit statuses | rank 1 (host B) exited "
+            "by itself, max s | job_broken() rank 0, rank 1 | rank 0 errors |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     keys = []
     for r in records:
         k = (r["size"], r["direction"], r["mode"])
@@ -181,12 +182,24 @@ def table(records: list[dict]) -> str:
         kinds = sorted({_kind(r.get("rank0_error")) for r in rs})
         codes = sorted({str(r.get("returncode")) for r in rs})
         recv = "rank 1, host B" if direction == "0to1" else "rank 0, launcher's host A"
+        # Host B's rank: mpiexec cannot reach it over the dead link; it must end by itself
+        # (the harness kills what still runs 15 s after mpiexec ended).
+        b_exits = [r["rank_exits"]["1"][1] for r in rs if "1" in (r.get("rank_exits") or {})]
+        b_col = f"{len(b_exits)}/{n}, {max(b_exits)}" if b_exits else f"0/{n}"
+        # Printed after a caught error only: True when a request MPI could not cancel (a
+        # message cut mid-way) was abandoned at the deadline.
+        if mode == "caught":
+            broken = ", ".join(f"{sum(r.get(f'rank{k}_job_broken') == 'True' for r in rs)}/{n}"
+                               for k in (0, 1))
+        else:
+            broken = "not printed"
         rows.append(
             f"| {size_name(size)} | {direction} ({recv}) | {mode} | "
             f"{sum(bool(r.get('ok')) for r in rs)}/{n} | "
             f"{sum(bool(r.get('ended')) for r in rs)}/{n} | "
             f"{sum(bool(r.get('rank0_timeout_error')) for r in rs)}/{n} | "
-            f"{max(times) if times else '-'} | {', '.join(codes)} | {'; '.join(kinds)} |")
+            f"{max(times) if times else '-'} | {', '.join(codes)} | {b_col} | {broken} | "
+            f"{'; '.join(kinds)} |")
     return "\n".join(rows)
 
 
@@ -202,6 +215,22 @@ def _kind(error: str | None) -> str:
     return error[:60]
 
 
+def markdown(records: list[dict], jsonl_name: str, max_delay: float) -> str:
+    timeouts = sorted({r["recv_timeout_s"] for r in records})
+    trials = max((r.get("trial", 1) for r in records), default=0)
+    loads = [r["load"] for r in records if "load" in r]
+    return (f"# Link down mid-loop between two hosts ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
+            f"`python scripts/two_host_faults.py --trials {trials}`: network namespaces on one "
+            f"2-core machine (shared; 1-min load during the trials {min(loads, default=0)}-"
+            f"{max(loads, default=0)}), MPICH (hydra) + UCX_TLS=tcp,self over a veth link; "
+            f"JAX_CPU_MPI_RECV_TIMEOUT={', '.join(f'{t:g}' for t in timeouts)} s; the link "
+            f"goes down 0-{max_delay:g} s after the loop runs and stays down. Direction: the way "
+            f"the message of that size goes (a 4-byte message the other way). Pass: mpiexec "
+            f"(host A) ends by itself within the timeout + {SLACK:g} s of link-down with a "
+            f"non-zero status, and rank 0 (host A) printed a timeout error. Records: "
+            f"{jsonl_name}.\n\n" + table(records) + "\n")
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trials", type=int, default=3)
@@ -214,9 +243,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--name", default=f"two-host-faults-{time.strftime('%Y-%m-%d')}")
     p.add_argument("--table-only", metavar="JSONL", help="print the table of recorded trials")
     a = p.parse_args(argv)
-    if a.table_only:
-        print(table([json.loads(line) for line in Path(a.table_only).read_text().splitlines()
-                     if line.strip()]))
+    if a.table_only:  # also rewrites the .md next to the records
+        jsonl = Path(a.table_only)
+        records = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+        text = markdown(records, jsonl.name, a.max_delay)
+        jsonl.with_suffix(".md").write_text(text)
+        print(text)
         return 0
     reason = unavailable_reason()
     if reason is not None:
@@ -253,14 +285,7 @@ def main(argv: list[str]) -> int:
                   f"status {rec.get('returncode')}, killed {rec['killed']}, rank0: "
                   f"{rec.get('rank0_error')!s:.160} | rank1: {rec.get('rank1_error')!s:.120} "
                   f"| load {rec['load']}", flush=True)
-    text = (f"# Link down mid-loop between two hosts ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
-            f"`python scripts/two_host_faults.py --trials {a.trials} --timeout {a.timeout}`: "
-            f"network namespaces on one 2-core machine, MPICH (hydra) + UCX_TLS=tcp,self over "
-            f"a veth link; JAX_CPU_MPI_RECV_TIMEOUT={a.timeout:g} s; the link goes down "
-            f"0-{a.max_delay:g} s after the loop runs and stays down. Pass: mpiexec ends by "
-            f"itself within {a.timeout + SLACK:g} s of link-down, non-zero status, rank 0 (the "
-            f"launcher's host) printed a timeout error. Records: {jsonl.name}.\n\n"
-            + table(records) + "\n")
+    text = markdown(records, jsonl.name, a.max_delay)
     (out / f"{a.name}.md").write_text(text)
     print(text)
     return 0 if all(r.get("ok") for r in records) else 1
