@@ -79,26 +79,39 @@ def pyspy() -> str | None:
 
 
 def dump_stuck(hosts: TwoHosts) -> str:
-    """py-spy dumps of every process of the job still running in the two namespaces."""
+    """What every process still running in the two namespaces does: the command line of
+    each; for the ranks, ``py-spy dump --native`` (the Python threads) and gdb's backtraces
+    of every thread (XLA's device threads, where psend/precv wait, are no Python threads)."""
     tool = pyspy()
+    gdb = shutil.which("gdb")
     parts = []
     for h, ns in hosts.namespaces.items():
         for pid in _ip("netns", "pids", ns, check=False).stdout.split():
             try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
+            cmd = b" ".join(argv).decode(errors="replace")
             parts.append(f"=== host {h} pid {pid}: {cmd[:300]}")
-            if tool and ("python" in cmd and "network_fault.py" in cmd):
-                out = subprocess.run([tool, "dump", "--native", "--pid", pid],
-                                     capture_output=True, text=True, timeout=60)
-                parts.append(out.stdout + out.stderr)
+            if not (Path(argv[0].decode()).name.startswith("python")
+                    and "network_fault.py" in cmd):
+                continue
+            for what in ([tool, "dump", "--native", "--pid", pid] if tool else None,
+                         [gdb, "-p", pid, "-batch", "-ex", "thread apply all bt"]
+                         if gdb else None):
+                if what is None:
+                    continue
+                try:
+                    out = subprocess.run(what, capture_output=True, text=True, timeout=60)
+                    parts.append(out.stdout + out.stderr)
+                except subprocess.TimeoutExpired:
+                    parts.append(f"({what[0]} did not finish within 60 s)")
     return "\n".join(parts)
 
 
 def run_trial(size: int, direction: str, mode: str, recv_timeout: float, max_delay: float,
-              failures: Path, label: str) -> dict:
-    limit = recv_timeout + SLACK
+              failures: Path, label: str, slack: float = SLACK) -> dict:
+    limit = recv_timeout + slack
     delay = random.uniform(0.0, max_delay)
     rec: dict = {"size": size, "direction": direction, "mode": mode, "delay_s": round(delay, 3),
                  "recv_timeout_s": recv_timeout, "killed": False, "stuck_dump": None}
@@ -236,6 +249,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--timeout", type=float, default=10.0, help="JAX_CPU_MPI_RECV_TIMEOUT")
     p.add_argument("--max-delay", type=float, default=3.0)
+    p.add_argument("--slack", type=float, default=SLACK,
+                   help="seconds allowed after link-down beyond the timeout (a negative one "
+                        "checks the guard: the launch is dumped and killed)")
     p.add_argument("--sizes", default=",".join(map(str, SIZES)))
     p.add_argument("--directions", default=",".join(DIRECTIONS))
     p.add_argument("--modes", default=",".join(MODES))
@@ -265,7 +281,7 @@ def main(argv: list[str]) -> int:
     plan = [(int(s), d, m) for s in a.sizes.split(",") for d in a.directions.split(",")
             for m in a.modes.split(",")]
     print(f"# {len(plan)} cells x {a.trials} trials, JAX_CPU_MPI_RECV_TIMEOUT={a.timeout}, "
-          f"limit {a.timeout + SLACK} s after link-down; py-spy: {pyspy() or 'not installed'}",
+          f"limit {a.timeout + a.slack} s after link-down; py-spy: {pyspy() or 'not installed'}",
           flush=True)
     for trial in range(a.trials):  # rounds: every cell gets trial k before any gets k+1
         for size, direction, mode in plan:
@@ -274,7 +290,8 @@ def main(argv: list[str]) -> int:
             if done > trial:
                 continue
             label = f"{size}-{direction}-{mode}-{done + 1}"
-            rec = run_trial(size, direction, mode, a.timeout, a.max_delay, failures, label)
+            rec = run_trial(size, direction, mode, a.timeout, a.max_delay, failures, label,
+                            a.slack)
             rec["trial"] = done + 1
             rec["load"] = round(os.getloadavg()[0], 2)
             records.append(rec)
