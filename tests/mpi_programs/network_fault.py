@@ -1,11 +1,26 @@
 """A psend/precv ping-pong loop between two hosts while the test injects a network fault.
 
-``network_fault.py MODE`` under the two-host test bed (``tests/netns_hosts.py``), one rank
-per host, one device each. Every rank runs jitted calls of a ``lax.scan`` of ping-pong hops
-(rank 0 -> rank 1 -> rank 0, int32 payload, each value checked against a NumPy replay) and
-prints ``JCM-LOOPING`` once the loop runs; the test then takes the link down, kills a rank,
-or takes the link down and up again. Each rank prints ``JCM-CALLS n`` as calls complete, and
-``JCM-LONGEST-CALL`` (the longest call, seconds) when its loop ends.
+``network_fault.py MODE [BYTES [DIRECTION]]`` under the two-host test bed
+(``tests/netns_hosts.py``), one rank per host, one device each. Every rank runs jitted calls
+of a ``lax.scan`` of ping-pong hops (rank 0 -> rank 1 -> rank 0, int32 payload, each value
+checked against a NumPy replay) and prints ``JCM-LOOPING`` once the loop runs; the test then
+takes the link down, kills a rank, or takes the link down and up again. Each rank prints
+``JCM-CALLS n`` as calls complete, and ``JCM-LONGEST-CALL`` (the longest call, seconds) when
+its loop ends.
+
+BYTES (default 1024, a multiple of 4) is the size of the message, which picks the transport's
+path: below 256 KiB copy-and-Isend; from 256 KiB the rendezvous (direct from the operand when
+the receiver is ready first, else staged); staged messages of 4 MiB or more are chunked.
+DIRECTION says which way the BYTES go:
+
+* ``pingpong`` (default): both hops carry BYTES;
+* ``0to1``: BYTES from rank 0 to rank 1, and a 4-byte reply back (so a link that dies
+  mid-message most likely dies while rank 1, on the other host, is receiving);
+* ``1to0``: a 4-byte ping from rank 0, BYTES back from rank 1 (the receiver then is rank 0,
+  on the launcher's host).
+
+``JCM-LOOPING`` and ``JCM-CAUGHT`` come with ``JCM-STATS`` (the transport's counters:
+direct or staged sends so far) and, after a caught error, ``JCM-BROKEN`` (job_broken()).
 
 MODE:
 
@@ -32,8 +47,15 @@ from _mpi_common import P
 from jax import lax
 
 MODE = sys.argv[1]
+BYTES = int(sys.argv[2]) if len(sys.argv) > 2 else 1024
+DIRECTION = sys.argv[3] if len(sys.argv) > 3 else "pingpong"
+if BYTES < 4 or BYTES % 4 or DIRECTION not in ("pingpong", "0to1", "1to0"):
+    raise SystemExit(f"bad BYTES {BYTES} or DIRECTION {DIRECTION}")
 HOPS = 50  # ping-pong hops per call
-WIDTH = 256  # int32 -> 1 KiB per message
+WIDTH = BYTES // 4  # int32 per carry (the 1 KiB default: 256)
+# Elements of the ping (rank 0 -> 1) and the reply (rank 1 -> 0).
+PING = 1 if DIRECTION == "1to0" else WIDTH
+PONG = 1 if DIRECTION == "0to1" else WIDTH
 FWD, BWD = [(0, 1)], [(1, 0)]
 me = jax.process_index()
 mesh = jax.make_mesh((2,), ("x",))
@@ -41,11 +63,21 @@ mesh = jax.make_mesh((2,), ("x",))
 
 def ping_pong(x):
     def hop(carry, i):
-        there = lax.precv(lax.psend(carry + i, "x", FWD),
-                          jax.ShapeDtypeStruct(carry.shape, carry.dtype), "x", FWD)
-        back = lax.precv(lax.psend(there + 1, "x", BWD),
-                         jax.ShapeDtypeStruct(carry.shape, carry.dtype), "x", BWD)
-        return lax.pcast(back, "x", to="varying"), None
+        if DIRECTION == "pingpong":
+            there = lax.precv(lax.psend(carry + i, "x", FWD),
+                              jax.ShapeDtypeStruct(carry.shape, carry.dtype), "x", FWD)
+            back = lax.precv(lax.psend(there + 1, "x", BWD),
+                             jax.ShapeDtypeStruct(carry.shape, carry.dtype), "x", BWD)
+            return lax.pcast(back, "x", to="varying"), None
+        # One way BYTES, the other 4 bytes. Device 0's carry stays uniform (every element
+        # equal), so carry + (reply - carry[0, 0]) is the ping-pong's carry + i + 1.
+        row = carry[0]  # this device's shard is one row of WIDTH
+        there = lax.precv(lax.psend(row[:PING] + i, "x", FWD),
+                          jax.ShapeDtypeStruct((PING,), carry.dtype), "x", FWD)
+        reply = jnp.broadcast_to(there[:1] + 1, (PONG,))
+        back = lax.precv(lax.psend(reply, "x", BWD),
+                         jax.ShapeDtypeStruct((PONG,), carry.dtype), "x", BWD)
+        return carry + (back - row[0]), None
 
     out, _ = lax.scan(hop, x, jnp.arange(HOPS, dtype=jnp.int32))
     return out
@@ -60,7 +92,17 @@ f = jax.jit(jax.shard_map(ping_pong, mesh=mesh, in_specs=P("x"), out_specs=P("x"
 start = np.zeros((2, WIDTH), np.int32)
 x = common.global_array(mesh, P("x"), start)
 limit = int(os.environ.get("JCM_FLAP_CALLS", "0")) if MODE == "flap" else None
-print(f"process {me}: pid {os.getpid()} on {os.uname().nodename}", flush=True)
+print(f"process {me}: pid {os.getpid()} on {os.uname().nodename}, {BYTES} bytes {DIRECTION}",
+      flush=True)
+
+
+def stats() -> str:
+    from jax_cpu_mpi import _jax_cpu_mpi
+
+    d = _jax_cpu_mpi.stats()
+    keys = ("mpi_direct_sends", "mpi_staged_large_sends", "mpi_sends_completed",
+            "mpi_inflight_sends", "kept_sends")
+    return " ".join(f"{k}={d[k]}" for k in keys)
 
 
 def loop() -> int:
@@ -79,6 +121,7 @@ def loop() -> int:
         calls += 1
         if calls == 3:
             print(f"process {me}: JCM-LOOPING at {time.time():.3f}", flush=True)
+            print(f"process {me}: JCM-STATS {stats()}", flush=True)
         if calls % 100 == 0:
             print(f"process {me}: JCM-CALLS {calls}", flush=True)
     print(f"process {me}: JCM-LONGEST-CALL {longest:.3f} s", flush=True)
@@ -94,6 +137,10 @@ elif MODE in ("catch-exit", "flap"):
     except jax.errors.JaxRuntimeError as e:
         print(f"process {me}: JCM-CAUGHT at {time.time():.3f} after {time.time() - t0:.1f} s: "
               f"{e}", flush=True)
+        from jax_cpu_mpi import _jax_cpu_mpi
+
+        print(f"process {me}: JCM-STATS {stats()}", flush=True)
+        print(f"process {me}: JCM-BROKEN {_jax_cpu_mpi.job_broken()}", flush=True)
         sys.exit(1)
     print(f"process {me}: completed {calls} calls", flush=True)
     common.ok()

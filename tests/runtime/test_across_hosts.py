@@ -8,8 +8,10 @@ wrapper, and UCX is forced onto TCP (``tests/netns_hosts.py``). One rank per hos
   ``jax.distributed.initialize()`` with no arguments), the pipeline example's ``--check``,
   a 256 MiB message, ``jax-cpu-mpi info``.
 * Faults, with ``JAX_CPU_MPI_RECV_TIMEOUT`` of a few seconds: the link taken down mid-loop
-  (error uncaught; error caught and ``sys.exit(1)``), the link down and up again within the
-  timeout, the rank on the other host killed.
+  (error uncaught; error caught and ``sys.exit(1)``; 1 KiB messages, and 1 MiB ones, which
+  take the rendezvous path, direct or staged), the link down and up again within the
+  timeout, the rank on the other host killed. ``scripts/two_host_faults.py`` runs the
+  link-down case over more sizes, both directions and repeated trials.
 
 Each test makes its own pair of hosts (unique names), deletes it afterwards, also when the
 test fails, and skips with the reason where namespaces cannot be made (not root, no ``ip``).
@@ -188,6 +190,44 @@ def test_link_down_caught_error_and_sys_exit_aborts_the_whole_launch(hosts):
         assert re.search(r"JCM-CAUGHT at ([\d.]+)", run.rank_output[rank]), run.report()
     assert "aborting the whole MPI launch (MPI_Abort) with status 1" in _all_output(run), \
         run.report()
+
+
+#: The receive timeout of the 1 MiB link-down tests, and the seconds their launch may take
+#: beyond it after the link goes down.
+BIG_FAULT_RECV_TIMEOUT = 10
+BIG_FAULT_SLACK = 30.0
+#: A psend/precv that gave up at its deadline: a precv's own timeout, or the error of a send
+#: that the precv finished (a direct send whose receiver stopped taking it, an in-flight bound
+#: that never cleared).
+_TIMEOUT_ERROR = re.compile(r"DEADLINE_EXCEEDED: precv\(axis_name=\('x',\)|psend\(axis_name="
+                            r"\('x',\).* failed: .*(JAX_CPU_MPI_RECV_TIMEOUT|gave up waiting)")
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", ["uncaught", "catch-exit"])
+def test_link_down_mid_1_mib_messages_ends_the_launch(hosts, mode):
+    # 1 MiB each way: the rendezvous path (straight from the operand when the receiver is
+    # ready first, else staged), where a receive may have matched a message that the dead
+    # link then cuts in half (MPI cannot cancel it: it is abandoned at the deadline). With
+    # the link down for good, mpiexec on host A ends only through rank 0: its precv must
+    # time out, and the error (uncaught, or caught and sys.exit(1)) abort the launch.
+    def cut(job):
+        job.wait_for(0, "JCM-LOOPING")
+        job.mark("down")
+        hosts.set_link(False)
+
+    run = hosts.run("network_fault.py", mode, str(1 << 20), "pingpong", during=cut,
+                    timeout=120, env={"JAX_CPU_MPI_RECV_TIMEOUT": str(BIG_FAULT_RECV_TIMEOUT)})
+    job = run.job
+    assert run.returncode not in (None, 0), run.report()
+    assert job.ended_at - job.marks["down"] < BIG_FAULT_RECV_TIMEOUT + BIG_FAULT_SLACK, \
+        run.report()
+    assert _TIMEOUT_ERROR.search(run.rank_output[0]), run.report()
+    if mode == "catch-exit":
+        assert "JCM-CAUGHT" in run.rank_output[0], run.report()
+        assert "aborting the whole MPI launch (MPI_Abort)" in _all_output(run), run.report()
+    else:
+        assert "MPI_Abort" in _all_output(run), run.report()
 
 
 @pytest.mark.timeout(150)
