@@ -1,4 +1,5 @@
-"""``jax.distributed.initialize()`` with no arguments under mpirun, after ``import jax_cpu_mpi``.
+"""``jax.distributed.initialize()`` with no arguments under mpirun, after ``import jax_cpu_mpi``
+(or before it: ``plain_initialize.py before-import``).
 
 Run by tests/runtime/test_cluster.py (one host) and tests/runtime/test_across_hosts.py (two
 hosts). Checks
@@ -19,11 +20,18 @@ os.environ["XLA_FLAGS"] = (
 
 import jax  # noqa: E402
 
-import jax_cpu_mpi  # noqa: E402, F401  (registers the cluster environment)
+# after-import (default): as the docs say. before-import: jax.distributed.initialize() first,
+# as users write it; the startup hook of an installed jax_cpu_mpi registered the cluster
+# environment when JAX imported its clusters module.
+before = len(sys.argv) > 1 and sys.argv[1] == "before-import"
+if not before:
+    import jax_cpu_mpi
 
 assert "mpi4py.MPI" not in sys.modules, "mpi4py imported before jax.distributed.initialize()"
 jax.distributed.initialize()
 assert "mpi4py.MPI" in sys.modules
+if before:
+    import jax_cpu_mpi  # noqa: F401
 print("mpi4py imported by initialize, not before", flush=True)
 
 from _chain_vs_ppermute import assert_chain_matches_ppermute  # noqa: E402

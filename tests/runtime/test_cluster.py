@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -129,16 +130,35 @@ def test_outside_a_launcher_nothing_is_detected_and_mpi4py_is_not_imported():
     assert not got["mpi4py"]
 
 
-def test_not_registered_without_import_or_when_disabled():
-    assert cluster.NAME not in _detect(_HYDRA, imports="")["names"]
+def _startup_hook_installed() -> bool:
+    """Whether jax_cpu_mpi-startup.pth sits beside the package (an installed package; a
+    source checkout on PYTHONPATH has none, and nothing runs at interpreter start)."""
+    import jax_cpu_mpi
+
+    return (Path(jax_cpu_mpi.__file__).parents[1] / "jax_cpu_mpi-startup.pth").exists()
+
+
+def test_registered_at_start_under_a_launcher_without_import_not_when_disabled():
+    got = _detect(_HYDRA, imports="")
+    if _startup_hook_installed():  # the startup hook registered it, once
+        assert got["names"].count(cluster.NAME) == 1 and got["env"] == cluster.NAME, got
+        assert (got["count"], got["id"]) == (4, 1), got
+    else:
+        assert cluster.NAME not in got["names"], got
+    # Without a launcher's variables, the hook registers nothing.
+    assert cluster.NAME not in _detect({}, imports="")["names"]
     got = _detect({**_HYDRA, "JAX_CPU_MPI_DISABLE": "1"})
     assert cluster.NAME not in got["names"] and got["env"] is None
 
 
 @pytest.mark.mpi
-@pytest.mark.timeout(150)
-def test_plain_initialize_under_mpirun_on_one_host():
-    run = run_mpi("plain_initialize.py", nprocs=2, devices_per_process=2, timeout=130)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("order", ["after-import", "before-import"])
+def test_plain_initialize_under_mpirun_on_one_host(order):
+    if order == "before-import" and not _startup_hook_installed():
+        pytest.skip("a source checkout: the startup hook (jax_cpu_mpi-startup.pth) is only "
+                    "in an installed package")
+    run = run_mpi("plain_initialize.py", order, nprocs=2, devices_per_process=2, timeout=130)
     assert_mpi_ok(run, 2)
     for rank, lines in run.by_rank().items():
         text = "\n".join(lines)

@@ -273,6 +273,21 @@ def coordinator_address(override_port: str | None = None) -> str:
     return world.bcast(address, root=0)
 
 
+def process_count() -> int:
+    """The job's size, from the launcher's variables (no MPI call)."""
+    return int(os.environ[_variables()[1]])
+
+
+def process_id() -> int:
+    """This process's rank, from the launcher's variables (no MPI call)."""
+    return int(os.environ[_variables()[0]])
+
+
+def local_process_id() -> int | None:
+    """This process's rank among those of its host, where the launcher says."""
+    return _int_env(_variables()[2])
+
+
 def _make_class(base: type) -> type:
     class MpirunCluster(base):  # type: ignore[misc, valid-type]
         """MPICH's ``mpirun``/``mpiexec`` (PMI variables) and Open MPI 5's (PMIx variables)."""
@@ -291,15 +306,15 @@ def _make_class(base: type) -> type:
 
         @classmethod
         def get_process_count(cls) -> int:
-            return int(os.environ[_variables()[1]])
+            return process_count()
 
         @classmethod
         def get_process_id(cls) -> int:
-            return int(os.environ[_variables()[0]])
+            return process_id()
 
         @classmethod
         def get_local_process_id(cls) -> int | None:
-            return _int_env(_variables()[2])
+            return local_process_id()
 
     MpirunCluster.__module__ = __name__
     return MpirunCluster
@@ -327,4 +342,5 @@ def registered() -> bool:
 
 
 __all__ = ["NAME", "Launch", "coordinator_address", "detect", "initialize_distributed",
-           "launcher", "register", "registered"]
+           "launcher", "local_process_id", "process_count", "process_id", "register",
+           "registered"]
