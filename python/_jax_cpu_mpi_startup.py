@@ -9,6 +9,11 @@ it waits for JAX to import ``jax._src.clusters`` and then registers a cluster en
 whose methods call :mod:`jax_cpu_mpi`'s (``_src/runtime/launchers.py``) when JAX asks.
 Everywhere else it does nothing but read the environment. It never raises: a failure here
 must not break the interpreter, only leave the detection to ``import jax_cpu_mpi``.
+
+It is the one place outside ``jax_cpu_mpi/_src/compat/`` that touches a private JAX name
+(``jax._src.clusters.ClusterEnv`` and its ``_cluster_types``): it runs inside JAX's own
+import, where importing jax_cpu_mpi (and its compat room) is not possible. It checks what
+it finds and registers nothing when it does not look as expected.
 """
 
 from __future__ import annotations
