@@ -36,6 +36,22 @@ def pytest_report_header(config):
     return f"jax_cpu_mpi primitives: {use['primitives']} ({use['reason']})"
 
 
+def _newest_tested_series() -> bool:
+    from jax_cpu_mpi import TESTED_JAX_VERSIONS
+
+    series = lambda v: tuple(v.split(".")[:2])  # noqa: E731
+    return series(jax.__version__) == max(map(series, TESTED_JAX_VERSIONS),
+                                          key=lambda s: tuple(map(int, s)))
+
+
+#: Runs a heavy test only on the newest JAX series jax_cpu_mpi was tested with (CI runs the
+#: suite on the oldest and the newest): for checks whose subject does not depend on the JAX
+#: version (our C++ under the sanitizers) or concerns the JAX to come (a JAX without
+#: psend/precv), once per CI is the whole check, and twice costs minutes.
+newest_jax_only = pytest.mark.skipif(
+    not _newest_tested_series(),
+    reason="runs on the newest tested JAX series only (CI's second run)")
+
 #: Skips a test of plain ``jax.lax.psend``/``precv`` programs where JAX has none.
 needs_jax_p2p = pytest.mark.skipif(
     not jax_cpu_mpi._src.ops.primitives.in_use()["jax_has_primitives"],

@@ -31,7 +31,7 @@ import p2p_programs as programs
 import pytest
 from jax_p2p_removal import ENV
 
-from conftest import needs_jax_p2p
+from conftest import needs_jax_p2p, newest_jax_only
 
 ROOT = Path(__file__).resolve().parents[2]
 REMOVAL = Path(__file__).parents[1] / "mpi_programs" / "jax_p2p_removal.py"
@@ -119,18 +119,21 @@ def simulated_suite() -> SuiteRun:
                           marks="not mpi", timeout=840)
 
 
+@newest_jax_only
 @pytest.mark.timeout(900)
 def test_p2p_scenarios_in_one_process(simulated_suite):
     counts = simulated_suite.counts(*P2P_IN_ONE_PROCESS)
     assert counts.get("passed", 0) >= 60, counts  # 82 tests; JAX-vs-ours comparisons skip
 
 
+@newest_jax_only
 @pytest.mark.timeout(900)
 def test_batching_rules(simulated_suite):
     counts = simulated_suite.counts(*BATCHING)
     assert counts.get("passed", 0) >= 65, counts
 
 
+@newest_jax_only
 @pytest.mark.timeout(900)
 def test_gpu_parity_rejections(simulated_suite):
     counts = simulated_suite.counts(*GPU_PARITY)
@@ -154,6 +157,7 @@ EFFECT_P2P = tuple(f"tests/lowering/test_p2p_single_process.py::{t}" for t in (
     "test_token_orders_precv_after_psend", "test_dropped_token_still_sends"))
 
 
+@newest_jax_only
 @pytest.mark.timeout(600)
 def test_without_jax_effect_either():
     """JAX dropped psend/precv's effect too: ours carries an equivalent, and the parity check
@@ -165,6 +169,7 @@ def test_without_jax_effect_either():
     assert run.counts(*EFFECT_P2P) == {"passed": 9}, run.counts(*EFFECT_P2P)
 
 
+@newest_jax_only
 @pytest.mark.timeout(900)
 def test_pipeline_example_one_process(simulated_suite):
     counts = simulated_suite.counts(*PIPELINE_ONE_PROCESS)
@@ -187,6 +192,7 @@ MPIRUN = ("tests/runtime/test_p2p_mpi.py::test_all_scenarios_over_mpi[2]",
           "[mpirun-n2x2devices]")
 
 
+@newest_jax_only
 @pytest.mark.mpi
 @pytest.mark.timeout(900)
 def test_under_mpirun():

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cpu_mpi
-from conftest import make_mesh
+from conftest import make_mesh, newest_jax_only
 from jax_cpu_mpi import config
 from mpi_launcher import PROGRAMS, assert_mpi_ok, run_mpi
 
@@ -400,6 +400,7 @@ def test_large_send_nobody_receives_returns_and_exit_does_not_hang():
 # --- 5. sanitizers --------------------------------------------------------------------------
 
 
+@newest_jax_only
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_extension_built_with_asan_and_ubsan_runs_clean():
