@@ -40,7 +40,6 @@ myst_heading_anchors = 3
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
-autodoc_default_options = {"members": False}
 # The package is imported as installed (its extension is compiled); never mock it.
 
 html_theme = "furo"

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from typing import ClassVar
 
-from docutils.parsers.rst import Directive, directives
+from docutils.parsers.rst import directives
 from sphinx.util.docutils import SphinxDirective
 
 
@@ -24,7 +25,7 @@ def _parse(directive: SphinxDirective, text: str) -> list:
     from docutils import nodes
     from docutils.statemachine import StringList
 
-    container = nodes.section() if False else nodes.container()
+    container = nodes.container()
     directive.state.nested_parse(StringList(text.splitlines(), source="(generated)"),
                                  directive.content_offset, container)
     return container.children
@@ -34,7 +35,7 @@ class ConfigTable(SphinxDirective):
     """The table of every ``JAX_CPU_MPI_*`` variable, from the registry."""
 
     has_content = False
-    option_spec = {"kind": directives.unchanged}
+    option_spec: ClassVar[dict] = {"kind": directives.unchanged}
 
     def run(self) -> list:
         from jax_cpu_mpi import config
@@ -45,13 +46,16 @@ class ConfigTable(SphinxDirective):
             raise self.error(f"Config fields without a JAX_CPU_MPI_* variable in "
                              f"config.VARIABLES: {sorted(fields - with_variable)}")
         kinds = [k.strip() for k in self.options.get("kind", "").split(",") if k.strip()]
+        labels = {"runtime": "", "build": "build: ", "ci": "CI: ", "bench": "benchmarks: "}
         lines = ["| variable | `configure()` key | default | meaning |", "|---|---|---|---|"]
         for var in config.VARIABLES:
             if kinds and var.kind not in kinds:
                 continue
             key = f"`{var.field}`" if var.field else ""
-            meaning = var.meaning.replace("|", "\\|")
+            meaning = labels.get(var.kind, f"{var.kind}: ") + var.meaning.replace("|", "\\|")
             lines.append(f"| `{var.name}` | {key} | `{var.default}` | {meaning} |")
+        if len(lines) == 2:
+            raise self.error(f"no JAX_CPU_MPI_* variable of kind {kinds}")
         return _parse(self, "\n".join(lines))
 
 
@@ -73,11 +77,29 @@ _DIRECTIVE = {"functions": "autofunction", "classes": "autoclass", "errors": "au
               "warnings": "autoexception", "data": "autodata"}
 
 
+def _attribute_doc(name: str, obj: object) -> list[str]:
+    """The ``#:`` comment above ``name`` in the jax_cpu_mpi module that defines it."""
+    import sys
+
+    from sphinx.pycode import ModuleAnalyzer
+
+    for modname, module in sorted(sys.modules.items()):
+        if not modname.startswith("jax_cpu_mpi") or getattr(module, name, None) is not obj:
+            continue
+        try:
+            docs = ModuleAnalyzer.for_module(modname).find_attr_docs()
+        except Exception:
+            continue
+        if ("", name) in docs:
+            return [line for line in docs[("", name)] if line.strip()]
+    raise ValueError(f"jax_cpu_mpi.{name}: no '#:' comment documents it where it is defined")
+
+
 class PublicApi(SphinxDirective):
     """Autodoc entries for every name of ``jax_cpu_mpi.__all__``, grouped by kind."""
 
     has_content = False
-    option_spec = {"exclude": directives.unchanged}
+    option_spec: ClassVar[dict] = {"exclude": directives.unchanged}
 
     def run(self) -> list:
         import jax_cpu_mpi
@@ -93,18 +115,25 @@ class PublicApi(SphinxDirective):
             if not names:
                 continue
             out += [f"## {_TITLES[kind]}", ""]
+            # autodoc writes reStructuredText: parse its directives as such (eval-rst).
+            out.append("```{eval-rst}")
             for name in names:
-                options = [":members:"] if kind == "classes" else []
-                if kind == "data":
-                    options = [":no-value:"] if name != "TESTED_JAX_VERSIONS" else []
-                out += [f"```{{{_DIRECTIVE[kind]}}} jax_cpu_mpi.{name}", *options, "```", ""]
+                obj = getattr(jax_cpu_mpi, name)
+                if kind == "data":  # a value has no docstring: its #: comment where defined
+                    out += [f".. py:data:: jax_cpu_mpi.{name}", f"   :value: {obj!r}", "",
+                            *(f"   {line}" for line in _attribute_doc(name, obj)), ""]
+                    continue
+                options = [":members:", ":undoc-members:"] if kind == "classes" else []
+                out += [f".. {_DIRECTIVE[kind]}:: jax_cpu_mpi.{name}",
+                        *(f"   {o}" for o in options), ""]
+            out += ["```", ""]
         return _parse(self, "\n".join(out))
 
 
-def setup(app):  # noqa: ANN001
+def setup(app):
     app.add_directive("jcm-config-table", ConfigTable)
     app.add_directive("jcm-api", PublicApi)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}
 
 
-__all__ = ["ConfigTable", "Directive", "PublicApi", "setup"]
+__all__ = ["ConfigTable", "PublicApi", "setup"]

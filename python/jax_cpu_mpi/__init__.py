@@ -12,7 +12,8 @@ Importing the package registers CPU lowerings for the point-to-point primitives:
   MPI point-to-point on a communicator of our own.
 
 The results are those of the GPU lowering: ``precv(psend(x, perm), perm)`` equals
-``lax.ppermute(x, perm)``. See the README for configuration and launch instructions.
+``lax.ppermute(x, perm)``. The documentation (``docs/``) covers configuration and
+launchers.
 
 Each part hooks into JAX internals that a JAX release may move: such a part switches off
 with one :class:`JaxCompatWarning` and the rest keeps working (``python -m jax_cpu_mpi info``

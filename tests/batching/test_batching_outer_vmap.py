@@ -191,8 +191,8 @@ def test_batch_spec_refuses_a_batch_over_a_set_axis():
 
 
 def test_batch_sharded_over_an_explicit_axis(mesh2):
-    """JAX 0.12 runs it; JAX 0.10's shard_map refuses it before any batching rule (README,
-    Limits)."""
+    """JAX 0.12 runs it; JAX 0.10's shard_map refuses it before any batching rule
+    (docs/batching.md, Limits)."""
     with jax.set_mesh(mesh2):
         try:
             rows = cases.batch_sharded_over_explicit_axis(mesh2, gather)

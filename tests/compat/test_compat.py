@@ -385,7 +385,8 @@ def test_tested_versions_include_this_one_in_ci():
     """CI runs only tested versions; a new JAX must be added here once its suite passes."""
     assert jax.__version__ in _versions.TESTED_JAX_VERSIONS, (
         f"jax {jax.__version__} is not in TESTED_JAX_VERSIONS: run the whole suite with it, "
-        "then add it to jax_cpu_mpi/_versions.py and the README's tested versions")
+        "then add it to jax_cpu_mpi/_versions.py and the tested versions in "
+        "docs/getting-started.md")
 
 
 def test_untested_version_warns_once_naming_both_versions(monkeypatch):

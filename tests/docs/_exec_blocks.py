@@ -24,7 +24,7 @@ for path in paths:
             with contextlib.redirect_stdout(out):
                 sys.argv = [path]
                 runpy.run_path(path, run_name="__main__")
-        except BaseException:  # noqa: BLE001 - SystemExit too: report it, run the next block
+        except BaseException:
             error = traceback.format_exc()
     deprecations = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught
                     if issubclass(w.category, DeprecationWarning) and w.filename == path]

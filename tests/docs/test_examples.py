@@ -19,6 +19,7 @@ from pathlib import Path
 import doc_blocks
 import pytest
 from doc_blocks import ROOT, Block, Run
+
 from mpi_launcher import run_mpi
 
 HERE = Path(__file__).resolve().parent

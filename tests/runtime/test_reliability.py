@@ -406,7 +406,8 @@ def test_large_send_nobody_receives_returns_and_exit_does_not_hang():
 def test_extension_built_with_asan_and_ubsan_runs_clean():
     """scripts/sanitize.sh QUICK=1: builds the extension with -DJAX_CPU_MPI_SANITIZE=ON and
     runs the smoke tests (one process and mpirun -n 2) and the 8-device stress test under
-    ASan + UBSan; it fails on any sanitizer report. Without QUICK it runs more (README)."""
+    ASan + UBSan; it fails on any sanitizer report. Without QUICK it runs more
+    (docs/development.md)."""
     pytest.importorskip("nanobind", reason="the build needs nanobind in this environment")
     for tool in ("cmake", "gcc", "g++"):
         if shutil.which(tool) is None:

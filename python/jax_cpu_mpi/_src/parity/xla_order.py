@@ -37,8 +37,8 @@ our custom calls where the GPU module holds ``send``/``recv``; the graphs are th
 
 What XLA versions after 5a9e73cb change (their verifier walks the *schedule* when the
 module has one, test ``VerifySendRecvDeadlockOnScheduleButNotInstructionOrder``) is
-described in the README's GPU-parity section; the schedule of XLA's GPU scheduler is not
-something the StableHLO module determines.
+described in docs/gpu-parity.md; the schedule of XLA's GPU scheduler is not something the
+StableHLO module determines.
 """
 
 from __future__ import annotations

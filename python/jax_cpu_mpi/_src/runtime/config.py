@@ -1,8 +1,8 @@
 """Runtime configuration, from environment variables or :func:`configure`.
 
 Every ``JAX_CPU_MPI_*`` variable is listed once, in :data:`VARIABLES`: its default, its
-meaning and how its value is read. The README's "Configuration" table is generated from it
-(:func:`markdown_table`; ``tests/runtime/test_config.py`` checks that they agree).
+meaning and how its value is read. The documentation's "Configuration" page
+(``docs/configuration.md``) is generated from it when the site is built.
 
 A bad value never breaks ``import jax_cpu_mpi`` (JAX's plugin discovery imports the package):
 :func:`current`, :func:`configure` and the first psend/precv lowering raise a
@@ -159,7 +159,7 @@ def _choice(**choices: str) -> Callable[[Variable, str], str]:
 
 
 #: Every ``JAX_CPU_MPI_*`` environment variable: those jax_cpu_mpi reads at run time, then
-#: the build's, CI's and the benchmarks'. The README's "Configuration" table is made from it.
+#: the build's, CI's and the benchmarks'. The docs' "Configuration" table is made from it.
 VARIABLES: tuple[Variable, ...] = (
     Variable("JAX_CPU_MPI_RECV_TIMEOUT", "runtime", "300",
              "seconds a precv waits for its message before it fails with an error naming the "
@@ -298,12 +298,13 @@ def warn_about_unknown_names(stacklevel: int = 2) -> None:
         + (f" (did you mean {close}?)" if close else "")
         for name, close in unknown.items())
     warnings.warn(f"jax_cpu_mpi: {described}. The variables jax_cpu_mpi reads: "
-                  f"{', '.join(v.name for v in VARIABLES if v.kind == 'runtime')} (README, "
-                  "\"Configuration\").", ConfigWarning, stacklevel=stacklevel + 1)
+                  f"{', '.join(v.name for v in VARIABLES if v.kind == 'runtime')} (docs: "
+                  "Configuration).", ConfigWarning, stacklevel=stacklevel + 1)
 
 
 def markdown_table() -> str:
-    """The README's "Configuration" table, made from :data:`VARIABLES`."""
+    """A Markdown table of :data:`VARIABLES` (the docs' "Configuration" page is built from
+    the same registry)."""
     kinds = {"runtime": "", "build": "build: ", "ci": "CI: ", "bench": "benchmarks: "}
     lines = ["| variable | `configure` field | default | meaning |", "|---|---|---|---|"]
     for var in VARIABLES:
