@@ -40,6 +40,15 @@ def test_sizes_are_anchored_at_the_top():
     assert (plan.iters, plan.window, plan.hops) == (32, 32, 256)
 
 
+def test_progress_is_on_unless_no_progress_and_help_says_so():
+    """--help printed "(default: True)" after --no-progress, the opposite of its effect."""
+    assert options.parse([]).progress is True
+    assert options.parse(["--no-progress"]).progress is False
+    help_text = " ".join(options.build_parser().format_help().split())
+    flag = help_text[help_text.index("--no-progress no progress bar"):][:90]
+    assert "(default: True)" not in flag and "shown by default" in flag, flag
+
+
 def test_osu_and_nccl_rows_hold_the_statistics():
     lat = _measurement("psend/scan", "latency", 8, [3.0, 1.0, 2.0])
     bw = _measurement("mpi4py", "bandwidth", 1 << 20, [1000.0, 500.0, 2000.0], wrong=3)

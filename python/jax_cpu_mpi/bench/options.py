@@ -215,8 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "ratio")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 8 B to 4 KiB, few iterations (numbers are not meaningful)")
+    # The bar is on by default: no "(default: True)" from ArgumentDefaultsHelpFormatter,
+    # which would read as if --no-progress were on.
     p.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="no progress bar on stderr")
+                   default=argparse.SUPPRESS,
+                   help="no progress bar on stderr (the bar is shown by default)")
     return p
 
 
@@ -262,7 +265,7 @@ def parse(argv: list[str] | None = None) -> Options:
         scan_bytes=args.scan_bytes,
         min_samples=extra.get("min_samples", args.min_samples),
         local_devices=args.local_devices,
-        progress=args.progress,
+        progress=getattr(args, "progress", True),  # SUPPRESS: absent unless given
         repeat=args.repeat,
         rounds=args.rounds,
     )
