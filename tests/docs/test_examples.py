@@ -1,7 +1,7 @@
 """Every code example of README.md and docs/*.md runs as written and prints what the page shows.
 
 The convention (markers for device counts, mpirun, shell commands and skips) is described in
-``doc_blocks.py``. Single-process blocks of one page and device count share one interpreter,
+``doc_blocks.py``. Single-process blocks with the same device count share one interpreter,
 each in a fresh namespace (so a block that needs a name from another one fails); mpirun
 blocks run through ``tests/mpi_launcher.py`` with a timeout.
 """
@@ -48,7 +48,7 @@ def _file(block: Block) -> str:
 def _group(block: Block, run: Run) -> tuple:
     if run.isolated:
         return ("isolated", block.where, run.devices)
-    return ("page", str(block.page), run.devices)
+    return ("shared", run.devices)
 
 
 def _run_group(key: tuple, run: Run) -> dict:
