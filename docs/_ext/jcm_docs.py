@@ -3,7 +3,7 @@
 * ``jcm-config-table``: every ``JAX_CPU_MPI_*`` variable and :func:`jax_cpu_mpi.configure`
   key, from ``jax_cpu_mpi.config.VARIABLES`` (the one place they are defined). The build
   fails if a :class:`jax_cpu_mpi.Config` field has no variable.
-* ``jcm-api``: the API reference of every name in ``jax_cpu_mpi.__all__`` (functions,
+* ``jcm-api``: the API reference of every name in ``jax_cpu_mpi.__all__`` (modules, functions,
   classes, errors and warnings, constants), each from its docstring. A name added to
   ``__all__`` appears without touching the docs; ``:exclude:`` names ones documented
   elsewhere on the page.
@@ -60,6 +60,8 @@ class ConfigTable(SphinxDirective):
 
 
 def _kind(obj: object) -> str:
+    if inspect.ismodule(obj):
+        return "modules"
     if inspect.isclass(obj):
         if issubclass(obj, Warning):
             return "warnings"
@@ -72,9 +74,9 @@ def _kind(obj: object) -> str:
 
 
 _TITLES = {"functions": "Functions", "classes": "Classes", "errors": "Errors",
-           "warnings": "Warnings", "data": "Constants"}
+           "warnings": "Warnings", "data": "Constants", "modules": "Modules"}
 _DIRECTIVE = {"functions": "autofunction", "classes": "autoclass", "errors": "autoexception",
-              "warnings": "autoexception", "data": "autodata"}
+              "warnings": "autoexception", "data": "autodata", "modules": "automodule"}
 
 
 def _attribute_doc(name: str, obj: object) -> list[str]:
@@ -123,7 +125,8 @@ class PublicApi(SphinxDirective):
                     out += [f".. py:data:: jax_cpu_mpi.{name}", f"   :value: {obj!r}", "",
                             *(f"   {line}" for line in _attribute_doc(name, obj)), ""]
                     continue
-                options = [":members:", ":undoc-members:"] if kind == "classes" else []
+                options = {"classes": [":members:", ":undoc-members:"],
+                           "modules": [":members:"]}.get(kind, [])
                 out += [f".. {_DIRECTIVE[kind]}:: jax_cpu_mpi.{name}",
                         *(f"   {o}" for o in options), ""]
             out += ["```", ""]
