@@ -8,9 +8,11 @@ blocks run through ``tests/mpi_launcher.py`` with a timeout.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -25,6 +27,7 @@ from mpi_launcher import run_mpi
 HERE = Path(__file__).resolve().parent
 BLOCKS = doc_blocks.all_blocks()
 _WORK = Path(tempfile.mkdtemp(prefix="jcm-doc-blocks-"))
+atexit.register(shutil.rmtree, _WORK, ignore_errors=True)
 _results: dict[tuple, dict] = {}
 
 
