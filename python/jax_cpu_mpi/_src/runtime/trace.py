@@ -145,11 +145,19 @@ def _flush_at_exit() -> None:
         ext.trace_set_mode(False, _log, _events_per_thread)
 
 
+_attached_facts: dict[str, object] | None = None
+
+
 def _process_facts() -> dict[str, object]:
+    """Rank, host and clock offset; those seen while MPI was attached are kept, since the
+    file is written once more at exit, after MPI is detached."""
+    global _attached_facts
     clock = ext.trace_clock()
+    if not clock["measured"] and _attached_facts is not None:
+        return _attached_facts
     hosts = ext.rank_hosts()
     rank = int(clock["rank"])
-    return {
+    facts = {
         "host": hosts[rank] if rank < len(hosts) else socket.gethostname(),
         "rank": rank,
         "mpi": bool(ext.mpi_attached()),
@@ -157,12 +165,15 @@ def _process_facts() -> dict[str, object]:
         "clock_offset_us": int(clock["offset_ns"]) / 1e3,
         "clock_sync_rtt_us": int(clock["rtt_ns"]) / 1e3,
     }
+    if clock["measured"]:
+        _attached_facts = facts
+    return facts
 
 
 def _file_of(session: _Session, process: int | None = None) -> Path:
     if session.path is None:
         if process is None:
-            process = int(ext.trace_clock()["rank"])
+            process = int(_process_facts()["rank"])
         session.path = session.directory / (
             f"process{process}-{socket.gethostname()}-{os.getpid()}.json")
     return session.path
