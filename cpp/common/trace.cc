@@ -34,11 +34,13 @@ struct ThreadBuffer {
   uint64_t dropped = 0;
 };
 
-// Locking: `mu` guards buffers, capacity and local_seq.
+// Locking: `mu` guards buffers (taken once per thread, and by TakeEvents); `seq_mu` guards
+// local_seq. The capacity is an atomic: recording takes no lock but its own buffer's.
 struct Registry {
   std::mutex mu;
   std::vector<std::shared_ptr<ThreadBuffer>> buffers;
-  size_t capacity = 1 << 16;
+  std::atomic<size_t> capacity{1 << 16};
+  std::mutex seq_mu;
   std::map<std::tuple<int, int64_t, int64_t>, uint64_t> local_seq;
 };
 
@@ -48,13 +50,12 @@ Registry& GetRegistry() {
   return registry.get();
 }
 
-ThreadBuffer& ThisThreadBuffer(size_t* capacity) {
+ThreadBuffer& ThisThreadBuffer() {
   thread_local std::shared_ptr<ThreadBuffer> mine;
-  Registry& r = GetRegistry();
-  std::lock_guard<std::mutex> lock(r.mu);
-  *capacity = r.capacity;
   if (!mine) {
     mine = std::make_shared<ThreadBuffer>();
+    Registry& r = GetRegistry();
+    std::lock_guard<std::mutex> lock(r.mu);
     r.buffers.push_back(mine);  // the registry keeps it past the thread's end
   }
   return *mine;
@@ -83,17 +84,17 @@ OpNotes& Notes() {
 
 void SetMode(bool record, bool log, size_t events_per_thread) {
   Registry& r = GetRegistry();
-  {
-    std::lock_guard<std::mutex> lock(r.mu);
-    if (events_per_thread > 0) r.capacity = events_per_thread;
-    if (record && (Mode() & kRecord) == 0) r.local_seq.clear();
+  if (events_per_thread > 0) r.capacity.store(events_per_thread, std::memory_order_relaxed);
+  if (record && (Mode() & kRecord) == 0) {
+    std::lock_guard<std::mutex> lock(r.seq_mu);
+    r.local_seq.clear();
   }
   g_mode.store((record ? kRecord : 0) | (log ? kLog : 0), std::memory_order_relaxed);
 }
 
 uint64_t NextLocalSeq(Op op, int64_t source_device, int64_t destination_device) {
   Registry& r = GetRegistry();
-  std::lock_guard<std::mutex> lock(r.mu);
+  std::lock_guard<std::mutex> lock(r.seq_mu);
   return r.local_seq[{static_cast<int>(op), source_device, destination_device}]++;
 }
 
@@ -101,8 +102,8 @@ void Record(const Event& event) {
   const uint32_t mode = Mode();
   if (mode & kLog) Log(event);
   if ((mode & kRecord) == 0) return;
-  size_t capacity = 0;
-  ThreadBuffer& buffer = ThisThreadBuffer(&capacity);
+  const size_t capacity = GetRegistry().capacity.load(std::memory_order_relaxed);
+  ThreadBuffer& buffer = ThisThreadBuffer();
   std::lock_guard<std::mutex> lock(buffer.mu);
   if (buffer.events.size() >= capacity) {
     ++buffer.dropped;

@@ -22,6 +22,8 @@ lists every feature). Importing the package never fails because of that.
 from __future__ import annotations
 
 from jax_cpu_mpi._src import __version__
+from jax_cpu_mpi._src.cli.trace import TraceError
+from jax_cpu_mpi._src.cli.trace import merge as read_timeline
 from jax_cpu_mpi._src.compat import JaxCompatWarning, UntestedJaxWarning
 from jax_cpu_mpi._src.compat.versions import TESTED_JAX_VERSIONS
 from jax_cpu_mpi._src.install import activate_on_import as _activate_on_import
@@ -39,6 +41,7 @@ from jax_cpu_mpi._src.runtime.trace import trace
 _activate_on_import()
 
 __all__ = ["TESTED_JAX_VERSIONS", "Config", "ConfigError", "ConfigWarning", "GpuParityError",
-           "JaxCompatWarning", "MpiSetupError", "MpiSetupWarning", "UntestedJaxWarning",
-           "__version__", "check", "configure", "features", "initialize_distributed", "install",
-           "precv", "psend", "stats", "trace", "trace_flush"]
+           "JaxCompatWarning", "MpiSetupError", "MpiSetupWarning", "TraceError",
+           "UntestedJaxWarning", "__version__", "check", "configure", "features",
+           "initialize_distributed", "install", "precv", "psend", "read_timeline", "stats",
+           "trace", "trace_flush"]

@@ -113,7 +113,16 @@ class Timeline:
 
     @property
     def dropped(self) -> int:
+        """Events the processes could not keep (full buffers): the timeline lacks them."""
         return sum(p.dropped for p in self.processes)
+
+    def summary(self) -> dict[int, DeviceSummary]:
+        """Per device: messages, bytes, time in psend / precv / waiting (:func:`summarize`)."""
+        return summarize(self)
+
+    def bubble_fraction(self) -> float:
+        """Mean over devices of the share of the timeline spent blocked on a peer."""
+        return bubble_fraction(self)
 
     def chrome_trace(self) -> dict[str, object]:
         """The timeline as a Chrome trace (what ``timeline.json`` holds)."""
@@ -194,7 +203,12 @@ def _read(path: Path) -> tuple[ProcessInfo, list[dict]]:
 
 def merge(directory: str | os.PathLike[str]) -> Timeline:
     """Read every process's trace file in ``directory`` into one :class:`Timeline`, on MPI
-    rank 0's clock, starting at 0 (TraceError if there is nothing to merge)."""
+    rank 0's clock, starting at 0 (TraceError if there is nothing to merge).
+
+    Public as ``jax_cpu_mpi.read_timeline``: ``read_timeline(DIR).summary()`` gives each
+    device's sending, receiving and waiting time, ``.bubble_fraction()`` the mean share
+    of the timeline the devices spent waiting on a peer.
+    """
     infos, raw = [], []
     for path in _trace_files(Path(directory)):
         info, events = _read(path)
