@@ -288,9 +288,12 @@ def draw(timeline: Timeline, path: str | os.PathLike[str], title: str | None = N
     scale, unit = (1e3, "ms") if timeline.span_us >= 2e3 else (1.0, "us")
     fig, ax = plt.subplots(figsize=(12, 1.2 + 0.45 * max(1, len(devices))), dpi=100)
     bars: dict[str, list[tuple[int, tuple[float, float]]]] = {k: [] for k in COLOURS}
+    # Every op at least about a pixel wide: a psend that hands its bytes over at once is
+    # shorter than a pixel of a pipeline step, but still a message to see.
+    least = timeline.span_us / scale / 1500
     for m in timeline.messages:
         y = row[m.device]
-        bars[m.op].append((y, (m.start_us / scale, m.dur_us / scale)))
+        bars[m.op].append((y, (m.start_us / scale, max(m.dur_us / scale, least))))
         if m.wait_us > 0:
             start = m.start_us if m.op == "precv" else m.end_us - m.wait_us
             bars["wait"].append((y, (start / scale, m.wait_us / scale)))
