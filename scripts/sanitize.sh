@@ -96,6 +96,7 @@ else
   tests=(tests/test_smoke.py
          tests/lowering/test_p2p_single_process.py
          tests/passes/test_kept_operands.py
+         tests/trace/test_trace.py
          tests/lowering/test_p2p_errors.py
          "tests/runtime/test_reliability.py::test_rendezvous_direct_staged_and_mismatched_messages"
          "tests/runtime/test_reliability.py::test_back_to_back_programs_on_same_and_disjoint_devices_never_mix"

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "bench/core_probe.h"
+#include "common/trace.h"
 #include "ffi/device_thread_hint.h"
 #include "ffi/p2p_handlers.h"
 #include "ffi/runtime.h"
@@ -170,6 +171,46 @@ NB_MODULE(_jax_cpu_mpi, m) {
     d["kept_sends_unfinished"] = rt.kept_sends().pending();
     return d;
   });
+
+  m.def("trace_set_mode",
+        [](bool record, bool log, size_t events_per_thread) {
+          jcm::trace::SetMode(record, log, events_per_thread);
+        },
+        nb::arg("record"), nb::arg("log"), nb::arg("events_per_thread"),
+        "Switch the per-message timeline (record) and the stderr log (log); "
+        "events_per_thread bounds each thread's buffer between two trace_take calls.");
+  m.def("trace_mode", [] {
+    const uint32_t mode = jcm::trace::Mode();
+    return nb::make_tuple((mode & jcm::trace::kRecord) != 0, (mode & jcm::trace::kLog) != 0);
+  }, "(recording, logging)");
+  m.def("trace_take", [] {
+    jcm::trace::Taken taken = jcm::trace::TakeEvents();
+    nb::bytes table(reinterpret_cast<const char*>(taken.table.data()),
+                    taken.table.size() * sizeof(int64_t));
+    return nb::make_tuple(table, taken.dropped);
+  }, "(events as native int64 rows of trace_columns(), events dropped) since the last take.");
+  m.def("trace_columns", [] {
+    return std::vector<std::string>{"start_ns", "dur_ns", "wait_ns", "process", "device",
+                                    "peer", "bytes", "seq", "op", "path", "ok"};
+  });
+  static_assert(jcm::trace::kEventColumns == 11);
+  m.def("trace_path_names", [] {
+    std::vector<std::string> names;
+    for (int p = 0; p <= static_cast<int>(jcm::trace::Path::kKept); ++p) {
+      names.emplace_back(jcm::trace::PathName(static_cast<jcm::trace::Path>(p)));
+    }
+    return names;
+  }, "Names of the path codes of trace_take's rows, by code.");
+  m.def("trace_now_ns", &jcm::trace::NowNs, "The clock of the trace events (steady, ns).");
+  m.def("trace_clock", [] {
+    nb::dict d;
+    auto mpi = jcm::Runtime::Get().mpi();
+    d["measured"] = mpi ? mpi->clock_offset().measured : false;
+    d["offset_ns"] = mpi ? mpi->clock_offset().offset_ns : 0;
+    d["rtt_ns"] = mpi ? mpi->clock_offset().rtt_ns : 0;
+    d["rank"] = mpi ? mpi->rank() : 0;
+    return d;
+  }, "This process's steady clock against MPI rank 0's, measured when MPI was attached.");
 
   m.def("streaming_zero_fill_min_bytes", &jcm::StreamingZeroFillMinBytes,
         "Size from which the zeros of a precv that is no destination are written with "

@@ -19,6 +19,7 @@
 #include <string_view>
 
 #include "ffi/p2p_handlers.h"
+#include "common/trace.h"
 #include "ffi/runtime.h"
 #include "local/zero_fill.h"
 #include "xla/ffi/api/ffi.h"
@@ -30,7 +31,7 @@ namespace {
 
 using I64Span = ffi::Span<const int64_t>;
 
-// How long a send kept by a precv whose receive failed may still take (see PrecvImpl).
+// How long a send kept by a precv whose receive failed may still take (see Precv).
 constexpr std::chrono::milliseconds kKeptSendGraceAfterFailure{500};
 
 // Everything the lowering tells a handler about one psend/precv.
@@ -112,7 +113,7 @@ std::string MpiMissing(const OpInfo& info, int64_t me, int64_t peer) {
   return s.str();
 }
 
-ffi::Error PsendImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
+ffi::Error Psend(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
                      ffi::Result<ffi::Token> /*token*/, I64Span pairs, I64Span device_index,
                      I64Span device_process, int64_t num_devices, std::string_view op,
                      std::string_view operand, int64_t operand_kept) {
@@ -130,6 +131,7 @@ ffi::Error PsendImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
     std::shared_ptr<Mailbox::Offer> offer =
         rt.mailbox().Send({my_dev, peer_dev}, x.untyped_data(), bytes, std::string(operand), kept);
     if (offer) {
+      trace::NotePath(trace::Path::kKept);
       rt.kept_sends().Add(x.untyped_data(), [offer](auto /*deadline*/) {
         Runtime::Get().mailbox().Finish(offer);
         return Status::Ok();
@@ -152,6 +154,7 @@ ffi::Error PsendImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
   Status r = mpi->Send(dest, *tag, x.untyped_data(), bytes, operand, config.max_inflight_bytes,
                        DeadlineAfter(config.recv_timeout_s), kept ? &in_flight : nullptr);
   if (in_flight) {
+    trace::NotePath(trace::Path::kKept);
     // Finished by the precv that keeps the operand; its error names this psend.
     std::ostringstream what;
     what << op << " of " << operand << " from " << ProcessSuffix(info, me) << " to "
@@ -297,7 +300,7 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
 
 // precv: receives (or zero-fills), then finishes the sends made from the operands it keeps
 // alive (operand_kept of them), whatever the outcome of its own receive.
-ffi::Error PrecvImpl(ffi::Token /*token*/, ffi::Buffer<ffi::U32> partition,
+ffi::Error Precv(ffi::Token /*token*/, ffi::Buffer<ffi::U32> partition,
                      ffi::RemainingArgs kept, ffi::Result<ffi::AnyBuffer> out, I64Span pairs,
                      I64Span device_index, I64Span device_process, int64_t num_devices,
                      std::string_view op, std::string_view operand, int64_t operand_kept) {
@@ -329,6 +332,76 @@ ffi::Error PrecvImpl(ffi::Token /*token*/, ffi::Buffer<ffi::U32> partition,
   }
   if (received.failure() || send_status.ok()) return received;
   return ffi::Error::Internal(send_status.message());
+}
+
+// Tracing (common/trace.h): the op's event, timed around the whole handler. A device that
+// is neither source nor destination moves no message and gets no event.
+template <typename Body>
+[[gnu::noinline]] ffi::Error Traced(trace::Op op, const OpInfo& info,
+                                    ffi::Buffer<ffi::U32> partition, size_t bytes, Body body) {
+  trace::Notes() = {};
+  const int64_t start = trace::NowNs();
+  ffi::Error result = body();
+  const int64_t end = trace::NowNs();
+  const int64_t me = static_cast<int64_t>(partition.typed_data()[0]);
+  const int64_t n = static_cast<int64_t>(info.device_index.size());
+  if (me < 0 || me >= n || static_cast<int64_t>(info.device_process.size()) != n) {
+    return result;
+  }
+  const bool sending = op == trace::Op::kPsend;
+  const int64_t peer = FindPeer(info, me, sending);
+  if (peer < 0 || peer >= n) return result;
+  const trace::OpNotes notes = trace::Notes();
+  trace::Event e;
+  e.start_ns = start;
+  e.dur_ns = end - start;
+  e.wait_ns = std::min(notes.wait_ns, e.dur_ns);
+  e.process = info.device_process[me];
+  e.device = info.device_index[me];
+  e.peer = info.device_index[peer];
+  e.bytes = bytes;
+  e.op = op;
+  const bool local = info.device_process[peer] == info.device_process[me];
+  e.path = notes.path != trace::Path::kUnknown ? notes.path
+           : local                              ? trace::Path::kLocal
+                                                : trace::Path::kStaged;
+  e.seq = notes.has_seq ? notes.seq
+                        : trace::NextLocalSeq(op, sending ? e.device : e.peer,
+                                              sending ? e.peer : e.device);
+  e.ok = !result.failure();
+  trace::Record(e);
+  return result;
+}
+
+// The registered handlers: with tracing off (the usual case) one predictable branch.
+ffi::Error PsendImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
+                     ffi::Result<ffi::Token> token, I64Span pairs, I64Span device_index,
+                     I64Span device_process, int64_t num_devices, std::string_view op,
+                     std::string_view operand, int64_t operand_kept) {
+  if (trace::Mode() == 0) [[likely]] {
+    return Psend(x, partition, token, pairs, device_index, device_process, num_devices, op,
+                 operand, operand_kept);
+  }
+  const OpInfo info{op, operand, pairs, device_index, device_process, num_devices};
+  return Traced(trace::Op::kPsend, info, partition, x.size_bytes(), [&] {
+    return Psend(x, partition, token, pairs, device_index, device_process, num_devices, op,
+                 operand, operand_kept);
+  });
+}
+
+ffi::Error PrecvImpl(ffi::Token token, ffi::Buffer<ffi::U32> partition,
+                     ffi::RemainingArgs kept, ffi::Result<ffi::AnyBuffer> out, I64Span pairs,
+                     I64Span device_index, I64Span device_process, int64_t num_devices,
+                     std::string_view op, std::string_view operand, int64_t operand_kept) {
+  if (trace::Mode() == 0) [[likely]] {
+    return Precv(token, partition, kept, out, pairs, device_index, device_process,
+                 num_devices, op, operand, operand_kept);
+  }
+  const OpInfo info{op, operand, pairs, device_index, device_process, num_devices};
+  return Traced(trace::Op::kPrecv, info, partition, out->size_bytes(), [&] {
+    return Precv(token, partition, kept, out, pairs, device_index, device_process,
+                 num_devices, op, operand, operand_kept);
+  });
 }
 
 }  // namespace

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "common/trace.h"
+
 namespace jcm {
 
 Mailbox::Channel& Mailbox::GetChannel(ChannelKey key) {
@@ -36,6 +38,8 @@ Mailbox::PostState Mailbox::Await(Channel& ch, std::unique_lock<std::mutex>& loc
     return until_claimed ? s != PostState::kPosted : s == PostState::kDone;
   };
   if (satisfied()) return state.load(std::memory_order_relaxed);
+  trace::WaitTimer waited;  // from here on this side waits for the other one
+  waited.Waiting();
   lock.unlock();
   const auto spin_until = std::min(Clock::now() + kSpin, yield_until);
   for (uint32_t polls = 1; !satisfied(); ++polls) {

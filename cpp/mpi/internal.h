@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <thread>
 
+#include "common/trace.h"
+
 namespace jcm {
 
 // Whether MPI calls are allowed now. A failure of the query itself counts as "not usable":
@@ -22,10 +24,13 @@ inline bool MpiIsUsable() {
 inline constexpr const char* kMpiNotUsable = "MPI is not initialized or already finalized";
 
 // Adaptive wait used by every polling loop: spin first (lowest latency), then yield the core
-// (ranks may share cores), then sleep a little (long waits must not burn a core).
+// (ranks may share cores), then sleep a little (long waits must not burn a core). A loop
+// pauses only when it found nothing yet: the time from its first pause on is the time the
+// op waited (trace::WaitTimer).
 class Backoff {
  public:
   void Pause() {
+    if (iterations_ == 0) waited_.Waiting();
     ++iterations_;
     if (iterations_ < 2000) return;
     if (iterations_ < 200000) {
@@ -37,6 +42,7 @@ class Backoff {
 
  private:
   uint64_t iterations_ = 0;
+  trace::WaitTimer waited_;
 };
 
 }  // namespace jcm

@@ -15,6 +15,7 @@ Status MpiTransport::Recv(int source_rank, int tag, void* out, size_t bytes,
   ChannelState& ch = Channel(source_rank, tag);
   std::lock_guard<std::mutex> channel_lock(ch.recv_mu);
   const uint64_t seq = ch.next_recv_seq++;  // every message counts, whatever its size
+  trace::NoteSeq(seq);
   const uint64_t desc_hash = DescriptionHash(desc);
   if (bytes >= kRendezvousMinBytes) {
     return RecvLarge(seq, source_rank, tag, out, bytes, desc_hash, deadline);
@@ -170,6 +171,7 @@ Status MpiTransport::ReceiveChunks(int source_rank, int tag, std::byte* out, siz
 Status MpiTransport::RecvStaged(int source_rank, int tag, void* out, size_t bytes,
                                 uint64_t desc_hash,
                                 std::chrono::steady_clock::time_point deadline) {
+  trace::NotePath(trace::Path::kStaged);
   MPI_Message message = MPI_MESSAGE_NULL;
   MPI_Status status;
   Backoff backoff;

@@ -54,6 +54,7 @@ Status MpiTransport::PollReady(ChannelState& ch, uint64_t seq, int dest_rank, in
 Status MpiTransport::SendDirect(int dest_rank, int tag, const void* data, size_t bytes,
                                 std::chrono::steady_clock::time_point deadline,
                                 std::shared_ptr<DirectSend>* kept) {
+  trace::NotePath(trace::Path::kDirect);
   auto send = std::make_shared<DirectSend>();
   send->requests.reserve(bytes / kDirectChunkBytes + 1);
   const auto* src = static_cast<const std::byte*>(data);
@@ -184,6 +185,7 @@ Status MpiTransport::SendLarge(ChannelState& ch, uint64_t seq, int dest_rank, in
     std::lock_guard<std::mutex> lock(mu_);
     ++staged_large_sends_;
   }
+  trace::NotePath(trace::Path::kStaged);
   return IsendStaged(std::move(send), dest_rank, tag, desc);
 }
 
@@ -251,7 +253,10 @@ Status MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out
       int rc = MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
                            MPI_STATUSES_IGNORE);
       if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Testall", rc);
-      if (done) return Status::Ok();  // straight into the output
+      if (done) {  // straight into the output
+        trace::NotePath(trace::Path::kDirect);
+        return Status::Ok();
+      }
       rc = MPI_Iprobe(source_rank, tag, comm_, &staged, MPI_STATUS_IGNORE);
       if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Iprobe", rc);
     }
@@ -277,7 +282,10 @@ Status MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out
         return Status::Timeout("a direct message started to arrive but did not complete");
       }
       if (!s.ok()) return s;
-      if (cancelled == 0) return Status::Ok();
+      if (cancelled == 0) {
+        trace::NotePath(trace::Path::kDirect);
+        return Status::Ok();
+      }
       if (cancelled != requests.size()) {
         return Status::Invalid("internal error: a direct message arrived in part only");
       }

@@ -16,11 +16,13 @@ Status MpiTransport::Send(int dest_rank, int tag, const void* data, size_t bytes
   ChannelState& ch = Channel(dest_rank, tag);
   std::lock_guard<std::mutex> channel_lock(ch.send_mu);
   const uint64_t seq = ch.next_send_seq++;  // every message counts, whatever its size
+  trace::NoteSeq(seq);
   const Desc desc{desc_text, DescriptionHash(desc_text)};
   if (bytes >= kRendezvousMinBytes) {
     return SendLarge(ch, seq, dest_rank, tag, data, bytes, desc, max_inflight_bytes, deadline,
                      kept);
   }
+  trace::NotePath(trace::Path::kStaged);
   return SendStaged(dest_rank, tag, data, bytes, desc, max_inflight_bytes, deadline);
 }
 

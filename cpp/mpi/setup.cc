@@ -79,6 +79,13 @@ Status MpiTransport::Create(MPI_Comm comm, std::vector<int> rank_of_process,
   }
   t->thread_multiple_ = provided >= MPI_THREAD_MULTIPLE;
   t->rank_of_process_ = std::move(rank_of_process);
+  // Every rank is here (the duplications completed): line the clocks up for the timeline,
+  // on a communicator of its own so that no early psend of a faster rank can match.
+  MPI_Comm clock_comm = MPI_COMM_NULL;
+  if (Status s = DupWithDeadline(t->comm_, &clock_comm, deadline); !s.ok()) return s;
+  Status synced = MeasureClockOffset(clock_comm, deadline, &t->clock_offset_);
+  (void)MPI_Comm_free(&clock_comm);
+  if (!synced.ok()) return synced.WithPrefix("measuring the clock offsets: ");
   *out = std::move(t);
   return Status::Ok();
 }

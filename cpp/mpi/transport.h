@@ -61,6 +61,7 @@
 
 #include "common/buffer_pool.h"
 #include "common/status.h"
+#include "mpi/clock_sync.h"
 #include "mpi/framing.h"
 
 namespace jcm {
@@ -78,7 +79,7 @@ namespace jcm {
 //   ChannelState::recv_mu  that channel's next_recv_seq; held for a whole Recv.
 //   Order: a channel's send_mu/recv_mu before mu_; channels_mu_ is never held with another.
 //   Set once by Create, read without a lock: the communicators, rank_, size_, tag_ub_,
-//   thread_multiple_, rank_of_process_, id_. has_pending_ is read without a lock, broken_
+//   thread_multiple_, rank_of_process_, clock_offset_, id_. has_pending_ is read without a lock, broken_
 //   is an atomic.
 class MpiTransport {
  public:
@@ -100,6 +101,8 @@ class MpiTransport {
   int rank() const { return rank_; }
   int size() const { return size_; }
   int64_t tag_ub() const { return tag_ub_; }
+  // This process's steady clock against rank 0's, measured by Create (for the timeline).
+  const ClockOffset& clock_offset() const { return clock_offset_; }
   // The MPI rank of a JAX process, or -1 if unknown.
   int RankOfProcess(int64_t process_index) const;
 
@@ -280,6 +283,7 @@ class MpiTransport {
   int64_t tag_ub_ = 32767;
   bool thread_multiple_ = false;
   std::vector<int> rank_of_process_;
+  ClockOffset clock_offset_;
 
   mutable std::mutex mu_;
   std::deque<PendingSend> pending_;

@@ -23,6 +23,8 @@ lists every feature). Importing the package never fails because of that.
 from __future__ import annotations
 
 from jax_cpu_mpi._src import __version__
+from jax_cpu_mpi._src.cli.trace import TraceError
+from jax_cpu_mpi._src.cli.trace import merge as read_timeline
 from jax_cpu_mpi._src.compat import JaxCompatWarning, UntestedJaxWarning
 from jax_cpu_mpi._src.compat.versions import TESTED_JAX_VERSIONS
 from jax_cpu_mpi._src.install import activate_on_import as _activate_on_import
@@ -33,11 +35,14 @@ from jax_cpu_mpi._src.parity.check import check_lowered as check
 from jax_cpu_mpi._src.runtime.config import Config, ConfigError, ConfigWarning, configure
 from jax_cpu_mpi._src.runtime.launchers import initialize_distributed
 from jax_cpu_mpi._src.runtime.mpi import MpiSetupError, MpiSetupWarning
+from jax_cpu_mpi._src.runtime.trace import flush as trace_flush
+from jax_cpu_mpi._src.runtime.trace import trace
 
 # JAX_CPU_MPI_DISABLE=1 turns this off (and the jax_plugins entry point with it).
 _activate_on_import()
 
 __all__ = ["TESTED_JAX_VERSIONS", "Config", "ConfigError", "ConfigWarning", "GpuParityError",
-           "JaxCompatWarning", "MpiSetupError", "MpiSetupWarning", "UntestedJaxWarning",
-           "__version__", "check", "configure", "features", "initialize_distributed", "install",
-           "precv", "psend", "stats"]
+           "JaxCompatWarning", "MpiSetupError", "MpiSetupWarning", "TraceError",
+           "UntestedJaxWarning", "__version__", "check", "configure", "features",
+           "initialize_distributed", "install", "precv", "psend", "read_timeline", "stats",
+           "trace", "trace_flush"]

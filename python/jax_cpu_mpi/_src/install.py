@@ -14,6 +14,7 @@ from jax_cpu_mpi._src.lowering import barrier_tokens
 from jax_cpu_mpi._src.lowering import rules as lowering
 from jax_cpu_mpi._src.passes import hook
 from jax_cpu_mpi._src.runtime import config, launchers
+from jax_cpu_mpi._src.runtime import trace as message_trace
 
 _installed = False
 
@@ -39,6 +40,10 @@ def install() -> None:
         # psend/precv lowering raises this error (config.current() in lowering/rules.py),
         # not JAX's "only implemented on GPU".
         pass
+    try:
+        message_trace.apply_environment()
+    except config.ConfigError:
+        pass  # reported with the other bad values by the first lowering (config.current())
     compat.enable("lowerings", lowering.register)
     # The three module passes share one lowering hook (passes/hook.py runs them in order).
     compat.enable("gpu_parity", hook.install)

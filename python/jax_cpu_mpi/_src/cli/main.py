@@ -3,6 +3,10 @@
 ``jax-cpu-mpi info [--json]`` prints what jax_cpu_mpi is doing: versions, the MPI library
 and its ABI, which lowerings and batching rules are active, processes, devices and the
 transport of each device pair. Run it alone or as ``mpirun -n 2 jax-cpu-mpi info``.
+
+``jax-cpu-mpi trace DIR`` merges the per-process files that ``JAX_CPU_MPI_TRACE=DIR`` (or
+``jax_cpu_mpi.trace(DIR)``) wrote into ``DIR/timeline.json`` and ``DIR/timeline.png`` and
+prints where each device's time went.
 """
 
 from __future__ import annotations
@@ -22,6 +26,15 @@ def _parser() -> argparse.ArgumentParser:
         help="versions, MPI library and ABI, active lowerings and batching rules, devices "
              "and transports (under mpirun: one report per rank, printed by rank 0)")
     info.add_argument("--json", action="store_true", help="print one line of JSON")
+    trace = commands.add_parser(
+        "trace",
+        help="merge the per-process files of JAX_CPU_MPI_TRACE=DIR into DIR/timeline.json "
+             "(Perfetto / chrome://tracing) and DIR/timeline.png, and print a per-device "
+             "summary")
+    trace.add_argument("directory", help="the directory the processes wrote their files into")
+    trace.add_argument("--no-png", action="store_true", help="do not draw timeline.png")
+    trace.add_argument("--json", action="store_true",
+                       help="print the summary as one line of JSON")
     return parser
 
 
@@ -32,6 +45,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from jax_cpu_mpi._src.cli import info
 
         return info.run(as_json=args.json)
+    if args.command == "trace":
+        from jax_cpu_mpi._src.cli import trace
+
+        return trace.run(args.directory, picture=not args.no_png, as_json=args.json)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

@@ -158,6 +158,23 @@ def _choice(**choices: str) -> Callable[[Variable, str], str]:
     return parse
 
 
+def _directory(var: Variable, text: str) -> str:
+    if "\0" in text:
+        raise var.error(text, "is not a directory name", "set a directory, e.g. /tmp/trace")
+    return text
+
+
+def _positive_count(var: Variable, text: str) -> int:
+    fix = "set a positive whole number, e.g. 65536"
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise var.error(text, "is not a whole number", fix) from None
+    if value <= 0:
+        raise var.error(text, "is not a positive number", fix)
+    return value
+
+
 #: Every ``JAX_CPU_MPI_*`` environment variable: those jax_cpu_mpi reads at run time, then
 #: the build's, CI's and the benchmarks'. The docs' "Configuration" table is made from it.
 VARIABLES: tuple[Variable, ...] = (
@@ -201,6 +218,19 @@ VARIABLES: tuple[Variable, ...] = (
              "migration; read once, at import)", None,
              _choice(auto="JAX's primitives while JAX has them",
                      ours="jax_cpu_mpi's always")),
+    Variable("JAX_CPU_MPI_TRACE", "runtime", "(off)",
+             "a directory: every process records each psend/precv it executes (device, peer, "
+             "bytes, path, time waiting) and writes one Chrome-trace JSON file there at exit "
+             "and on `jax_cpu_mpi.trace_flush()`; `python -m jax_cpu_mpi trace DIR` merges "
+             "them into one timeline and a picture (docs: \"Timeline\")", None, _directory),
+    Variable("JAX_CPU_MPI_TRACE_EVENTS", "runtime", "65536",
+             "events each device thread keeps between two trace flushes; further ones are "
+             "counted as dropped (the file and a warning say how many)", None,
+             _positive_count),
+    Variable("JAX_CPU_MPI_DEBUG", "runtime", "0",
+             "`1`: one line per psend/precv on stderr (process, device, op, peer, bytes, "
+             "path, duration, time waiting)", None,
+             _boolean("log every message", "no log")),
     Variable("JAX_CPU_MPI_MPICC", "build", "(the mpich wheel)",
              "CMake option (`-Ccmake.define.JAX_CPU_MPI_MPICC=...`): the `mpicc` of the MPI "
              "to build the extension against"),
