@@ -194,6 +194,10 @@ def _run(stage_fn, chunk_params, loss_fn, xs, ys, plan, axis, data_axis, return_
     y_shape = _check_stage_shapes(stage_fn, chunk0, x0, C)
     buffer_shape = y_shape  # what a tick sends: an activation or a cotangent (same shape)
     varying = _vma(s) | frozenset().union(*map(_vma, jax.tree.leaves((xs, chunk_params))))
+    # Parameters typed as the data shards' own copies: otherwise the vjp of each tick would
+    # sum their cotangents over the data axis (the transpose of the implicit broadcast), a
+    # collective per tick; the data mean is taken once, after the scan.
+    chunk_params = _vary(chunk_params, varying)
 
     def zeros(shape_tree: PyTree, lead: tuple[int, ...] = ()) -> PyTree:
         return _vary(jax.tree.map(lambda a: jnp.zeros(lead + a.shape, a.dtype), shape_tree),
