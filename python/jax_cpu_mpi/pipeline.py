@@ -21,6 +21,7 @@ from jax_cpu_mpi._src.pipeline.reference import (
 )
 from jax_cpu_mpi._src.pipeline.schedules import (
     Action,
+    FromTable,
     GPipe,
     Interleaved1F1B,
     OneFOneB,
@@ -31,7 +32,7 @@ from jax_cpu_mpi._src.pipeline.schedules import (
 )
 from jax_cpu_mpi._src.pipeline.sharded import shard_value_and_grad
 
-__all__ = ["Action", "GPipe", "Interleaved1F1B", "OneFOneB", "PipelineError", "Schedule",
-           "ScheduleError", "ZeroBubble", "chunk_list", "reference_value_and_grad",
+__all__ = ["Action", "FromTable", "GPipe", "Interleaved1F1B", "OneFOneB", "PipelineError",
+           "Schedule", "ScheduleError", "ZeroBubble", "chunk_list", "reference_value_and_grad",
            "schedule_by_name", "shard_value_and_grad", "split_microbatches", "stack_stages",
            "value_and_grad"]

@@ -50,9 +50,9 @@ class Case:
 def make_params(P: int, V: int, dtype, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     lead = (P, V) if V > 1 else (P,)
-    return {"w": rng.normal(0, 0.6, lead + (WIDTH, WIDTH)).astype(dtype),
-            "b": rng.normal(0, 0.2, lead + (WIDTH,)).astype(dtype),
-            "gate": rng.uniform(0.5, 1.0, lead + (WIDTH,)).astype(dtype)}
+    return {"w": rng.normal(0, 0.6, (*lead, WIDTH, WIDTH)).astype(dtype),
+            "b": rng.normal(0, 0.2, (*lead, WIDTH)).astype(dtype),
+            "gate": rng.uniform(0.5, 1.0, (*lead, WIDTH)).astype(dtype)}
 
 
 def make_data(M: int, batch: int, dtype, seed: int = 1):

@@ -21,6 +21,7 @@ from typing import ClassVar, Literal, NamedTuple
 
 __all__ = [
     "Action",
+    "FromTable",
     "GPipe",
     "Interleaved1F1B",
     "OneFOneB",
@@ -244,8 +245,8 @@ def validate_table(table: Table, P: int, M: int, V: int, split: bool, title: str
             if a is None:
                 continue
             if a.kind not in kinds or not 0 <= a.microbatch < M or not 0 <= a.virtual_stage < V:
-                raise ScheduleError(f"{title}: tick {t}, stage {s}: {a} is not an action of "
-                                    f"this schedule (kinds {kinds}, M={M}, V={V})")
+                raise ScheduleError(f"{title}: tick {t}, stage {s}: {a.label(V)} is not an "
+                                    f"action of this schedule (kinds {kinds}, M={M}, V={V})")
             key = (a.kind, a.microbatch, _chunk(a, s, P))
             if key in when:
                 raise ScheduleError(f"{title}: {a.label(V)} runs twice on stage {s} (ticks "
@@ -409,6 +410,41 @@ class ZeroBubble(Schedule):
 
     def _orders(self, P: int, M: int, V: int) -> list[list[Action]]:  # pragma: no cover
         raise NotImplementedError("ZeroBubble builds its table with a greedy rule")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FromTable(Schedule):
+    """A schedule given by its table: ``rows[tick][stage]`` an :class:`Action` or ``None``.
+
+    Validated like the built-in ones before it runs (:func:`validate_table`): write your own
+    schedule, or load one made by another tool. ``stages`` and ``microbatches`` come from
+    the table."""
+
+    rows: Table = ()
+    #: Chunks per stage, as in :class:`Interleaved1F1B`.
+    virtual_stages: int = 1  # type: ignore[assignment]
+    #: Whether the table has ``W`` actions (the backward split as in :class:`ZeroBubble`).
+    weight_split: bool = False
+    name: ClassVar[str] = "table"
+
+    def __post_init__(self) -> None:
+        rows = tuple(tuple(None if a is None else Action(*a) for a in row)
+                     for row in self.rows)
+        object.__setattr__(self, "rows", rows)
+        if not rows or not rows[0]:
+            raise ScheduleError("FromTable: the table is empty")
+        if self.stages is None:
+            object.__setattr__(self, "stages", len(rows[0]))
+        if self.microbatches is None:
+            object.__setattr__(self, "microbatches", 1 + max(
+                (a.microbatch for row in rows for a in row if a is not None), default=0))
+
+    @property
+    def splits_weight_gradient(self) -> bool:  # type: ignore[override]
+        return self.weight_split
+
+    def _build(self, P: int, M: int, V: int) -> Table:
+        return self.rows
 
 
 _BY_NAME: dict[str, type[Schedule]] = {
