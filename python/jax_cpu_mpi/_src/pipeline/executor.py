@@ -183,8 +183,12 @@ def _accumulator_dtype(dtype: Any) -> Any:
         else dtype
 
 
-def _run(stage_fn, chunk_params, loss_fn, xs, ys, plan, axis, data_axis, return_outputs,
-         params):
+def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
+         loss_fn: Callable[[PyTree, PyTree], jax.Array], xs: PyTree, ys: PyTree,
+         plan: plan_mod.Plan, axis: Hashable, data_axis: Hashable | None,
+         return_outputs: bool, params: PyTree) -> Any:
+    """The scan over the plan's ticks (module docstring); ``chunk_params`` are this stage's
+    ``[V, ...]`` leaves, ``params`` the caller's block (the gradients take its shapes)."""
     schedule = plan.schedule
     P, M, V = schedule.stages, schedule.microbatches, schedule.virtual_stages
     C = P * V

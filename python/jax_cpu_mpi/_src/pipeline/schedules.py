@@ -106,10 +106,14 @@ class Schedule:
         """Raise where a schedule cannot run these sizes (subclasses add their limits)."""
 
     def _orders(self, P: int, M: int, V: int) -> list[list[Action]]:
-        raise NotImplementedError
+        """Each stage's actions in the order it runs them (schedules built from orders)."""
+        raise NotImplementedError(f"{self._title()} builds its table another way")
 
     def _build(self, P: int, M: int, V: int) -> Table:
-        orders = self._orders(P, M, V)
+        return self._run_orders(self._orders(P, M, V), P, M, V)
+
+    def _run_orders(self, orders: list[list[Action]], P: int, M: int, V: int) -> Table:
+        """The table of per-stage action orders, each action as soon as it is ready."""
         position = [0] * P
 
         def next_in_order(s: int, ready: Callable[[Action, int], bool]) -> Action | None:
@@ -332,16 +336,14 @@ class Interleaved1F1B(Schedule):
         # deadlock. Then every stage warms up a little longer (at V * M the order is
         # all-forward-then-all-backward, which always runs).
         for extra in range(V * M + 1):
-            object.__setattr__(self, "_extra_warmup", extra)
             try:
-                return Schedule._build(self, P, M, V)
+                return self._run_orders(self._orders(P, M, V, extra), P, M, V)
             except ScheduleError:
                 if extra == V * M:
                     raise
         raise AssertionError("unreachable")
 
-    def _orders(self, P: int, M: int, V: int) -> list[list[Action]]:
-        extra = getattr(self, "_extra_warmup", 0)
+    def _orders(self, P: int, M: int, V: int, extra: int = 0) -> list[list[Action]]:
         forward, backward = [], []
         for start in range(0, M, P):
             group = range(start, min(start + P, M))
@@ -407,9 +409,6 @@ class ZeroBubble(Schedule):
         # room ZB-H1 needs to reach its bubble (P - 1) / (3 M + P - 1); with none, W's
         # cannot be postponed and the bubble stays 1F1B's.
         return 2 * P - 1 - s
-
-    def _orders(self, P: int, M: int, V: int) -> list[list[Action]]:  # pragma: no cover
-        raise NotImplementedError("ZeroBubble builds its table with a greedy rule")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
