@@ -133,6 +133,12 @@ def test_mesh_without_the_stage_axis():
         pl.shard_value_and_grad(stage, loss, mesh(4), pl.GPipe(), axis_name="pp")
 
 
+def test_one_function_per_chunk():
+    with pytest.raises(pl.PipelineError, match=r"3 stage functions for 4 stages x 1 virtual "
+                       r"stages; give one per chunk \(P x V = 4\)"):
+        pl.shard_value_and_grad([stage] * 3, loss, mesh(4), pl.GPipe())
+
+
 def test_outside_shard_map():
     params, xs, ys = abstract_args(1, 1, 2, 4, 2)
     with pytest.raises(pl.PipelineError, match="the stage axis 'stage' is not bound"):

@@ -18,6 +18,7 @@ import numpy as np
 
 from jax_cpu_mpi._src.ops.p2p import precv, psend
 from jax_cpu_mpi._src.pipeline import plan as plan_mod
+from jax_cpu_mpi._src.pipeline.per_chunk import PerChunkStages
 from jax_cpu_mpi._src.pipeline.schedules import Schedule
 
 __all__ = ["PipelineError", "value_and_grad"]
@@ -158,6 +159,11 @@ def value_and_grad(
 
 
 def _check_stage_shapes(stage_fn: Callable, chunk: PyTree, x: PyTree, C: int) -> PyTree:
+    if isinstance(stage_fn, PerChunkStages):  # every chunk's own function must fit
+        y = x
+        for c, f in enumerate(stage_fn.functions):
+            y = _check_stage_shapes(f, stage_fn.chunk(c, chunk), x, C)
+        return y
     try:
         y = jax.eval_shape(stage_fn, chunk, x)
     except Exception as e:  # a shape error inside the user's stage: say where it happened
@@ -193,6 +199,11 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
     P, M, V = schedule.stages, schedule.microbatches, schedule.virtual_stages
     C = P * V
     s = jax.lax.axis_index(axis)
+    if isinstance(stage_fn, PerChunkStages):
+        apply = stage_fn.apply
+    else:
+        def apply(p: PyTree, x: PyTree, c: Any) -> PyTree:
+            return stage_fn(p, x)
     chunk0 = jax.tree.map(lambda a: a[0], chunk_params)
     x0 = jax.tree.map(lambda a: a[0], xs)
     y_shape = _check_stage_shapes(stage_fn, chunk0, x0, C)
@@ -224,30 +235,31 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
     no_buffer = lambda: zeros(buffer_shape)  # noqa: E731
     no_output = lambda: zeros(y_shape) if return_outputs else None  # noqa: E731
 
-    # The branches of the tick's lax.switch: (p, x, g, target) -> (buffer, dparams, loss, y).
-    def idle(p, x, g, tgt):
+    # The branches of the tick's lax.switch: (p, x, g, target, chunk) -> (buffer, dparams,
+    # loss, y).
+    def idle(p, x, g, tgt, c):
         return no_buffer(), zero_grads(p), zero_loss, no_output()
 
-    def forward(p, x, g, tgt):
-        return stage_fn(p, x), zero_grads(p), zero_loss, no_output()
+    def forward(p, x, g, tgt, c):
+        return apply(p, x, c), zero_grads(p), zero_loss, no_output()
 
-    def forward_last(p, x, g, tgt):
-        y = stage_fn(p, x)
+    def forward_last(p, x, g, tgt, c):
+        y = apply(p, x, c)
         loss, dy = jax.value_and_grad(lambda y: loss_fn(y, tgt))(y)
         return dy, zero_grads(p), loss.astype(jnp.float32), (y if return_outputs else None)
 
-    def backward(p, x, g, tgt):
-        _, vjp = jax.vjp(stage_fn, p, x)
+    def backward(p, x, g, tgt, c):
+        _, vjp = jax.vjp(lambda p, x: apply(p, x, c), p, x)
         dp, dx = vjp(g)
         return dx, cast(dp), zero_loss, no_output()
 
-    def weight(p, x, g, tgt):
-        _, vjp = jax.vjp(lambda p: stage_fn(p, x), p)
+    def weight(p, x, g, tgt, c):
+        _, vjp = jax.vjp(lambda p: apply(p, x, c), p)
         (dp,) = vjp(g)
         return no_buffer(), cast(dp), zero_loss, no_output()
 
-    def backward_input(p, x, g, tgt):
-        _, vjp = jax.vjp(lambda x: stage_fn(p, x), x)
+    def backward_input(p, x, g, tgt, c):
+        _, vjp = jax.vjp(lambda x: apply(p, x, c), x)
         (dx,) = vjp(g)
         return dx, zero_grads(p), zero_loss, no_output()
 
@@ -279,7 +291,8 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
             lambda a, b: jnp.where(first == 1, a, b), x_in, pick(acts, x_slot))
         g = pick(cots, g_slot)
         p = pick(chunk_params, v)
-        buffer, dp, step_loss, y = jax.lax.switch(branch, live, p, x, g, pick(ys, m))
+        buffer, dp, step_loss, y = jax.lax.switch(branch, live, p, x, g, pick(ys, m),
+                                                  v * P + s)
         grads = jax.tree.map(
             lambda a, d: jax.lax.dynamic_update_index_in_dim(
                 a, jax.lax.dynamic_index_in_dim(a, v, keepdims=False) + d, v, 0), grads, dp)

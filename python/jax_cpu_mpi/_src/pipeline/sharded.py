@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
 from jax.sharding import PartitionSpec
 
 from jax_cpu_mpi._src.pipeline.executor import PipelineError, value_and_grad
+from jax_cpu_mpi._src.pipeline.per_chunk import PerChunkStages
 from jax_cpu_mpi._src.pipeline.schedules import Schedule
 
 __all__ = ["shard_value_and_grad"]
@@ -17,7 +18,7 @@ PyTree = Any
 
 
 def shard_value_and_grad(
-    stage_fn: Callable[[PyTree, PyTree], PyTree],
+    stage_fn: Callable[[PyTree, PyTree], PyTree] | Sequence[Callable[[PyTree, PyTree], PyTree]],
     loss_fn: Callable[[PyTree, PyTree], jax.Array],
     mesh: jax.sharding.Mesh,
     schedule: Schedule,
@@ -33,6 +34,12 @@ def shard_value_and_grad(
     ``axis_name``; ``microbatches`` / ``targets``: ``[M, batch, ...]`` leaves, the batch axis
     sharded over ``data_axis_name`` if given, else replicated. ``loss`` is replicated,
     ``grads`` are sharded like ``params``, ``outputs`` like the microbatches.
+
+    Chunks whose parameters differ in shape: give ``stage_fn`` as a sequence of ``P x V``
+    functions (model order) and ``params`` as a sequence of as many pytrees, one per chunk
+    (the gradients come back the same way). Each chunk's parameters are flattened into one
+    padded vector per chunk (they must share one dtype); activations must still keep their
+    shape from chunk to chunk.
     """
     if axis_name not in mesh.shape:
         raise PipelineError(f"jax_cpu_mpi.pipeline.shard_value_and_grad: the mesh has axes "
@@ -68,4 +75,30 @@ def shard_value_and_grad(
     def run(params: PyTree, microbatches: PyTree, targets: PyTree) -> Any:
         return mapped(place(params, stage), place(microbatches, data), place(targets, data))
 
-    return run
+    if callable(stage_fn):
+        return run
+    functions = tuple(stage_fn)
+    if len(functions) != P * V:
+        raise PipelineError(
+            f"jax_cpu_mpi.pipeline.shard_value_and_grad: {len(functions)} stage functions "
+            f"for {P} stages x {V} virtual stages; give one per chunk (P x V = {P * V})")
+
+    def run_per_chunk(params: Sequence[PyTree], microbatches: PyTree, targets: PyTree) -> Any:
+        per_chunk = PerChunkStages(functions, params)
+
+        def body(vectors: jax.Array, microbatches: PyTree, targets: PyTree) -> Any:
+            return value_and_grad(per_chunk, vectors, loss_fn, microbatches, targets,
+                                  schedule, axis_name=axis_name,
+                                  data_axis_name=data_axis_name,
+                                  return_outputs=return_outputs)
+
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=(stage, data, data),
+                               out_specs=out_specs)
+        result = mapped(place(per_chunk.stacked(P, V), stage), place(microbatches, data),
+                        place(targets, data))
+        # Gathered before it is cut into chunks (a cut across the sharded stage axis would
+        # not type on a mesh with Explicit axes).
+        grads = place(result[1], PartitionSpec())
+        return (result[0], per_chunk.split(grads, P, V), *result[2:])
+
+    return run_per_chunk
