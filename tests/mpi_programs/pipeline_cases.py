@@ -98,9 +98,10 @@ def put(mesh, spec, value):
                                         lambda index: value[index])
 
 
-def run_case(case: Case, devices, gather: Gather) -> dict[str, float]:
+def run_case(case: Case, devices, gather: Gather, compare: bool = True) -> dict[str, float]:
     """Run ``case`` on ``devices`` (stages x data) and compare with :func:`reference`; returns
-    the largest relative differences of loss, gradients and outputs."""
+    the largest relative differences of loss, gradients and outputs. ``compare=False`` (the
+    processes but one of a job, which see the same gathered results) only gathers."""
     schedule = case.schedule()
     S, V, M, D = case.stages, schedule.virtual_stages, case.microbatches, case.data
     dtype = jnp.bfloat16 if case.dtype == "bfloat16" else np.float32
@@ -116,6 +117,9 @@ def run_case(case: Case, devices, gather: Gather) -> dict[str, float]:
     args = (jax.tree.map(lambda a: put(mesh, P("stage"), a), params),
             jax.tree.map(lambda a: put(mesh, data, a), xs), put(mesh, data, ys))
     got_loss, got_grads, got_outs = f(*args)
+    if not compare:
+        jax.tree.map(gather, (got_grads, got_outs))  # collective: every process takes part
+        return {}
     want_loss, want_grads, want_outs = reference(params, xs, ys, S, V)
 
     def rel(got, want):
