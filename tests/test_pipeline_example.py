@@ -1,7 +1,8 @@
 """The pipeline example trains exactly like one device, in every topology.
 
-``python -m jax_cpu_mpi.examples.pipeline --check`` runs in three topologies (1 process x 4
-devices, ``mpirun -n 2`` x 2 devices, ``mpirun -n 4`` x 1 device). Each run must pass its own
+``python -m jax_cpu_mpi.examples.pipeline --check`` (default schedule 1F1B) runs in three
+topologies (1 process x 4 devices, ``mpirun -n 2`` x 2 devices, ``mpirun -n 4`` x 1 device),
+and with ``--schedule zero-bubble`` in one process. Each run must pass its own
 check against single-device training, print the same loss curve as the other topologies, and
 match a NumPy float64 implementation of the same training written here, with hand-written
 backpropagation (independent of JAX's autodiff and of the example's code).
@@ -70,14 +71,19 @@ def assert_primitives(output: str) -> None:
 
 
 @cache
-def single_process_run() -> np.ndarray:
+def single_process_run(schedule: str = "1f1b") -> np.ndarray:
     env = dict(os.environ, JAX_CPU_MPI_RECV_TIMEOUT="60")
     env.pop("XLA_FLAGS", None)  # the example sets its own device count
-    proc = subprocess.run([*python_prefix(), "-m", MODULE, *ARGS], capture_output=True,
-                          text=True, env=env, timeout=150)
+    proc = subprocess.run([*python_prefix(), "-m", MODULE, *ARGS, "--schedule", schedule],
+                          capture_output=True, text=True, env=env, timeout=150)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output
     assert f"{STAGES} stages on 1 process(es) x 4 CPU device(s)" in output, output
+    # The schedule's theoretical bubble, as jax_cpu_mpi.pipeline computes it.
+    bubble = {"1f1b": (STAGES - 1) / (MICROBATCHES + STAGES - 1),
+              "zero-bubble": (STAGES - 1) / (3 * MICROBATCHES + STAGES - 1)}[schedule]
+    assert re.search(rf"^schedule: .*bubble fraction {bubble:.3f}", output, re.MULTILINE), \
+        output
     assert_primitives(output)
     return parse_run(output)
 
@@ -103,8 +109,9 @@ def test_numpy_reference_is_a_training_run():
 
 
 @pytest.mark.timeout(180)
-def test_one_process_four_devices_matches_reference():
-    losses = single_process_run()
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+def test_one_process_four_devices_matches_reference(schedule):
+    losses = single_process_run(schedule)
     np.testing.assert_allclose(losses, numpy_reference_losses(), rtol=1e-5)
 
 

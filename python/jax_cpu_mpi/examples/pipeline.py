@@ -1,35 +1,26 @@
-"""Pipeline-parallel (GPipe) training of a small MLP, with ``psend``/``precv`` between stages.
+"""Pipeline-parallel training of a small MLP with :mod:`jax_cpu_mpi.pipeline`.
 
-It uses ``jax_cpu_mpi.psend``/``precv``: ``jax.lax.psend``/``precv`` are deprecated since JAX
-0.12 and will be removed; ours keep the program working, on CPU and on GPU alike.
+The library runs a schedule (GPipe, 1F1B, interleaved 1F1B or zero-bubble ZB-H1) over
+``jax_cpu_mpi.psend``/``precv`` between stages: the same program on CPU (in-process and MPI)
+and on GPU (NCCL).
 
 One process with 4 virtual CPU devices (the file sets the device count itself)::
 
-    python -m jax_cpu_mpi.examples.pipeline
+    python -m jax_cpu_mpi.examples.pipeline --schedule 1f1b
 
 The same file on 4 MPI ranks of 1 device, or 2 ranks of 2 devices::
 
     mpirun -n 4 python -m jax_cpu_mpi.examples.pipeline
-    mpirun -n 2 python -m jax_cpu_mpi.examples.pipeline
+    mpirun -n 2 python -m jax_cpu_mpi.examples.pipeline --schedule interleaved-1f1b
 
 ``--check`` trains the same model on one device without pipelining and compares the loss
 curves and the final parameters (exit code 1 when they disagree).
 
-The model: ``P`` stages, stage ``s`` computes ``h -> tanh(h @ w[s] + b[s])`` on ``width``
-features; the parameters of all stages are stacked on a leading axis, sharded over the mesh
-axis ``'stage'`` (one stage per device). The data: a fixed random "teacher" network of the same
-shape labels Gaussian inputs; everything comes from ``--seed`` with NumPy, so every process
-builds the same arrays.
-
-The GPipe schedule, with ``M`` microbatches and ``T = M + P - 1`` ticks per pass::
-
-    forward,  tick t:  stage s runs microbatch t - s          (0 <= t - s < M)
-                       and psends its output to stage s + 1
-    backward, tick u:  stage s runs microbatch M-1-u+(P-1-s)  (reverse order)
-                       with jax.vjp and psends the input cotangent to stage s - 1
-
-Every stage computes on every tick (SPMD); ticks outside a stage's range compute on zeros or
-stale values and are masked out of the gradients.
+The model: ``L = P * V`` layers ``h -> tanh(h @ w[l] + b[l])`` on ``width`` features
+(``V = --virtual-stages``, 1 except for the interleaved schedule). Layer ``l`` is chunk
+``l`` of the pipeline: on stage ``l % P`` as its virtual stage ``l // P``. The data: a fixed
+random "teacher" network of the same shape labels Gaussian inputs; everything comes from
+``--seed`` with NumPy, so every process builds the same arrays.
 """
 
 from __future__ import annotations
@@ -43,6 +34,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+#: The schedules of --schedule (jax_cpu_mpi.pipeline.schedule_by_name).
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 #: Environment variables by which mpirun/srun tell a process its rank and the job size.
 _MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
 _MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_NTASKS")
@@ -52,8 +45,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line of the example."""
     p = argparse.ArgumentParser(
         prog="python -m jax_cpu_mpi.examples.pipeline",
-        description="GPipe training of an MLP with psend/precv on CPU devices (and MPI ranks).",
+        description="Pipeline-parallel training of an MLP with jax_cpu_mpi.pipeline on CPU "
+                    "devices (and MPI ranks).",
     )
+    p.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
+                   help="pipeline schedule (1f1b)")
+    p.add_argument("--virtual-stages", type=int, default=None,
+                   help="layers per stage for interleaved-1f1b (2; 1 for the others)")
     p.add_argument("--stages", type=int, default=4, help="pipeline stages = devices (4)")
     p.add_argument("--microbatches", type=int, default=8, help="microbatches per step (8)")
     p.add_argument("--steps", type=int, default=100, help="SGD steps (100)")
@@ -65,8 +63,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--check", action="store_true",
                    help="compare with single-device training without pipelining")
     args = p.parse_args(argv)
-    if args.stages < 1 or args.microbatches < 1 or args.steps < 1 or args.width < 1:
-        p.error("--stages, --microbatches, --steps and --width must be >= 1")
+    if args.virtual_stages is None:
+        args.virtual_stages = 2 if args.schedule == "interleaved-1f1b" else 1
+    if args.virtual_stages != 1 and args.schedule != "interleaved-1f1b":
+        p.error(f"--virtual-stages {args.virtual_stages} needs --schedule interleaved-1f1b")
+    if min(args.stages, args.microbatches, args.steps, args.width, args.virtual_stages) < 1:
+        p.error("--stages, --microbatches, --steps, --width and --virtual-stages must be >= 1")
     if args.batch % args.microbatches:
         p.error(f"--batch {args.batch} is not a multiple of --microbatches {args.microbatches}")
     return args
@@ -117,20 +119,22 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 # alive, the same program on CPU (this package's transport) and GPU (NCCL). The import also
 # registers the CPU lowerings.
 import jax_cpu_mpi  # noqa: E402
+from jax_cpu_mpi import pipeline  # noqa: E402
 
 AXIS = "stage"
 
 
 class Params(NamedTuple):
-    """The parameters of every stage, stacked on a leading stage axis."""
+    """The parameters of every layer, stacked on a leading axis (model order in
+    :class:`Problem`, the pipeline's ``[stages, virtual stages, ...]`` layout in training)."""
 
-    w: jax.Array | np.ndarray  # [stages, width, width]
-    b: jax.Array | np.ndarray  # [stages, width]
+    w: jax.Array | np.ndarray  # [layers, width, width]
+    b: jax.Array | np.ndarray  # [layers, width]
 
 
-def stage_forward(w: jax.Array, b: jax.Array, h: jax.Array) -> jax.Array:
-    """One pipeline stage: a dense layer and tanh."""
-    return jnp.tanh(h @ w + b)
+def stage_forward(p: Params, h: jax.Array) -> jax.Array:
+    """One layer (a pipeline chunk): a dense layer and tanh."""
+    return jnp.tanh(h @ p.w + p.b)
 
 
 def mse(pred: jax.Array, target: jax.Array) -> jax.Array:
@@ -148,7 +152,8 @@ class Problem:
 
 
 def make_problem(seed: int, stages: int, width: int, batch: int) -> Problem:
-    """Deterministic data (a random teacher network labels Gaussian inputs) and a student."""
+    """Deterministic data (a random teacher network of ``stages`` layers labels Gaussian
+    inputs) and a student of as many layers (``stages`` = P x V)."""
     rng = np.random.default_rng(seed)
     scale = 1.0 / np.sqrt(width)
     teacher_w = rng.normal(0.0, 2.0 * scale, (stages, width, width))
@@ -165,83 +170,39 @@ def make_problem(seed: int, stages: int, width: int, batch: int) -> Problem:
 # ----------------------------------------------------------------------------- pipeline
 
 
+def to_pipeline_layout(params: Params, stages: int, virtual_stages: int) -> Params:
+    """Model order ``[L, ...]`` to the pipeline's ``[P, ...]`` / ``[P, V, ...]`` (layer
+    ``v * P + s`` at ``[s, v]``)."""
+    if virtual_stages == 1:
+        return params
+    return Params(*(np.swapaxes(a.reshape(virtual_stages, stages, *a.shape[1:]), 0, 1)
+                    for a in params))
+
+
+def to_model_order(params: Params, virtual_stages: int) -> Params:
+    """The inverse of :func:`to_pipeline_layout`."""
+    if virtual_stages == 1:
+        return params
+    return Params(*(np.swapaxes(np.asarray(a), 0, 1).reshape(-1, *a.shape[2:])
+                    for a in params))
+
+
 def make_pipeline_step(
-    mesh: jax.sharding.Mesh, microbatches: int, lr: float
+    mesh: jax.sharding.Mesh, schedule: pipeline.Schedule, lr: float
 ) -> Callable[[Params, jax.Array, jax.Array], tuple[Params, jax.Array]]:
-    """A jitted SGD step ``(params, x, y) -> (new_params, loss)`` pipelined over ``mesh``.
+    """A jitted SGD step ``(params, xs, ys) -> (new_params, loss)`` pipelined over ``mesh``.
 
-    ``params`` are sharded ``P('stage')``; ``x``, ``y`` replicated. ``loss`` has one entry
-    per stage: the step's loss (before the update) on stage 0, zero elsewhere; the last stage
-    computes it and sends it to the first.
+    ``params`` in the pipeline layout, sharded ``P('stage')``; ``xs``, ``ys``: the
+    microbatches ``[M, batch / M, width]``, replicated. ``loss`` (the step's, before the
+    update) is replicated.
     """
-    stages, M = mesh.shape[AXIS], microbatches
-    ticks = M + stages - 1
-    downstream = [(s, s + 1) for s in range(stages - 1)]  # activations: s -> s + 1
-    upstream = [(s + 1, s) for s in range(stages - 1)]  # cotangents: s + 1 -> s
-    to_first = [(stages - 1, 0)]  # the loss: last -> first
-
-    def shift(x: jax.Array, perm: list[tuple[int, int]]) -> jax.Array:
-        """psend ``x`` along ``perm`` and precv it; stages that are no destination get 0.
-
-        Messages from one device to another are matched in the order their ops run, and XLA
-        orders side-effecting ops by data dependencies only (XLA CPU drops an
-        ``optimization_barrier`` over arrays before scheduling). So one scan tick sends at
-        most once from a device to another, the ticks of a scan run one after the other, and
-        the backward scan reads the results of the forward scan, so it cannot start before
-        it ends.
-        """
-        if not perm:
-            return jnp.zeros_like(x)
-        token = jax_cpu_mpi.psend(x, AXIS, perm)
-        y = jax_cpu_mpi.precv(token, jax.ShapeDtypeStruct(x.shape, x.dtype), AXIS, perm)
-        return jax.lax.pcast(y, AXIS, to="varying")  # precv's result is typed as unvarying
-
-    def per_stage(w, b, x, y):
-        w, b = w[0], b[0]  # this stage's block of the stacked parameters
-        s = jax.lax.axis_index(AXIS)
-        is_first, is_last = s == 0, s == stages - 1
-        xs = x.reshape(M, -1, x.shape[-1])  # [M, microbatch, width]
-        ys = y.reshape(M, -1, y.shape[-1])
-        zeros = jax.lax.pcast(jnp.zeros_like(xs[0]), AXIS, to="varying")
-
-        def forward_tick(received, t):
-            h_in = jnp.where(is_first, xs[jnp.minimum(t, M - 1)], received)
-            h_out = stage_forward(w, b, h_in)
-            # The last stage finishes microbatch t - (P - 1): its loss and output cotangent.
-            m = t - (stages - 1)
-            loss, cotangent = jax.value_and_grad(mse)(h_out, ys[jnp.maximum(m, 0)])
-            loss = jnp.where(is_last & (m >= 0), loss / M, 0.0)
-            # The loss goes to stage 0 for printing, inside the tick: see `shift`.
-            report = loss if stages == 1 else shift(loss, to_first)
-            return shift(h_out, downstream), (h_in, cotangent / M, report)
-
-        _, (h_ins, cotangents, reports) = jax.lax.scan(forward_tick, zeros, jnp.arange(ticks))
-        inputs = jax.lax.dynamic_slice_in_dim(h_ins, s, M)  # microbatch m ran at tick m + s
-        out_cotangents = cotangents[stages - 1:]  # last stage: microbatch m at tick m + P - 1
-        loss = jnp.sum(reports)  # the step's loss on stage 0, zero elsewhere
-
-        def backward_tick(carry, u):
-            received, (gw, gb) = carry
-            m = M - 1 - u + (stages - 1 - s)
-            active = (m >= 0) & (m < M)
-            m = jnp.clip(m, 0, M - 1)
-            cotangent = jnp.where(is_last, out_cotangents[m], received)
-            _, vjp = jax.vjp(stage_forward, w, b, inputs[m])
-            dw, db, dh = vjp(cotangent)
-            grads = (gw + jnp.where(active, dw, 0.0), gb + jnp.where(active, db, 0.0))
-            return (shift(dh, upstream), grads), None
-
-        init = (zeros, (jnp.zeros_like(w), jnp.zeros_like(b)))
-        (_, (gw, gb)), _ = jax.lax.scan(backward_tick, init, jnp.arange(ticks))
-        return (w - lr * gw)[None], (b - lr * gb)[None], loss[None]
-
-    sharded = jax.shard_map(per_stage, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(), P()),
-                            out_specs=(P(AXIS), P(AXIS), P(AXIS)))
+    value_and_grad = pipeline.shard_value_and_grad(stage_forward, mse, mesh, schedule,
+                                                   axis_name=AXIS)
 
     @jax.jit
-    def step(params: Params, x: jax.Array, y: jax.Array) -> tuple[Params, jax.Array]:
-        w, b, loss = sharded(params.w, params.b, x, y)
-        return Params(w, b), loss
+    def step(params: Params, xs: jax.Array, ys: jax.Array) -> tuple[Params, jax.Array]:
+        loss, grads = value_and_grad(params, xs, ys)
+        return jax.tree.map(lambda p, g: p - lr * g, params, grads), loss
 
     return step
 
@@ -252,12 +213,12 @@ def make_pipeline_step(
 def make_reference_step(
     microbatches: int, lr: float
 ) -> Callable[[Params, jax.Array, jax.Array], tuple[Params, jax.Array]]:
-    """The same SGD step on one device: ``jax.grad`` of the composed stages, no pipeline."""
+    """The same SGD step on one device: ``jax.grad`` of the composed layers, no pipeline."""
 
     def loss_fn(params: Params, x: jax.Array, y: jax.Array) -> jax.Array:
         h = x.reshape(microbatches, -1, x.shape[-1])
-        for s in range(params.w.shape[0]):
-            h = stage_forward(params.w[s], params.b[s], h)
+        for layer in range(params.w.shape[0]):
+            h = stage_forward(Params(params.w[layer], params.b[layer]), h)
         return jnp.mean(jax.vmap(mse)(h, y.reshape(microbatches, -1, y.shape[-1])))
 
     @jax.jit
@@ -280,12 +241,9 @@ def stage_mesh(stages: int) -> jax.sharding.Mesh:
     return jax.make_mesh((stages,), (AXIS,), devices=devices)
 
 
-def first_stage_value(loss: jax.Array) -> float | None:
-    """The loss held by stage 0, or ``None`` where this process does not hold stage 0."""
-    for shard in loss.addressable_shards:
-        if (shard.index[0].start or 0) == 0:
-            return float(np.asarray(shard.data)[0])
-    return None
+def loss_value(loss: jax.Array) -> float:
+    """The step's loss (replicated: every process holds it)."""
+    return float(np.asarray(loss.addressable_data(0)))
 
 
 def progress_bar(done: int, total: int, width: int = 20) -> str:
@@ -305,7 +263,7 @@ def run_check(args: argparse.Namespace, problem: Problem, losses: list[float],
     """Train on one device without pipelining; print and return the agreement.
 
     Losses are compared step by step (``|pipeline - reference| / |reference|``), final
-    parameters stage by stage (:func:`relative_difference`); all must be ``<= rtol``.
+    parameters layer by layer (:func:`relative_difference`); all must be ``<= rtol``.
     """
     device = jax.local_devices()[0]
     put = lambda a: jax.device_put(a, device)  # noqa: E731
@@ -323,9 +281,9 @@ def run_check(args: argparse.Namespace, problem: Problem, losses: list[float],
                    set(range(args.steps)))
     for i in shown:
         say(f"  {i + 1:>5}  {losses[i]:>16.9e}  {ref_losses[i]:>16.9e}  {loss_diffs[i]:>9.2e}")
-    say(f"  {'stage':>5}  {'w rel diff':>16}  {'b rel diff':>16}")
+    say(f"  {'layer':>5}  {'w rel diff':>16}  {'b rel diff':>16}")
     param_diffs = []
-    for s in range(args.stages):
+    for s in range(args.stages * args.virtual_stages):
         dw = relative_difference(np.asarray(final.w[s]), np.asarray(params.w[s]))
         db = relative_difference(np.asarray(final.b[s]), np.asarray(params.b[s]))
         param_diffs += [dw, db]
@@ -351,32 +309,40 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(line, flush=True)
 
     mesh = stage_mesh(args.stages)
-    problem = make_problem(args.seed, args.stages, args.width, args.batch)
+    V, M = args.virtual_stages, args.microbatches
+    problem = make_problem(args.seed, args.stages * V, args.width, args.batch)
     stacked = NamedSharding(mesh, P(AXIS))
     replicated = NamedSharding(mesh, P())
 
     def to_mesh(a: np.ndarray, sharding: NamedSharding) -> jax.Array:
         return jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
 
-    params = Params(to_mesh(problem.init.w, stacked), to_mesh(problem.init.b, stacked))
-    x, y = to_mesh(problem.x, replicated), to_mesh(problem.y, replicated)
-    step = make_pipeline_step(mesh, args.microbatches, args.lr)
+    params = Params(*(to_mesh(a, stacked)
+                      for a in to_pipeline_layout(problem.init, args.stages, V)))
+    xs = to_mesh(problem.x.reshape(M, -1, args.width), replicated)  # [M, batch / M, width]
+    ys = to_mesh(problem.y.reshape(M, -1, args.width), replicated)
+    schedule = pipeline.schedule_by_name(args.schedule, V).bind(args.stages, M)
+    try:
+        schedule.validate()
+    except pipeline.ScheduleError as e:
+        raise SystemExit(f"pipeline: {e}") from None
+    step = make_pipeline_step(mesh, schedule, args.lr)
 
     say(f"pipeline: {args.stages} stages on {jax.process_count()} process(es) x "
         f"{jax.local_device_count()} CPU device(s), {args.microbatches} microbatches of "
         f"{args.batch // args.microbatches}, width {args.width}, {args.steps} steps, "
         f"lr {args.lr:g}, seed {args.seed}")
+    say(f"schedule: {schedule.describe()}")
     ours = {f["feature"]: f["state"] for f in jax_cpu_mpi.features()}["own_primitives"]
     say(f"psend/precv: {'jax_cpu_mpi' if ours == 'active' else 'JAX'}'s primitives")
     losses: list[float] = []
     timed = 0.0
     for i in range(args.steps):
         start = time.perf_counter()
-        params, loss = step(params, x, y)
+        params, loss = step(params, xs, ys)
         jax.block_until_ready((params, loss))
         seconds = time.perf_counter() - start
-        value = first_stage_value(loss)
-        losses.append(value if value is not None else float("nan"))
+        losses.append(loss_value(loss))
         note = " (includes compilation)" if i == 0 else ""
         timed += seconds if i else 0.0
         say(f"step {i + 1:>4}/{args.steps} {progress_bar(i + 1, args.steps)} "
@@ -389,7 +355,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     from jax.experimental import multihost_utils
 
-    final = Params(*(multihost_utils.process_allgather(p, tiled=True) for p in params))
+    final = to_model_order(
+        Params(*(multihost_utils.process_allgather(p, tiled=True) for p in params)), V)
     ok = run_check(args, problem, losses, final, say) if is_main else True
     return 0 if ok else 1
 

@@ -1,0 +1,137 @@
+"""Pipeline cases shared by the single-process tests and the mpirun program.
+
+A small residual MLP whose activations are a pytree (``{"h": ..., "skip": ...}``) runs
+through :func:`jax_cpu_mpi.pipeline.shard_value_and_grad`; the reference is
+``jax.value_and_grad`` of the same chunks composed on one device, without a pipeline and
+without psend/precv (:func:`reference`, written here, not the library's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_cpu_mpi import pipeline as pl
+
+WIDTH, MICROBATCH = 8, 4
+Gather = Callable[[jax.Array], np.ndarray]
+
+
+def stage(params, x):
+    """One chunk: a dense layer with tanh on ``h``, ``skip`` carried and mixed in."""
+    h = jnp.tanh(x["h"] @ params["w"] + params["b"]) + 0.5 * x["skip"]
+    return {"h": h, "skip": x["skip"] * params["gate"]}
+
+
+def loss(y, target):
+    return jnp.mean((y["h"] - target) ** 2) + 0.1 * jnp.mean(y["skip"] ** 2)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    stages: int
+    microbatches: int
+    data: int = 1
+    dtype: str = "float32"
+
+    def schedule(self) -> pl.Schedule:
+        kind, _, v = self.name.partition(":")
+        return pl.schedule_by_name(kind, int(v or 1))
+
+
+def make_params(P: int, V: int, dtype, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    lead = (P, V) if V > 1 else (P,)
+    return {"w": rng.normal(0, 0.6, (*lead, WIDTH, WIDTH)).astype(dtype),
+            "b": rng.normal(0, 0.2, (*lead, WIDTH)).astype(dtype),
+            "gate": rng.uniform(0.5, 1.0, (*lead, WIDTH)).astype(dtype)}
+
+
+def make_data(M: int, batch: int, dtype, seed: int = 1):
+    rng = np.random.default_rng(seed)
+    xs = {"h": rng.normal(size=(M, batch, WIDTH)).astype(dtype),
+          "skip": rng.normal(size=(M, batch, WIDTH)).astype(dtype)}
+    ys = rng.normal(size=(M, batch, WIDTH)).astype(dtype)
+    return xs, ys
+
+
+def chunks(params, P: int, V: int):
+    """Model order: chunk c = v * P + s sits at [s, v]."""
+    if V == 1:
+        return [jax.tree.map(lambda a, s=s: a[s], params) for s in range(P)]
+    return [jax.tree.map(lambda a, c=c: a[c % P, c // P], params) for c in range(P * V)]
+
+
+@cache
+def _reference_fn(P: int, V: int):
+    def total(params, xs, ys):
+        def one(x, y):
+            for chunk in chunks(params, P, V):
+                x = stage(chunk, x)
+            return loss(x, y).astype(jnp.float32), x
+
+        losses, outs = jax.vmap(one)(xs, ys)
+        return jnp.mean(losses), outs
+
+    return jax.jit(jax.value_and_grad(total, has_aux=True))
+
+
+def reference(params, xs, ys, P: int, V: int):
+    """(loss, grads, outputs) on one device, in float32."""
+    up = lambda t: jax.tree.map(lambda a: np.asarray(a, np.float32), t)  # noqa: E731
+    device = jax.local_devices()[0]
+    args = jax.device_put((up(params), up(xs), up(ys)), device)
+    (value, outs), grads = _reference_fn(P, V)(*args)
+    return float(value), jax.tree.map(np.asarray, grads), jax.tree.map(np.asarray, outs)
+
+
+def put(mesh, spec, value):
+    return jax.make_array_from_callback(value.shape, NamedSharding(mesh, spec),
+                                        lambda index: value[index])
+
+
+def run_case(case: Case, devices, gather: Gather, compare: bool = True) -> dict[str, float]:
+    """Run ``case`` on ``devices`` (stages x data) and compare with :func:`reference`; returns
+    the largest relative differences of loss, gradients and outputs. ``compare=False`` (the
+    processes but one of a job, which see the same gathered results) only gathers."""
+    schedule = case.schedule()
+    S, V, M, D = case.stages, schedule.virtual_stages, case.microbatches, case.data
+    dtype = jnp.bfloat16 if case.dtype == "bfloat16" else np.float32
+    mesh = jax.make_mesh((S, D), ("stage", "data"), devices=devices[:S * D])
+    params = make_params(S, V, np.float32)
+    xs, ys = make_data(M, MICROBATCH * D, np.float32)
+    cast = lambda t: jax.tree.map(lambda a: np.asarray(a).astype(dtype), t)  # noqa: E731
+    params, xs, ys = cast(params), cast(xs), cast(ys)
+    f = jax.jit(pl.shard_value_and_grad(stage, loss, mesh, schedule,
+                                        data_axis_name="data" if D > 1 else None,
+                                        return_outputs=True))
+    data = P(None, "data") if D > 1 else P()
+    args = (jax.tree.map(lambda a: put(mesh, P("stage"), a), params),
+            jax.tree.map(lambda a: put(mesh, data, a), xs), put(mesh, data, ys))
+    got_loss, got_grads, got_outs = f(*args)
+    if not compare:
+        jax.tree.map(gather, (got_grads, got_outs))  # collective: every process takes part
+        return {}
+    want_loss, want_grads, want_outs = reference(params, xs, ys, S, V)
+
+    def rel(got, want):
+        got = gather(got).astype(np.float32)
+        scale = float(np.max(np.abs(want))) or 1.0
+        return float(np.max(np.abs(got - want))) / scale
+
+    grad_err = max(jax.tree.leaves(jax.tree.map(rel, got_grads, want_grads)))
+    out_err = max(jax.tree.leaves(jax.tree.map(rel, got_outs, want_outs)))
+    loss_err = abs(float(np.asarray(got_loss.addressable_data(0))) - want_loss) / abs(want_loss)
+    return {"loss": loss_err, "grads": grad_err, "outputs": out_err}
+
+
+def tolerance(case: Case) -> float:
+    return 2e-2 if case.dtype == "bfloat16" else 2e-5

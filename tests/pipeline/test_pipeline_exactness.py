@@ -1,0 +1,84 @@
+"""Every schedule computes the loss, gradients and outputs of the model on one device.
+
+One process, the first devices of pytest's 8: 4 stages (pytree activations, M not a
+multiple of P), 2 stages x 2 data shards, M = 1, P = 1, bfloat16, and chunks whose
+parameters differ in shape. The mpirun topologies
+run in test_mpi.py. Reference: ``jax.value_and_grad`` of the chunks composed without a
+pipeline (tests/mpi_programs/pipeline_cases.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from pipeline_cases import Case, run_case, tolerance
+
+from jax_cpu_mpi import pipeline as pl
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b:2", "zero-bubble"]
+
+CASES = (
+    [Case(s, stages=4, microbatches=5) for s in SCHEDULES]
+    + [Case("interleaved-1f1b:2", stages=2, microbatches=3, data=2)]
+    + [Case("zero-bubble", stages=4, microbatches=1)]
+    + [Case(s, stages=1, microbatches=3) for s in ("1f1b", "interleaved-1f1b:3")]
+    + [Case("zero-bubble", stages=2, microbatches=2, dtype="bfloat16")]
+)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.name}-P{c.stages}-M{c.microbatches}"
+                         f"-D{c.data}-{c.dtype}")
+def test_matches_single_device(case):
+    errors = run_case(case, jax.devices(), np.asarray)
+    assert max(errors.values()) <= tolerance(case), errors
+
+
+def _dense(p, x):
+    return jnp.tanh(x @ p["w"] + p["b"])
+
+
+def _bottleneck(p, x):
+    return x + jnp.tanh(x @ p["down"]) @ p["up"]
+
+
+def _two_layers(p, x):
+    return _dense(p[1], _dense(p[0], x))
+
+
+@pytest.mark.parametrize("schedule,stages", [(pl.OneFOneB(), 4), (pl.Interleaved1F1B(2), 2)],
+                         ids=["1f1b-P4", "interleaved-P2xV2"])
+def test_chunks_with_parameters_of_different_shapes(schedule, stages):
+    """One function and one parameter pytree per chunk (a dense layer, a bottleneck, two
+    dense layers, a dense layer), against the same chunks composed on one device."""
+    width = 8
+    rng = np.random.default_rng(0)
+
+    def normal(*shape):
+        return jnp.asarray(rng.normal(0, 0.4, shape), jnp.float32)
+
+    def dense_params():
+        return {"w": normal(width, width), "b": normal(width)}
+
+    functions = [_dense, _bottleneck, _two_layers, _dense]
+    params = [dense_params(), {"down": normal(width, 3), "up": normal(3, width)},
+              (dense_params(), dense_params()), dense_params()]
+    xs, ys = normal(5, 2, width), normal(5, 2, width)
+
+    def model_loss(params):
+        def one(x, y):
+            for f, p in zip(functions, params, strict=True):
+                x = f(p, x)
+            return jnp.mean((x - y) ** 2)
+        return jnp.mean(jax.vmap(one)(xs, ys))
+
+    want_loss, want_grads = jax.jit(jax.value_and_grad(model_loss))(params)
+    mesh = jax.make_mesh((stages,), ("stage",), devices=jax.devices()[:stages])
+    f = jax.jit(pl.shard_value_and_grad(functions, lambda y, t: jnp.mean((y - t) ** 2), mesh,
+                                        schedule))
+    got_loss, got_grads = f(params, xs, ys)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+    assert jax.tree.structure(got_grads) == jax.tree.structure(want_grads)
+    for got, want in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)

@@ -1,0 +1,19 @@
+"""The schedules across processes: ``mpirun -n 2`` x 2 devices and ``mpirun -n 4`` x 1 device,
+one launch each running every schedule against the one-device reference."""
+
+from __future__ import annotations
+
+import pytest
+
+from mpi_launcher import assert_mpi_ok, run_mpi
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("nprocs,devices", [(2, 2), (4, 1)],
+                         ids=["mpirun-n2x2devices", "mpirun-n4x1device"])
+def test_every_schedule_matches_the_reference(nprocs, devices):
+    # 4 stages; M = 5 is no multiple of P (and >= P, as interleaving needs).
+    run = run_mpi("pipeline_exactness.py", "4", "5", nprocs=nprocs,
+                  devices_per_process=devices, timeout=360)
+    assert_mpi_ok(run, nprocs)

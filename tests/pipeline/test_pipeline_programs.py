@@ -1,0 +1,146 @@
+"""What the compiled pipeline programs are: their memory (XLA's analysis), their GPU lowering
+(exported for CUDA, passing the GPU-parity check), and their trace-time errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_cpu_mpi
+from jax_cpu_mpi import pipeline as pl
+
+SCHEDULES = [pl.GPipe(), pl.OneFOneB(), pl.Interleaved1F1B(2), pl.ZeroBubble()]
+
+
+def stage(p, x):
+    return jnp.tanh(x @ p["w"] + p["b"])
+
+
+def loss(y, t):
+    return jnp.mean((y - t) ** 2)
+
+
+def abstract_args(P: int, V: int, M: int, width: int, batch: int):
+    lead = (P, V) if V > 1 else (P,)
+    params = {"w": jax.ShapeDtypeStruct((*lead, width, width), jnp.float32),
+              "b": jax.ShapeDtypeStruct((*lead, width), jnp.float32)}
+    xs = jax.ShapeDtypeStruct((M, batch, width), jnp.float32)
+    return params, xs, xs
+
+
+def mesh(P: int) -> jax.sharding.Mesh:
+    return jax.make_mesh((P,), ("stage",), devices=jax.devices()[:P])
+
+
+def test_one_f_one_b_needs_at_most_half_of_gpipes_memory():
+    """XLA's temp bytes per device at M = 16, P = 4: GPipe stashes 16 stage inputs (and 16
+    loss cotangents), 1F1B at most 4 (the plan's slots are reused)."""
+    P, M = 4, 16
+    temp = {}
+    for schedule in (pl.GPipe(), pl.OneFOneB()):
+        f = jax.jit(pl.shard_value_and_grad(stage, loss, mesh(P), schedule))
+        args = abstract_args(P, schedule.virtual_stages, M, width=64, batch=32)
+        temp[type(schedule).__name__] = f.lower(*args).compile().memory_analysis() \
+            .temp_size_in_bytes
+    print("temp bytes per device, P=4, M=16:", temp,
+          f"1F1B / GPipe = {temp['OneFOneB'] / temp['GPipe']:.3f}")
+    assert temp["OneFOneB"] <= 0.5 * temp["GPipe"], temp
+
+
+def export_and_check(f, *args) -> str:
+    """Export ``f`` for CUDA (no GPU needed; the module text), and run jax_cpu_mpi's
+    GPU-parity check (XLA GPU's send/recv verifier, rebuilt) on the same program lowered for
+    CPU: the check reads our CPU custom calls, not the CUDA module's stablehlo.send/recv."""
+    exported = jax.export.export(jax.jit(f), platforms=["cuda"])(*args)
+    jax_cpu_mpi.check(jax.jit(f).lower(*args))
+    return exported.mlir_module()
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: type(s).__name__)
+def test_every_schedule_exports_for_cuda_and_passes_the_gpu_parity_check(schedule):
+    P = 4
+    f = pl.shard_value_and_grad(stage, loss, mesh(P), schedule)
+    text = export_and_check(f, *abstract_args(P, schedule.virtual_stages, 4, 8, 2))
+    ops = 4 if schedule.virtual_stages > 1 else 2  # neighbours both ways (+ wrap-around)
+    assert text.count('"stablehlo.send"') == text.count('"stablehlo.recv"') == ops, text
+
+
+def test_the_gpu_parity_check_can_fail():
+    """The check above rejects what XLA GPU rejects: a ring in one psend's pairs."""
+    ring = [(s, (s + 1) % 4) for s in range(4)]
+
+    def cycle(x):
+        token = jax_cpu_mpi.psend(x, "stage", ring)
+        return jax_cpu_mpi.precv(token, jax.ShapeDtypeStruct(x.shape, x.dtype), "stage", ring)
+
+    m = mesh(4)
+    f = jax.shard_map(cycle, mesh=m, in_specs=jax.P("stage"), out_specs=jax.P("stage"))
+    x = jax.ShapeDtypeStruct((4,), jnp.float32,
+                             sharding=jax.sharding.NamedSharding(m, jax.P("stage")))
+    with pytest.raises(jax_cpu_mpi.GpuParityError, match="non-cyclical"):
+        export_and_check(f, x)
+
+
+# ------------------------------------------------------------------------- trace-time errors
+
+
+def lower(schedule, P=4, V=None, M=4, width=8, stage_fn=stage, params=None, targets=None,
+          **kwargs):
+    args = list(abstract_args(P, schedule.virtual_stages if V is None else V, M, width, 2))
+    if params is not None:
+        args[0] = params
+    if targets is not None:
+        args[2] = targets
+    f = pl.shard_value_and_grad(stage_fn, loss, mesh(P), schedule, **kwargs)
+    return jax.jit(f).lower(*args)
+
+
+def test_stage_output_must_fit_the_next_stage_input():
+    def widen(p, x):
+        return jnp.concatenate([stage(p, x), x], axis=-1)
+
+    with pytest.raises(pl.PipelineError, match=r"a stage's output does not fit the next "
+                       r"stage's input: .*float32\[2, 8\].* to .*float32\[2, 16\]"):
+        lower(pl.OneFOneB(), stage_fn=widen)
+
+
+def test_stage_count_must_be_the_mesh_axis():
+    with pytest.raises(pl.PipelineError, match="stages=2 x virtual_stages=2, but the mesh "
+                       "axis 'stage' has 4 devices"):
+        lower(pl.Interleaved1F1B(2, stages=2))
+
+
+def test_parameters_must_be_stacked_stages_by_virtual_stages():
+    # [P, ...] parameters for an interleaved schedule: no virtual-stage axis.
+    with pytest.raises(pl.PipelineError, match=r"does not fit 4 stages x 2 virtual stage.*"
+                       r"\[P, V, \.\.\.\]"):
+        lower(pl.Interleaved1F1B(2), V=1)
+
+
+def test_too_few_microbatches_for_interleaving():
+    with pytest.raises(pl.ScheduleError, match="microbatches=2 < stages=4"):
+        lower(pl.Interleaved1F1B(2), M=2)
+
+
+def test_targets_must_have_the_microbatch_axis():
+    with pytest.raises(pl.PipelineError, match="4 microbatches but targets"):
+        lower(pl.GPipe(), targets=jax.ShapeDtypeStruct((3, 2, 8), jnp.float32))
+
+
+def test_mesh_without_the_stage_axis():
+    with pytest.raises(pl.PipelineError, match="no stage axis 'pp'"):
+        pl.shard_value_and_grad(stage, loss, mesh(4), pl.GPipe(), axis_name="pp")
+
+
+def test_one_function_per_chunk():
+    with pytest.raises(pl.PipelineError, match=r"3 stage functions for 4 stages x 1 virtual "
+                       r"stages; give one per chunk \(P x V = 4\)"):
+        pl.shard_value_and_grad([stage] * 3, loss, mesh(4), pl.GPipe())
+
+
+def test_outside_shard_map():
+    params, xs, ys = abstract_args(1, 1, 2, 4, 2)
+    with pytest.raises(pl.PipelineError, match="the stage axis 'stage' is not bound"):
+        jax.eval_shape(lambda p, x, y: pl.value_and_grad(stage, p, loss, x, y, pl.GPipe()),
+                       params, xs, ys)
