@@ -243,11 +243,15 @@ def test_cached_executable_loaded_by_a_new_mpi_job_still_communicates(tmp_path):
 
 # --- 4. a rank dies mid-transfer -----------------------------------------------------------
 
-DYING_TIMEOUT = 120  # hard limit of each job; the precv timeout inside is 10 s
+DYING_TIMEOUT = 120  # hard limit of each job
+#: The precv timeout inside: longer than the 3 s a dying rank waits (dying_rank.py) before
+#: it dies, so the survivor is still waiting when its peer goes, with a margin of 3 s.
+DYING_RECV_TIMEOUT = 6
 
 
 def _run_dying(scenario: str):
-    env = {"JAX_CPU_MPI_RECV_TIMEOUT": "10", "JAX_CPU_MPI_EXIT_TIMEOUT": "5"}
+    env = {"JAX_CPU_MPI_RECV_TIMEOUT": str(DYING_RECV_TIMEOUT),
+           "JAX_CPU_MPI_EXIT_TIMEOUT": "5"}
     start = time.monotonic()
     run = run_mpi("dying_rank.py", scenario, nprocs=2, timeout=DYING_TIMEOUT, env=env)
     elapsed = time.monotonic() - start
@@ -290,7 +294,8 @@ def test_stuck_peer_makes_precv_fail_and_the_job_abort():
     assert run.returncode != 0, run.report()
     error = run.rank_output[1]
     for part in ("DEADLINE_EXCEEDED", "precv(axis_name=('x',), perm=[(0, 1)])",
-                 "partition 1 (process 1) waited 10 s", "from partition 0 (process 0)"):
+                 f"partition 1 (process 1) waited {DYING_RECV_TIMEOUT} s",
+                 "from partition 0 (process 0)"):
         assert part in error, run.report()
     assert "aborting the MPI job (MPI_Abort)" in everything, run.report()
 
