@@ -56,8 +56,10 @@ class Build:
 
     def wait(self, timeout: float) -> BuildResult:
         """The build's result; kills it (its whole process group) after ``timeout`` seconds
-        from now."""
+        from now. While the test waits nothing else of the suite runs: the build gets back
+        the normal priority where this process may give it (root, or RLIMIT_NICE)."""
         if self._result is None:
+            self._restore_priority()
             try:
                 returncode: int | None = self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -67,6 +69,19 @@ class Build:
             self._result = BuildResult(returncode, self.log.read_text(errors="replace"),
                                        time.monotonic() - self.started)
         return self._result
+
+    def _restore_priority(self) -> None:
+        if self.proc.poll() is not None:
+            return
+        try:
+            with open(f"/proc/{self.proc.pid}/autogroup", "w") as group:
+                group.write("0")
+        except OSError:
+            pass
+        try:
+            os.setpriority(os.PRIO_PGRP, self.proc.pid, 0)
+        except OSError:  # not allowed to raise a priority: the build stays niced
+            pass
 
     def cancel(self) -> None:
         if self.proc.poll() is None:
