@@ -35,7 +35,8 @@ if os.environ.get(jax_p2p_removal.ENV) == "effect":
 
 def pytest_collection_finish(session):
     # The builds that selected tests need start now, niced, in the background.
-    background_builds.start_for(session.items)
+    if not session.config.option.collectonly:
+        background_builds.start_for(session.items)
 
 
 def pytest_sessionfinish(session):
