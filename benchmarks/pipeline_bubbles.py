@@ -97,12 +97,14 @@ def main() -> int:
             r = rows[-1]
             print(f"{name}: theory {r['theory']:.3f}  wait {r['wait']:.3f} "
                   f"{[round(w, 3) for w in r['wait_all']]}  not computing "
-                  f"{r['not_computing']:.3f}  step {r['step_ms']:.1f} ms", flush=True)
+                  f"{r['not_computing']:.3f}  step {r['step_ms']:.1f} ms",
+                  flush=True)
     print()
     print(f"P={ARGS.stages}, M={ARGS.microbatches}, width {ARGS.width}, batch {ARGS.batch}, "
           f"{jax.device_count()} CPU devices in one process, median of {ARGS.steps} steps")
     print()
-    print("| schedule | ticks | theory | measured wait | wait / theory | not computing | step ms |")
+    print("| schedule | ticks | theory | measured wait | wait / theory | not computing "
+          "| step ms |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['schedule']} | {r['ticks']} | {r['theory']:.3f} | {r['wait']:.3f} | "
