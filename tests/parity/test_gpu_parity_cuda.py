@@ -17,7 +17,6 @@ import pytest
 import jax_cpu_mpi
 from conftest import make_mesh
 from jax_cpu_mpi import config
-from jax_cpu_mpi._src.ffi.custom_calls import PRECV_TARGET, PSEND_TARGET
 from jax_cpu_mpi._src.parity import check as validation
 
 #: Corpus programs that hold an optimization_barrier over psend tokens.
@@ -46,6 +45,11 @@ def cpu_verdict(program: cases.Program) -> tuple[list, validation.GpuParityError
     return events, None
 
 
+def gpu_events(exported: jax.export.Exported) -> list:
+    return validation.collect_events(validation.module_of(exported),
+                                     lowering=validation.GPU_LOWERING)
+
+
 def visited(events: list) -> list[tuple]:
     return [(e.name, getattr(e, "pairs", None)) for e in events]
 
@@ -71,9 +75,10 @@ def test_every_corpus_program_exported_for_cuda_gets_the_cpu_verdict(corpus):
         text = exported.mlir_module()
         assert "stablehlo.send" in text or "stablehlo.recv" in text, name
         # none of our CPU calls: JAX's GPU lowering
-        assert PSEND_TARGET not in text and PRECV_TARGET not in text, name
+        assert validation.PSEND_TARGET not in text, name
+        assert validation.PRECV_TARGET not in text, name
         events, cpu_error = cpu_verdict(program)
-        cuda_events = validation.collect_events(validation.module_of(exported))
+        cuda_events = gpu_events(exported)
         assert visited(cuda_events) == visited(events), name
         if program.rejected is None:
             assert cpu_error is None, name
@@ -112,8 +117,29 @@ def test_a_valid_cuda_export_passes_and_its_module_is_walked(corpus):
     exported = export_for_cuda(program)
     assert isinstance(exported, jax.export.Exported)
     jax_cpu_mpi.check(exported)
-    kinds = [e.name for e in validation.collect_events(validation.module_of(exported))]
+    kinds = [e.name for e in gpu_events(exported)]
     assert kinds == ["psend", "precv", "psend.1", "precv.1"]
+
+
+def test_a_module_for_cpu_and_cuda_is_checked_once_per_platform(corpus):
+    # Both lowerings sit in one module (a stablehlo.case on the platform): each is checked
+    # on its own, by the lowering hook (CPU) and by jax_cpu_mpi.check (CPU, then CUDA).
+    def lower_for_both(program: cases.Program):
+        traced = program.jitted.trace(*program.args)
+        return traced.lower(lowering_platforms=("cpu", "cuda"))
+
+    both = lower_for_both(corpus["opposite_order"])  # the hook accepts it
+    assert validation.PSEND_TARGET in both.as_text()
+    assert '"stablehlo.send"' in both.as_text()
+    jax_cpu_mpi.check(both)
+    with config.overrides(gpu_parity=False):
+        both = lower_for_both(corpus["cycle"])
+    with pytest.raises(jax_cpu_mpi.GpuParityError, match=re.escape(cases.CYCLE)) as info:
+        jax_cpu_mpi.check(both)
+    assert "psend(axis_name=('x',)" in str(info.value)  # the CPU lowering's, checked first
+    module = both.compiler_ir("stablehlo")
+    with pytest.raises(jax_cpu_mpi.GpuParityError, match=r"stablehlo\.send\(source_target"):
+        validation.raise_on_violation(module, validation.GPU_LOWERING)
 
 
 def test_check_names_what_it_takes():

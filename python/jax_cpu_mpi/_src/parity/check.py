@@ -48,7 +48,8 @@ from jax_cpu_mpi._src.parity.rule import (
 from jax_cpu_mpi._src.parity.xla_order import ModuleOrder
 from jax_cpu_mpi._src.runtime import config
 
-__all__ = ["GpuParityError", "check_lowered", "collect_events", "module_of",
+__all__ = ["CPU_LOWERING", "GPU_LOWERING", "GpuParityError", "check_lowered",
+           "collect_events", "module_of",
            "raise_on_violation", "wanted"]
 
 _SUFFIX = (
@@ -88,6 +89,11 @@ _RAGGED_ALL_TO_ALL_TARGET = "ragged_all_to_all"
 #: JAX's GPU lowering of psend/precv (a module lowered or exported for CUDA/ROCm). They are
 #: named as our CPU calls are, so a program gets the same message on either platform.
 _SEND_RECV = {"stablehlo.send": "psend", "stablehlo.recv": "precv"}
+#: Which psend/precv a walk reads: jax_cpu_mpi's CPU custom calls, or JAX's GPU send/recv.
+#: A module exported for several platforms holds both, one per branch of a
+#: ``stablehlo.case`` on the platform; each platform's program is checked on its own.
+CPU_LOWERING = "cpu"
+GPU_LOWERING = "gpu"
 _FILE_LINE = re.compile(r'"([^"]+)":(\d+):\d+')
 _INTEGER = re.compile(r"^(u?)i(\d+)$")
 
@@ -136,8 +142,9 @@ class _Walker:
     types, source lines and HLO-like texts are read only to explain an error.
     """
 
-    def __init__(self, module: Any, details: bool) -> None:
+    def __init__(self, module: Any, details: bool, lowering: str) -> None:
         self.details = details
+        self.reads_send_recv = lowering == GPU_LOWERING
         self.order = ModuleOrder(module, is_ordering)
         self.counts: dict[str, int] = {}
 
@@ -150,13 +157,9 @@ class _Walker:
     def computation(self, block: Any) -> Iterator[Event]:
         for op in self.order.computation(block):
             name = op.operation.name
-            if name == "stablehlo.custom_call":
-                event = self.custom_call(op)
-                if event is not None:
-                    yield event
-                continue
-            if name in _SEND_RECV:
-                event = self.send_recv(op, _SEND_RECV[name])
+            if name == "stablehlo.custom_call" or name in _SEND_RECV:
+                event = (self.custom_call(op) if name == "stablehlo.custom_call"
+                         else self.send_recv(op, _SEND_RECV[name]))
                 if event is not None:
                     yield event
                 continue
@@ -173,7 +176,7 @@ class _Walker:
         target = call_target(op.operation)
         if target == _RAGGED_ALL_TO_ALL_TARGET:
             return self.collective(op, "ragged-all-to-all")
-        if target not in (PSEND_TARGET, PRECV_TARGET):
+        if target not in (PSEND_TARGET, PRECV_TARGET) or self.reads_send_recv:
             return None
         kind = "psend" if target == PSEND_TARGET else "precv"
         source = string_attribute(op.operation, "op")
@@ -193,7 +196,7 @@ class _Walker:
         """A ``stablehlo.send``/``recv`` of JAX's GPU lowering, as the verifier sees it: XLA
         turns ``source_target_pairs`` into the ``_xla_send_recv_source_target_pairs`` it
         compares. One without pairs (a host transfer) is no psend/precv."""
-        if "source_target_pairs" not in op.attributes:
+        if not self.reads_send_recv or "source_target_pairs" not in op.attributes:
             return None
         flat = [int(v) for v in ir.DenseIntElementsAttr(op.attributes["source_target_pairs"])]
         op_pairs = tuple(zip(flat[::2], flat[1::2], strict=True))
@@ -224,30 +227,36 @@ class _Walker:
         return Collective(name=name, text=text, location=_location(op))
 
 
-def collect_events(module: Any, details: bool = True) -> list[Event]:
+def collect_events(module: Any, details: bool = True,
+                   lowering: str = CPU_LOWERING) -> list[Event]:
     """The psends/precvs and other collectives of a lowered module, in checking order.
+
+    ``lowering`` says which psends/precvs to read: ``"cpu"``, jax_cpu_mpi's custom calls;
+    ``"gpu"``, the ``stablehlo.send``/``recv`` of JAX's CUDA/ROCm lowering.
 
     Starts at ``main``; the order is the one XLA GPU's verifier walks (see
     :mod:`jax_cpu_mpi._src.parity.xla_order`), not program order: e.g. each precv comes right after
     the psend whose token it takes.
     """
     with module.context:
-        walker = _Walker(module, details)
+        walker = _Walker(module, details, lowering)
         main = walker.order.entry_block("main")
         return [] if main is None else list(walker.computation(main))
 
 
-def _violation(module: Any) -> Violation | None:
-    if check(collect_events(module, details=False)) is None:
+def _violation(module: Any, lowering: str) -> Violation | None:
+    if check(collect_events(module, details=False, lowering=lowering)) is None:
         return None
-    violation = check(collect_events(module))  # the same verdict, now with the details
+    # the same verdict, now with the details
+    violation = check(collect_events(module, lowering=lowering))
     assert violation is not None
     return violation
 
 
-def raise_on_violation(module: Any) -> None:
-    """Raise :class:`GpuParityError` if XLA GPU would reject the psends/precvs of ``module``."""
-    violation = _violation(module)
+def raise_on_violation(module: Any, lowering: str = CPU_LOWERING) -> None:
+    """Raise :class:`GpuParityError` if XLA GPU would reject the psends/precvs of ``module``
+    (read from its ``lowering``: ``"cpu"``, our calls, or ``"gpu"``, JAX's send/recv)."""
+    violation = _violation(module, lowering)
     if violation is not None:
         raise GpuParityError(violation)
 
@@ -283,7 +292,9 @@ def check_lowered(program: Any) -> None:
     platforms=[...])(...)``, lowered for any platform: on CPU the check reads jax_cpu_mpi's
     psend/precv calls, on CUDA/ROCm the ``stablehlo.send``/``recv`` of JAX's GPU lowering,
     the module XLA GPU compiles. The configuration (``gpu_parity``) does not apply: the
-    check always runs. A module exported for several platforms holds each platform's
-    lowering in one ``stablehlo.case``, walked as one program: export for one platform.
+    check always runs. A module lowered for several platforms is checked once per
+    lowering it holds (CPU first), each platform's psends/precvs on their own.
     """
-    raise_on_violation(module_of(program))
+    module = module_of(program)
+    for lowering in (CPU_LOWERING, GPU_LOWERING):
+        raise_on_violation(module, lowering)
