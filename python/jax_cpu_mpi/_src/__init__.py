@@ -9,6 +9,7 @@
 ``dispatch``  jit's C++ path for psend/precv programs and the device-thread hint
 ``passes``    the one hook that runs the module passes after JAX lowers a program
 ``batching``  batching rules JAX lacks (psend/precv, reduced/unreduced collectives)
+``pipeline``  pipeline schedules (GPipe, 1F1B, interleaved, ZB-H1) run on psend/precv (uses ``ops``)
 ``cli``       ``python -m jax_cpu_mpi`` (info, bench)
 ``install``   switches every feature on, in order (what ``import jax_cpu_mpi`` runs)
 

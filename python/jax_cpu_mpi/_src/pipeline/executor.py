@@ -1,0 +1,315 @@
+"""Run a schedule inside ``shard_map``: one ``lax.scan`` over its ticks.
+
+Each tick, every stage reads its action from the plan (:mod:`.plan`) by its index on the
+stage axis, computes it in a ``lax.switch`` (a forward, a backward recomputing the forward
+under ``jax.vjp``, or idling), then all stages exchange the tick's buffers with
+``jax_cpu_mpi.psend``/``precv`` and store what they receive in their stash slots. Only the
+stage inputs (and cotangents) are stashed: the backward recomputes the stage's forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_cpu_mpi._src.ops.p2p import precv, psend
+from jax_cpu_mpi._src.pipeline import plan as plan_mod
+from jax_cpu_mpi._src.pipeline.schedules import Schedule
+
+__all__ = ["PipelineError", "value_and_grad"]
+
+PyTree = Any
+
+
+class PipelineError(ValueError):
+    """A pipeline that cannot run as called: shapes, sizes or axes that do not fit."""
+
+
+def _leaves_shapes(tree: PyTree) -> str:
+    return str(jax.tree.map(lambda a: f"{jnp.dtype(a.dtype).name}{list(a.shape)}", tree))
+
+
+def _vma(x: Any) -> frozenset:
+    """The mesh axes ``x`` is typed as varying over (check_vma): ``aval.vma`` (newer JAX) or
+    ``aval.manual_axis_type.varying`` (JAX 0.10); empty where untracked."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+    return frozenset(vma or ())
+
+
+def _vary(tree: PyTree, axes: frozenset) -> PyTree:
+    """Mark every leaf varying over ``axes`` (check_vma types; a no-op where untracked)."""
+
+    def one(x: Any) -> Any:
+        missing = tuple(sorted(axes - _vma(x), key=str))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(one, tree)
+
+
+def _axis_size(name: Hashable, what: str) -> int:
+    try:
+        return int(jax.lax.axis_size(name))
+    except NameError:
+        raise PipelineError(
+            f"jax_cpu_mpi.pipeline.value_and_grad: {what} {name!r} is not bound; call it inside "
+            f"jax.shard_map over a mesh with that axis (or use "
+            f"jax_cpu_mpi.pipeline.shard_value_and_grad, which builds the shard_map)") from None
+
+
+def _leading(tree: PyTree, what: str) -> int:
+    sizes = {a.shape[0] if a.ndim else None for a in jax.tree.leaves(tree)}
+    if len(sizes) != 1 or None in sizes:
+        raise PipelineError(f"jax_cpu_mpi.pipeline.value_and_grad: every leaf of {what} needs "
+                            f"the same leading (microbatch) axis; got {_leaves_shapes(tree)}")
+    return sizes.pop()
+
+
+def _chunk_params(params: PyTree, V: int, P: int) -> PyTree:
+    """This stage's parameters as ``[V, ...]`` leaves, from the shard_map block."""
+    def one(a: Any) -> Any:
+        want = (1,) if V == 1 else (1, V)
+        if a.shape[:len(want)] != want:
+            layout = "[P, ...] sharded over the stage axis" if V == 1 else \
+                "[P, V, ...] (stage s, virtual stage v: model chunk v * P + s)"
+            raise PipelineError(
+                f"jax_cpu_mpi.pipeline.value_and_grad: a parameter block of shape "
+                f"{list(a.shape)} does not fit {P} stages x {V} virtual stage(s): inside "
+                f"shard_map each leaf must start with {list(want)} (stacked {layout}); "
+                f"P x V = {P * V} chunks")
+        return a.reshape(a.shape[1:]) if V > 1 else a
+    return jax.tree.map(one, params)
+
+
+def value_and_grad(
+    stage_fn: Callable[[PyTree, PyTree], PyTree],
+    params: PyTree,
+    loss_fn: Callable[[PyTree, PyTree], jax.Array],
+    microbatches: PyTree,
+    targets: PyTree,
+    schedule: Schedule,
+    *,
+    axis_name: Hashable = "stage",
+    data_axis_name: Hashable | None = None,
+    return_outputs: bool = False,
+) -> tuple[jax.Array, PyTree] | tuple[jax.Array, PyTree, PyTree]:
+    """Mean loss and parameter gradients of a pipelined model; call inside ``jax.shard_map``.
+
+    The model is ``C = P * V`` chunks applied in order, chunk ``c = v * P + s`` being
+    ``stage_fn(params[s, v], .)`` on stage ``s`` of the mesh axis ``axis_name`` (size
+    ``P``); ``loss_fn`` scores the last chunk's output of each microbatch. The result equals
+    ``jax.value_and_grad`` of ``mean_m loss_fn(model(microbatches[m]), targets[m])``
+    (:func:`reference_value_and_grad`), computed by ``schedule`` with ``jax_cpu_mpi.psend``
+    / ``precv`` between neighbouring stages.
+
+    Args:
+      stage_fn: ``stage_fn(chunk_params, x) -> y``, traceable; ``x`` one microbatch's
+        activations (a pytree). Where there are several chunks, ``y`` must be shaped like
+        ``x`` (it is the next chunk's input).
+      params: this device's block of the stacked stage parameters: leaves ``[1, ...]``
+        (``P(axis_name)`` of leaves ``[P, ...]``), or ``[1, V, ...]`` for ``V`` virtual stages.
+      loss_fn: ``loss_fn(y, target) -> scalar`` for one microbatch.
+      microbatches: a pytree of ``[M, ...]`` leaves, the same on every stage (stage 0 reads it).
+      targets: a pytree of ``[M, ...]`` leaves (the last stage reads it).
+      schedule: a :class:`Schedule`; its stages and microbatches, where ``None``, are set here.
+      axis_name: the stage axis.
+      data_axis_name: a data-parallel mesh axis (or ``None``): each data shard runs the
+        pipeline on its part of every microbatch; loss and gradients are averaged over it.
+      return_outputs: also return the last chunk's outputs, ``[M, ...]`` leaves, on every stage.
+
+    Returns:
+      ``(loss, grads)`` or ``(loss, grads, outputs)``: the mean loss (float32 scalar, the
+      same on every stage), and gradients shaped like ``params`` (this stage's block).
+
+    Raises:
+      PipelineError: the axis is not bound, or its size does not fit the parameters or the
+        schedule, or a stage's output does not fit the next stage's input.
+      ScheduleError: the schedule cannot run these sizes.
+    """
+    P = _axis_size(axis_name, "the stage axis")
+    if data_axis_name is not None:
+        _axis_size(data_axis_name, "the data axis")
+    M = _leading(microbatches, "microbatches")
+    if _leading(targets, "targets") != M:
+        raise PipelineError(f"jax_cpu_mpi.pipeline.value_and_grad: {M} microbatches but "
+                            f"targets of shapes {_leaves_shapes(targets)}: their leading axes "
+                            f"must be the microbatches")
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"jax_cpu_mpi.pipeline.value_and_grad: schedule must be a "
+                        f"jax_cpu_mpi.pipeline.Schedule (GPipe(), OneFOneB(), ...), got "
+                        f"{schedule!r}")
+    if schedule.stages is not None and schedule.stages != P:
+        raise PipelineError(
+            f"jax_cpu_mpi.pipeline.value_and_grad: {schedule._title()} was built for "
+            f"stages={schedule.stages}, but the stage axis {axis_name!r} has size {P}; "
+            f"P = the axis size (the parameters are stacked over it)")
+    schedule = schedule.bind(P, M)
+    V = schedule.virtual_stages
+    chunk_params = _chunk_params(params, V, P)
+    plan = plan_mod.make_plan(schedule)  # builds and validates the table
+    return _run(stage_fn, chunk_params, loss_fn, microbatches, targets, plan, axis_name,
+                data_axis_name, return_outputs, params)
+
+
+def _check_stage_shapes(stage_fn: Callable, chunk: PyTree, x: PyTree, C: int) -> PyTree:
+    try:
+        y = jax.eval_shape(stage_fn, chunk, x)
+    except Exception as e:  # a shape error inside the user's stage: say where it happened
+        raise PipelineError(
+            f"jax_cpu_mpi.pipeline.value_and_grad: stage_fn(params of one chunk, one "
+            f"microbatch) fails for parameters {_leaves_shapes(chunk)} and a microbatch "
+            f"{_leaves_shapes(x)}: {type(e).__name__}: {e}") from e
+    if C > 1:
+        same = jax.tree.structure(y) == jax.tree.structure(x) and all(
+            a.shape == b.shape and a.dtype == b.dtype
+            for a, b in zip(jax.tree.leaves(y), jax.tree.leaves(x), strict=True))
+        if not same:
+            raise PipelineError(
+                f"jax_cpu_mpi.pipeline.value_and_grad: a stage's output does not fit the next "
+                f"stage's input: stage_fn maps a microbatch {_leaves_shapes(x)} to "
+                f"{_leaves_shapes(y)}, and with {C} chunks every output is the next chunk's "
+                f"input (same pytree, shapes and dtypes)")
+    return y
+
+
+def _accumulator_dtype(dtype: Any) -> Any:
+    return jnp.promote_types(dtype, jnp.float32) if jnp.issubdtype(dtype, jnp.inexact) \
+        else dtype
+
+
+def _run(stage_fn, chunk_params, loss_fn, xs, ys, plan, axis, data_axis, return_outputs,
+         params):
+    schedule = plan.schedule
+    P, M, V = schedule.stages, schedule.microbatches, schedule.virtual_stages
+    C = P * V
+    s = jax.lax.axis_index(axis)
+    chunk0 = jax.tree.map(lambda a: a[0], chunk_params)
+    x0 = jax.tree.map(lambda a: a[0], xs)
+    y_shape = _check_stage_shapes(stage_fn, chunk0, x0, C)
+    buffer_shape = y_shape  # what a tick sends: an activation or a cotangent (same shape)
+    varying = _vma(s) | frozenset().union(*map(_vma, jax.tree.leaves((xs, chunk_params))))
+
+    def zeros(shape_tree: PyTree, lead: tuple[int, ...] = ()) -> PyTree:
+        return _vary(jax.tree.map(lambda a: jnp.zeros(lead + a.shape, a.dtype), shape_tree),
+                     varying)
+
+    def pick(tree: PyTree, i: Any) -> PyTree:
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+
+    def put(tree: PyTree, i: Any, value: PyTree, where: Any) -> PyTree:
+        def one(a, v):
+            old = jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
+            return jax.lax.dynamic_update_index_in_dim(a, jnp.where(where, v, old), i, 0)
+        return jax.tree.map(one, tree, value)
+
+    acc_dtypes = jax.tree.map(lambda a: _accumulator_dtype(a.dtype), chunk_params)
+    zero_grads = lambda p: jax.tree.map(  # noqa: E731
+        lambda a, d: jnp.zeros(a.shape, d), p, acc_dtypes)
+    cast = lambda tree: jax.tree.map(lambda a, d: a.astype(d), tree, acc_dtypes)  # noqa: E731
+    zero_loss = jnp.zeros((), jnp.float32)
+    no_buffer = lambda: zeros(buffer_shape)  # noqa: E731
+    no_output = lambda: zeros(y_shape) if return_outputs else None  # noqa: E731
+
+    # The branches of the tick's lax.switch: (p, x, g, target) -> (buffer, dparams, loss, y).
+    def idle(p, x, g, tgt):
+        return no_buffer(), zero_grads(p), zero_loss, no_output()
+
+    def forward(p, x, g, tgt):
+        return stage_fn(p, x), zero_grads(p), zero_loss, no_output()
+
+    def forward_last(p, x, g, tgt):
+        y = stage_fn(p, x)
+        loss, dy = jax.value_and_grad(lambda y: loss_fn(y, tgt))(y)
+        return dy, zero_grads(p), loss.astype(jnp.float32), (y if return_outputs else None)
+
+    def backward(p, x, g, tgt):
+        _, vjp = jax.vjp(stage_fn, p, x)
+        dp, dx = vjp(g)
+        return dx, cast(dp), zero_loss, no_output()
+
+    def weight(p, x, g, tgt):
+        _, vjp = jax.vjp(lambda p: stage_fn(p, x), p)
+        (dp,) = vjp(g)
+        return no_buffer(), cast(dp), zero_loss, no_output()
+
+    def backward_input(p, x, g, tgt):
+        _, vjp = jax.vjp(lambda x: stage_fn(p, x), x)
+        (dx,) = vjp(g)
+        return dx, zero_grads(p), zero_loss, no_output()
+
+    branches = [None] * plan_mod.BRANCHES
+    branches[plan_mod.IDLE] = idle
+    branches[plan_mod.FORWARD] = forward
+    branches[plan_mod.FORWARD_LAST] = forward_last
+    branches[plan_mod.BACKWARD] = backward
+    branches[plan_mod.BACKWARD_FIRST] = weight  # the first chunk's input needs no cotangent
+    branches[plan_mod.BACKWARD_INPUT] = backward_input
+    branches[plan_mod.WEIGHT] = weight
+    used = sorted({int(b) for b in np.unique(plan.actions[..., 0])} | {plan_mod.IDLE})
+    index_of = np.zeros(plan_mod.BRANCHES, np.int32)
+    index_of[used] = np.arange(len(used))
+    # Only the branches this schedule uses are compiled; the table maps to their positions.
+    actions = plan.actions.copy()
+    actions[..., 0] = index_of[actions[..., 0]]
+    # Every branch must return the same types (vma included): mark them varying alike.
+    live = [lambda *a, f=branches[b]: _vary(f(*a), varying) for b in used]
+
+    def tick(carry, tables):
+        acts, cots, grads, loss, outs = carry
+        row, received_at = tables
+        cell = jax.lax.dynamic_index_in_dim(row, s, keepdims=False)
+        branch, m, v, first, x_slot, g_slot, local_kind, local_slot = (
+            cell[i] for i in range(len(plan_mod.COLUMNS)))
+        x_in = pick(xs, m)
+        x = x_in if acts is None else jax.tree.map(
+            lambda a, b: jnp.where(first == 1, a, b), x_in, pick(acts, x_slot))
+        g = pick(cots, g_slot)
+        p = pick(chunk_params, v)
+        buffer, dp, step_loss, y = jax.lax.switch(branch, live, p, x, g, pick(ys, m))
+        grads = jax.tree.map(
+            lambda a, d: jax.lax.dynamic_update_index_in_dim(
+                a, jax.lax.dynamic_index_in_dim(a, v, keepdims=False) + d, v, 0), grads, dp)
+        loss = loss + step_loss
+        if return_outputs:
+            outs = put(outs, m, y, branch == index_of[plan_mod.FORWARD_LAST])
+        # Kept on this stage: the loss cotangent, or (P = 1) the next chunk's input.
+        if acts is not None:
+            acts = put(acts, local_slot, buffer, local_kind == plan_mod.ACTIVATION)
+        cots = put(cots, local_slot, buffer, local_kind == plan_mod.COTANGENT)
+        # The tick's messages: every op, in the same order on every device (see .plan).
+        recv_cell = jax.lax.dynamic_index_in_dim(received_at, s, keepdims=False)
+        for k, pairs in enumerate(plan.ops):
+            token = psend(buffer, axis, pairs)
+            got = _vary(precv(token, buffer_shape, axis, pairs), varying)
+            kind, slot = recv_cell[k, 0], recv_cell[k, 1]
+            if acts is not None:
+                acts = put(acts, slot, got, kind == plan_mod.ACTIVATION)
+            cots = put(cots, slot, got, kind == plan_mod.COTANGENT)
+        return (acts, cots, grads, loss, outs), None
+
+    acts = zeros(x0, (plan.activation_slots,)) if C > 1 else None
+    cots = zeros(buffer_shape, (plan.cotangent_slots,))
+    grads = _vary(jax.tree.map(lambda a, d: jnp.zeros(a.shape, d), chunk_params, acc_dtypes),
+                  varying)
+    outs = zeros(y_shape, (M,)) if return_outputs else None
+    carry = (acts, cots, grads, _vary(zero_loss, varying), outs)
+    tables = (jnp.asarray(actions), jnp.asarray(plan.receives))
+    (acts, cots, grads, loss, outs), _ = jax.lax.scan(tick, carry, tables)
+
+    # The loss lives on the last stage: share it (after the scan, so after every message).
+    loss = jax.lax.psum(jnp.where(s == (C - 1) % P, loss, 0.0), axis) / M
+    grads = jax.tree.map(lambda g, a: (g / M).astype(a.dtype), grads, chunk_params)
+    if data_axis is not None:
+        loss = jax.lax.pmean(loss, data_axis)
+        grads = jax.lax.pmean(grads, data_axis)
+    grads = jax.tree.map(lambda g, a: g.reshape(a.shape), grads, params)
+    if not return_outputs:
+        return loss, grads
+    outs = jax.lax.psum(jax.tree.map(lambda o: jnp.where(s == (C - 1) % P, o, 0), outs), axis)
+    return loss, grads, outs

@@ -1,0 +1,78 @@
+"""The model a pipeline computes, on one device: the reference its results must equal, and
+helpers to lay out parameters and batches the way the pipeline wants them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["reference_value_and_grad", "split_microbatches", "stack_stages"]
+
+PyTree = Any
+
+
+def stack_stages(chunks: Sequence[PyTree], stages: int, virtual_stages: int = 1) -> PyTree:
+    """Stack the parameters of ``stages * virtual_stages`` model chunks, given in model order,
+    into the pipeline's layout: leaves ``[P, ...]``, or ``[P, V, ...]`` where chunk
+    ``v * P + s`` sits at ``[s, v]`` (Megatron's looping placement). Every chunk's pytree must
+    have the same shapes."""
+    P, V = stages, virtual_stages
+    if len(chunks) != P * V:
+        raise ValueError(f"stack_stages: {len(chunks)} chunks for {P} stages x {V} virtual "
+                         f"stages; need P x V = {P * V}")
+    if V == 1:
+        return jax.tree.map(lambda *a: jnp.stack(a), *chunks)
+    rows = [jax.tree.map(lambda *a: jnp.stack(a), *[chunks[v * P + s] for v in range(V)])
+            for s in range(P)]
+    return jax.tree.map(lambda *a: jnp.stack(a), *rows)
+
+
+def chunk_list(params: PyTree, virtual_stages: int = 1) -> list[PyTree]:
+    """The inverse of :func:`stack_stages`: the chunks' parameters in model order."""
+    P = jax.tree.leaves(params)[0].shape[0]
+    V = virtual_stages
+    if V == 1:
+        return [jax.tree.map(lambda a, s=s: a[s], params) for s in range(P)]
+    return [jax.tree.map(lambda a, c=c: a[c % P, c // P], params) for c in range(P * V)]
+
+
+def split_microbatches(batch: PyTree, microbatches: int) -> PyTree:
+    """``[B, ...]`` leaves to ``[M, B / M, ...]`` (consecutive samples per microbatch)."""
+    def one(a: Any) -> Any:
+        if a.shape[0] % microbatches:
+            raise ValueError(f"split_microbatches: a batch of {a.shape[0]} samples does not "
+                             f"split into {microbatches} equal microbatches")
+        return a.reshape(microbatches, a.shape[0] // microbatches, *a.shape[1:])
+    return jax.tree.map(one, batch)
+
+
+def reference_value_and_grad(
+    stage_fn: Callable[[PyTree, PyTree], PyTree],
+    loss_fn: Callable[[PyTree, PyTree], jax.Array],
+    params: PyTree,
+    microbatches: PyTree,
+    targets: PyTree,
+    virtual_stages: int = 1,
+) -> tuple[jax.Array, PyTree]:
+    """``jax.value_and_grad`` of the model a pipeline runs, on one device, no pipeline.
+
+    ``params`` are the stacked parameters (leaves ``[P, ...]`` or ``[P, V, ...]``); the model
+    applies chunk ``0, 1, ..., P V - 1`` (chunk ``c = v * P + s``) to each microbatch; the loss
+    is the mean over microbatches of ``loss_fn(output, target)``.
+    """
+    V = virtual_stages
+
+    def loss(params: PyTree) -> jax.Array:
+        chunks = chunk_list(params, V)
+
+        def one(x: PyTree, y: PyTree) -> jax.Array:
+            for chunk in chunks:
+                x = stage_fn(chunk, x)
+            return loss_fn(x, y).astype(jnp.float32)
+
+        return jnp.mean(jax.vmap(one)(microbatches, targets))
+
+    return jax.value_and_grad(loss)(params)

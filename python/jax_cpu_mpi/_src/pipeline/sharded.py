@@ -1,0 +1,71 @@
+"""``shard_value_and_grad``: :func:`value_and_grad` with its ``shard_map`` built for a mesh."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec
+
+from jax_cpu_mpi._src.pipeline.executor import PipelineError, value_and_grad
+from jax_cpu_mpi._src.pipeline.schedules import Schedule
+
+__all__ = ["shard_value_and_grad"]
+
+PyTree = Any
+
+
+def shard_value_and_grad(
+    stage_fn: Callable[[PyTree, PyTree], PyTree],
+    loss_fn: Callable[[PyTree, PyTree], jax.Array],
+    mesh: jax.sharding.Mesh,
+    schedule: Schedule,
+    *,
+    axis_name: Hashable = "stage",
+    data_axis_name: Hashable | None = None,
+    return_outputs: bool = False,
+) -> Callable[..., Any]:
+    """A function ``(params, microbatches, targets) -> (loss, grads[, outputs])`` that runs
+    :func:`value_and_grad` under ``jax.shard_map`` over ``mesh`` (wrap it in ``jax.jit``).
+
+    ``params``: stacked leaves ``[P, ...]`` (``[P, V, ...]`` interleaved), sharded over
+    ``axis_name``; ``microbatches`` / ``targets``: ``[M, batch, ...]`` leaves, the batch axis
+    sharded over ``data_axis_name`` if given, else replicated. ``loss`` is replicated,
+    ``grads`` are sharded like ``params``, ``outputs`` like the microbatches.
+    """
+    if axis_name not in mesh.shape:
+        raise PipelineError(f"jax_cpu_mpi.pipeline.shard_value_and_grad: the mesh has axes "
+                            f"{dict(mesh.shape)}, no stage axis {axis_name!r}")
+    P = mesh.shape[axis_name]
+    V = schedule.virtual_stages
+    if schedule.stages is not None and schedule.stages != P:
+        raise PipelineError(
+            f"jax_cpu_mpi.pipeline.shard_value_and_grad: {schedule._title()} has "
+            f"stages={schedule.stages} x virtual_stages={V}, but the mesh axis {axis_name!r} "
+            f"has {P} devices; P must be the axis size (P x V = {schedule.stages * V} chunks "
+            f"is not {P} x {V})")
+    data = PartitionSpec(None, data_axis_name) if data_axis_name is not None else PartitionSpec()
+    stage = PartitionSpec(axis_name)
+    explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+
+    def place(tree: PyTree, spec: PartitionSpec) -> PyTree:
+        # A mesh with Explicit axes (jax.make_mesh's default) types shardings: shard_map then
+        # takes only arrays already laid out as its in_specs say.
+        if not explicit:
+            return tree
+        sharding = jax.sharding.NamedSharding(mesh, spec)
+        return jax.tree.map(lambda a: jax.reshard(a, sharding), tree)
+
+    def body(params: PyTree, microbatches: PyTree, targets: PyTree) -> Any:
+        return value_and_grad(stage_fn, params, loss_fn, microbatches, targets, schedule,
+                              axis_name=axis_name, data_axis_name=data_axis_name,
+                              return_outputs=return_outputs)
+
+    out_specs = (PartitionSpec(), stage) + ((data,) if return_outputs else ())
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(stage, data, data), out_specs=out_specs)
+
+    def run(params: PyTree, microbatches: PyTree, targets: PyTree) -> Any:
+        return mapped(place(params, stage), place(microbatches, data), place(targets, data))
+
+    return run
