@@ -307,7 +307,8 @@ def main(argv=None) -> int:
                 took = time.perf_counter() - start
                 if rc == 0 and path.exists():
                     c["rounds"].append(json.loads(path.read_text()))
-                    last = log.strip().splitlines()[-1] if log.strip() else ""
+                    said = [ln for ln in log.splitlines() if ln.startswith(("jax ", "torch "))]
+                    last = said[-1] if said else ""
                     print(f"[round {rnd + 1}/{a.rounds}] {c['key']}: {last} ({took:.0f} s)",
                           flush=True)
                 else:
