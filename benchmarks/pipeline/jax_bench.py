@@ -36,7 +36,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--schedule", choices=SCHEDULES, required=True)
     p.add_argument("--devices", type=int, default=1, help="CPU devices per process")
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--width", type=int, default=256)
     p.add_argument("--batch", type=int, default=512)
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=8)

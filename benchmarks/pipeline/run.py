@@ -65,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="benchmarks/pipeline/run.py",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--width", type=int, default=256)
     p.add_argument("--batch", type=int, default=512)
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=8)
@@ -73,7 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed steps per repeat")
     p.add_argument("--repeats", type=int, default=2, help="repeats per configuration and round")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--layouts", default="1x4,2x2,4x1",
                    help="JAX layouts: processes x devices, comma separated (1x4,2x2,4x1)")
     p.add_argument("--schedules", default=",".join(JAX_SCHEDULES))
@@ -181,6 +181,10 @@ def round_ratio(num: dict, den: dict) -> float | None:
     return float(np.median(ratios)) if ratios else None
 
 
+def bubble(fraction: float | None) -> str:
+    return "" if fraction is None or fraction != fraction else f"{fraction:.3f}"
+
+
 def mib(n: int | None) -> str:
     return "n/a" if n is None else f"{n / 2**20:.1f}"
 
@@ -199,14 +203,14 @@ def write_outputs(a, out: Path, cfgs: list[dict], notes: list[str], meta: dict) 
              f"warm-up steps per configuration.",
              "",
              "| framework | schedule | layout (processes x devices) | samples/s (median) | "
-             "rounds' range | vs single device | XLA temp MiB (per device) | "
+             "rounds' range | vs single device | bubble (theory) | XLA temp MiB (per device) | "
              "peak RSS MiB (largest process) | check (max grad rel. diff) |",
-             "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | --- |"]
+             "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | --- |"]
     for c in cfgs:
         s = c["summary"]
         if s.get("samples_per_s") is None:
             lines.append(f"| {c['framework']} | {NAMES[c['schedule']]} | {c['layout']} | "
-                         f"failed: {c.get('error', '?')} | | | | | |")
+                         f"failed: {c.get('error', '?')} | | | | | | |")
             continue
         rng = s["round_samples_per_s"]
         rel = f"{s['samples_per_s'] / base_sps:.2f}x" if base_sps else "n/a"
@@ -216,7 +220,8 @@ def write_outputs(a, out: Path, cfgs: list[dict], notes: list[str], meta: dict) 
         lines.append(
             f"| {c['framework']} | {NAMES[c['schedule']]} | {launcher} | "
             f"{s['samples_per_s']:.0f} | {min(rng):.0f}-{max(rng):.0f} | {rel} | "
-            f"{mib(s['temp_bytes'])} | {mib(s['peak_rss_bytes'])} | "
+            f"{bubble(s.get('bubble_fraction_theory'))} | {mib(s['temp_bytes'])} | "
+            f"{mib(s['peak_rss_bytes'])} | "
             f"{'PASS' if s['check'] else 'FAIL'} ({s['grad_rel_diff']:.1e}) |")
     lines += ["", "## Targets (issue 25)", ""]
     targets = []
@@ -324,6 +329,8 @@ def main(argv=None) -> int:
     notes.append("throughput: samples/s = batch / median step time; JAX processes use XLA's "
                  "default CPU threading, torch processes torch.set_num_threads(cores / "
                  "processes)")
+    notes.append("command: " + " ".join(["python", "benchmarks/pipeline/run.py",
+                                          *(argv if argv is not None else sys.argv[1:])]))
     notes.append(f"load average at start {meta['loadavg_start'][0]:.2f}, at end "
                  f"{meta['loadavg_end'][0]:.2f} (1 min)")
     write_outputs(a, out, cfgs, notes, meta)

@@ -77,7 +77,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--schedule", choices=sorted(SCHEDULES), required=True)
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--width", type=int, default=256)
     p.add_argument("--batch", type=int, default=512)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--virtual-stages", type=int, default=2)
