@@ -26,6 +26,7 @@ import re
 import resource
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 SCHEDULES = ("baseline", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
@@ -33,7 +34,8 @@ SCHEDULES = ("baseline", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    p.add_argument("--schedule", choices=SCHEDULES, required=True)
+    p.add_argument("--schedule", required=True,
+                   help="comma-separated: " + ", ".join(SCHEDULES) + " (baseline alone)")
     p.add_argument("--devices", type=int, default=1, help="CPU devices per process")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--width", type=int, default=256)
@@ -84,18 +86,13 @@ def mse(out: jax.Array, target: jax.Array) -> jax.Array:
     return jnp.mean((out - target) ** 2)
 
 
-def time_steps(run, steps: int, warmup: int, repeats: int) -> list[list[float]]:
-    for _ in range(warmup):
+def time_steps(run, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
         jax.block_until_ready(run())
-    out = []
-    for _ in range(repeats):
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            jax.block_until_ready(run())
-            times.append(time.perf_counter() - start)
-        out.append(times)
-    return out
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def temp_bytes(compiled) -> int | None:
@@ -103,7 +100,7 @@ def temp_bytes(compiled) -> int | None:
     return None if analysis is None else int(analysis.temp_size_in_bytes)
 
 
-def baseline(shape: Shape, problem) -> dict:
+def baseline(shape: Shape, problem, name: str) -> tuple[dict, Callable]:
     def loss(params, x, y):
         return mse(chunk_fn(params, x), y)
 
@@ -112,26 +109,25 @@ def baseline(shape: Shape, problem) -> dict:
     x, y = jax.device_put(problem.x, device), jax.device_put(problem.y, device)
     compiled = jax.jit(jax.value_and_grad(loss)).lower(params, x, y).compile()
     value, grads = compiled(params, x, y)
-    steps = time_steps(lambda: compiled(params, x, y), ARGS.steps, ARGS.warmup, ARGS.repeats)
-    return {"layout": "1 process x 1 device (no pipeline, full batch)",
-            "loss": float(value), "grads_w": np.asarray(grads["w"]),
-            "grads_b": np.asarray(grads["b"]), "step_seconds": steps,
-            "temp_bytes": temp_bytes(compiled)}
+    return ({"layout": "1 process x 1 device (no pipeline, full batch)",
+             "loss": float(value), "grads_w": np.asarray(grads["w"]),
+             "grads_b": np.asarray(grads["b"]), "temp_bytes": temp_bytes(compiled)},
+            lambda: compiled(params, x, y))
 
 
-def pipelined(shape: Shape, problem) -> dict:
+def pipelined(shape: Shape, problem, name: str) -> tuple[dict, Callable]:
     from jax.experimental import multihost_utils
 
     from jax_cpu_mpi import pipeline as pl
 
-    virtual = ARGS.virtual_stages if ARGS.schedule == "interleaved-1f1b" else 1
+    virtual = ARGS.virtual_stages if name == "interleaved-1f1b" else 1
     shape.check(virtual)
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     if len(devices) != shape.stages:
         raise SystemExit(f"jax_bench: {shape.stages} stages need {shape.stages} devices, "
                          f"the job has {len(devices)}")
     mesh = jax.make_mesh((shape.stages,), ("stage",), devices=devices)
-    schedule = pl.schedule_by_name(ARGS.schedule, virtual_stages=virtual)
+    schedule = pl.schedule_by_name(name, virtual_stages=virtual)
     S, V, lpc = shape.stages, virtual, shape.layers // (shape.stages * virtual)
     W = shape.width
 
@@ -163,58 +159,84 @@ def pipelined(shape: Shape, problem) -> dict:
 
     # The mean loss is the same on every stage: any local shard holds it.
     loss_value = float(np.asarray(value.addressable_data(0)).ravel()[0])
-    steps = time_steps(lambda: compiled(params, x, y), ARGS.steps, ARGS.warmup, ARGS.repeats)
     bound = schedule.bind(S, M) if hasattr(schedule, "bind") else schedule
-    return {"layout": (f"{jax.process_count()} process(es) x {jax.local_device_count()} "
-                       f"device(s)" + (" (mpirun)" if jax.process_count() > 1 else "")),
-            "loss": loss_value, "grads_w": unstacked(grads["w"]),
-            "grads_b": unstacked(grads["b"]), "step_seconds": steps,
-            "temp_bytes": temp_bytes(compiled),
-            "bubble_fraction_theory": float(getattr(bound, "bubble_fraction", float("nan"))),
-            "peak_stash_theory": list(getattr(bound, "peak_stash", ()))}
+    return ({"layout": (f"{jax.process_count()} process(es) x {jax.local_device_count()} "
+                        f"device(s)" + (" (mpirun)" if jax.process_count() > 1 else "")),
+             "loss": loss_value, "grads_w": unstacked(grads["w"]),
+             "grads_b": unstacked(grads["b"]), "temp_bytes": temp_bytes(compiled),
+             "bubble_fraction_theory": float(getattr(bound, "bubble_fraction", float("nan"))),
+             "peak_stash_theory": list(getattr(bound, "peak_stash", ()))},
+            lambda: compiled(params, x, y))
 
 
 def main() -> int:
     if any(v in os.environ for v in _MPI_RANK_VARS):
         jax.distributed.initialize()
+    names = ARGS.schedule.split(",")
+    if any(n not in SCHEDULES for n in names) or ("baseline" in names and len(names) > 1):
+        raise SystemExit(f"jax_bench: --schedule {ARGS.schedule}: use baseline alone or "
+                         f"some of {', '.join(SCHEDULES[1:])}")
     shape = Shape(ARGS.layers, ARGS.width, ARGS.batch, ARGS.stages, ARGS.microbatches,
                   ARGS.seed)
     shape.check(1)
     problem = make_problem(shape)
-    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    result = baseline(shape, problem) if ARGS.schedule == "baseline" else pipelined(shape,
-                                                                                     problem)
     want_loss, want_gw, want_gb = reference_loss_and_grads(problem)
-    grad_diff = max(relative_difference(result.pop("grads_w"), want_gw),
-                    relative_difference(result.pop("grads_b"), want_gb))
-    loss_diff = abs(result.pop("loss") - want_loss) / abs(want_loss)
-    ok = grad_diff <= 1e-4 and loss_diff <= 1e-5
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    results, runs = {}, {}
+    for name in names:  # compile and check every schedule first
+        build = baseline if name == "baseline" else pipelined
+        result, runs[name] = build(shape, problem, name)
+        grad_diff = max(relative_difference(result.pop("grads_w"), want_gw),
+                        relative_difference(result.pop("grads_b"), want_gb))
+        loss_diff = abs(result.pop("loss") - want_loss) / abs(want_loss)
+        ok = grad_diff <= 1e-4 and loss_diff <= 1e-5
+        result["check"] = {"ok": ok, "grad_rel_diff": grad_diff, "loss_rel_diff": loss_diff}
+        result["step_seconds"] = []
+        results[name] = result
+    for name in names:
+        for _ in range(ARGS.warmup):
+            jax.block_until_ready(runs[name]())
+    # The schedules take turns, a repeat each, so that a change of the shared machine's load
+    # falls on all of them alike. CPU time (all threads of this process) tells computing
+    # from waiting: a receiver that spins burns CPU time while it waits.
+    cpu = dict.fromkeys(names, 0.0)
+    for _ in range(ARGS.repeats):
+        for name in names:
+            start = time.process_time()
+            results[name]["step_seconds"].append(time_steps(runs[name], ARGS.steps))
+            cpu[name] += (time.process_time() - start) / ARGS.steps / ARGS.repeats
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    mine = np.array([peak, rss_before, *(cpu[n] for n in names)], np.float64)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        mem = np.asarray(multihost_utils.process_allgather(np.array([peak, rss_before])))
-        peaks, befores = mem.reshape(-1, 2)[:, 0], mem.reshape(-1, 2)[:, 1]
+        every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, mine.size)
     else:
-        peaks, befores = [peak], [rss_before]
-    if jax.process_index() == 0:
-        virtual = ARGS.virtual_stages if ARGS.schedule == "interleaved-1f1b" else 1
+        every = mine[None]
+    peaks, befores = every[:, 0], every[:, 1]
+    for i, name in enumerate(names):
+        results[name]["cpu_seconds_per_step"] = [float(v) for v in every[:, 2 + i]]
+    if jax.process_index() != 0:
+        return 0
+    for name, result in results.items():
+        virtual = ARGS.virtual_stages if name == "interleaved-1f1b" else 1
         result.update({
-            "framework": "jax", "schedule": ARGS.schedule, "virtual_stages": virtual,
+            "framework": "jax", "schedule": name, "virtual_stages": virtual,
             "processes": jax.process_count(), "devices_per_process": jax.local_device_count(),
             "jax": jax.__version__, "shape": shape.as_dict(),
-            "check": {"ok": ok, "grad_rel_diff": grad_diff, "loss_rel_diff": loss_diff},
             "memory": {"kind": "XLA memory_analysis temp bytes of one device's program; "
-                               "peak RSS per process (getrusage ru_maxrss)",
+                               "peak RSS per process (getrusage ru_maxrss) of the processes "
+                               "that ran all schedules of this launch",
                        "peak_rss_bytes": [int(v) for v in peaks],
                        "rss_before_compile_bytes": [int(v) for v in befores]},
         })
-        Path(ARGS.out).write_text(json.dumps(result, indent=1))
+        check = result["check"]
         median = np.median(np.concatenate(result["step_seconds"]))
-        print(f"jax {ARGS.schedule} [{result['layout']}]: check {'PASS' if ok else 'FAIL'} "
-              f"(grads {grad_diff:.1e}, loss {loss_diff:.1e}), median step "
-              f"{median * 1e3:.2f} ms, temp {result['temp_bytes']} B", flush=True)
-    return 0 if ok else 1
+        print(f"jax {name} [{result['layout']}]: check {'PASS' if check['ok'] else 'FAIL'} "
+              f"(grads {check['grad_rel_diff']:.1e}, loss {check['loss_rel_diff']:.1e}), "
+              f"median step {median * 1e3:.2f} ms, temp {result['temp_bytes']} B", flush=True)
+    Path(ARGS.out).write_text(json.dumps({"results": list(results.values())}, indent=1))
+    return 0 if all(r["check"]["ok"] for r in results.values()) else 1
 
 
 if __name__ == "__main__":

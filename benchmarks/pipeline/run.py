@@ -13,7 +13,8 @@ sides, split evenly into ``--stages`` stages (x ``--virtual-stages`` for interle
 loss and the gradients of one batch per step (no optimizer update) and is first checked
 against a float64 NumPy reference of the whole model.
 
-Configurations (each one process or one job of its own, launched with a timeout):
+Configurations (one launch per layout, with a timeout; the schedules of a launch take turns,
+a repeat each, so that a change of the shared machine's load falls on all of them alike):
 
 * ``jax baseline``: ``jit(value_and_grad)`` of the whole model, full batch, 1 device;
 * ``jax <schedule>`` for GPipe, 1F1B, Interleaved1F1B, ZeroBubble (``jax_cpu_mpi.pipeline``)
@@ -23,8 +24,8 @@ Configurations (each one process or one job of its own, launched with a timeout)
   ``torchrun --nproc-per-node P`` (one stage, or V looping stages, per process), with
   ``--torch-python`` (a Python with torch; skipped with a note when it has none).
 
-Each round runs every configuration once (``--steps`` timed steps x ``--repeats`` after
-``--warmup``); the figure is the median step time over all steps of all rounds, shown as
+Each round runs every launch once (``--steps`` timed steps x ``--repeats`` per schedule
+after ``--warmup``); the figure is the median step time over all steps of all rounds, shown as
 samples/s (batch / median step); the spread is the range of the rounds' medians. A ratio
 (targets) is the median over rounds of the ratio within each round, so that a change of
 phase of a shared machine moves both sides together. Memory: XLA's compiled memory analysis
@@ -108,34 +109,37 @@ def launch(cmd: list[str], timeout: float, env: dict[str, str]) -> tuple[int | N
         return rc, log.read()
 
 
-def configurations(a: argparse.Namespace, torch_ok: bool) -> list[dict]:
+def launches(a: argparse.Namespace, torch_ok: bool) -> list[dict]:
+    """One launch per layout; each runs several configurations (its schedules take turns)."""
     common = ["--layers", a.layers, "--width", a.width, "--batch", a.batch,
               "--microbatches", a.microbatches, "--virtual-stages", a.virtual_stages,
               "--steps", a.steps, "--repeats", a.repeats, "--warmup", a.warmup,
               "--seed", a.seed]
     common = [str(c) for c in common]
     jax_script = str(HERE / "jax_bench.py")
-    out = [{"key": "jax/baseline/1x1", "framework": "jax", "schedule": "baseline",
-            "layout": "1x1", "cmd": [sys.executable, jax_script, "--schedule", "baseline",
-                                     "--stages", str(a.stages), *common]}]
+    schedules = [s for s in a.schedules.split(",") if s]
+    out = [{"framework": "jax", "layout": "1x1", "schedules": ["baseline"],
+            "cmd": [sys.executable, jax_script, "--schedule", "baseline",
+                    "--stages", str(a.stages), *common]}]
     for layout in filter(None, a.layouts.split(",")):
         procs, devs = LAYOUTS[layout]
         if procs * devs != a.stages:
             continue
         prefix = [mpirun(), "-n", str(procs)] if procs > 1 else []
-        for s in a.schedules.split(","):
-            out.append({"key": f"jax/{s}/{layout}", "framework": "jax", "schedule": s,
-                        "layout": layout,
-                        "cmd": [*prefix, sys.executable, jax_script, "--schedule", s,
-                                "--devices", str(devs), "--stages", str(a.stages), *common]})
+        out.append({"framework": "jax", "layout": layout, "schedules": schedules,
+                    "cmd": [*prefix, sys.executable, jax_script,
+                            "--schedule", ",".join(schedules), "--devices", str(devs),
+                            "--stages", str(a.stages), *common]})
     if torch_ok:
         torchrun = [a.torch_python, "-m", "torch.distributed.run", "--standalone",
                     "--nproc-per-node", str(a.stages)]
-        for s in TORCH_SCHEDULES:
-            out.append({"key": f"torch/{s}/{a.stages}x1", "framework": "torch", "schedule": s,
-                        "layout": f"{a.stages}x1",
-                        "cmd": [*torchrun, str(HERE / "torch_bench.py"), "--schedule", s,
-                                *common]})
+        out.append({"framework": "torch", "layout": f"{a.stages}x1",
+                    "schedules": list(TORCH_SCHEDULES),
+                    "cmd": [*torchrun, str(HERE / "torch_bench.py"),
+                            "--schedule", ",".join(TORCH_SCHEDULES), *common]})
+    for launch_ in out:
+        launch_["keys"] = [f"{launch_['framework']}/{s}/{launch_['layout']}"
+                           for s in launch_["schedules"]]
     return out
 
 
@@ -165,6 +169,10 @@ def summarize(cfg: dict, batch: int) -> dict:
             "samples_per_s": batch / float(np.median(steps)),
             "round_samples_per_s": [batch / m for m in round_medians],
             "temp_bytes": last.get("temp_bytes"), "peak_rss_bytes": peak,
+            "cpu_per_wall": float(np.median([sum(r["cpu_seconds_per_step"]) /
+                                             np.median(np.concatenate(r["step_seconds"]))
+                                             for r in ok if "cpu_seconds_per_step" in r]
+                                            or [np.nan])),
             "check": all(r["check"]["ok"] for r in ok),
             "grad_rel_diff": max(r["check"]["grad_rel_diff"] for r in ok),
             "bubble_fraction_theory": last.get("bubble_fraction_theory"),
@@ -203,14 +211,15 @@ def write_outputs(a, out: Path, cfgs: list[dict], notes: list[str], meta: dict) 
              f"warm-up steps per configuration.",
              "",
              "| framework | schedule | layout (processes x devices) | samples/s (median) | "
-             "rounds' range | vs single device | bubble (theory) | XLA temp MiB (per device) | "
-             "peak RSS MiB (largest process) | check (max grad rel. diff) |",
-             "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | --- |"]
+             "rounds' range | vs single device | bubble (theory) | CPU busy (cores) | "
+             "XLA temp MiB (per device) | peak RSS MiB (largest process) | "
+             "check (max grad rel. diff) |",
+             "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for c in cfgs:
         s = c["summary"]
         if s.get("samples_per_s") is None:
             lines.append(f"| {c['framework']} | {NAMES[c['schedule']]} | {c['layout']} | "
-                         f"failed: {c.get('error', '?')} | | | | | | |")
+                         f"failed: {c.get('error', '?')} | | | | | | | |")
             continue
         rng = s["round_samples_per_s"]
         rel = f"{s['samples_per_s'] / base_sps:.2f}x" if base_sps else "n/a"
@@ -220,7 +229,8 @@ def write_outputs(a, out: Path, cfgs: list[dict], notes: list[str], meta: dict) 
         lines.append(
             f"| {c['framework']} | {NAMES[c['schedule']]} | {launcher} | "
             f"{s['samples_per_s']:.0f} | {min(rng):.0f}-{max(rng):.0f} | {rel} | "
-            f"{bubble(s.get('bubble_fraction_theory'))} | {mib(s['temp_bytes'])} | "
+            f"{bubble(s.get('bubble_fraction_theory'))} | {s['cpu_per_wall']:.2f} | "
+            f"{mib(s['temp_bytes'])} | "
             f"{mib(s['peak_rss_bytes'])} | "
             f"{'PASS' if s['check'] else 'FAIL'} ({s['grad_rel_diff']:.1e}) |")
     lines += ["", "## Targets (issue 25)", ""]
@@ -298,34 +308,44 @@ def main(argv=None) -> int:
             "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "jax": jax.__version__, "python": platform.python_version(),
             "loadavg_start": os.getloadavg()}
-    cfgs = configurations(a, torch_ok)
+    plan = launches(a, torch_ok)
+    cfgs = [{"key": key, "framework": L["framework"], "schedule": sched, "layout": L["layout"],
+             "cmd": L["cmd"], "rounds": []}
+            for L in plan for key, sched in zip(L["keys"], L["schedules"], strict=True)]
+    by_key = {c["key"]: c for c in cfgs}
     env = dict(os.environ)
     env.setdefault("JAX_CPU_MPI_RECV_TIMEOUT", "120")  # a lost message fails, never hangs
-    for c in cfgs:
-        c["rounds"] = []
     for rnd in range(a.rounds):
-        for c in cfgs:
+        for L in plan:
             with tempfile.TemporaryDirectory() as tmp:
                 path = Path(tmp) / "r.json"
                 start = time.perf_counter()
-                rc, log = launch([*c["cmd"], "--out", str(path)], a.timeout, env)
+                rc, log = launch([*L["cmd"], "--out", str(path)], a.timeout, env)
                 took = time.perf_counter() - start
-                if rc == 0 and path.exists():
-                    c["rounds"].append(json.loads(path.read_text()))
-                    said = [ln for ln in log.splitlines() if ln.startswith(("jax ", "torch "))]
-                    last = said[-1] if said else ""
-                    print(f"[round {rnd + 1}/{a.rounds}] {c['key']}: {last} ({took:.0f} s)",
+                got = json.loads(path.read_text())["results"] if path.exists() else []
+                done = {f"{L['framework']}/{r['schedule']}/{L['layout']}": r for r in got}
+                for line in log.splitlines():
+                    if line.startswith(("jax ", "torch ")):
+                        print(f"[round {rnd + 1}/{a.rounds}] {line}", flush=True)
+                print(f"[round {rnd + 1}/{a.rounds}] {L['framework']} {L['layout']}: "
+                      f"{took:.0f} s", flush=True)
+                why = "timed out" if rc is None else f"exit {rc}"
+                if rc != 0:
+                    print(f"{' '.join(L['cmd'])}: {why}\n{log[-3000:]}", file=sys.stderr,
                           flush=True)
-                else:
-                    why = "timed out" if rc is None else f"exit {rc}"
-                    c["error"] = why
-                    c["rounds"].append({"error": why, "log_tail": log[-3000:]})
-                    print(f"[round {rnd + 1}/{a.rounds}] {c['key']}: {why}\n{log[-3000:]}",
-                          file=sys.stderr, flush=True)
+                for key in L["keys"]:
+                    if key in done:  # its check says PASS or FAIL
+                        by_key[key]["rounds"].append(done[key])
+                    else:
+                        by_key[key]["error"] = why
+                        by_key[key]["rounds"].append({"error": why, "log_tail": log[-3000:]})
     meta["loadavg_end"] = os.getloadavg()
     for c in cfgs:
         c["summary"] = summarize(c, a.batch)
         c["cmd"] = " ".join(c["cmd"])
+    notes.append("CPU busy: the CPU time of all the job's processes per step (all threads) / "
+                 "the step's wall time (median over rounds): how many of the machine's cores "
+                 "the configuration keeps busy, computing or spinning while it waits")
     notes.append("throughput: samples/s = batch / median step time; JAX processes use XLA's "
                  "default CPU threading, torch processes torch.set_num_threads(cores / "
                  "processes)")
@@ -337,7 +357,11 @@ def main(argv=None) -> int:
     print((out / "pipeline.md").read_text())
     print(f"pipeline: wrote {out}/pipeline.md, pipeline.json"
           + (", pipeline.png" if (out / "pipeline.png").exists() else ""))
-    return 0
+    failed = [c["key"] for c in cfgs if "error" in c or not c["summary"].get("check", False)]
+    if failed:
+        print(f"pipeline: failed or did not match the reference: {', '.join(failed)}",
+              file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
