@@ -143,6 +143,19 @@ def launches(a: argparse.Namespace, torch_ok: bool) -> list[dict]:
     return out
 
 
+def git_state() -> dict:
+    """The commit measured, and the package files that differ from it."""
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
+                                  timeout=30).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+    changed = git("status", "--porcelain", "--", "python", "cpp", "benchmarks/pipeline")
+    return {"head": git("rev-parse", "--short", "HEAD") or "unknown",
+            "uncommitted": [line[3:] for line in changed.splitlines()]}
+
+
 def torch_available(python: str) -> tuple[bool, str]:
     if not python:
         return False, "torch side skipped (--torch-python '')"
@@ -308,6 +321,10 @@ def main(argv=None) -> int:
             "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "jax": jax.__version__, "python": platform.python_version(),
             "loadavg_start": os.getloadavg()}
+    meta["git"] = git_state()
+    dirty = meta["git"]["uncommitted"]
+    notes.append(f"code: commit {meta['git']['head']}" +
+                 (f", with uncommitted changes to {', '.join(dirty)}" if dirty else ""))
     plan = launches(a, torch_ok)
     cfgs = [{"key": key, "framework": L["framework"], "schedule": sched, "layout": L["layout"],
              "cmd": L["cmd"], "rounds": []}
