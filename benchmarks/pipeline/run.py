@@ -148,7 +148,7 @@ def git_state() -> dict:
     def git(*args: str) -> str:
         try:
             return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
-                                  timeout=30).stdout.strip()
+                                  timeout=30).stdout.rstrip()
         except (OSError, subprocess.TimeoutExpired):
             return ""
     changed = git("status", "--porcelain", "--", "python", "cpp", "benchmarks/pipeline")
@@ -183,7 +183,7 @@ def summarize(cfg: dict, batch: int) -> dict:
             "round_samples_per_s": [batch / m for m in round_medians],
             "temp_bytes": last.get("temp_bytes"), "peak_rss_bytes": peak,
             "cpu_per_wall": float(np.median([sum(r["cpu_seconds_per_step"]) /
-                                             np.median(np.concatenate(r["step_seconds"]))
+                                             np.mean(np.concatenate(r["step_seconds"]))
                                              for r in ok if "cpu_seconds_per_step" in r]
                                             or [np.nan])),
             "check": all(r["check"]["ok"] for r in ok),
@@ -361,7 +361,7 @@ def main(argv=None) -> int:
         c["summary"] = summarize(c, a.batch)
         c["cmd"] = " ".join(c["cmd"])
     notes.append("CPU busy: the CPU time of all the job's processes per step (all threads) / "
-                 "the step's wall time (median over rounds): how many of the machine's cores "
+                 "the mean step's wall time (median over rounds): how many of the machine's cores "
                  "the configuration keeps busy, computing or spinning while it waits")
     notes.append("throughput: samples/s = batch / median step time; JAX processes use XLA's "
                  "default CPU threading, torch processes torch.set_num_threads(cores / "
