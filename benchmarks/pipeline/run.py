@@ -86,6 +86,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None,
                    help="output folder (default benchmarks/results/dev-2core-<date>-pipeline)")
     p.add_argument("--note", default="", help="a line for the notes (e.g. machine shared)")
+    p.add_argument("--from-json", default=None, metavar="PIPELINE_JSON",
+                   help="measure nothing: write the table and plot again from a recorded "
+                        "pipeline.json (into its folder)")
     return p.parse_args(argv)
 
 
@@ -305,8 +308,39 @@ def plot(out: Path, cfgs: list[dict], notes: list[str]) -> None:
     plt.close(fig)
 
 
+def rerender(path: Path) -> int:
+    """Write pipeline.md/.png again from a recorded pipeline.json (the summaries recomputed)."""
+    dump = json.loads(path.read_text())
+    a = argparse.Namespace(**dump["args"])
+    cfgs = dump["configurations"]
+    for c in cfgs:
+        c["summary"] = summarize(c, a.batch)
+    derived = ("CPU busy:", "code:", "throughput:", "load average", "no plot")
+    notes = [n for n in dump["notes"] if not n.startswith(derived)]
+    notes += derived_notes(dump["meta"])
+    notes.append(f"table written again from {path.name} by run.py --from-json")
+    write_outputs(a, path.parent, cfgs, notes, dump["meta"])
+    print((path.parent / "pipeline.md").read_text())
+    return 0
+
+
+def derived_notes(meta: dict) -> list[str]:
+    dirty = meta["git"]["uncommitted"]
+    return [f"code: commit {meta['git']['head']}" +
+            (f", with uncommitted changes to {', '.join(dirty)}" if dirty else ""),
+            "CPU busy: the CPU time of all the job's processes per step (all threads) / "
+            "the mean step's wall time (median over rounds): how many of the machine's cores "
+            "the configuration keeps busy, computing or spinning while it waits",
+            "throughput: samples/s = batch / median step time; JAX processes use XLA's "
+            "default CPU threading, torch processes torch.set_num_threads(cores / processes)",
+            f"load average at start {meta['loadavg_start'][0]:.2f}, at end "
+            f"{meta['loadavg_end'][0]:.2f} (1 min)"]
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if a.from_json:
+        return rerender(Path(a.from_json))
     date = datetime.datetime.now(datetime.UTC)
     out = Path(a.out or REPO / "benchmarks" / "results" /
                f"dev-{os.cpu_count()}core-{date:%Y-%m-%d}-pipeline")
@@ -322,9 +356,6 @@ def main(argv=None) -> int:
             "jax": jax.__version__, "python": platform.python_version(),
             "loadavg_start": os.getloadavg()}
     meta["git"] = git_state()
-    dirty = meta["git"]["uncommitted"]
-    notes.append(f"code: commit {meta['git']['head']}" +
-                 (f", with uncommitted changes to {', '.join(dirty)}" if dirty else ""))
     plan = launches(a, torch_ok)
     cfgs = [{"key": key, "framework": L["framework"], "schedule": sched, "layout": L["layout"],
              "cmd": L["cmd"], "rounds": []}
@@ -360,16 +391,9 @@ def main(argv=None) -> int:
     for c in cfgs:
         c["summary"] = summarize(c, a.batch)
         c["cmd"] = " ".join(c["cmd"])
-    notes.append("CPU busy: the CPU time of all the job's processes per step (all threads) / "
-                 "the mean step's wall time (median over rounds): how many of the machine's cores "
-                 "the configuration keeps busy, computing or spinning while it waits")
-    notes.append("throughput: samples/s = batch / median step time; JAX processes use XLA's "
-                 "default CPU threading, torch processes torch.set_num_threads(cores / "
-                 "processes)")
     notes.append("command: " + " ".join(["python", "benchmarks/pipeline/run.py",
                                           *(argv if argv is not None else sys.argv[1:])]))
-    notes.append(f"load average at start {meta['loadavg_start'][0]:.2f}, at end "
-                 f"{meta['loadavg_end'][0]:.2f} (1 min)")
+    notes += derived_notes(meta)
     write_outputs(a, out, cfgs, notes, meta)
     print((out / "pipeline.md").read_text())
     print(f"pipeline: wrote {out}/pipeline.md, pipeline.json"
