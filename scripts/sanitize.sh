@@ -9,6 +9,8 @@
 #   scripts/sanitize.sh                 # uses $PYTHON, else .venv/bin/python, else python3
 #   PYTHON=/path/to/venv/bin/python KEEP=1 scripts/sanitize.sh -k ring   # extra pytest args
 #   QUICK=1 scripts/sanitize.sh         # only the smoke tests and one stress test
+#   WORK=DIR BUILD_ONLY=1 scripts/sanitize.sh   # build into DIR (kept) and stop
+#   WORK=DIR scripts/sanitize.sh        # reuse DIR's build (CMake rebuilds what changed)
 #
 # The installed package is left alone: a sitecustomize.py on PYTHONPATH makes Python (and
 # every child process) import jax_cpu_mpi from the throwaway directory instead of the
@@ -24,8 +26,14 @@ python=$(command -v "$python")
 prefix=$("$python" -c 'import sys; print(sys.prefix)')
 export PATH="$(dirname "$python"):$PATH"   # mpirun, cmake, ninja of that environment first
 
-work=$(mktemp -d "${TMPDIR:-/tmp}/jcm-sanitize-XXXXXX")
-if [[ -z ${KEEP:-} ]]; then trap 'rm -rf "$work"' EXIT; else echo "keeping $work"; fi
+if [[ -n ${WORK:-} ]]; then  # a directory of the caller's, kept: its build is reused
+  work=$WORK
+  mkdir -p "$work"
+  rm -f "$work"/report* "$work"/selftest*
+else
+  work=$(mktemp -d "${TMPDIR:-/tmp}/jcm-sanitize-XXXXXX")
+  if [[ -z ${KEEP:-} ]]; then trap 'rm -rf "$work"' EXIT; else echo "keeping $work"; fi
+fi
 
 echo "== building the extension with -DJAX_CPU_MPI_SANITIZE=ON in $work/build"
 generator=()
@@ -38,6 +46,7 @@ cmake -S "$root" -B "$work/build" "${generator[@]}" -DCMAKE_BUILD_TYPE=None \
   || { cat "$work/cmake.log"; exit 1; }
 cmake --build "$work/build" -j "$(nproc)" >>"$work/cmake.log" 2>&1 \
   || { cat "$work/cmake.log"; exit 1; }
+if [[ -n ${BUILD_ONLY:-} ]]; then echo "== built $work/build"; exit 0; fi
 
 site=$work/site
 mkdir -p "$site"

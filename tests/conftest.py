@@ -20,6 +20,8 @@ import jax
 import jax_p2p_removal
 import pytest
 
+import background_builds
+
 # JCM_TEST_JAX_WITHOUT_P2P=1: the suite runs as on a JAX that dropped psend/precv
 # (tests/ops/test_without_jax_p2p.py runs parts of it that way in a subprocess).
 jax_p2p_removal.simulate_if_requested()
@@ -30,6 +32,16 @@ if jax_p2p_removal.requested() and not jax_cpu_mpi._src.ops.primitives.OURS:
     raise RuntimeError("JAX's psend/precv removal was simulated, but jax_cpu_mpi binds JAX's")
 if os.environ.get(jax_p2p_removal.ENV) == "effect":
     assert jax_cpu_mpi._src.ops.primitives.in_use()["effect"] == "jax_cpu_mpi"
+
+def pytest_collection_finish(session):
+    # The builds that selected tests need start now, niced, in the background.
+    if not session.config.option.collectonly:
+        background_builds.start_for(session.items)
+
+
+def pytest_sessionfinish(session):
+    background_builds.stop_all()
+
 
 def pytest_report_header(config):
     use = jax_cpu_mpi._src.ops.primitives.in_use()

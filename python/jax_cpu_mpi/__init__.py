@@ -46,3 +46,19 @@ __all__ = ["TESTED_JAX_VERSIONS", "Config", "ConfigError", "ConfigWarning", "Gpu
            "UntestedJaxWarning", "__version__", "check", "configure", "features",
            "initialize_distributed", "install", "precv", "psend", "read_timeline", "stats",
            "trace", "trace_flush"]
+
+# The public submodules load on first use (`jax_cpu_mpi.pipeline.GPipe()` after a plain
+# `import jax_cpu_mpi`), so that importing the package stays as cheap as the lowerings need.
+_SUBMODULES = frozenset({"batching", "config", "pipeline"})
+
+
+def __getattr__(name: str) -> object:
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _SUBMODULES)

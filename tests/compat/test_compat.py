@@ -53,6 +53,7 @@ JAX_NEEDS_ITSELF = frozenset({
     "jax._src.interpreters.mlir:register_lowering",
     "jax._src.core:ShapedArray",
     "jax._src.interpreters.mlir:lower_jaxpr_to_module",
+    "jax._src.interpreters.mlir:make_ir_context",  # JAX lowers every program in one
     "jax._src.core:abstract_token",
     "jax._src.interpreters.mlir:lower_with_sharding_in_types",
     "jax._src.interpreters.mlir:dense_int_array",

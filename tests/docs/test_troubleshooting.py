@@ -67,9 +67,15 @@ def python_messages() -> dict[str, str]:
         if set(path.relative_to(PACKAGE).parts[:1]) & set(TOOLS):
             continue
         tree = ast.parse(path.read_text())
+        # A module's __getattr__ (PEP 562) raises Python's standard "module ... has no
+        # attribute ..." AttributeError, as for any missing attribute: not a message of ours.
+        standard = {id(call) for fn in ast.walk(tree)
+                    if isinstance(fn, ast.FunctionDef) and fn.name == "__getattr__"
+                    for call in ast.walk(fn)
+                    if isinstance(call, ast.Call) and _callee(call.func) == "AttributeError"}
         for node in ast.walk(tree):
             pieces: list[str] = []
-            if isinstance(node, ast.Call) and _builds_message(node):
+            if isinstance(node, ast.Call) and _builds_message(node) and id(node) not in standard:
                 pieces = [p for arg in node.args for p in _pieces(arg)]
             elif isinstance(node, ast.FunctionDef) and (
                     "message" in node.name or node.name == "mismatch"):

@@ -14,7 +14,10 @@ The same file on 4 MPI ranks of 1 device, or 2 ranks of 2 devices::
     mpirun -n 2 python -m jax_cpu_mpi.examples.pipeline --schedule interleaved-1f1b
 
 ``--check`` trains the same model on one device without pipelining and compares the loss
-curves and the final parameters (exit code 1 when they disagree).
+curves and the final parameters (exit code 1 when they disagree). ``--trace DIR`` records the
+psend/precv timeline of the steps after the first (compilation) step into ``DIR`` (one file
+per process, see :func:`jax_cpu_mpi.trace`); ``python -m jax_cpu_mpi trace DIR`` merges
+and draws it.
 
 The model: ``L = P * V`` layers ``h -> tanh(h @ w[l] + b[l])`` on ``width`` features
 (``V = --virtual-stages``, 1 except for the interleaved schedule). Layer ``l`` is chunk
@@ -26,6 +29,7 @@ random "teacher" network of the same shape labels Gaussian inputs; everything co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import sys
@@ -62,6 +66,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of data and parameters (0)")
     p.add_argument("--check", action="store_true",
                    help="compare with single-device training without pipelining")
+    p.add_argument("--trace", metavar="DIR", default=None,
+                   help="record the psend/precv timeline of steps 2.. (after compilation) "
+                        "into DIR, one file per process; then run "
+                        "'python -m jax_cpu_mpi trace DIR' for timeline.json/.png and a "
+                        "per-device summary")
     args = p.parse_args(argv)
     if args.virtual_stages is None:
         args.virtual_stages = 2 if args.schedule == "interleaved-1f1b" else 1
@@ -337,16 +346,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     say(f"psend/precv: {'jax_cpu_mpi' if ours == 'active' else 'JAX'}'s primitives")
     losses: list[float] = []
     timed = 0.0
-    for i in range(args.steps):
-        start = time.perf_counter()
-        params, loss = step(params, xs, ys)
-        jax.block_until_ready((params, loss))
-        seconds = time.perf_counter() - start
-        losses.append(loss_value(loss))
-        note = " (includes compilation)" if i == 0 else ""
-        timed += seconds if i else 0.0
-        say(f"step {i + 1:>4}/{args.steps} {progress_bar(i + 1, args.steps)} "
-            f"loss {losses[-1]:.9e}  {args.batch / seconds:>9.1f} samples/s{note}")
+    # Recording starts after the compilation step: the timeline holds steady steps only.
+    with contextlib.ExitStack() as recording:
+        for i in range(args.steps):
+            if i == 1 and args.trace:
+                recording.enter_context(jax_cpu_mpi.trace(args.trace))
+            start = time.perf_counter()
+            params, loss = step(params, xs, ys)
+            jax.block_until_ready((params, loss))
+            seconds = time.perf_counter() - start
+            losses.append(loss_value(loss))
+            note = " (includes compilation)" if i == 0 else ""
+            timed += seconds if i else 0.0
+            say(f"step {i + 1:>4}/{args.steps} {progress_bar(i + 1, args.steps)} "
+                f"loss {losses[-1]:.9e}  {args.batch / seconds:>9.1f} samples/s{note}")
+    if args.trace:
+        say(f"trace: steps 2..{args.steps} recorded into {args.trace}" if args.steps > 1 else
+            "trace: nothing recorded (--steps 1: the only step is the compilation step)")
     if args.steps > 1:
         say(f"throughput: {args.batch * (args.steps - 1) / timed:.1f} samples/s "
             f"(steps 2..{args.steps})")

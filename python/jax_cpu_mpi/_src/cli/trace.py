@@ -268,12 +268,14 @@ def write_json(timeline: Timeline, path: str | os.PathLike[str]) -> Path:
 
 
 #: Colours of the picture, by kind (colour-blind-safe Okabe-Ito hues).
-COLOURS = {"psend": "#0072B2", "precv": "#009E73", "wait": "#D55E00"}
+COLOURS = {"outside": "#BBBBBB", "psend": "#0072B2", "precv": "#009E73", "wait": "#D55E00"}
 
 
 def draw(timeline: Timeline, path: str | os.PathLike[str], title: str | None = None) -> Path:
     """Draw ``timeline`` into a PNG: one row per device, psend / precv / waits coloured by
-    kind. Raises ImportError naming the package when matplotlib is missing."""
+    kind, and in grey the time between two of a device's messages, outside psend/precv
+    (where a pipeline stage computes; between recorded steps, the host's time too). Raises
+    ImportError naming the package when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -291,6 +293,12 @@ def draw(timeline: Timeline, path: str | os.PathLike[str], title: str | None = N
     # Every op at least about a pixel wide: a psend that hands its bytes over at once is
     # shorter than a pixel of a pipeline step, but still a message to see.
     least = timeline.span_us / scale / 1500
+    last_end: dict[int, float] = {}
+    for m in sorted(timeline.messages, key=lambda m: m.start_us):
+        if m.device in last_end and m.start_us > last_end[m.device]:
+            bars["outside"].append((row[m.device], (last_end[m.device] / scale,
+                                                   (m.start_us - last_end[m.device]) / scale)))
+        last_end[m.device] = max(last_end.get(m.device, 0.0), m.end_us)
     for m in timeline.messages:
         y = row[m.device]
         bars[m.op].append((y, (m.start_us / scale, max(m.dur_us / scale, least))))
@@ -313,11 +321,13 @@ def draw(timeline: Timeline, path: str | os.PathLike[str], title: str | None = N
     ax.grid(axis="x", alpha=0.3)
     ax.set_title(title or f"psend/precv timeline: {len(timeline.messages)} messages, "
                  f"{len(timeline.processes)} process(es), {len(devices)} device(s)")
-    ax.legend(handles=[Patch(color=COLOURS["psend"], label="psend"),
+    ax.legend(handles=[Patch(color=COLOURS["outside"],
+                             label="between messages (computing)"),
+                       Patch(color=COLOURS["psend"], label="psend"),
                        Patch(color=COLOURS["precv"], label="precv"),
                        Patch(color=COLOURS["wait"], label="waiting on the peer")],
               loc="upper center", bbox_to_anchor=(0.5, -0.2 - 0.3 / max(1, len(devices))),
-              ncol=3, frameon=False)
+              ncol=4, frameon=False)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path)

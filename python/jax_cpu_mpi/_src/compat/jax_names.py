@@ -72,6 +72,10 @@ lower_jaxpr_to_module = GPU_PARITY.need(
 single_side_collective_effect = GPU_PARITY.need(
     "jax._src.lax.parallel:single_side_collective_effect")
 _need_all([GPU_PARITY], "jax._src.lib.mlir:ir", check=is_module)
+#: A context with JAX's dialects (StableHLO, Shardy...) registered: ``jax_cpu_mpi.check``
+#: parses the module of a ``jax.export.Exported`` in it.
+make_ir_context = GPU_PARITY.need("jax._src.interpreters.mlir:make_ir_context",
+                                  check=is_callable)
 
 # ------------------------------------------- precvs that keep their psend's operand alive
 

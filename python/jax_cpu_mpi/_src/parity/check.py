@@ -10,6 +10,11 @@ raises :class:`GpuParityError`, a :class:`jax.errors.JaxRuntimeError` like the G
 error, with XLA's message first. The check depends only on the program, so every process
 of a multi-process job raises the same error before anything runs.
 
+:func:`check_lowered` (``jax_cpu_mpi.check``) also runs it on demand, on a program lowered
+or exported for CUDA: there JAX lowers psend/precv to ``stablehlo.send``/``recv``, which
+the walk reads like our calls (same names, same order), so a program gets the same verdict
+and message from its CPU lowering and from the module XLA GPU compiles.
+
 Switch it off for CPU-only programs with ``JAX_CPU_MPI_GPU_PARITY=0`` or
 ``jax_cpu_mpi.configure(gpu_parity=False)`` (programs lowered afterwards are not checked).
 """
@@ -22,7 +27,7 @@ from typing import Any
 
 import jax
 
-from jax_cpu_mpi._src.compat import ir, single_side_collective_effect
+from jax_cpu_mpi._src.compat import ir, make_ir_context, single_side_collective_effect
 from jax_cpu_mpi._src.ffi.custom_calls import (
     ORDERING_OP,
     PRECV_TARGET,
@@ -43,7 +48,9 @@ from jax_cpu_mpi._src.parity.rule import (
 from jax_cpu_mpi._src.parity.xla_order import ModuleOrder
 from jax_cpu_mpi._src.runtime import config
 
-__all__ = ["GpuParityError", "check_lowered", "collect_events", "raise_on_violation", "wanted"]
+__all__ = ["CPU_LOWERING", "GPU_LOWERING", "GpuParityError", "check_lowered",
+           "collect_events", "module_of",
+           "raise_on_violation", "wanted"]
 
 _SUFFIX = (
     "jax_cpu_mpi raises this when the program is lowered, as XLA GPU does when it compiles "
@@ -79,6 +86,14 @@ _OTHER_COLLECTIVES = {
     "stablehlo.collective_broadcast": "collective-broadcast",
 }
 _RAGGED_ALL_TO_ALL_TARGET = "ragged_all_to_all"
+#: JAX's GPU lowering of psend/precv (a module lowered or exported for CUDA/ROCm). They are
+#: named as our CPU calls are, so a program gets the same message on either platform.
+_SEND_RECV = {"stablehlo.send": "psend", "stablehlo.recv": "precv"}
+#: Which psend/precv a walk reads: jax_cpu_mpi's CPU custom calls, or JAX's GPU send/recv.
+#: A module exported for several platforms holds both, one per branch of a
+#: ``stablehlo.case`` on the platform; each platform's program is checked on its own.
+CPU_LOWERING = "cpu"
+GPU_LOWERING = "gpu"
 _FILE_LINE = re.compile(r'"([^"]+)":(\d+):\d+')
 _INTEGER = re.compile(r"^(u?)i(\d+)$")
 
@@ -100,13 +115,24 @@ def _hlo_type(t: Any) -> str:
     return f"{element}[{','.join(map(str, ranked.shape))}]"
 
 
+_CHANNEL_HANDLE = re.compile(r"handle\s*=\s*(\d+)")
+
+
+def _channel_id(attribute: Any) -> str:
+    """The handle of ``#stablehlo.channel_handle<handle = 1, type = 1>`` (the Python
+    bindings of the attribute differ between jaxlib versions; its text does not)."""
+    match = _CHANNEL_HANDLE.search(str(attribute))
+    return match.group(1) if match else "?"
+
+
 def _location(op: Any) -> str | None:
     match = _FILE_LINE.search(str(op.location))
     return f"{match.group(1)}:{match.group(2)}" if match else None
 
 
 class _Walker:
-    """Our custom calls and the other collectives, in the order XLA's check visits them.
+    """Our custom calls (or JAX's GPU send/recv) and the other collectives, in the order
+    XLA's check visits them.
 
     The order is XLA's instruction order (:mod:`jax_cpu_mpi._src.parity.xla_order`); the check
     descends into the computations an op calls (loop body then condition, branches in
@@ -116,8 +142,9 @@ class _Walker:
     types, source lines and HLO-like texts are read only to explain an error.
     """
 
-    def __init__(self, module: Any, details: bool) -> None:
+    def __init__(self, module: Any, details: bool, lowering: str) -> None:
         self.details = details
+        self.reads_send_recv = lowering == GPU_LOWERING
         self.order = ModuleOrder(module, is_ordering)
         self.counts: dict[str, int] = {}
 
@@ -130,8 +157,9 @@ class _Walker:
     def computation(self, block: Any) -> Iterator[Event]:
         for op in self.order.computation(block):
             name = op.operation.name
-            if name == "stablehlo.custom_call":
-                event = self.custom_call(op)
+            if name == "stablehlo.custom_call" or name in _SEND_RECV:
+                event = (self.custom_call(op) if name == "stablehlo.custom_call"
+                         else self.send_recv(op, _SEND_RECV[name]))
                 if event is not None:
                     yield event
                 continue
@@ -148,7 +176,7 @@ class _Walker:
         target = call_target(op.operation)
         if target == _RAGGED_ALL_TO_ALL_TARGET:
             return self.collective(op, "ragged-all-to-all")
-        if target not in (PSEND_TARGET, PRECV_TARGET):
+        if target not in (PSEND_TARGET, PRECV_TARGET) or self.reads_send_recv:
             return None
         kind = "psend" if target == PSEND_TARGET else "precv"
         source = string_attribute(op.operation, "op")
@@ -163,6 +191,26 @@ class _Walker:
             source=source,
             location=_location(op) if self.details else None,
         )
+
+    def send_recv(self, op: Any, kind: str) -> P2POp | None:
+        """A ``stablehlo.send``/``recv`` of JAX's GPU lowering, as the verifier sees it: XLA
+        turns ``source_target_pairs`` into the ``_xla_send_recv_source_target_pairs`` it
+        compares. One without pairs (a host transfer) is no psend/precv."""
+        if not self.reads_send_recv or "source_target_pairs" not in op.attributes:
+            return None
+        flat = [int(v) for v in ir.DenseIntElementsAttr(op.attributes["source_target_pairs"])]
+        op_pairs = tuple(zip(flat[::2], flat[1::2], strict=True))
+        name = self.name(kind)
+        if not self.details:
+            return P2POp(kind=kind, name=name, pairs=op_pairs, shape="", source="")
+        data = op.operands[0] if kind == "psend" else op.results[0]
+        channel = ""
+        if "channel_handle" in op.attributes:
+            channel = f", channel_id={_channel_id(op.attributes['channel_handle'])}"
+        source = (f"{op.operation.name}(source_target_pairs={list(op_pairs)}{channel}) "
+                  f"of jax.lax.{kind} or jax_cpu_mpi.{kind}")
+        return P2POp(kind=kind, name=name, pairs=op_pairs, shape=_hlo_type(data.type),
+                     source=source, location=_location(op))
 
     def collective(self, op: Any, base: str) -> Collective:
         name = self.name(base)
@@ -179,30 +227,36 @@ class _Walker:
         return Collective(name=name, text=text, location=_location(op))
 
 
-def collect_events(module: Any, details: bool = True) -> list[Event]:
+def collect_events(module: Any, details: bool = True,
+                   lowering: str = CPU_LOWERING) -> list[Event]:
     """The psends/precvs and other collectives of a lowered module, in checking order.
+
+    ``lowering`` says which psends/precvs to read: ``"cpu"``, jax_cpu_mpi's custom calls;
+    ``"gpu"``, the ``stablehlo.send``/``recv`` of JAX's CUDA/ROCm lowering.
 
     Starts at ``main``; the order is the one XLA GPU's verifier walks (see
     :mod:`jax_cpu_mpi._src.parity.xla_order`), not program order: e.g. each precv comes right after
     the psend whose token it takes.
     """
     with module.context:
-        walker = _Walker(module, details)
+        walker = _Walker(module, details, lowering)
         main = walker.order.entry_block("main")
         return [] if main is None else list(walker.computation(main))
 
 
-def _violation(module: Any) -> Violation | None:
-    if check(collect_events(module, details=False)) is None:
+def _violation(module: Any, lowering: str) -> Violation | None:
+    if check(collect_events(module, details=False, lowering=lowering)) is None:
         return None
-    violation = check(collect_events(module))  # the same verdict, now with the details
+    # the same verdict, now with the details
+    violation = check(collect_events(module, lowering=lowering))
     assert violation is not None
     return violation
 
 
-def raise_on_violation(module: Any) -> None:
-    """Raise :class:`GpuParityError` if XLA GPU would reject the psends/precvs of ``module``."""
-    violation = _violation(module)
+def raise_on_violation(module: Any, lowering: str = CPU_LOWERING) -> None:
+    """Raise :class:`GpuParityError` if XLA GPU would reject the psends/precvs of ``module``
+    (read from its ``lowering``: ``"cpu"``, our calls, or ``"gpu"``, JAX's send/recv)."""
+    violation = _violation(module, lowering)
     if violation is not None:
         raise GpuParityError(violation)
 
@@ -215,9 +269,32 @@ def wanted(platforms: Any, jaxpr: Any) -> bool:
             and config.current().gpu_parity)
 
 
-def check_lowered(lowered: Any) -> None:
-    """Run the GPU-parity check on ``jax.jit(f).lower(...)`` (whatever the platforms it was
-    lowered for, the configuration aside); raise :class:`GpuParityError` if XLA GPU would
-    reject the program. Public as :func:`jax_cpu_mpi.check`."""
-    module = lowered.compiler_ir("stablehlo")
-    raise_on_violation(module)
+def module_of(program: Any) -> Any:
+    """The StableHLO module of a ``jax.stages.Lowered`` or a ``jax.export.Exported``."""
+    if isinstance(program, jax.export.Exported):
+        # The exported module is serialized (portable VHLO); its text is StableHLO and
+        # Shardy, which JAX's own context parses.
+        return ir.Module.parse(program.mlir_module(), context=make_ir_context())
+    compiler_ir = getattr(program, "compiler_ir", None)
+    if compiler_ir is None:
+        raise TypeError(
+            "jax_cpu_mpi.check takes jax.jit(f).lower(...) (a jax.stages.Lowered) or "
+            "jax.export.export(jax.jit(f), platforms=[...])(...) (a jax.export.Exported), "
+            f"got {type(program).__name__}.")
+    return compiler_ir("stablehlo")
+
+
+def check_lowered(program: Any) -> None:
+    """Run the GPU-parity check on a lowered or exported program; raise
+    :class:`GpuParityError` if XLA GPU would reject it. Public as :func:`jax_cpu_mpi.check`.
+
+    ``program`` is ``jax.jit(f).lower(...)`` or ``jax.export.export(jax.jit(f),
+    platforms=[...])(...)``, lowered for any platform: on CPU the check reads jax_cpu_mpi's
+    psend/precv calls, on CUDA/ROCm the ``stablehlo.send``/``recv`` of JAX's GPU lowering,
+    the module XLA GPU compiles. The configuration (``gpu_parity``) does not apply: the
+    check always runs. A module lowered for several platforms is checked once per
+    lowering it holds (CPU first), each platform's psends/precvs on their own.
+    """
+    module = module_of(program)
+    for lowering in (CPU_LOWERING, GPU_LOWERING):
+        raise_on_violation(module, lowering)

@@ -1,0 +1,243 @@
+"""The JAX side of the pipeline benchmark: one configuration per process (or mpirun job).
+
+Launched by ``run.py``::
+
+    python benchmarks/pipeline/jax_bench.py --schedule baseline --out r.json     # 1 device
+    python benchmarks/pipeline/jax_bench.py --schedule 1f1b --devices 4 --out r.json
+    mpirun -n 2 python benchmarks/pipeline/jax_bench.py --schedule 1f1b --devices 2 --out r.json
+
+``baseline``: ``jax.jit(jax.value_and_grad(loss))`` of the whole model on the full batch, one
+device. Otherwise the schedule (``gpipe``, ``1f1b``, ``interleaved-1f1b``, ``zero-bubble``)
+of ``jax_cpu_mpi.pipeline`` over a 1-D ``'stage'`` mesh of every device of the job (stage
+``s`` on the job's ``s``-th device, process by process). Both compute the loss and the
+gradients only (no optimizer update), as the torch side does. Before timing, the loss and
+the gradients are compared with a float64 NumPy reference (exit 1 beyond float32
+tolerance). Process 0 writes the JSON: per-step seconds of every repeat (process 0's wall
+clock until its outputs are ready), XLA's compiled memory analysis (temp bytes of one
+device's program) and the peak RSS of every process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+SCHEDULES = ("baseline", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--schedule", required=True,
+                   help="comma-separated: " + ", ".join(SCHEDULES) + " (baseline alone)")
+    p.add_argument("--devices", type=int, default=1, help="CPU devices per process")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--batch", type=int, default=512)
+    p.add_argument("--stages", type=int, default=4)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--virtual-stages", type=int, default=2)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    return p.parse_args()
+
+
+ARGS = parse_args()
+# Before JAX creates its CPU backend, which reads XLA_FLAGS.
+_flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", os.environ.get("XLA_FLAGS", ""))
+os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count={ARGS.devices}".strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_cpu_mpi  # noqa: E402, F401  (registers the CPU lowerings of psend/precv)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from model import (  # noqa: E402
+    Shape,
+    make_problem,
+    reference_loss_and_grads,
+    relative_difference,
+)
+
+_MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+
+
+def chunk_fn(params: dict[str, jax.Array], h: jax.Array) -> jax.Array:
+    """One pipeline chunk: its layers ``h -> tanh(h @ w + b)`` in order."""
+    for i in range(params["w"].shape[0]):
+        h = jnp.tanh(h @ params["w"][i] + params["b"][i])
+    return h
+
+
+def mse(out: jax.Array, target: jax.Array) -> jax.Array:
+    return jnp.mean((out - target) ** 2)
+
+
+def time_steps(run, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        jax.block_until_ready(run())
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def temp_bytes(compiled) -> int | None:
+    analysis = compiled.memory_analysis()
+    return None if analysis is None else int(analysis.temp_size_in_bytes)
+
+
+def baseline(shape: Shape, problem, name: str) -> tuple[dict, Callable]:
+    def loss(params, x, y):
+        return mse(chunk_fn(params, x), y)
+
+    device = jax.local_devices()[0]
+    params = jax.device_put({"w": problem.w, "b": problem.b}, device)
+    x, y = jax.device_put(problem.x, device), jax.device_put(problem.y, device)
+    compiled = jax.jit(jax.value_and_grad(loss)).lower(params, x, y).compile()
+    value, grads = compiled(params, x, y)
+    return ({"layout": "1 process x 1 device (no pipeline, full batch)",
+             "loss": float(value), "grads_w": np.asarray(grads["w"]),
+             "grads_b": np.asarray(grads["b"]), "temp_bytes": temp_bytes(compiled)},
+            lambda: compiled(params, x, y))
+
+
+def pipelined(shape: Shape, problem, name: str) -> tuple[dict, Callable]:
+    from jax.experimental import multihost_utils
+
+    from jax_cpu_mpi import pipeline as pl
+
+    virtual = ARGS.virtual_stages if name == "interleaved-1f1b" else 1
+    shape.check(virtual)
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    if len(devices) != shape.stages:
+        raise SystemExit(f"jax_bench: {shape.stages} stages need {shape.stages} devices, "
+                         f"the job has {len(devices)}")
+    mesh = jax.make_mesh((shape.stages,), ("stage",), devices=devices)
+    schedule = pl.schedule_by_name(name, virtual_stages=virtual)
+    S, V, lpc = shape.stages, virtual, shape.layers // (shape.stages * virtual)
+    W = shape.width
+
+    # Model chunk c = v * P + s (looping placement) holds layers c*lpc ... -> [P, V, lpc, ...].
+    def stacked(a: np.ndarray) -> np.ndarray:
+        a = a.reshape(V, S, lpc, *a.shape[1:]).swapaxes(0, 1)
+        return a[:, 0] if V == 1 else a
+
+    host_params = {"w": stacked(problem.w), "b": stacked(problem.b)}
+    M = shape.microbatches
+    host_x = problem.x.reshape(M, -1, W)
+    host_y = problem.y.reshape(M, -1, W)
+
+    def to_mesh(a: np.ndarray, spec: P) -> jax.Array:
+        return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec),
+                                            lambda index: a[index])
+
+    params = jax.tree.map(lambda a: to_mesh(a, P("stage")), host_params)
+    x, y = to_mesh(host_x, P()), to_mesh(host_y, P())
+    f = pl.shard_value_and_grad(chunk_fn, mse, mesh, schedule, axis_name="stage")
+    compiled = jax.jit(f).lower(params, x, y).compile()
+    value, grads = compiled(params, x, y)
+    grads = jax.tree.map(lambda g: np.asarray(multihost_utils.process_allgather(g, tiled=True)),
+                         grads)
+
+    def unstacked(g: np.ndarray) -> np.ndarray:  # back to model order [L, ...]
+        g = g[:, None] if V == 1 else g
+        return g.swapaxes(0, 1).reshape(shape.layers, *g.shape[3:])
+
+    # The mean loss is the same on every stage: any local shard holds it.
+    loss_value = float(np.asarray(value.addressable_data(0)).ravel()[0])
+    bound = schedule.bind(S, M) if hasattr(schedule, "bind") else schedule
+    return ({"layout": (f"{jax.process_count()} process(es) x {jax.local_device_count()} "
+                        f"device(s)" + (" (mpirun)" if jax.process_count() > 1 else "")),
+             "loss": loss_value, "grads_w": unstacked(grads["w"]),
+             "grads_b": unstacked(grads["b"]), "temp_bytes": temp_bytes(compiled),
+             "bubble_fraction_theory": float(getattr(bound, "bubble_fraction", float("nan"))),
+             "peak_stash_theory": list(getattr(bound, "peak_stash", ()))},
+            lambda: compiled(params, x, y))
+
+
+def main() -> int:
+    if any(v in os.environ for v in _MPI_RANK_VARS):
+        jax.distributed.initialize()
+    names = ARGS.schedule.split(",")
+    if any(n not in SCHEDULES for n in names) or ("baseline" in names and len(names) > 1):
+        raise SystemExit(f"jax_bench: --schedule {ARGS.schedule}: use baseline alone or "
+                         f"some of {', '.join(SCHEDULES[1:])}")
+    shape = Shape(ARGS.layers, ARGS.width, ARGS.batch, ARGS.stages, ARGS.microbatches,
+                  ARGS.seed)
+    shape.check(1)
+    problem = make_problem(shape)
+    want_loss, want_gw, want_gb = reference_loss_and_grads(problem)
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    results, runs = {}, {}
+    for name in names:  # compile and check every schedule first
+        build = baseline if name == "baseline" else pipelined
+        result, runs[name] = build(shape, problem, name)
+        grad_diff = max(relative_difference(result.pop("grads_w"), want_gw),
+                        relative_difference(result.pop("grads_b"), want_gb))
+        loss_diff = abs(result.pop("loss") - want_loss) / abs(want_loss)
+        ok = grad_diff <= 1e-4 and loss_diff <= 1e-5
+        result["check"] = {"ok": ok, "grad_rel_diff": grad_diff, "loss_rel_diff": loss_diff}
+        result["step_seconds"] = []
+        results[name] = result
+    for name in names:
+        for _ in range(ARGS.warmup):
+            jax.block_until_ready(runs[name]())
+    # The schedules take turns, a repeat each, so that a change of the shared machine's load
+    # falls on all of them alike. CPU time (all threads of this process) tells computing
+    # from waiting: a receiver that spins burns CPU time while it waits.
+    cpu = dict.fromkeys(names, 0.0)
+    for _ in range(ARGS.repeats):
+        for name in names:
+            start = time.process_time()
+            results[name]["step_seconds"].append(time_steps(runs[name], ARGS.steps))
+            cpu[name] += (time.process_time() - start) / ARGS.steps / ARGS.repeats
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    mine = np.array([peak, rss_before, *(cpu[n] for n in names)], np.float64)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, mine.size)
+    else:
+        every = mine[None]
+    peaks, befores = every[:, 0], every[:, 1]
+    for i, name in enumerate(names):
+        results[name]["cpu_seconds_per_step"] = [float(v) for v in every[:, 2 + i]]
+    if jax.process_index() != 0:
+        return 0
+    for name, result in results.items():
+        virtual = ARGS.virtual_stages if name == "interleaved-1f1b" else 1
+        result.update({
+            "framework": "jax", "schedule": name, "virtual_stages": virtual,
+            "processes": jax.process_count(), "devices_per_process": jax.local_device_count(),
+            "jax": jax.__version__, "shape": shape.as_dict(),
+            "memory": {"kind": "XLA memory_analysis temp bytes of one device's program; "
+                               "peak RSS per process (getrusage ru_maxrss) of the processes "
+                               "that ran all schedules of this launch",
+                       "peak_rss_bytes": [int(v) for v in peaks],
+                       "rss_before_compile_bytes": [int(v) for v in befores]},
+        })
+        check = result["check"]
+        median = np.median(np.concatenate(result["step_seconds"]))
+        print(f"jax {name} [{result['layout']}]: check {'PASS' if check['ok'] else 'FAIL'} "
+              f"(grads {check['grad_rel_diff']:.1e}, loss {check['loss_rel_diff']:.1e}), "
+              f"median step {median * 1e3:.2f} ms, temp {result['temp_bytes']} B", flush=True)
+    Path(ARGS.out).write_text(json.dumps({"results": list(results.values())}, indent=1))
+    return 0 if all(r["check"]["ok"] for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
