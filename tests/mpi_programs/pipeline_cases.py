@@ -8,7 +8,6 @@ without psend/precv (:func:`reference`, written here, not the library's).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
@@ -21,7 +20,6 @@ from jax.sharding import PartitionSpec as P
 from jax_cpu_mpi import pipeline as pl
 
 WIDTH, MICROBATCH = 8, 4
-Gather = Callable[[jax.Array], np.ndarray]
 
 
 def stage(params, x):
@@ -98,10 +96,9 @@ def put(mesh, spec, value):
                                         lambda index: value[index])
 
 
-def run_case(case: Case, devices, gather: Gather, compare: bool = True) -> dict[str, float]:
-    """Run ``case`` on ``devices`` (stages x data) and compare with :func:`reference`; returns
-    the largest relative differences of loss, gradients and outputs. ``compare=False`` (the
-    processes but one of a job, which see the same gathered results) only gathers."""
+def run_pipeline(case: Case, devices) -> tuple:
+    """Run ``case`` on ``devices`` (stages x data); returns its inputs (NumPy) and results
+    (loss, gradients, outputs: NumPy, whole on every process)."""
     schedule = case.schedule()
     S, V, M, D = case.stages, schedule.virtual_stages, case.microbatches, case.data
     dtype = jnp.bfloat16 if case.dtype == "bfloat16" else np.float32
@@ -110,27 +107,40 @@ def run_case(case: Case, devices, gather: Gather, compare: bool = True) -> dict[
     xs, ys = make_data(M, MICROBATCH * D, np.float32)
     cast = lambda t: jax.tree.map(lambda a: np.asarray(a).astype(dtype), t)  # noqa: E731
     params, xs, ys = cast(params), cast(xs), cast(ys)
+    # Results replicated on every device: each process holds them whole, gathered in the
+    # same compiled program (a gather per leaf afterwards would be a compilation per leaf).
     f = jax.jit(pl.shard_value_and_grad(stage, loss, mesh, schedule,
                                         data_axis_name="data" if D > 1 else None,
-                                        return_outputs=True))
+                                        return_outputs=True),
+                out_shardings=NamedSharding(mesh, P()))
     data = P(None, "data") if D > 1 else P()
     args = (jax.tree.map(lambda a: put(mesh, P("stage"), a), params),
             jax.tree.map(lambda a: put(mesh, data, a), xs), put(mesh, data, ys))
-    got_loss, got_grads, got_outs = f(*args)
-    if not compare:
-        jax.tree.map(gather, (got_grads, got_outs))  # collective: every process takes part
-        return {}
-    want_loss, want_grads, want_outs = reference(params, xs, ys, S, V)
+    results = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), f(*args))
+    return (params, xs, ys), results
+
+
+def compare(case: Case, inputs: tuple, results: tuple) -> dict[str, float]:
+    """The largest relative differences of loss, gradients and outputs from
+    :func:`reference`."""
+    V = case.schedule().virtual_stages
+    got_loss, got_grads, got_outs = results
+    want_loss, want_grads, want_outs = reference(*inputs, case.stages, V)
 
     def rel(got, want):
-        got = gather(got).astype(np.float32)
+        got = got.astype(np.float32)
         scale = float(np.max(np.abs(want))) or 1.0
         return float(np.max(np.abs(got - want))) / scale
 
     grad_err = max(jax.tree.leaves(jax.tree.map(rel, got_grads, want_grads)))
     out_err = max(jax.tree.leaves(jax.tree.map(rel, got_outs, want_outs)))
-    loss_err = abs(float(np.asarray(got_loss.addressable_data(0))) - want_loss) / abs(want_loss)
+    loss_err = abs(float(got_loss) - want_loss) / abs(want_loss)
     return {"loss": loss_err, "grads": grad_err, "outputs": out_err}
+
+
+def run_case(case: Case, devices) -> dict[str, float]:
+    """:func:`run_pipeline` and :func:`compare`."""
+    return compare(case, *run_pipeline(case, devices))
 
 
 def tolerance(case: Case) -> float:

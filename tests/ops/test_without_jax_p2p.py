@@ -188,8 +188,7 @@ def test_pipeline_example_one_process(simulated_suite):
 MPIRUN = ("tests/runtime/test_p2p_mpi.py::test_all_scenarios_over_mpi[2]",
           "tests/batching/test_batching.py::test_batching_rules_over_mpi",
           "tests/parity/test_gpu_parity.py::test_every_two_device_scenario_under_mpirun",
-          "tests/test_pipeline_example.py::test_mpirun_matches_reference_and_one_process"
-          "[mpirun-n2x2devices]")
+          "tests/test_pipeline_example.py::test_mpirun_n2x2devices_matches_reference")
 
 
 @newest_jax_only

@@ -2,12 +2,15 @@
 
 One process, the first devices of pytest's 8: 4 stages (pytree activations, M not a
 multiple of P), 2 stages x 2 data shards, M = 1, P = 1, bfloat16, and chunks whose
-parameters differ in shape. The mpirun topologies
-run in test_mpi.py. Reference: ``jax.value_and_grad`` of the chunks composed without a
-pipeline (tests/mpi_programs/pipeline_cases.py).
+parameters differ in shape. The mpirun topologies run in test_pipeline_mpi.py. Reference:
+``jax.value_and_grad`` of the chunks composed without a pipeline
+(tests/mpi_programs/pipeline_cases.py). One compilation per case: compiling the cases of
+one mesh as one function takes longer than compiling them one by one.
 """
 
 from __future__ import annotations
+
+from functools import cache
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +34,7 @@ CASES = (
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.name}-P{c.stages}-M{c.microbatches}"
                          f"-D{c.data}-{c.dtype}")
 def test_matches_single_device(case):
-    errors = run_case(case, jax.devices(), np.asarray)
+    errors = run_case(case, jax.devices())
     assert max(errors.values()) <= tolerance(case), errors
 
 
@@ -47,11 +50,10 @@ def _two_layers(p, x):
     return _dense(p[1], _dense(p[0], x))
 
 
-@pytest.mark.parametrize("schedule,stages", [(pl.OneFOneB(), 4), (pl.Interleaved1F1B(2), 2)],
-                         ids=["1f1b-P4", "interleaved-P2xV2"])
-def test_chunks_with_parameters_of_different_shapes(schedule, stages):
-    """One function and one parameter pytree per chunk (a dense layer, a bottleneck, two
-    dense layers, a dense layer), against the same chunks composed on one device."""
+@cache
+def different_shapes_problem():
+    """A dense layer, a bottleneck, two dense layers, a dense layer: their functions and
+    parameters, microbatches, targets, and jax.value_and_grad of the chunks composed."""
     width = 8
     rng = np.random.default_rng(0)
 
@@ -73,7 +75,15 @@ def test_chunks_with_parameters_of_different_shapes(schedule, stages):
             return jnp.mean((x - y) ** 2)
         return jnp.mean(jax.vmap(one)(xs, ys))
 
-    want_loss, want_grads = jax.jit(jax.value_and_grad(model_loss))(params)
+    return functions, params, xs, ys, jax.jit(jax.value_and_grad(model_loss))(params)
+
+
+@pytest.mark.parametrize("schedule,stages", [(pl.OneFOneB(), 4), (pl.Interleaved1F1B(2), 2)],
+                         ids=["1f1b-P4", "interleaved-P2xV2"])
+def test_chunks_with_parameters_of_different_shapes(schedule, stages):
+    """One function and one parameter pytree per chunk, against the same chunks composed on
+    one device."""
+    functions, params, xs, ys, (want_loss, want_grads) = different_shapes_problem()
     mesh = jax.make_mesh((stages,), ("stage",), devices=jax.devices()[:stages])
     f = jax.jit(pl.shard_value_and_grad(functions, lambda y, t: jnp.mean((y - t) ** 2), mesh,
                                         schedule))
