@@ -64,7 +64,7 @@ class Backoff {
 
  private:
   static constexpr uint64_t kSoonSpins = 300;
-  static constexpr uint64_t kSoonYields = 20;
+  static constexpr uint64_t kSoonYields = 200;
   static constexpr std::chrono::microseconds kMaxSleep{50};
 
   const bool sleeps_soon_;
