@@ -92,7 +92,18 @@ NB_MODULE(_jax_cpu_mpi, m) {
         },
         nb::arg("recv_timeout_s"), nb::arg("max_inflight_bytes"));
   m.def("attach_mpi",
-        [](int64_t comm_fortran_handle, std::vector<int> rank_of_process) {
+        [](int64_t comm_fortran_handle, std::vector<int> rank_of_process, int local_devices,
+           int node_ranks, const std::string& wait) {
+          jcm::WaitChoice choice;
+          if (wait == "spin") {
+            choice.policy = jcm::WaitPolicy::kSpin;
+          } else if (wait == "sleep") {
+            choice.policy = jcm::WaitPolicy::kSleep;
+          } else if (wait != "auto") {
+            throw nb::value_error("wait must be 'auto', 'spin' or 'sleep'");
+          }
+          choice.local_devices = local_devices;
+          choice.node_ranks = node_ranks;
           MPI_Comm comm = MPI_Comm_f2c(static_cast<MPI_Fint>(comm_fortran_handle));
           std::unique_ptr<jcm::MpiTransport> transport;
           // Ranks attach when they lower their first program, which may be minutes apart
@@ -101,13 +112,26 @@ NB_MODULE(_jax_cpu_mpi, m) {
           const auto deadline = jcm::DeadlineAfter(
               std::max(jcm::Runtime::Get().config().recv_timeout_s, kAttachWaitS));
           jcm::Status s = jcm::MpiTransport::Create(comm, std::move(rank_of_process), deadline,
-                                                    &transport);
+                                                    choice, &transport);
           if (!s.ok()) throw std::runtime_error("jax_cpu_mpi: cannot attach MPI: " + s.message());
           jcm::Runtime::Get().attach_mpi(std::move(transport));
         },
-        nb::arg("comm_fortran_handle"), nb::arg("rank_of_process"),
+        nb::arg("comm_fortran_handle"), nb::arg("rank_of_process"), nb::arg("local_devices") = 1,
+        nb::arg("node_ranks") = 1, nb::arg("wait") = "auto",
         "Duplicate the communicator (given as its Fortran handle, see mpi4py's Comm.py2f) "
-        "for our point-to-point traffic.");
+        "for our point-to-point traffic; `wait` (auto, spin, sleep), with this process's "
+        "devices and the job's ranks on this node, says how waits for a peer go.");
+  m.def("mpi_wait", [] {
+    nb::dict d;
+    std::shared_ptr<jcm::MpiTransport> t = jcm::Runtime::Get().mpi();
+    if (t == nullptr) return d;
+    const jcm::WaitChoice& w = t->wait_choice();
+    d["local_devices"] = w.local_devices;
+    d["node_ranks"] = w.node_ranks;
+    d["cores"] = w.cores;
+    d["sleeps_soon"] = w.sleeps_soon;
+    return d;
+  }, "How the attached MPI transport waits for peers (empty when MPI is not attached).");
   m.def("mpi_attached", [] { return jcm::Runtime::Get().mpi() != nullptr; });
   m.def("set_rank_hosts",
         [](std::vector<std::string> hosts) {

@@ -1,7 +1,11 @@
 // Setup of the MPI transport: its communicators, what it learns about the library, and the
 // per-channel state.
+#include <sched.h>
+
+#include <algorithm>
 #include <array>
 #include <atomic>
+#include <thread>
 
 #include "common/config.h"
 #include "mpi/internal.h"
@@ -45,14 +49,45 @@ Status DupWithDeadline(MPI_Comm comm, MPI_Comm* dup, Clock::time_point deadline)
   }
 }
 
+// The cores this process may run on (its affinity mask, which mpirun's binding narrows), or
+// the machine's when the mask cannot be read.
+int UsableCores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    if (int n = CPU_COUNT(&set); n > 0) return n;
+  }
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+// Every device of every rank on the node may be waiting or computing at once: more of them
+// than cores means a spinning waiter takes a core from the thread it waits for.
+WaitChoice ChooseWait(WaitChoice wait) {
+  wait.local_devices = std::max(wait.local_devices, 1);
+  wait.node_ranks = std::max(wait.node_ranks, 1);
+  wait.cores = UsableCores();
+  switch (wait.policy) {
+    case WaitPolicy::kSpin: wait.sleeps_soon = false; break;
+    case WaitPolicy::kSleep: wait.sleeps_soon = true; break;
+    case WaitPolicy::kAuto:
+      wait.sleeps_soon = int64_t{wait.node_ranks} * wait.local_devices > wait.cores;
+      break;
+  }
+  return wait;
+}
+
 }  // namespace
 
 Status MpiTransport::Create(MPI_Comm comm, std::vector<int> rank_of_process,
-                            Clock::time_point deadline, std::unique_ptr<MpiTransport>* out) {
+                            Clock::time_point deadline, WaitChoice wait,
+                            std::unique_ptr<MpiTransport>* out) {
   if (!MpiIsUsable()) return Status::Invalid("MPI is not initialized (or already finalized)");
   auto t = std::make_unique<MpiTransport>(PrivateTag{});
   static std::atomic<uint64_t> last_id{0};
   t->id_ = ++last_id;
+  // Chosen first: the duplications and the clock sync below wait too.
+  t->wait_choice_ = ChooseWait(wait);
+  g_wait_sleeps_soon.store(t->wait_choice_.sleeps_soon, std::memory_order_relaxed);
   if (Status s = DupWithDeadline(comm, &t->comm_, deadline); !s.ok()) return s;
   // Errors on our communicator come back as codes, never abort the job behind our back.
   int rc = MPI_Comm_set_errhandler(t->comm_, MPI_ERRORS_RETURN);

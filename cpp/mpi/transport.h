@@ -79,15 +79,31 @@ namespace jcm {
 //   ChannelState::recv_mu  that channel's next_recv_seq; held for a whole Recv.
 //   Order: a channel's send_mu/recv_mu before mu_; channels_mu_ is never held with another.
 //   Set once by Create, read without a lock: the communicators, rank_, size_, tag_ub_,
-//   thread_multiple_, rank_of_process_, clock_offset_, id_. has_pending_ is read without a lock, broken_
-//   is an atomic.
+//   thread_multiple_, rank_of_process_, clock_offset_, wait_choice_, id_. has_pending_ is
+//   read without a lock, broken_ is an atomic.
+// How the transport's polling loops wait for a peer (JAX_CPU_MPI_WAIT): kAuto spins briefly
+// and then sleeps soon when this node runs more busy threads (ranks x devices) than it has
+// cores, and spins long otherwise; kSpin always spins long; kSleep always sleeps soon.
+enum class WaitPolicy { kAuto, kSpin, kSleep };
+
+// What Create learned about the node, and the wait it chose.
+struct WaitChoice {
+  WaitPolicy policy = WaitPolicy::kAuto;
+  int local_devices = 1;  // devices of this process (its busy threads)
+  int node_ranks = 1;     // ranks of the job on this node (from their host names)
+  int cores = 1;          // cores this process may run on (filled in by Create)
+  bool sleeps_soon = false;
+};
+
 class MpiTransport {
  public:
   // `comm` is duplicated again, so the transport owns its communicator; `rank_of_process`
   // maps jax.process_index() to the rank in `comm`. Fails if the duplication (collective)
   // has not completed by `deadline`.
+  // `wait` (policy, local_devices, node_ranks) says how waits should go; Create counts the
+  // cores, decides, and applies the choice to every wait of the process.
   static Status Create(MPI_Comm comm, std::vector<int> rank_of_process,
-                       std::chrono::steady_clock::time_point deadline,
+                       std::chrono::steady_clock::time_point deadline, WaitChoice wait,
                        std::unique_ptr<MpiTransport>* out);
   struct PrivateTag {};
   explicit MpiTransport(PrivateTag) {}
@@ -103,6 +119,8 @@ class MpiTransport {
   int64_t tag_ub() const { return tag_ub_; }
   // This process's steady clock against rank 0's, measured by Create (for the timeline).
   const ClockOffset& clock_offset() const { return clock_offset_; }
+  // How waits go, as Create chose.
+  const WaitChoice& wait_choice() const { return wait_choice_; }
   // The MPI rank of a JAX process, or -1 if unknown.
   int RankOfProcess(int64_t process_index) const;
 
@@ -284,6 +302,7 @@ class MpiTransport {
   bool thread_multiple_ = false;
   std::vector<int> rank_of_process_;
   ClockOffset clock_offset_;
+  WaitChoice wait_choice_;
 
   mutable std::mutex mu_;
   std::deque<PendingSend> pending_;

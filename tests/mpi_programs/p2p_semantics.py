@@ -5,6 +5,8 @@ single-process semantics tests, it runs with GPU parity off (cyclic pairs in one
 transport semantics here), except for the patterns XLA GPU accepts.
 """
 
+import json
+import os
 import sys
 
 import _mpi_common as common
@@ -12,6 +14,7 @@ import jax
 import numpy as np
 import p2p_cases as cases
 
+from jax_cpu_mpi import _jax_cpu_mpi as ext
 from jax_cpu_mpi import config
 
 config.configure(gpu_parity=False)
@@ -77,6 +80,10 @@ with config.overrides(gpu_parity=True):
     check("send, compute, send back", cases.send_compute_send_back(cross, gather), exact=False)
 check("two-way 32 MiB exchange, sends first",
       cases.two_way_exchange(cross, gather, nbytes=32 << 20))
+
+# How the transport chose to wait, with what this rank sees, for the test to check.
+print("wait " + json.dumps({"chosen": ext.mpi_wait(), "affinity": len(os.sched_getaffinity(0)),
+                            "local_devices": jax.local_device_count()}), flush=True)
 
 if failures:
     print("FAILED:", failures, flush=True)

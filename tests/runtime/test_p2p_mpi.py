@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from mpi_launcher import assert_mpi_ok, run_mpi
@@ -17,6 +19,15 @@ def test_all_scenarios_over_mpi(devices_per_process):
     assert_mpi_ok(run, 2)
     lines = [line for lines in run.by_rank().values() for line in lines]
     assert sum(line.startswith("ok ") for line in lines) >= 2 * 25, run.report()
+    # Waits sleep soon exactly when the node's ranks x devices outnumber the rank's cores
+    # (both ranks run on this host).
+    for rank_lines in run.by_rank().values():
+        seen = json.loads(next(x for x in rank_lines if x.startswith("wait "))[5:])
+        chosen = seen["chosen"]
+        assert chosen["node_ranks"] == 2, run.report()
+        assert chosen["local_devices"] == seen["local_devices"] == devices_per_process
+        assert chosen["cores"] == seen["affinity"], run.report()
+        assert chosen["sleeps_soon"] == (2 * devices_per_process > seen["affinity"])
 
 
 @pytest.mark.timeout(180)

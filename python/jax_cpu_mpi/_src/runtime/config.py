@@ -218,6 +218,14 @@ VARIABLES: tuple[Variable, ...] = (
              "migration; read once, at import)", None,
              _choice(auto="JAX's primitives while JAX has them",
                      ours="jax_cpu_mpi's always")),
+    Variable("JAX_CPU_MPI_WAIT", "runtime", "auto",
+             "how a thread waiting for an MPI peer waits: `auto` spins long unless this "
+             "node's ranks x devices outnumber its cores (then it sleeps soon, so that the "
+             "waiter leaves the core to the thread it waits for); `spin`: always spin long "
+             "(lowest latency on idle cores); `sleep`: always sleep soon (read when MPI is "
+             "attached)", None,
+             _choice(auto="sleep soon only when the node is oversubscribed",
+                     spin="spin long", sleep="sleep soon")),
     Variable("JAX_CPU_MPI_TRACE", "runtime", "(off)",
              "a directory: every process records each psend/precv it executes (device, peer, "
              "bytes, path, time waiting) and writes one Chrome-trace JSON file there at exit "

@@ -113,7 +113,11 @@ def ensure_attached(op_name: str, num_processes_in_mesh: int) -> None:
         for rank, process in enumerate(process_of_rank):
             rank_of_process[process] = rank
         config.apply()
-        ext.attach_mpi(world.py2f(), rank_of_process)
+        my_host = process_and_host[world.Get_rank()][1]
+        ext.attach_mpi(world.py2f(), rank_of_process,
+                       local_devices=jax.local_device_count(),
+                       node_ranks=sum(host == my_host for _, host in process_and_host),
+                       wait=config.BY_NAME["JAX_CPU_MPI_WAIT"].read() or "auto")
         ext.set_rank_hosts([host for _, host in process_and_host])
         # Registered after mpi4py's own finalization hook, so it runs before MPI_Finalize.
         atexit.register(_detach_at_exit)
