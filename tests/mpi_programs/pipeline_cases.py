@@ -39,6 +39,7 @@ class Case:
     microbatches: int
     data: int = 1
     dtype: str = "float32"
+    samples: int = MICROBATCH  # per microbatch and data shard
 
     def schedule(self) -> pl.Schedule:
         kind, _, v = self.name.partition(":")
@@ -104,7 +105,7 @@ def run_pipeline(case: Case, devices) -> tuple:
     dtype = jnp.bfloat16 if case.dtype == "bfloat16" else np.float32
     mesh = jax.make_mesh((S, D), ("stage", "data"), devices=devices[:S * D])
     params = make_params(S, V, np.float32)
-    xs, ys = make_data(M, MICROBATCH * D, np.float32)
+    xs, ys = make_data(M, case.samples * D, np.float32)
     cast = lambda t: jax.tree.map(lambda a: np.asarray(a).astype(dtype), t)  # noqa: E731
     params, xs, ys = cast(params), cast(xs), cast(ys)
     # Results replicated on every device: each process holds them whole, gathered in the

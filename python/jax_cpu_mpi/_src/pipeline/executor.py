@@ -184,6 +184,43 @@ def _check_stage_shapes(stage_fn: Callable, chunk: PyTree, x: PyTree, C: int) ->
     return y
 
 
+def _to_bytes(tree: PyTree) -> jax.Array:
+    """Every leaf's bytes, concatenated: one ``uint8`` vector (lossless for any dtype)."""
+    def one(a: Any) -> jax.Array:
+        if a.dtype == jnp.bool_:
+            a = a.astype(jnp.uint8)
+        return jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(-1)
+    return jnp.concatenate([one(a) for a in jax.tree.leaves(tree)])
+
+
+def _from_bytes(data: jax.Array, like: PyTree) -> PyTree:
+    """The inverse of :func:`_to_bytes`: leaves shaped like those of ``like``."""
+    leaves, start = [], 0
+    for a in jax.tree.leaves(like):
+        dtype = jnp.uint8 if a.dtype == jnp.bool_ else a.dtype
+        size = int(np.prod(a.shape, dtype=np.int64)) * jnp.dtype(dtype).itemsize
+        part = data[start:start + size]
+        start += size
+        item = jnp.dtype(dtype).itemsize
+        shape = tuple(a.shape) + ((item,) if item > 1 else ())
+        leaf = jax.lax.bitcast_convert_type(part.reshape(shape), dtype)
+        leaves.append(leaf.astype(a.dtype) if a.dtype == jnp.bool_ else leaf)
+    return jax.tree.unflatten(jax.tree.structure(like), leaves)
+
+
+def _exchange(buffer: PyTree, axis: Hashable, pairs: Any) -> PyTree:
+    """One op's messages: ``buffer`` along ``pairs`` as a single message per device pair.
+
+    A pytree sent leaf by leaf would be several psends on the same (source, destination)
+    channel, matched in the order they run; nothing orders independent psends (or precvs)
+    of one tick against each other, so leaves of the same shape and dtype (``{"h", "skip"}``)
+    can arrive swapped, silently. One byte vector per op leaves nothing to match up."""
+    data = _to_bytes(buffer)
+    token = psend(data, axis, pairs)
+    got = precv(token, jax.ShapeDtypeStruct(data.shape, data.dtype), axis, pairs)
+    return _from_bytes(got, buffer)
+
+
 def _accumulator_dtype(dtype: Any) -> Any:
     return jnp.promote_types(dtype, jnp.float32) if jnp.issubdtype(dtype, jnp.inexact) \
         else dtype
@@ -306,8 +343,7 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
         # The tick's messages: every op, in the same order on every device (see .plan).
         recv_cell = jax.lax.dynamic_index_in_dim(received_at, s, keepdims=False)
         for k, pairs in enumerate(plan.ops):
-            token = psend(buffer, axis, pairs)
-            got = _vary(precv(token, buffer_shape, axis, pairs), varying)
+            got = _vary(_exchange(buffer, axis, pairs), varying)
             kind, slot = recv_cell[k, 0], recv_cell[k, 1]
             if acts is not None:
                 acts = put(acts, slot, got, kind == plan_mod.ACTIVATION)
