@@ -29,6 +29,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+# model.py is NumPy only: importing it before JAX leaves the XLA flags to parse_args.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from model import add_model_arguments
+
 SCHEDULES = ("baseline", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 
 
@@ -37,16 +41,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--schedule", required=True,
                    help="comma-separated: " + ", ".join(SCHEDULES) + " (baseline alone)")
     p.add_argument("--devices", type=int, default=1, help="CPU devices per process")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--batch", type=int, default=512)
-    p.add_argument("--stages", type=int, default=4)
-    p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--virtual-stages", type=int, default=2)
+    add_model_arguments(p)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     return p.parse_args()
 
@@ -61,16 +59,14 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import jax_cpu_mpi  # noqa: E402, F401  (registers the CPU lowerings of psend/precv)
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model import (  # noqa: E402
     Shape,
     make_problem,
     reference_loss_and_grads,
     relative_difference,
 )
+
+import jax_cpu_mpi  # noqa: E402, F401  (registers the CPU lowerings of psend/precv)
 
 _MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 

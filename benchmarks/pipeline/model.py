@@ -10,6 +10,7 @@ stages (``stages x virtual`` chunks for interleaved schedules): chunk ``c`` hold
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -94,3 +95,17 @@ def relative_difference(got: np.ndarray, want: np.ndarray) -> float:
     scale = float(np.max(np.abs(want)))
     diff = float(np.max(np.abs(np.asarray(got, np.float64) - want)))
     return diff / scale if scale else diff
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, *, stages: bool = True) -> None:
+    """The model and split options every script of the benchmark takes, with one set of
+    defaults, so that the driver and the two sides cannot disagree on the model.
+    ``stages=False`` for torch, whose stage count is its process count."""
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=512)
+    if stages:
+        parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--virtual-stages", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)

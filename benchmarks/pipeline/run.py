@@ -55,6 +55,9 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
+sys.path.insert(0, str(HERE))
+from model import add_model_arguments  # noqa: E402
+
 JAX_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 TORCH_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 LAYOUTS = {"1x4": (1, 4), "2x2": (2, 2), "4x1": (4, 1)}
@@ -65,12 +68,7 @@ NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B"
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="benchmarks/pipeline/run.py",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--batch", type=int, default=512)
-    p.add_argument("--stages", type=int, default=4)
-    p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--virtual-stages", type=int, default=2)
+    add_model_arguments(p)
     p.add_argument("--steps", type=int, default=10, help="timed steps per repeat")
     p.add_argument("--repeats", type=int, default=2, help="repeats per configuration and round")
     p.add_argument("--warmup", type=int, default=2)
@@ -82,7 +80,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                             "/work/venv-torch/bin/python"),
                    help="a Python with torch for the torch side ('' skips it)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per launch")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None,
                    help="output folder (default benchmarks/results/dev-2core-<date>-pipeline)")
     p.add_argument("--note", default="", help="a line for the notes (e.g. machine shared)")

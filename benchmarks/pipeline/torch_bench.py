@@ -39,6 +39,7 @@ from torch.distributed.pipelining import (
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model import (
     Shape,
+    add_model_arguments,
     chunk_layers,
     make_problem,
     reference_loss_and_grads,
@@ -105,16 +106,11 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--schedule", required=True,
                    help="comma-separated: " + ", ".join(SCHEDULES))
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--batch", type=int, default=512)
-    p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--virtual-stages", type=int, default=2)
+    add_model_arguments(p, stages=False)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     a = p.parse_args()
     names = a.schedule.split(",")
