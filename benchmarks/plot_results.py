@@ -42,6 +42,8 @@ def plot(run: Path, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from jax_cpu_mpi.bench.plot import style_size_axes
+
     header, series = load(run)
     fig, (lat_ax, bw_ax) = plt.subplots(1, 2, figsize=(12, 4.8))
     for (method, kind), points in sorted(series.items()):
@@ -50,14 +52,7 @@ def plot(run: Path, out: Path) -> None:
         local = "local" in method or method == "memcpy"
         ax.plot(sizes, values, "--" if local else "-",
                 marker="o" if method.startswith("psend") else ".", label=method)
-    for ax, label in ((lat_ax, "one-way latency per hop (us), median"),
-                      (bw_ax, "bandwidth (MB/s), median")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("message size (bytes)")
-        ax.set_ylabel(label)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+    style_size_axes(lat_ax, bw_ax, "one-way latency per hop (us), median")
     fig.suptitle(f"{run.name}: jax {header.get('jax', '?')}, {header.get('cpus', '?')} CPUs, "
                  "solid: 2 MPI ranks, dashed: one process", fontsize=10)
     fig.tight_layout()

@@ -5,7 +5,23 @@ matplotlib is optional: :func:`write_plot` returns a note instead of a file with
 
 from __future__ import annotations
 
+from typing import Any
+
 from .stats import Measurement
+
+
+def style_size_axes(lat_ax: Any, bw_ax: Any,
+                    latency_label: str = "one-way latency (us), median") -> None:
+    """Log-log axes over message size for a latency and a bandwidth panel, labelled, gridded,
+    with a legend where lines were drawn (also used by benchmarks/plot_results.py)."""
+    for ax, label in ((lat_ax, latency_label), (bw_ax, "bandwidth (MB/s), median")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("message size (bytes)")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
 
 
 def write_plot(results: list[Measurement], path: str, title: str) -> str | None:
@@ -37,15 +53,7 @@ def write_plot(results: list[Measurement], path: str, title: str) -> str | None:
         else:
             values = [m.bandwidth_mbps()["median"] for m in ms]
             bw_ax.plot(sizes, values, style, marker=marker, label=method, color=colors[method])
-    for ax, label in ((lat_ax, "one-way latency (us), median"),
-                      (bw_ax, "bandwidth (MB/s), median")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("message size (bytes)")
-        ax.set_ylabel(label)
-        ax.grid(True, which="both", alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize=7)
+    style_size_axes(lat_ax, bw_ax)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
