@@ -248,21 +248,18 @@ def write_outputs(a, out: Path, cfgs: list[dict], notes: list[str], meta: dict) 
             f"{'PASS' if s['check'] else 'FAIL'} ({s['grad_rel_diff']:.1e}) |")
     lines += ["", "## Targets (issue 25)", ""]
     targets = []
+
+    def target(ours: dict | None, theirs: dict | None, goal: float, text: str) -> None:
+        r = round_ratio(ours, theirs) if ours and theirs else None
+        if r is not None:
+            targets.append({"target": text, "ratio": r, "goal": goal, "met": r >= goal})
+
     for layout in filter(None, a.layouts.split(",")):
-        one, gp = by_key.get(f"jax/1f1b/{layout}"), by_key.get(f"jax/gpipe/{layout}")
-        if one and gp:
-            r = round_ratio(one, gp)
-            if r is not None:
-                targets.append({"target": f"jax 1F1B >= jax GPipe, M={a.microbatches}, "
-                                          f"P={a.stages}, layout {layout}",
-                                "ratio": r, "goal": 1.0, "met": r >= 1.0})
-        tone = by_key.get(f"torch/1f1b/{a.stages}x1")
-        if one and tone:
-            r = round_ratio(one, tone)
-            if r is not None:
-                targets.append({"target": f"jax 1F1B (layout {layout}) >= 1.5x torch 1F1B "
-                                          f"(gloo, {a.stages} x 1)",
-                                "ratio": r, "goal": 1.5, "met": r >= 1.5})
+        one = by_key.get(f"jax/1f1b/{layout}")
+        target(one, by_key.get(f"jax/gpipe/{layout}"), 1.0,
+               f"jax 1F1B >= jax GPipe, M={a.microbatches}, P={a.stages}, layout {layout}")
+        target(one, by_key.get(f"torch/1f1b/{a.stages}x1"), 1.5,
+               f"jax 1F1B (layout {layout}) >= 1.5x torch 1F1B (gloo, {a.stages} x 1)")
     for t in targets:
         lines.append(f"- {t['target']}: ratio {t['ratio']:.2f} "
                      f"(median over rounds of the within-round ratio) -> "
