@@ -374,10 +374,15 @@ template <typename Body>
 }
 
 // The registered handlers: with tracing off (the usual case) one predictable branch.
+// A psend's second result, a u32 zero, exists only once the psend has run: XLA CPU orders
+// custom calls at run time by their buffers, not their tokens, so an op that must run
+// after this psend (an optimization_barrier's array, passes/kept_operands.py) takes it.
 ffi::Error PsendImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
-                     ffi::Result<ffi::Token> token, I64Span pairs, I64Span device_index,
-                     I64Span device_process, int64_t num_devices, std::string_view op,
-                     std::string_view operand, int64_t operand_kept) {
+                     ffi::Result<ffi::Token> token, ffi::Result<ffi::Buffer<ffi::U32>> done,
+                     I64Span pairs, I64Span device_index, I64Span device_process,
+                     int64_t num_devices, std::string_view op, std::string_view operand,
+                     int64_t operand_kept) {
+  done->typed_data()[0] = 0;
   if (trace::Mode() == 0) [[likely]] {
     return Psend(x, partition, token, pairs, device_index, device_process, num_devices, op,
                  operand, operand_kept);
@@ -426,7 +431,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JcmPsend, jcm::PsendImpl,
                               WithRoutingAttributes(ffi::Ffi::Bind()
                                                         .Arg<ffi::AnyBuffer>()
                                                         .Arg<ffi::Buffer<ffi::U32>>()
-                                                        .Ret<ffi::Token>()));
+                                                        .Ret<ffi::Token>()
+                                                        .Ret<ffi::Buffer<ffi::U32>>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JcmPrecv, jcm::PrecvImpl,
                               WithRoutingAttributes(ffi::Ffi::Bind()

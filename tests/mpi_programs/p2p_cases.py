@@ -230,3 +230,48 @@ def send_compute_send_back(mesh, gather: Gather):
     want = np.zeros_like(a0)
     want[0] = a0[0] @ w  # device 1 computed on device 0's row and sent it back
     return got, want
+
+
+def pytree_leaves_in_place(mesh, gather: Gather, *, count: int):
+    """A psend/precv of a pytree with two leaves of one shape (and a complex one), along an
+    open chain: each leaf must arrive in its own place, as ``lax.ppermute`` of each leaf.
+
+    The first leaf is computed late on even devices, and the precv takes one token for all
+    leaves (which precv accepts): nothing but the leaves' own ordering then keeps the two
+    float32 messages of a pair from being matched the wrong way round (before it was
+    ordered, they arrived swapped on every run on jaxlib 0.10.2). ``count`` float32 per
+    device and leaf: small ones take the queue, 256 KiB and more the direct paths.
+    """
+    axis = mesh.axis_names[0]
+    n = mesh.shape[axis]
+    chain = [(i, i + 1) for i in range(n - 1)]
+    leaves = [sample((n * count,), np.float32, seed) for seed in (1, 2)]
+    leaves.append(sample((n * count,), np.complex64, 3))
+    xs = [put(mesh, P(axis), leaf) for leaf in leaves]
+
+    def late(v):
+        head = v[:min(count, 64)]
+        m = jnp.tanh(jnp.outer(head, head) * 1e-3)
+        for _ in range(6):
+            m = jnp.tanh(m @ m)
+        return v + 0 * m[0, 0]
+
+    def skew(a, b, c):
+        even = jax.lax.axis_index(axis) % 2 == 0
+        return jax.lax.cond(even, late, lambda v: v, a), b, c
+
+    def body(a, b, c):
+        a, b, c = skew(a, b, c)
+        tokens = jax_cpu_mpi.psend([a, b, c], axis, chain)
+        like = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in (a, b, c)]
+        return jax_cpu_mpi.precv(tokens[0], like, axis, chain)
+
+    def reference(a, b, c):
+        return [jax.lax.ppermute(v, axis, chain) for v in skew(a, b, c)]
+
+    def run(fn):
+        f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(axis), out_specs=P(axis)))
+        out = [gather(v) for v in f(*xs)]
+        return np.concatenate([out[0], out[1], out[2].real, out[2].imag])
+
+    return run(body), run(reference)

@@ -146,6 +146,11 @@ PROGRAMS: dict[str, Builder] = {
     "barrier_pipeline": barrier_pipeline,
 }
 
+#: Programs with a psend of a pytree: ``jax_cpu_mpi.psend`` runs its leaves' sends in order
+#: (optimization barriers between them, ops/p2p.py) and ``jax.lax.psend`` does not, so their
+#: jaxprs and module texts differ by those barriers; their send/recv ops and results do not.
+ORDERED_LEAVES = {"pytree"}
+
 #: Programs that XLA GPU's deadlock check rejects (two psends of one pytree in flight with the
 #: same pairs): their CPU lowering needs ``gpu_parity=False``; they still export for GPU.
 PARITY_OFF = {"pytree"}

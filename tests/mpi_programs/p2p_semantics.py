@@ -60,6 +60,10 @@ for kind in ("scan", "fori_loop", "while_loop", "cond"):
     check(f"control flow {kind}", cases.loop_hops(mesh, gather, kind=kind))
 with config.overrides(gpu_parity=True):
     check("manual pipeline", cases.manual_pipeline(mesh, gather), exact=False)
+for count in (2, 1 << 17):  # 8 B and 512 KiB per leaf: eager/staged and direct paths
+    for trial in range(2):
+        check(f"pytree leaves in place, {4 * count} B, trial {trial}",
+              cases.pytree_leaves_in_place(mesh, gather, count=count))
 check("fifo on one pair", cases.fifo_same_pair(mesh, gather))
 check("fifo on one pair, chunked then small",
       cases.fifo_same_pair(mesh, gather, counts=(3 << 20, 5)))

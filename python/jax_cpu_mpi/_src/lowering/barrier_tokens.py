@@ -20,7 +20,11 @@ result also waits for every array of the barrier, each array result for every to
   and returns a token that depends on the array);
 * array after token: our precv custom call with no pairs returns a ``u32`` zero that
   depends on the token; the array's bits are OR-ed with it (the bits do not change, and
-  XLA cannot fold the dependency away). Complex arrays are left unordered.
+  XLA cannot fold the dependency away); a complex array's two parts are OR-ed each.
+
+XLA CPU orders custom calls at run time by their buffers, not their tokens: the kept-operands
+pass (:mod:`jax_cpu_mpi._src.passes.kept_operands`) gives each ordering call the buffers it
+must wait for (a psend's ``u32`` result, an array), so that both orders hold at run time.
 
 Both calls carry ``op=ORDERING_OP``, by which the GPU-parity check skips them.
 Every other barrier keeps JAX's rule.
@@ -64,9 +68,9 @@ def _attributes(ctx: Any, operand: str) -> dict[str, Any]:
 
 
 def _token_after(ctx: Any, value: Any, aval: Any) -> Any:
-    sub = ctx.replace(avals_in=[aval, _u32()], avals_out=[abstract_token])
+    sub = ctx.replace(avals_in=[aval, _u32()], avals_out=[abstract_token, _u32()])
     rule = jax.ffi.ffi_lowering(PSEND_TARGET, has_side_effect=True)
-    (token,) = rule(sub, value, hlo.partition_id(), **_attributes(ctx, str(aval)))
+    token, _ = rule(sub, value, hlo.partition_id(), **_attributes(ctx, str(aval)))
     return token
 
 
@@ -81,7 +85,11 @@ def _array_after(value: Any, aval: Any, zero: Any) -> Any:
     """``value`` with its bits unchanged, computed after ``zero`` (a u32 zero) exists."""
     dtype = np.dtype(aval.dtype)
     if dtype.kind == "c":
-        return value
+        # No bitcast of a complex: order its two float parts, then put them together again
+        # (real, imag and complex move the bits unchanged).
+        part = ShapedArray(aval.shape, np.finfo(dtype).dtype)
+        return hlo.complex(_array_after(hlo.real(value), part, zero),
+                           _array_after(hlo.imag(value), part, zero))
     shape = list(aval.shape)
     if dtype == np.bool_:
         bits_type = value.type
@@ -108,22 +116,28 @@ def _ordered(ctx: Any, results: list[Any]) -> list[Any]:
             for r, a in zip(results, avals, strict=True)]
 
 
-def _lowering(ctx: Any, *args: Any) -> Any:
+def _lowering(ctx: Any, *args: Any, order: bool = True) -> Any:
     is_token = [a is abstract_token for a in ctx.avals_out]
     if (not compat.BARRIER_TOKENS.active or not any(is_token)
             or not all(isinstance(a, ir.Value) for a in args)):
         return optimization_barrier_lowering(ctx, *args)
     try:
-        return _token_barrier(ctx, args, is_token)
+        return _token_barrier(ctx, args, is_token, order)
     except Exception as e:  # a JAX internal changed under us: JAX's rule from now on
         compat.failed_at_run_time(compat.BARRIER_TOKENS.name, e)
         return optimization_barrier_lowering(ctx, *args)
 
 
-def _token_barrier(ctx: Any, args: Any, is_token: list[bool]) -> Any:
+def _gpu_lowering(ctx: Any, *args: Any) -> Any:
+    """On GPU: the barrier as JAX builds it, without JAX 0.10's sharding error on a token
+    result (a pytree precv has such barriers: ops/p2p.py); XLA GPU keeps barriers."""
+    return _lowering(ctx, *args, order=False)
+
+
+def _token_barrier(ctx: Any, args: Any, is_token: list[bool], order: bool) -> Any:
     results = list(hlo.OptimizationBarrierOp(list(args)).results)
     axis_context = ctx.module_context.axis_context
-    if not all(is_token) and isinstance(axis_context, SPMDAxisContext) and (
+    if order and not all(is_token) and isinstance(axis_context, SPMDAxisContext) and (
             axis_context.manual_axes):
         results = _ordered(ctx, results)
     return [r if token else lower_with_sharding_in_types(ctx, r, aval)
@@ -134,6 +148,9 @@ def install() -> None:
     """Register the CPU lowering of ``optimization_barrier`` (idempotent).
 
     Called through ``compat.enable("barrier_tokens", ...)``; the rule hands every barrier
-    back to JAX's own rule once the feature is off.
+    back to JAX's own rule once the feature is off. On CUDA and ROCm (a program exported
+    for GPU on this machine) only JAX 0.10's error on token results is mended.
     """
     register_lowering(optimization_barrier_p, _lowering, platform="cpu")
+    for platform in ("cuda", "rocm"):
+        register_lowering(optimization_barrier_p, _gpu_lowering, platform=platform)

@@ -7,7 +7,8 @@ Each rule computes the source-target pairs with JAX's own helper (the same pairs
 validation and the same errors as JAX's GPU lowering), then emits a typed-FFI custom call
 whose operands are the data (or token) and the partition id of the running device:
 
-* ``jax_cpu_mpi_psend(x, partition_id) -> token``: sends ``x`` if this device is a source;
+* ``jax_cpu_mpi_psend(x, partition_id) -> (token, u32 zero)``: sends ``x`` if this device
+  is a source (the zero orders ops after it at run time: see :func:`_emit`);
 * ``jax_cpu_mpi_precv(token, partition_id) -> out``: receives if this device is a
   destination, zeros otherwise (like ``ppermute``).
 
@@ -83,13 +84,19 @@ def _emit(ctx: mlir.LoweringRuleContext, target: str, op_name: str, operand, *, 
     """The custom call ``target(operand, partition_id)`` with the routing attributes."""
     pairs, tables = _routing(ctx, op_name, axis_name, perm)
     op = f"{op_name}(axis_name={axis_name!r}, perm={list(map(tuple, perm))!r})"
-    sub_ctx = ctx.replace(avals_in=[*ctx.avals_in, ShapedArray((), np.uint32)])
+    u32 = ShapedArray((), np.uint32)
+    sending = target == PSEND_TARGET
+    # A psend also returns a u32 zero that exists once it has run (cpp/ffi/p2p_handlers.cc):
+    # the buffer by which a barrier orders later ops after it; JAX sees the token alone.
+    sub_ctx = ctx.replace(avals_in=[*ctx.avals_in, u32],
+                          avals_out=[*ctx.avals_out, u32] if sending else ctx.avals_out)
     rule = jax.ffi.ffi_lowering(target, has_side_effect=True)
-    return rule(sub_ctx, operand, hlo.partition_id(),
-                **attributes(pairs=pairs, device_index=tables.device_index,
-                           device_process=tables.device_process,
-                           num_devices=tables.num_devices, op=op,
-                           operand=_describe(data_aval)))
+    results = rule(sub_ctx, operand, hlo.partition_id(),
+                   **attributes(pairs=pairs, device_index=tables.device_index,
+                                device_process=tables.device_process,
+                                num_devices=tables.num_devices, op=op,
+                                operand=_describe(data_aval)))
+    return list(results)[:1] if sending else results
 
 
 def _psend_lowering_cpu(ctx: mlir.LoweringRuleContext, x, *, axis_name, perm):

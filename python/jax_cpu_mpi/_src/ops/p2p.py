@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 
+from jax_cpu_mpi._src import compat
 from jax_cpu_mpi._src.compat import available, insert_collective_pvary, register_source_exclusion
 from jax_cpu_mpi._src.ops.primitives import precv_p, psend_p
 
@@ -75,6 +76,29 @@ def _pvary(names: tuple, x: Any) -> Any:
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+# The leaves of a pytree share every pair of devices, and a pair's messages are matched in
+# the order their ops run; XLA CPU may run two psends (or two precvs) that no buffer links
+# side by side, and two leaves of one shape then arrive swapped. So the leaves' sends are
+# chained, and so are their receives, in tree_flatten order, through optimization_barrier:
+# on CPU our lowering of it (lowering/barrier_tokens.py) and the module pass
+# (passes/kept_operands.py) turn it into buffer dependencies, which XLA keeps at run time.
+# Where that lowering is off, JAX's cannot lower a token on CPU at all: leaves unchained.
+
+
+def _after_token(token: Any, value: Any) -> Any:
+    """``value`` unchanged, computed only after the op that made ``token``."""
+    if not compat.BARRIER_TOKENS.active:
+        return value
+    return jax.lax.optimization_barrier((token, value))[1]
+
+
+def _token_after(value: Any, token: Any) -> Any:
+    """``token``, usable only once ``value`` is computed."""
+    if not compat.BARRIER_TOKENS.active:
+        return token
+    return jax.lax.optimization_barrier((token, value))[0]
+
+
 def psend(x: Any, axis_name: AxisName, perm: Perm) -> Any:
     """Send ``x`` along the pairs ``perm`` of mesh axis ``axis_name``; returns a token.
 
@@ -86,7 +110,9 @@ def psend(x: Any, axis_name: AxisName, perm: Perm) -> Any:
     (zeros on devices that are no destination). psend never waits for its receiver.
 
     Args:
-      x: an array, or a pytree of arrays (one psend per leaf, in ``tree_map`` order).
+      x: an array, or a pytree of arrays: one psend per leaf, in ``tree_flatten`` order,
+        each leaf's send running after the one before it (so that a :func:`precv` of the
+        same pytree receives every leaf in its own place).
       axis_name: a mesh axis name bound by ``shard_map``, or a tuple of them.
       perm: ``(source_index, destination_index)`` pairs.
 
@@ -102,10 +128,14 @@ def psend(x: Any, axis_name: AxisName, perm: Perm) -> Any:
     pairs = _perm_tuple(perm)
     _check_perm("psend", names, pairs)
 
-    def send(leaf: Any) -> Any:
-        return psend_p.bind(_pvary(names, leaf), axis_name=names, perm=pairs)
-
-    return jax.tree_util.tree_map(send, x)
+    leaves, tree = jax.tree_util.tree_flatten(x)
+    tokens: list[Any] = []
+    for leaf in leaves:
+        leaf = _pvary(names, leaf)
+        if tokens:
+            leaf = _after_token(tokens[-1], leaf)
+        tokens.append(psend_p.bind(leaf, axis_name=names, perm=pairs))
+    return jax.tree_util.tree_unflatten(tree, tokens)
 
 
 def _is_shape(value: Any) -> bool:
@@ -126,7 +156,8 @@ def precv(token: Any, out_shape: Any, axis_name: AxisName, perm: Perm) -> Any:
         ordered after what produced it. For a pytree ``out_shape``, one token for every leaf
         or a pytree of tokens of the same structure (what :func:`psend` of a pytree returns).
       out_shape: a ``jax.ShapeDtypeStruct`` (anything with ``shape`` and ``dtype``) of the
-        result, or a pytree of them (one precv per leaf, in ``tree_map`` order).
+        result, or a pytree of them: one precv per leaf, in ``tree_flatten`` order, each
+        leaf's receive running after the one before it.
       axis_name: a mesh axis name bound by ``shard_map``, or a tuple of them.
       perm: ``(source_index, destination_index)`` pairs, those of the matching psend.
 
@@ -151,8 +182,12 @@ def precv(token: Any, out_shape: Any, axis_name: AxisName, perm: Perm) -> Any:
         raise ValueError(
             f"precv: token must be one token or a pytree of tokens shaped like out_shape "
             f"({tree}), got {jax.tree_util.tree_structure(token)}")
-    return jax.tree_util.tree_unflatten(tree, [recv(t, s) for t, s in zip(tokens, shapes,
-                                                                           strict=True)])
+    received: list[Any] = []
+    for tok, shape in zip(tokens, shapes, strict=True):
+        if received:
+            tok = _token_after(received[-1], tok)
+        received.append(recv(tok, shape))
+    return jax.tree_util.tree_unflatten(tree, received)
 
 
 __all__ = ["precv", "psend"]

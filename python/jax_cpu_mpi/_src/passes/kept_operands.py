@@ -13,6 +13,11 @@ does (a precv in a branch of a ``cond`` might not). The pass runs on the finishe
 because JAX lowers each equation in a function of its own, where a precv's token is a block
 argument. Programs the pass does not change (the feature off, a token passed through a loop
 or a call) behave the same, their psends finishing their sends before they return.
+
+A precv whose token went through an ``optimization_barrier`` with arrays (JAX's "precv
+after the ppermute" tip; the leaves of a pytree precv, ops/p2p.py) also gets those arrays
+as operands: XLA CPU orders custom calls at run time by their buffers, not their tokens,
+so only then does the precv really run after them.
 """
 
 from __future__ import annotations
@@ -34,32 +39,79 @@ from jax_cpu_mpi._src.ffi.custom_calls import (
 )
 
 
+def _token_sources(token: Any) -> list[Any]:
+    """The ops that made ``token``, looking through ``after_all`` and the token results of
+    ``optimization_barrier`` (the CPU barrier lowering of lowering/barrier_tokens.py)."""
+    if not isinstance(token, ir.OpResult):
+        return []  # a block argument: a loop carry, a function argument...
+    op = token.owner.operation
+    if op.name == "stablehlo.after_all":
+        return [source for operand in op.operands for source in _token_sources(operand)]
+    if op.name == "stablehlo.optimization_barrier":
+        return _token_sources(op.operands[token.result_number])
+    return [op]
+
+
+def _moves_data(op: Any) -> bool:
+    """A psend/precv of our lowering with pairs (not one that orders a barrier)."""
+    return int_attribute(op, OPERAND_KEPT) is not None and array_attribute(op, "pairs").size > 0
+
+
 def _sending_psend(precv: Any) -> Any | None:
     """The psend (of our lowering, moving data) whose token ``precv`` takes, in its block."""
-    token = precv.operands[0]
-    if not isinstance(token, ir.OpResult):
-        return None  # a block argument: a loop carry, a function argument...
-    psend = token.owner.operation
-    if call_target(psend) != PSEND_TARGET or psend.block != precv.block:
+    psends = [op for op in _token_sources(precv.operands[0])
+              if call_target(op) == PSEND_TARGET and _moves_data(op)]
+    if len(psends) != 1 or psends[0].block != precv.block:
         return None
-    if int_attribute(psend, OPERAND_KEPT) is None or array_attribute(psend, "pairs").size == 0:
-        return None  # not ours, or one that orders a barrier and sends nothing
-    return psend
+    return psends[0]
 
 
-def _rebuild_precv(precv: Any, psend: Any) -> None:
-    """Replaces ``precv`` by the same call with the psend's operand as a last operand."""
-    operand = psend.operands[0]
+def _layout(op: Any, index: int) -> Any:
+    return ir.ArrayAttr(op.attributes["operand_layouts"])[index]
+
+
+def _barrier_arrays(precv: Any) -> list[tuple[Any, Any]]:
+    """``(array, layout)`` of each barrier array ``precv``'s token waits for, in its block.
+
+    A barrier's token result waits for its arrays through our ordering psend of each, but
+    XLA CPU orders custom calls at run time by their buffers alone, not by tokens: the
+    array itself, an operand of the precv, is a dependency XLA keeps.
+    """
+    found = []
+    for op in _token_sources(precv.operands[0]):
+        if call_target(op) != PSEND_TARGET or _moves_data(op):
+            continue
+        array = op.operands[0]
+        if isinstance(array, ir.OpResult) and array.owner.operation.block == precv.block:
+            found.append((array, _layout(op, 0)))
+    return found
+
+
+def _psends_done(ordering: Any) -> list[tuple[Any, Any]]:
+    """``(u32 result, layout)`` of each data psend that the ordering precv ``ordering`` (a
+    barrier's array after its tokens) waits for by token, in its block: only that buffer
+    makes the barrier's arrays wait for the psend at run time."""
+    return [(op.results[1], _layout(ordering, 1))
+            for op in _token_sources(ordering.operands[0])
+            if call_target(op) == PSEND_TARGET and _moves_data(op)
+            and len(op.results) == 2 and op.block == ordering.block]
+
+
+def _rebuild_precv(precv: Any, extra: list[tuple[Any, Any]]) -> None:
+    """Replaces ``precv`` by the same call with more last operands, ``(value, layout)`` each.
+    The handler finishes any kept send of each such operand; for a value no psend sends
+    that is a no-op, and the operand only orders the precv after it."""
     named = [precv.attributes[i] for i in range(len(precv.attributes))]
     attributes = {n.name: n.attr for n in named}
-    attributes[BACKEND_CONFIG] = with_int_attribute(precv, OPERAND_KEPT, 1)
+    attributes[BACKEND_CONFIG] = with_int_attribute(
+        precv, OPERAND_KEPT, int_attribute(precv, OPERAND_KEPT) + len(extra))
     layouts = list(ir.ArrayAttr(precv.attributes["operand_layouts"]))
-    layouts.append(ir.ArrayAttr(psend.attributes["operand_layouts"])[0])
+    layouts += [layout for _, layout in extra]
     attributes["operand_layouts"] = ir.ArrayAttr.get(layouts)
     new = ir.Operation.create(
         "stablehlo.custom_call", results=[r.type for r in precv.results],
-        operands=[*precv.operands, operand], attributes=attributes, loc=precv.location,
-        ip=ir.InsertionPoint(precv))
+        operands=[*precv.operands, *(value for value, _ in extra)], attributes=attributes,
+        loc=precv.location, ip=ir.InsertionPoint(precv))
     for old, replacement in zip(precv.results, new.results, strict=True):
         old.replace_all_uses_with(replacement)
     precv.erase()
@@ -68,16 +120,24 @@ def _rebuild_precv(precv: Any, psend: Any) -> None:
 def keep_psend_operands(module: Any) -> int:
     """Runs the pass on a lowered module; returns how many precvs now keep an operand."""
     with module.context:
-        pairs = []
-        for op in operations(module.operation):
-            if call_target(op) == PRECV_TARGET and int_attribute(op, OPERAND_KEPT) == 0:
+        precvs = [op for op in operations(module.operation)
+                  if call_target(op) == PRECV_TARGET and int_attribute(op, OPERAND_KEPT) == 0]
+        kept = 0
+        # One at a time, each precv's extra operands found only when it is rebuilt: one may
+        # be the result of a precv rebuilt (and erased) just before.
+        for op in precvs:
+            if not _moves_data(op):  # a barrier's ordering precv
+                extra = _psends_done(op)
+            else:
                 psend = _sending_psend(op)
+                extra = [(psend.operands[0], _layout(psend, 0))] if psend is not None else []
+                extra += _barrier_arrays(op)
                 if psend is not None:
-                    pairs.append((op, psend))
-        for precv, psend in pairs:
-            set_int_attribute(psend, OPERAND_KEPT, 1)
-            _rebuild_precv(precv, psend)
-        return len(pairs)
+                    set_int_attribute(psend, OPERAND_KEPT, 1)
+                    kept += 1
+            if extra:
+                _rebuild_precv(op, extra)
+        return kept
 
 
 def wanted(platforms: Any, jaxpr: Any) -> bool:
