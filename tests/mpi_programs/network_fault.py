@@ -28,9 +28,13 @@ MODE:
   (jax_cpu_mpi's abort-on-uncaught-exception ends the job).
 * ``catch-exit``: the program catches the error, prints ``JCM-CAUGHT`` and the message, and
   calls ``sys.exit(1)``: the process must end within seconds with status 1.
-* ``flap``: like ``catch-exit``, but the loop stops after ``JCM_FLAP_CALLS`` calls: the test
-  takes the link down for less than the receive timeout and brings it back; the loop either
-  completes every call with exact values (``JCM-OK``) or fails with a clear error.
+* ``flap``: like ``catch-exit``, but the loop ends: the test takes the link down for less
+  than the receive timeout, brings it back, then creates the file ``JCM_FLAP_UNTIL``; the
+  loop runs until rank 0 sees that file (every 10th call rank 0 tells rank 1 over psend/precv
+  whether it has, so both stop after the same call), then 20 calls more, at most
+  ``JCM_FLAP_CALLS`` calls in all. So the outage always falls inside the loop, however fast
+  or slow the calls run. The loop either completes every call with exact values
+  (``JCM-OK``) or fails with a clear error.
 """
 
 from __future__ import annotations
@@ -88,10 +92,26 @@ def expected(carry: np.ndarray) -> np.ndarray:
     return carry + sum(i + 1 for i in range(HOPS))
 
 
+def rank0_flag(v):
+    """Rank 0's value on both devices (device 1's own value is 0)."""
+    got = lax.precv(lax.psend(v, "x", FWD), jax.ShapeDtypeStruct(v.shape, v.dtype), "x", FWD)
+    return v + got
+
+
 f = jax.jit(jax.shard_map(ping_pong, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+share_flag = jax.jit(jax.shard_map(rank0_flag, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
 start = np.zeros((2, WIDTH), np.int32)
 x = common.global_array(mesh, P("x"), start)
 limit = int(os.environ.get("JCM_FLAP_CALLS", "0")) if MODE == "flap" else None
+until = os.environ.get("JCM_FLAP_UNTIL") if MODE == "flap" else None
+FLAG_EVERY, CALLS_AFTER_FLAG = 10, 20
+
+
+def told_to_stop() -> bool:
+    """Whether rank 0 has seen the file ``until``, the same answer on both ranks."""
+    mine = int(me == 0 and os.path.exists(until))
+    flag = share_flag(common.global_array(mesh, P("x"), np.array([[mine], [0]], np.int32)))
+    return bool(np.asarray(flag.addressable_shards[0].data)[0, 0])
 print(f"process {me}: pid {os.getpid()} on {os.uname().nodename}, {BYTES} bytes {DIRECTION}",
       flush=True)
 
@@ -110,11 +130,14 @@ def loop() -> int:
     calls = 0
     want = start[0]
     longest = 0.0
-    while limit is None or calls < limit:
+    stop_at = None
+    while (limit is None or calls < limit) and (stop_at is None or calls < stop_at):
         t = time.perf_counter()
         x = f(x)
         local = np.asarray(x.addressable_shards[0].data)[0]
-        longest = max(longest, time.perf_counter() - t)
+        if until and stop_at is None and calls % FLAG_EVERY == 0 and told_to_stop():
+            stop_at = calls + CALLS_AFTER_FLAG
+        longest = max(longest, time.perf_counter() - t)  # the flag's exchange included
         want = expected(want)
         if me == 0:
             np.testing.assert_array_equal(local, want)
