@@ -14,6 +14,14 @@ in the foreground at that point.
 Each build is a command whose whole output is kept for the test's failure message. Nothing
 here decides whether a test passes: a failed build fails (or, for a missing package index,
 skips) the test that wanted it, with the build's output.
+
+With pytest-xdist (the README's ``-n 2``) every worker collects the whole suite, and nobody
+knows after collection which worker will run the test that needs a build. So the builds of
+one run live in one directory, ``$JCM_TEST_BUILDS_DIR``, that the first pytest process makes
+(the controller; its workers inherit the variable): the first process to create a build's
+folder starts it, the others find it there, and whoever runs the test waits for its ``rc``
+file. Only the process that made the directory kills leftover builds and removes it, at the
+end of the whole run: a worker that finishes early must not kill a build another one awaits.
 """
 
 from __future__ import annotations
@@ -30,6 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 NICE = 19  # the lowest CPU priority: a build never takes a core a test wants
+#: The directory of this run's builds, shared by a pytest process and its xdist workers.
+BUILDS_DIR = "JCM_TEST_BUILDS_DIR"
+_owned_dir: Path | None = None  # the builds directory, if this process made it
 
 
 @dataclass
@@ -40,53 +51,101 @@ class BuildResult:
 
 
 class Build:
-    """``command`` run with ``env`` in ``workdir``, its output in ``workdir/build.log``."""
+    """A command run in ``workdir`` (a folder of the builds directory), its output in
+    ``workdir/build.log`` and its exit status, once it ends, in ``workdir/rc``; its process
+    group's id in ``workdir/pgid``. Any process of the run can wait for it."""
 
-    def __init__(self, name: str, command: list[str], env: dict[str, str],
-                 workdir: Path, nice: int = NICE) -> None:
-        self.name, self.command, self.env, self.workdir = name, command, env, workdir
+    def __init__(self, name: str, workdir: Path) -> None:
+        self.name, self.workdir = name, workdir
         self.log = workdir / "build.log"
-        self.started = time.monotonic()
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir,
-                start_new_session=True,
-                preexec_fn=(lambda: _lower_priority(nice)) if nice else None)
+        self._proc: subprocess.Popen | None = None  # set where this process started it
         self._result: BuildResult | None = None
+
+    def launch(self, command: list[str], env: dict[str, str], nice: int) -> None:
+        # The shell writes the status where every process of the run can read it.
+        wrapped = ["sh", "-c", '"$@" >build.log 2>&1; echo $? >rc.part && mv rc.part rc',
+                   "sh", *command]
+        self._proc = subprocess.Popen(
+            wrapped, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+            cwd=self.workdir, start_new_session=True,
+            preexec_fn=(lambda: _lower_priority(nice)) if nice else None)
+        (self.workdir / "started").write_text(str(time.time()))
+        (self.workdir / "pgid").write_text(str(self._proc.pid))
+
+    def _pgid(self, timeout: float) -> int | None:
+        """The build's process group, once its starter has written it down."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                return int((self.workdir / "pgid").read_text())
+            except (OSError, ValueError):
+                time.sleep(0.1)
+        return None
+
+    def _status(self) -> int | None:
+        try:
+            return int((self.workdir / "rc").read_text())
+        except (OSError, ValueError):
+            return None
 
     def wait(self, timeout: float) -> BuildResult:
         """The build's result; kills it (its whole process group) after ``timeout`` seconds
-        from now. While the test waits nothing else of the suite runs: the build gets back
-        the normal priority where this process may give it (root, or RLIMIT_NICE)."""
-        if self._result is None:
-            self._restore_priority()
-            try:
-                returncode: int | None = self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-                returncode = None
-            self._result = BuildResult(returncode, self.log.read_text(errors="replace"),
-                                       time.monotonic() - self.started)
+        from now. While the test waits nothing else of its process runs: the build gets
+        back the normal priority where this process may give it (root, or RLIMIT_NICE)."""
+        if self._result is not None:
+            return self._result
+        deadline = time.monotonic() + timeout
+        pgid = self._pgid(timeout=30)
+        if pgid is not None:
+            _restore_priority(pgid)
+        returncode = self._status()
+        while returncode is None and time.monotonic() < deadline:
+            if self._proc is not None:
+                self._proc.poll()  # reap it: our own child
+            if pgid is None or not _alive(pgid):
+                returncode = self._status()
+                break  # ended without a status: killed
+            time.sleep(0.2)
+            returncode = self._status()
+        if returncode is None and pgid is not None and _alive(pgid):
+            _kill(pgid)
+        try:
+            started = float((self.workdir / "started").read_text())
+        except (OSError, ValueError):
+            started = time.time()
+        self._result = BuildResult(returncode, self.log.read_text(errors="replace")
+                                   if self.log.exists() else "(no build log)",
+                                   time.time() - started)
         return self._result
 
-    def _restore_priority(self) -> None:
-        if self.proc.poll() is not None:
-            return
-        try:
-            with open(f"/proc/{self.proc.pid}/autogroup", "w") as group:
-                group.write("0")
-        except OSError:
-            pass
-        try:
-            os.setpriority(os.PRIO_PGRP, self.proc.pid, 0)
-        except OSError:  # not allowed to raise a priority: the build stays niced
-            pass
 
-    def cancel(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+def _alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _kill(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _restore_priority(pgid: int) -> None:
+    try:
+        with open(f"/proc/{pgid}/autogroup", "w") as group:
+            group.write("0")
+    except OSError:
+        pass
+    try:
+        os.setpriority(os.PRIO_PGRP, pgid, 0)
+    except OSError:  # not allowed to raise a priority: the build stays niced
+        pass
 
 
 def _lower_priority(nice: int) -> None:
@@ -102,30 +161,65 @@ def _lower_priority(nice: int) -> None:
         pass
 
 
-_started: dict[str, Build] = {}
+def session_started() -> None:
+    """conftest, at configure time: the first pytest process of a run makes the builds
+    directory; xdist workers (and pytest subprocesses of tests) inherit it."""
+    global _owned_dir
+    if not os.environ.get(BUILDS_DIR):
+        _owned_dir = Path(tempfile.mkdtemp(prefix="jcm-builds-"))
+        os.environ[BUILDS_DIR] = str(_owned_dir)
+
+
+def _builds_dir() -> Path:
+    if not os.environ.get(BUILDS_DIR):
+        session_started()
+    return Path(os.environ[BUILDS_DIR])
+
+
+_builds: dict[str, Build] = {}
 
 
 def start(name: str, command: Callable[[Path], list[str]], env: dict[str, str],
           nice: int = NICE) -> Build:
-    """Start the build ``name`` (once per session): ``command(workdir)`` in a fresh directory
-    of its own, removed at the end of the session."""
-    if name not in _started:
-        workdir = Path(tempfile.mkdtemp(prefix=f"jcm-{name}-"))
-        _started[name] = Build(name, command(workdir), env, workdir, nice)
-    return _started[name]
+    """The build ``name`` of this run: started here (``command(workdir)``) if no process of
+    the run has started it yet, else the one already there."""
+    if name not in _builds:
+        workdir = _builds_dir() / name
+        build = Build(name, workdir)
+        try:
+            workdir.mkdir()
+        except FileExistsError:
+            pass  # another process of the run started it
+        else:
+            build.launch(command(workdir), env, nice)
+        _builds[name] = build
+    return _builds[name]
 
 
 def get(name: str) -> Build | None:
-    """The build ``name`` if it was started in this session."""
-    return _started.get(name)
+    """The build ``name`` if some process of this run started it."""
+    if name in _builds:
+        return _builds[name]
+    workdir = _builds_dir() / name
+    return _builds.setdefault(name, Build(name, workdir)) if workdir.exists() else None
 
 
 def stop_all() -> None:
-    """End of the session: kill builds nobody waited for (a failed test's), remove them all."""
-    for build in _started.values():
-        build.cancel()
-        shutil.rmtree(build.workdir, ignore_errors=True)
-    _started.clear()
+    """End of the run, in the process that made the builds directory: kill builds nobody
+    waited for (a failed test's) and remove them all. Elsewhere, nothing."""
+    global _owned_dir
+    if _owned_dir is None:
+        return
+    for workdir in _owned_dir.iterdir():
+        try:
+            _kill(int((workdir / "pgid").read_text()))
+        except (OSError, ValueError):
+            pass
+    shutil.rmtree(_owned_dir, ignore_errors=True)
+    if os.environ.get(BUILDS_DIR) == str(_owned_dir):
+        del os.environ[BUILDS_DIR]
+    _owned_dir = None
+    _builds.clear()
 
 
 # ---------------------------------------------------------------- the builds of the suite

@@ -33,6 +33,11 @@ if jax_p2p_removal.requested() and not jax_cpu_mpi._src.ops.primitives.OURS:
 if os.environ.get(jax_p2p_removal.ENV) == "effect":
     assert jax_cpu_mpi._src.ops.primitives.in_use()["effect"] == "jax_cpu_mpi"
 
+def pytest_configure(config):
+    # The builds directory of this run, before xdist starts its workers (they inherit it).
+    background_builds.session_started()
+
+
 def pytest_collection_finish(session):
     # The builds that selected tests need start now, niced, in the background.
     if not session.config.option.collectonly:

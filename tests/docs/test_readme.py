@@ -16,7 +16,7 @@ MAX_LINES = 200
 INSTALL = ("python3 -m venv .venv && .venv/bin/pip install . && "
            ".venv/bin/python -m jax_cpu_mpi.examples.pipeline")
 TEST = ("python3 -m venv .venv && .venv/bin/pip install '.[test]' && "
-        ".venv/bin/python -m pytest -q tests")
+        ".venv/bin/python -m pytest -q -n 2 --dist loadfile tests")
 
 
 def test_readme_is_at_most_200_lines():
