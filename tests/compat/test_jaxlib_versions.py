@@ -15,54 +15,14 @@ import subprocess
 import sys
 import textwrap
 import types
-import zipfile
 from importlib import metadata
 from pathlib import Path
 
 import pytest
 
+import background_builds
+import older_jaxlib_build
 from jax_cpu_mpi import _jax_cpu_mpi as ext
-
-REPO = Path(__file__).resolve().parents[2]
-
-#: For the installed jaxlib series, the older supported series whose headers we build with.
-OLDER_SERIES = {"0.12": ("0.11", "0.12"), "0.11": ("0.10.2", "0.11")}
-
-
-def _series(version: str) -> str:
-    return ".".join(version.split(".")[:2])
-
-
-def _older_jaxlib_headers(root: Path) -> tuple[Path, str]:
-    """Download the newest jaxlib of the previous series; extract its include directory."""
-    installed = metadata.version("jaxlib")
-    if _series(installed) not in OLDER_SERIES:
-        pytest.skip(f"jaxlib {installed}: no older jaxlib series that jax_cpu_mpi supports")
-    low, high = OLDER_SERIES[_series(installed)]
-    download = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-         "-d", str(root / "wheels"), f"jaxlib>={low},<{high}"],
-        capture_output=True, text=True, timeout=600)
-    if download.returncode != 0:
-        pytest.skip("cannot download an older jaxlib from the package index (no network?): "
-                    f"{(download.stdout + download.stderr).strip().splitlines()[-3:]}")
-    (wheel,) = (root / "wheels").glob("jaxlib-*.whl")
-    version = wheel.name.split("-")[1]
-    with zipfile.ZipFile(wheel) as archive:
-        for name in archive.namelist():
-            if name.startswith("jaxlib/include/xla/ffi/"):
-                archive.extract(name, root / "headers")
-    include = root / "headers" / "jaxlib" / "include"
-    assert (include / "xla" / "ffi" / "api" / "ffi.h").exists()
-    return include, version
-
-
-def _api_minor(include: Path) -> int:
-    for line in (include / "xla" / "ffi" / "api" / "c_api.h").read_text().splitlines():
-        if line.startswith("#define XLA_FFI_API_MINOR"):
-            return int(line.split()[-1])
-    raise AssertionError("no XLA_FFI_API_MINOR in the headers")
-
 
 _PROGRAM = """
     import json, sys
@@ -92,24 +52,22 @@ _PROGRAM = """
 
 
 @pytest.fixture(scope="module")
-def older_build(tmp_path_factory):
-    """jax_cpu_mpi built against the previous jaxlib series' FFI headers, unpacked."""
-    root = tmp_path_factory.mktemp("older-jaxlib")
-    include, version = _older_jaxlib_headers(root)
-    build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-         "-w", str(root / "dist"), f"-Cbuild-dir={root / 'build'}",
-         f"-Ccmake.define.JAX_CPU_MPI_FFI_INCLUDE_DIR={include}",
-         f"-Ccmake.define.JAX_CPU_MPI_FFI_HEADERS_FROM=jaxlib {version}", str(REPO)],
-        capture_output=True, text=True, timeout=1200,
-        env={**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": "2"})
-    assert build.returncode == 0, build.stdout[-5000:] + build.stderr[-5000:]
-    (wheel,) = (root / "dist").glob("jax_cpu_mpi-*.whl")
-    site = root / "site"
-    with zipfile.ZipFile(wheel) as archive:
-        archive.extractall(site)
-    return types.SimpleNamespace(root=root, site=site, version=version,
-                                 api_minor=_api_minor(include))
+def older_build():
+    """jax_cpu_mpi built against the previous jaxlib series' FFI headers, unpacked
+    (tests/older_jaxlib_build.py). The build starts in the background, niced, as soon as
+    collection ends (tests/background_builds.py): here the tests wait for it."""
+    started = background_builds.older_jaxlib()
+    build = started.wait(timeout=1400)
+    if build.returncode in (older_jaxlib_build.NO_INDEX, older_jaxlib_build.NO_OLDER):
+        pytest.skip(build.output.strip().splitlines()[-1])
+    how = "timed out" if build.returncode is None else "failed"
+    assert build.returncode == 0, (
+        f"building against older jaxlib headers {how} after {build.seconds:.0f} s:\n"
+        f"{build.output[-10000:]}")
+    root = started.workdir
+    facts = json.loads((root / "build.json").read_text())
+    return types.SimpleNamespace(root=root, site=root / "site", version=facts["version"],
+                                 api_minor=facts["api_minor"])
 
 
 def _run(root: Path, *paths: Path) -> dict:
