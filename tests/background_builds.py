@@ -120,6 +120,21 @@ class Build:
         return self._result
 
 
+    def built(self, what: str, *, skip_codes: tuple[int, ...], timeout: float) -> Path:
+        """For a fixture: the build's folder once it succeeded. A status in ``skip_codes``
+        (the build could not get what it needs) skips the test with the build's last line;
+        any other failure fails it with the build's output; ``what`` names the build."""
+        import pytest
+
+        build = self.wait(timeout=timeout)
+        if build.returncode in skip_codes:
+            pytest.skip(build.output.strip().splitlines()[-1])
+        how = "timed out" if build.returncode is None else "failed"
+        assert build.returncode == 0, (
+            f"building {what} {how} after {build.seconds:.0f} s:\n{build.output[-10000:]}")
+        return self.workdir
+
+
 def _alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)

