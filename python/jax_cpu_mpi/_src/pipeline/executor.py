@@ -214,11 +214,30 @@ def _exchange(buffer: PyTree, axis: Hashable, pairs: Any) -> PyTree:
     A pytree sent leaf by leaf would be several psends on the same (source, destination)
     channel, matched in the order they run; nothing orders independent psends (or precvs)
     of one tick against each other, so leaves of the same shape and dtype (``{"h", "skip"}``)
-    can arrive swapped, silently. One byte vector per op leaves nothing to match up."""
-    data = _to_bytes(buffer)
+    can arrive swapped, silently. One vector per op leaves nothing to match up.
+
+    The vector is the leaves themselves where they share a dtype (a single leaf is sent as
+    it is), and their bytes otherwise: XLA CPU turns bytes back into wider types with
+    shifts, a pass over the buffer per op and tick."""
+    leaves = jax.tree.leaves(buffer)
+    if len({a.dtype for a in leaves}) == 1 and leaves[0].dtype != jnp.bool_:
+        data = jnp.concatenate([a.reshape(-1) for a in leaves])
+        unpack = _split
+    else:
+        data, unpack = _to_bytes(buffer), _from_bytes
     token = psend(data, axis, pairs)
-    got = precv(token, jax.ShapeDtypeStruct(data.shape, data.dtype), axis, pairs)
-    return _from_bytes(got, buffer)
+    return unpack(precv(token, jax.ShapeDtypeStruct(data.shape, data.dtype), axis, pairs),
+                  buffer)
+
+
+def _split(data: jax.Array, like: PyTree) -> PyTree:
+    """The inverse of concatenating ``like``'s raveled leaves (all of one dtype)."""
+    leaves, start = [], 0
+    for a in jax.tree.leaves(like):
+        size = int(np.prod(a.shape, dtype=np.int64))
+        leaves.append(data[start:start + size].reshape(a.shape))
+        start += size
+    return jax.tree.unflatten(jax.tree.structure(like), leaves)
 
 
 def _accumulator_dtype(dtype: Any) -> Any:
@@ -258,47 +277,76 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
     def pick(tree: PyTree, i: Any) -> PyTree:
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
 
-    def put(tree: PyTree, i: Any, value: PyTree, where: Any) -> PyTree:
-        def one(a, v):
-            old = jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
-            return jax.lax.dynamic_update_index_in_dim(a, jnp.where(where, v, old), i, 0)
-        return jax.tree.map(one, tree, value)
+    def put(tree: PyTree, i: Any, value: PyTree) -> PyTree:
+        return jax.tree.map(
+            lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, i, 0), tree, value)
 
     acc_dtypes = jax.tree.map(lambda a: _accumulator_dtype(a.dtype), chunk_params)
-    zero_grads = lambda p: jax.tree.map(  # noqa: E731
-        lambda a, d: jnp.zeros(a.shape, d), p, acc_dtypes)
     cast = lambda tree: jax.tree.map(lambda a, d: a.astype(d), tree, acc_dtypes)  # noqa: E731
-    zero_loss = jnp.zeros((), jnp.float32)
     no_buffer = lambda: zeros(buffer_shape)  # noqa: E731
-    no_output = lambda: zeros(y_shape) if return_outputs else None  # noqa: E731
 
-    # The branches of the tick's lax.switch: (p, x, g, target, chunk) -> (buffer, dparams,
-    # loss, y).
-    def idle(p, x, g, tgt, c):
-        return no_buffer(), zero_grads(p), zero_loss, no_output()
+    def params_of(v: Any) -> PyTree:
+        # One chunk per stage: its parameters are the block itself, no dynamic slice (which
+        # XLA would copy every tick).
+        if V == 1:
+            return jax.tree.map(lambda a: a.reshape(a.shape[1:]), chunk_params)
+        return pick(chunk_params, v)
 
-    def forward(p, x, g, tgt, c):
-        return apply(p, x, c), zero_grads(p), zero_loss, no_output()
+    def add_grads(grads: PyTree, v: Any, dp: PyTree) -> PyTree:
+        dp = cast(dp)
+        if V == 1:
+            return jax.tree.map(lambda a, d: a + d.reshape(a.shape), grads, dp)
+        return jax.tree.map(
+            lambda a, d: jax.lax.dynamic_update_index_in_dim(
+                a, jax.lax.dynamic_index_in_dim(a, v, keepdims=False) + d, v, 0), grads, dp)
 
-    def forward_last(p, x, g, tgt, c):
+    # The branches of the tick's lax.switch: (stash, state, cell) -> (buffer, state),
+    # state being (grads, loss, outs). Each branch reads only what its action needs and
+    # updates the accumulators itself, so idle and forward ticks add no zero gradient: they
+    # return the accumulators as they got them (XLA still copies a buffer a branch passes
+    # through, but computes nothing).
+    def inputs(stash, cell):
+        m, v, first, x_slot = cell[1], cell[2], cell[3], cell[4]
+        x_in = pick(xs, m)
+        x = x_in if C == 1 else jax.tree.map(
+            lambda a, b: jnp.where(first == 1, a, b), x_in, pick(stash, x_slot))
+        return params_of(v), x, v * P + s
+
+    def idle(stash, state, cell):
+        return no_buffer(), state
+
+    def forward(stash, state, cell):
+        p, x, c = inputs(stash, cell)
+        return apply(p, x, c), state
+
+    def forward_last(stash, state, cell):
+        grads, loss, outs = state
+        p, x, c = inputs(stash, cell)
         y = apply(p, x, c)
-        loss, dy = jax.value_and_grad(lambda y: loss_fn(y, tgt))(y)
-        return dy, zero_grads(p), loss.astype(jnp.float32), (y if return_outputs else None)
+        step_loss, dy = jax.value_and_grad(lambda y: loss_fn(y, pick(ys, cell[1])))(y)
+        if return_outputs:
+            outs = put(outs, cell[1], y)
+        return dy, (grads, loss + step_loss.astype(jnp.float32), outs)
 
-    def backward(p, x, g, tgt, c):
+    def backward(stash, state, cell):
+        grads, loss, outs = state
+        p, x, c = inputs(stash, cell)
         _, vjp = jax.vjp(lambda p, x: apply(p, x, c), p, x)
-        dp, dx = vjp(g)
-        return dx, cast(dp), zero_loss, no_output()
+        dp, dx = vjp(pick(stash, cell[5]))
+        return dx, (add_grads(grads, cell[2], dp), loss, outs)
 
-    def weight(p, x, g, tgt, c):
+    def weight(stash, state, cell):
+        grads, loss, outs = state
+        p, x, c = inputs(stash, cell)
         _, vjp = jax.vjp(lambda p: apply(p, x, c), p)
-        (dp,) = vjp(g)
-        return no_buffer(), cast(dp), zero_loss, no_output()
+        (dp,) = vjp(pick(stash, cell[5]))
+        return no_buffer(), (add_grads(grads, cell[2], dp), loss, outs)
 
-    def backward_input(p, x, g, tgt, c):
+    def backward_input(stash, state, cell):
+        p, x, c = inputs(stash, cell)
         _, vjp = jax.vjp(lambda x: apply(p, x, c), x)
-        (dx,) = vjp(g)
-        return dx, zero_grads(p), zero_loss, no_output()
+        (dx,) = vjp(pick(stash, cell[5]))
+        return dx, state
 
     branches = [None] * plan_mod.BRANCHES
     branches[plan_mod.IDLE] = idle
@@ -317,47 +365,42 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
     # Every branch must return the same types (vma included): mark them varying alike.
     live = [lambda *a, f=branches[b]: _vary(f(*a), varying) for b in used]
 
-    def tick(carry, tables):
-        acts, cots, grads, loss, outs = carry
-        row, received_at = tables
+    # One stash holds the chunk inputs (slots 0 .. A - 1), the cotangents (A ..) and a
+    # scratch slot (the last) for what goes nowhere, never read: each buffer of a tick is
+    # stored with one unconditional write. Where each goes is appended to the action table
+    # (one row per tick and stage, read once per tick): after the branch columns, the
+    # cotangent's stash index, then where the buffer kept on the stage and what each op
+    # brings are stored.
+    A = plan.activation_slots if C > 1 else 0
+    scratch = A + plan.cotangent_slots
+
+    def index(kind: np.ndarray, slot: np.ndarray) -> np.ndarray:
+        return np.where(kind == plan_mod.ACTIVATION, slot,
+                        np.where(kind == plan_mod.COTANGENT, A + slot, scratch))
+
+    table = np.concatenate(
+        [actions[..., :5], A + actions[..., 5:6],
+         index(actions[..., 6], actions[..., 7])[..., None],
+         index(plan.receives[..., 0], plan.receives[..., 1])], -1)
+
+    def tick(carry, row):
+        stash, state = carry
         cell = jax.lax.dynamic_index_in_dim(row, s, keepdims=False)
-        branch, m, v, first, x_slot, g_slot, local_kind, local_slot = (
-            cell[i] for i in range(len(plan_mod.COLUMNS)))
-        x_in = pick(xs, m)
-        x = x_in if acts is None else jax.tree.map(
-            lambda a, b: jnp.where(first == 1, a, b), x_in, pick(acts, x_slot))
-        g = pick(cots, g_slot)
-        p = pick(chunk_params, v)
-        buffer, dp, step_loss, y = jax.lax.switch(branch, live, p, x, g, pick(ys, m),
-                                                  v * P + s)
-        grads = jax.tree.map(
-            lambda a, d: jax.lax.dynamic_update_index_in_dim(
-                a, jax.lax.dynamic_index_in_dim(a, v, keepdims=False) + d, v, 0), grads, dp)
-        loss = loss + step_loss
-        if return_outputs:
-            outs = put(outs, m, y, branch == index_of[plan_mod.FORWARD_LAST])
+        buffer, state = jax.lax.switch(cell[0], live, stash, state, cell)
         # Kept on this stage: the loss cotangent, or (P = 1) the next chunk's input.
-        if acts is not None:
-            acts = put(acts, local_slot, buffer, local_kind == plan_mod.ACTIVATION)
-        cots = put(cots, local_slot, buffer, local_kind == plan_mod.COTANGENT)
+        stash = put(stash, cell[6], buffer)
         # The tick's messages: every op, in the same order on every device (see .plan).
-        recv_cell = jax.lax.dynamic_index_in_dim(received_at, s, keepdims=False)
         for k, pairs in enumerate(plan.ops):
             got = _vary(_exchange(buffer, axis, pairs), varying)
-            kind, slot = recv_cell[k, 0], recv_cell[k, 1]
-            if acts is not None:
-                acts = put(acts, slot, got, kind == plan_mod.ACTIVATION)
-            cots = put(cots, slot, got, kind == plan_mod.COTANGENT)
-        return (acts, cots, grads, loss, outs), None
+            stash = put(stash, cell[7 + k], got)
+        return (stash, state), None
 
-    acts = zeros(x0, (plan.activation_slots,)) if C > 1 else None
-    cots = zeros(buffer_shape, (plan.cotangent_slots,))
+    stash = zeros(buffer_shape, (scratch + 1,))
     grads = _vary(jax.tree.map(lambda a, d: jnp.zeros(a.shape, d), chunk_params, acc_dtypes),
                   varying)
     outs = zeros(y_shape, (M,)) if return_outputs else None
-    carry = (acts, cots, grads, _vary(zero_loss, varying), outs)
-    tables = (jnp.asarray(actions), jnp.asarray(plan.receives))
-    (acts, cots, grads, loss, outs), _ = jax.lax.scan(tick, carry, tables)
+    carry = (stash, (grads, _vary(jnp.zeros((), jnp.float32), varying), outs))
+    (_, (grads, loss, outs)), _ = jax.lax.scan(tick, carry, jnp.asarray(table, np.int32))
 
     # The loss lives on the last stage: share it (after the scan, so after every message).
     loss = jax.lax.psum(jnp.where(s == (C - 1) % P, loss, 0.0), axis) / M
