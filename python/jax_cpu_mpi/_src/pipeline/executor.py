@@ -391,12 +391,15 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
     kinds = list(dict.fromkeys(plan.messages))
     message_kind = np.asarray([kinds.index(m) for m in plan.messages], np.int32)
 
+    # Each set's branch returns what every op brings (zeros for the ops it does not run),
+    # not the stash: a conditional's output cannot alias its operand, so passing the stash
+    # through would copy all of it every tick.
     def exchange(ops):
-        def run(stash, buffer, cell):
+        def run(buffer):
+            got = [no_buffer() for _ in plan.ops]
             for k, pairs in ops:
-                got = _vary(_exchange(buffer, axis, pairs), varying)
-                stash = put(stash, cell[7 + k], got)
-            return stash
+                got[k] = _vary(_exchange(buffer, axis, pairs), varying)
+            return got
         return run
 
     def tick(carry, xs):
@@ -407,8 +410,11 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
         # Kept on this stage: the loss cotangent, or (P = 1) the next chunk's input.
         stash = put(stash, cell[6], buffer)
         # In the same order on every device (see .plan); each precv's result goes into the
-        # stash, which the next tick's action reads, so the ticks' messages stay in order.
-        stash = jax.lax.switch(kind, [exchange(ops) for ops in kinds], stash, buffer, cell)
+        # stash (the scratch slot where nothing arrives), which the next tick's action reads,
+        # so the ticks' messages stay in order.
+        got = jax.lax.switch(kind, [exchange(ops) for ops in kinds], buffer)
+        for k, value in enumerate(got):
+            stash = put(stash, cell[7 + k], value)
         return (stash, state), None
 
     stash = zeros(buffer_shape, (scratch + 1,))
