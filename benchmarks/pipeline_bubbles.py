@@ -11,25 +11,24 @@ compilation step each of ``--steps`` steps is recorded into a directory of its o
   (``Timeline.bubble_fraction()``, the mean over devices): the measured bubble;
 * ``not computing``: the share spent inside psend/precv at all (waits plus copies).
 
-Every message op runs every tick, so each channel carries one message per tick and a
-message's number on its channel (``seq``) is its tick. That cuts each device's timeline into
-ticks: the time between the last message of tick ``t - 1`` and the first of tick ``t`` is
-the device's action of tick ``t`` (from the plan: idle, F, the last chunk's F with the loss,
-B, ...). Their medians, per stage and action, are the measured action costs.
+A tick runs only the messages it has (the plan's ``messages``), so a channel's n-th message
+(``seq``, counted from the step's first) is the plan's n-th message on that channel, which
+gives its tick. That cuts each device's timeline at the ticks where it sends or receives:
+the time between its messages of tick ``t0`` and those of the next such tick ``t1`` is the
+sum of its actions of ticks ``t0 + 1 .. t1`` (from the plan: idle, F, the last chunk's F
+with the loss, B, ...). Solving these sums by least squares, per stage, gives the measured
+cost of each action.
 
 Three figures to compare ``wait`` with:
 
 * ``theory``: ``Schedule.bubble_fraction``, idle cells of the table (every action one tick,
   an idle tick free);
-* ``unit sim``: the executor's tick loop simulated (each device computes its action, then
-  runs the tick's ops in program order; a precv waits for its psend) with every action
-  costing 1 and idle 0, messages free;
-* ``weighted sim``: the same simulation with the measured action costs (the median per
-  stage and action) and the measured time of each psend/precv outside its wait: the theory
-  of this schedule on this machine;
-* ``replay sim``: the same with each tick's own measured duration (a check of the model:
-  where it matches ``wait`` and ``weighted sim`` does not, the difference is the ticks'
-  spread around their median, e.g. the load of other jobs).
+* ``unit sim``: the executor simulated (each device computes its tick's action, then runs
+  the tick's message ops in program order; a precv waits for its psend, a device with no
+  message in a tick goes on to the next) with every action costing 1 and idle 0, messages
+  free;
+* ``weighted sim``: the same simulation with the measured action costs and the measured time
+  of each psend/precv outside its wait: the theory of this schedule on this machine.
 
 ``psend`` in the printed line is the part of ``wait`` spent in psend (the model counts none).
 
@@ -43,6 +42,7 @@ Figures only, no assertion. ``--pictures DIR`` also draws one step of each sched
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -51,6 +51,8 @@ import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
+
+import numpy as np
 
 
 def parse_args() -> argparse.Namespace:
@@ -93,59 +95,108 @@ ACTION = {plan_mod.IDLE: "idle", plan_mod.FORWARD: "F", plan_mod.FORWARD_LAST: "
           plan_mod.BACKWARD_INPUT: "B(dx)", plan_mod.WEIGHT: "W"}
 
 
-def ticks_of(timeline) -> dict[int, dict[int, list]]:
-    """Per stage and tick, that device's messages (a channel's n-th message is tick n).
+def ticks_of(timeline, plan) -> dict[int, dict[int, list]]:
+    """Per stage and tick, that device's messages (a channel's n-th message in the step is
+    the plan's n-th on that channel).
 
     The timeline numbers devices process by process, as ``example.stage_mesh`` orders the
     stages (JAX's own device ids are not contiguous across processes)."""
     stage_of = {d: s for s, d in enumerate(timeline.devices)}
+    channel_ticks: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for t, ops in enumerate(plan.messages):
+        for _, pairs in ops:
+            for pair in pairs:
+                channel_ticks[pair].append(t)
+
+    def channel(m) -> tuple[int, int]:
+        a, b = stage_of[m.device], stage_of[m.peer]
+        return (a, b) if m.op == "psend" else (b, a)
+
     first_seq: dict[tuple, int] = {}
     for m in timeline.messages:
         key = (m.op, m.device, m.peer)
         first_seq[key] = min(first_seq.get(key, m.seq), m.seq)
     out: dict[int, dict[int, list]] = defaultdict(lambda: defaultdict(list))
     for m in timeline.messages:
-        out[stage_of[m.device]][m.seq - first_seq[(m.op, m.device, m.peer)]].append(m)
+        n = m.seq - first_seq[(m.op, m.device, m.peer)]
+        out[stage_of[m.device]][channel_ticks[channel(m)][n]].append(m)
     return out
 
 
-def action_costs(by_tick, plan) -> tuple[dict, dict, dict]:
-    """Measured durations (us) of each (stage, branch), and of each stage's psend and precv
-    outside their waits: lists over the step's ticks; and each (stage, tick)'s action."""
-    costs: dict[tuple[int, int], list[float]] = defaultdict(list)
+def action_costs(by_tick, plan) -> tuple[dict, dict]:
+    """Measured cost (us) of each (stage, branch), by least squares over the gaps between a
+    device's message ticks (each gap the sum of the actions in between); and the durations
+    of each stage's psend and precv outside their waits."""
+    costs: dict[tuple[int, int], float] = {}
     ops: dict[tuple[int, str], list[float]] = defaultdict(list)
-    cells: dict[tuple[int, int], float] = {}
     for s, ticks in by_tick.items():
-        for t in sorted(ticks):
+        order = sorted(ticks)
+        for t in order:
             for m in ticks[t]:
                 ops[(s, m.op)].append(m.dur_us - m.wait_us)
-            if t == 0 or t - 1 not in ticks:
-                continue  # the action of tick 0 starts before the timeline does
-            gap = min(m.start_us for m in ticks[t]) - max(m.end_us for m in ticks[t - 1])
-            costs[(s, int(plan.actions[t, s, 0]))].append(gap)
-            cells[(s, t)] = gap
-    return costs, ops, cells
+        branches = sorted({int(b) for b in plan.actions[:, s, 0]})
+        rows, gaps = [], []
+        for t0, t1 in itertools.pairwise(order):
+            row = np.zeros(len(branches))
+            for t in range(t0 + 1, t1 + 1):
+                row[branches.index(int(plan.actions[t, s, 0]))] += 1
+            rows.append(row)
+            gaps.append(min(m.start_us for m in ticks[t1]) - max(m.end_us for m in ticks[t0]))
+        if not rows:
+            continue
+        solved = np.linalg.lstsq(np.array(rows), np.array(gaps), rcond=None)[0]
+        for b, v in zip(branches, solved, strict=True):
+            if np.array(rows)[:, branches.index(b)].any():
+                costs[(s, b)] = max(0.0, float(v))
+    return costs, ops
+
+
+def measured_idle(by_tick, plan, cost) -> float:
+    """The step's bubble as the table counts it: the mean over devices of the share of the
+    step not spent computing an action. A device's actions before its first message and
+    after its last lie outside the timeline; their measured costs place the step's start
+    and end, and its computing between its first and last message is the time outside
+    psend/precv."""
+    T = plan.ticks
+    start, end, compute = [], [], []
+    for s, ticks in by_tick.items():
+        first, last = min(ticks), max(ticks)
+        a = min(m.start_us for m in ticks[first])
+        b = max(m.end_us for m in ticks[last])
+        in_ops = sum(m.dur_us for t in ticks for m in ticks[t])
+        before = sum(cost(s, t) for t in range(first + 1))
+        after = sum(cost(s, t) for t in range(last + 1, T))
+        start.append(a - before)
+        end.append(b + after)
+        compute.append(before + (b - a - in_ops) + after)
+    span = max(end) - min(start)
+    return sum(1 - c / span for c in compute) / len(compute)
 
 
 def simulate(plan, cost, send_us, recv_us) -> float:
-    """Wait share (mean over stages of the time blocked in precv / the span) of the
-    executor's tick loop with ``cost(s, t)`` per action and fixed op times."""
+    """(wait, idle) of the executor with ``cost(s, t)`` per action and fixed op times: the
+    mean over stages of the time blocked in precv, and of the time not computing an action,
+    over the span. Each tick's message ops, in program order, couple only the devices they
+    name."""
     S = plan.schedule.stages
     now, wait = [0.0] * S, [0.0] * S
     for t in range(plan.ticks):
         for s in range(S):
             now[s] += cost(s, t)
-        for op in plan.ops:
+        for _, pairs in plan.messages[t]:
             ready = {}
-            for a, b in op:  # each device's psend of an op runs before its precv
+            for a, b in pairs:  # each device's psend of an op runs before its precv
                 now[a] += send_us(a)
                 ready[(a, b)] = now[a]
-            for a, b in op:
+            for a, b in pairs:
                 late = max(0.0, ready[(a, b)] - now[b])
                 wait[b] += late
                 now[b] += late + recv_us(b)
     span = max(now)
-    return sum(wait) / (S * span) if span > 0 else 0.0
+    if span <= 0:
+        return 0.0, 0.0
+    busy = sum(cost(s, t) for s in range(S) for t in range(plan.ticks))
+    return sum(wait) / (S * span), 1 - busy / (S * span)
 
 
 def measure(name: str, root: Path) -> dict[str, object] | None:
@@ -165,7 +216,7 @@ def measure(name: str, root: Path) -> dict[str, object] | None:
     params, loss = step(params, xs, ys)  # compilation
     jax.block_until_ready((params, loss))
     waits, outside, spans, units, weighted = [], [], [], [], []
-    replays, psend_waits = [], []
+    psend_waits, idles = [], []
     step_costs: list[dict] = []
     for i in range(ARGS.steps):
         directory = root / f"{name}-{i}"
@@ -181,11 +232,11 @@ def measure(name: str, root: Path) -> dict[str, object] | None:
         waits.append(timeline.bubble_fraction())
         outside.append(statistics.mean(1 - s.busy_us / s.span_us for s in summary))
         spans.append(timeline.span_us / 1e3)
-        costs, ops, cells = action_costs(ticks_of(timeline), plan)
-        med = {k: statistics.median(v) for k, v in costs.items()}
+        by_tick = ticks_of(timeline, plan)
+        med, ops = action_costs(by_tick, plan)
         by_branch = defaultdict(list)
-        for (_, b), v in costs.items():
-            by_branch[b] += v
+        for (_, b), v in med.items():
+            by_branch[b].append(v)
         any_stage = {b: statistics.median(v) for b, v in by_branch.items()}
         op_med = {k: statistics.median(v) for k, v in ops.items()}
 
@@ -195,13 +246,12 @@ def measure(name: str, root: Path) -> dict[str, object] | None:
 
         send_us = lambda s, o=op_med: o.get((s, "psend"), 0.0)  # noqa: E731
         recv_us = lambda s, o=op_med: o.get((s, "precv"), 0.0)  # noqa: E731
-        weighted.append(simulate(plan, cost, send_us, recv_us))
-        replays.append(simulate(plan, lambda s, t, c=cells, f=cost: c.get((s, t), f(s, t)),
-                                send_us, recv_us))
+        weighted.append(simulate(plan, cost, send_us, recv_us)[1])
+        idles.append(measured_idle(by_tick, plan, cost))
         psend_waits.append(sum(m.wait_us for m in timeline.messages if m.op == "psend")
                            / (len(timeline.devices) * timeline.span_us))
         units.append(simulate(plan, lambda s, t: float(plan.actions[t, s, 0] != plan_mod.IDLE),
-                              lambda s: 0.0, lambda s: 0.0))
+                              lambda s: 0.0, lambda s: 0.0)[1])
         step_costs.append({f"{ACTION[b]}@{s}": round(v / 1e3, 3)
                            for (s, b), v in sorted(med.items())})
         if i == ARGS.steps - 1 and ARGS.pictures:
@@ -216,9 +266,10 @@ def measure(name: str, root: Path) -> dict[str, object] | None:
             kinds[k.split("@")[0]].append(v)
     return {"schedule": name, "ticks": schedule.ticks, "theory": schedule.bubble_fraction,
             "unit_sim": statistics.median(units), "weighted_sim": statistics.median(weighted),
-            "weighted_all": weighted, "replay_sim": statistics.median(replays),
+            "weighted_all": weighted,
             "psend_wait": statistics.median(psend_waits),
             "wait": statistics.median(waits), "wait_all": waits,
+            "idle": statistics.median(idles), "idle_all": idles,
             "not_computing": statistics.median(outside), "step_ms": statistics.median(spans),
             "action_ms": {k: statistics.median(v) for k, v in sorted(kinds.items())},
             "action_ms_by_stage": step_costs[-1]}
@@ -237,7 +288,8 @@ def main() -> int:
             continue
         rows.append(r)
         print(f"{name}: theory {r['theory']:.3f}  unit sim {r['unit_sim']:.3f}  weighted sim "
-              f"{r['weighted_sim']:.3f}  replay sim {r['replay_sim']:.3f}  wait {r['wait']:.3f} "
+              f"{r['weighted_sim']:.3f}  idle {r['idle']:.3f} "
+              f"{[round(w, 3) for w in r['idle_all']]}  wait {r['wait']:.3f} "
               f"(psend {r['psend_wait']:.3f}) "
               f"{[round(w, 3) for w in r['wait_all']]}  not computing "
               f"{r['not_computing']:.3f}  step {r['step_ms']:.1f} ms  actions (ms) "
@@ -249,15 +301,14 @@ def main() -> int:
     print(f"P={ARGS.stages}, M={ARGS.microbatches}, width {ARGS.width}, batch {ARGS.batch}, "
           f"{layout}, median of {ARGS.steps} steps, load average {os.getloadavg()[0]:.2f}")
     print()
-    print("| schedule | ticks | theory | unit sim | weighted sim | replay sim | measured wait | "
-          "wait / theory | wait / weighted | not computing | step ms | action ms |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("| schedule | ticks | theory | unit sim | weighted sim | measured idle | "
+          "idle / theory | idle / weighted | measured wait | step ms | action ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         acts = ", ".join(f"{k} {v:.2f}" for k, v in r["action_ms"].items())
         print(f"| {r['schedule']} | {r['ticks']} | {r['theory']:.3f} | {r['unit_sim']:.3f} | "
-              f"{r['weighted_sim']:.3f} | {r['replay_sim']:.3f} | {r['wait']:.3f} | "
-              f"{r['wait'] / r['theory']:.2f} | "
-              f"{r['wait'] / r['weighted_sim']:.2f} | {r['not_computing']:.3f} | "
+              f"{r['weighted_sim']:.3f} | {r['idle']:.3f} | {r['idle'] / r['theory']:.2f} | "
+              f"{r['idle'] / r['weighted_sim']:.2f} | {r['wait']:.3f} | "
               f"{r['step_ms']:.1f} | {acts} |")
     if ARGS.json:
         Path(ARGS.json).write_text(json.dumps({"args": vars(ARGS), "layout": layout,

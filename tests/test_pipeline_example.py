@@ -132,13 +132,14 @@ def test_mpirun_n2x2devices_matches_reference():
 
 @pytest.mark.timeout(180)
 def test_trace_records_every_message_of_the_steps_after_compilation(tmp_path):
-    """``--trace DIR`` records steps 2.. and ``trace DIR`` merges them: every tick runs every
-    message op on every device (jax_cpu_mpi.pipeline's executor), so each device has one
-    event per op it takes part in, per tick, per recorded step."""
+    """``--trace DIR`` records steps 2.. and ``trace DIR`` merges them: each device has one
+    event per message it sends or receives (a tick's ops carry only the pairs with a
+    message, jax_cpu_mpi.pipeline's plan), per recorded step."""
     import json
 
     import jax_cpu_mpi
     from jax_cpu_mpi import pipeline
+    from jax_cpu_mpi._src.pipeline.plan import make_plan
 
     steps, schedule = 3, "gpipe"
     env = dict(os.environ, JAX_CPU_MPI_RECV_TIMEOUT="60")
@@ -157,14 +158,14 @@ def test_trace_records_every_message_of_the_steps_after_compilation(tmp_path):
     assert merged.returncode == 0, merged.stdout + merged.stderr
     events = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
     ops = [e for e in events if e.get("ph") == "X" and e["name"] in ("psend", "precv")]
-    ticks = pipeline.schedule_by_name(schedule).bind(STAGES, MICROBATCHES).ticks
-    # Activations s -> s + 1 and cotangents s + 1 -> s: a psend on the source, a precv on
-    # the destination, every tick.
+    plan = make_plan(pipeline.schedule_by_name(schedule).bind(STAGES, MICROBATCHES))
+    # A psend on the source, a precv on the destination, for each message of the plan.
     want: dict[tuple[str, int], int] = {}
-    for src, dst in [(s, s + 1) for s in range(STAGES - 1)] + \
-                    [(s + 1, s) for s in range(STAGES - 1)]:
-        want[("psend", src)] = want.get(("psend", src), 0) + ticks * (steps - 1)
-        want[("precv", dst)] = want.get(("precv", dst), 0) + ticks * (steps - 1)
+    for tick in plan.messages:
+        for _, pairs in tick:
+            for src, dst in pairs:
+                want[("psend", src)] = want.get(("psend", src), 0) + steps - 1
+                want[("precv", dst)] = want.get(("precv", dst), 0) + steps - 1
     got: dict[tuple[str, int], int] = {}
     for e in ops:
         got[(e["name"], e["tid"])] = got.get((e["name"], e["tid"]), 0) + 1

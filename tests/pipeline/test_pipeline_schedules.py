@@ -8,6 +8,7 @@ import itertools
 import pytest
 
 from jax_cpu_mpi import pipeline as pl
+from jax_cpu_mpi._src.pipeline.plan import make_plan
 
 
 def all_schedules(P: int, M: int):
@@ -110,3 +111,34 @@ def test_size_errors():
     with pytest.raises(pl.ScheduleError, match="needs 'interleaved-1f1b'"):
         pl.schedule_by_name("1f1b", virtual_stages=2)
     assert pl.schedule_by_name("interleaved-1f1b", 3).virtual_stages == 3
+
+
+@pytest.mark.parametrize("P,M", [(2, 3), (3, 4), (4, 5), (4, 8)])
+def test_a_tick_sends_only_its_messages(P, M):
+    """Each tick's ops carry exactly the pairs whose source stage sends its action's output
+    to another stage in that tick: a stage never waits for a neighbour it gets nothing
+    from (the executor once ran every op with every pair, every tick)."""
+    for schedule in all_schedules(P, M):
+        plan = make_plan(schedule)
+        C = P * schedule.virtual_stages
+        for t, row in enumerate(schedule.table):
+            want = set()
+            for s, a in enumerate(row):
+                c = None if a is None else a.virtual_stage * P + s
+                if a is not None and a.kind == "F" and c < C - 1:
+                    want.add((s, (c + 1) % P))
+                elif a is not None and a.kind == "B" and c > 0:
+                    want.add((s, (c - 1) % P))
+            got = [pair for k, pairs in plan.messages[t] for pair in pairs
+                   if pair in plan.ops[k]]
+            assert len(got) == sum(len(pairs) for _, pairs in plan.messages[t])
+            assert set(got) == {(a, b) for a, b in want if a != b}, (schedule, t)
+            assert len(set(got)) == len(got)
+
+
+def test_one_f_one_b_messages_by_tick():
+    """P = 2, M = 3 (the table in docs/pipelines.md): op 0 is stage 0 -> 1, op 1 is 1 -> 0;
+    the last stage's F keeps its loss cotangent and stage 0's B sends nothing."""
+    plan = make_plan(pl.OneFOneB(stages=2, microbatches=3))
+    down, up = (0, ((0, 1),)), (1, ((1, 0),))
+    assert plan.messages == ((down,), (down,), (up,), (), (down, up), (), (up,), ())

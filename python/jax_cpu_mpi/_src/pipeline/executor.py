@@ -2,9 +2,10 @@
 
 Each tick, every stage reads its action from the plan (:mod:`.plan`) by its index on the
 stage axis, computes it in a ``lax.switch`` (a forward, a backward recomputing the forward
-under ``jax.vjp``, or idling), then all stages exchange the tick's buffers with
-``jax_cpu_mpi.psend``/``precv`` and store what they receive in their stash slots. Only the
-stage inputs (and cotangents) are stashed: the backward recomputes the stage's forward.
+under ``jax.vjp``, or idling), then the stages that have a message in this tick send it with
+``jax_cpu_mpi.psend``/``precv`` (a second ``lax.switch``, over the plan's distinct sets of a
+tick's messages) and store what they receive in their stash slots. Only the stage inputs
+(and cotangents) are stashed: the backward recomputes the stage's forward.
 """
 
 from __future__ import annotations
@@ -383,16 +384,37 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
          index(actions[..., 6], actions[..., 7])[..., None],
          index(plan.receives[..., 0], plan.receives[..., 1])], -1)
 
-    def tick(carry, row):
+    # The tick's messages are one of the few distinct sets the plan's ticks have
+    # (plan.messages): the same on every device in a tick, picked by a second lax.switch.
+    # Each set's ops carry only the pairs with a message, so a stage waits only for what it
+    # receives, not for its neighbours' ticks; a tick without messages runs no op.
+    kinds = list(dict.fromkeys(plan.messages))
+    message_kind = np.asarray([kinds.index(m) for m in plan.messages], np.int32)
+
+    # Each set's branch returns what every op brings (zeros for the ops it does not run),
+    # not the stash: a conditional's output cannot alias its operand, so passing the stash
+    # through would copy all of it every tick.
+    def exchange(ops):
+        def run(buffer):
+            got = [no_buffer() for _ in plan.ops]
+            for k, pairs in ops:
+                got[k] = _vary(_exchange(buffer, axis, pairs), varying)
+            return got
+        return run
+
+    def tick(carry, xs):
         stash, state = carry
+        row, kind = xs
         cell = jax.lax.dynamic_index_in_dim(row, s, keepdims=False)
         buffer, state = jax.lax.switch(cell[0], live, stash, state, cell)
         # Kept on this stage: the loss cotangent, or (P = 1) the next chunk's input.
         stash = put(stash, cell[6], buffer)
-        # The tick's messages: every op, in the same order on every device (see .plan).
-        for k, pairs in enumerate(plan.ops):
-            got = _vary(_exchange(buffer, axis, pairs), varying)
-            stash = put(stash, cell[7 + k], got)
+        # In the same order on every device (see .plan); each precv's result goes into the
+        # stash (the scratch slot where nothing arrives), which the next tick's action reads,
+        # so the ticks' messages stay in order.
+        got = jax.lax.switch(kind, [exchange(ops) for ops in kinds], buffer)
+        for k, value in enumerate(got):
+            stash = put(stash, cell[7 + k], value)
         return (stash, state), None
 
     stash = zeros(buffer_shape, (scratch + 1,))
@@ -400,7 +422,8 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
                   varying)
     outs = zeros(y_shape, (M,)) if return_outputs else None
     carry = (stash, (grads, _vary(jnp.zeros((), jnp.float32), varying), outs))
-    (_, (grads, loss, outs)), _ = jax.lax.scan(tick, carry, jnp.asarray(table, np.int32))
+    (_, (grads, loss, outs)), _ = jax.lax.scan(
+        tick, carry, (jnp.asarray(table, np.int32), jnp.asarray(message_kind)))
 
     # The loss lives on the last stage: share it (after the scan, so after every message).
     loss = jax.lax.psum(jnp.where(s == (C - 1) % P, loss, 0.0), axis) / M

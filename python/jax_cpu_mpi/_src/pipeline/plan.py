@@ -10,7 +10,9 @@ stash holds the schedule's live values, not all ``M`` microbatches.
 
 Messages: one op per direction between neighbours, ``s -> s + 1`` and ``s + 1 -> s``, and for
 interleaved schedules with ``P > 2`` the wrap-around ``P - 1 -> 0`` and ``0 -> P - 1`` (one op
-each, so no op's pairs form a cycle, which XLA GPU rejects). Every op runs every tick, each
+each, so no op's pairs form a cycle, which XLA GPU rejects). A tick runs an op only with the
+pairs that carry a message in that tick (``Plan.messages``), and none where none does: a
+stage then waits only for a message it receives, never for a neighbour's tick as such. Each
 device pair carries at most one message per tick, and every device runs the ops in the same
 program order: messages match in order and no receive waits on a send that comes later.
 """
@@ -64,6 +66,9 @@ class Plan:
     ops: tuple[tuple[tuple[int, int], ...], ...]
     #: ``[ticks, P, len(ops), 2]``: per receiving stage and op, (kind, slot) of what arrives.
     receives: np.ndarray
+    #: Per tick, the ops it runs: ``(k, pairs)``, ``pairs`` those of ``ops[k]`` that carry a
+    #: message in that tick; ops with none are left out.
+    messages: tuple[tuple[tuple[int, tuple[tuple[int, int], ...]], ...], ...]
     activation_slots: int
     cotangent_slots: int
 
@@ -158,7 +163,11 @@ def make_plan(schedule: Schedule) -> Plan:
                 cell[6:8] = (kind, slot)
             else:
                 receives[t, dest, op_of_pair[(s, dest)]] = (kind, slot)
-    return Plan(schedule, actions, ops, receives,
+    messages = tuple(
+        tuple((k, sent) for k, pairs in enumerate(ops)
+              if (sent := tuple((a, b) for a, b in pairs if receives[t, b, k, 0] != NOWHERE)))
+        for t in range(T))
+    return Plan(schedule, actions, ops, receives, messages,
                 max(1, *(len(a.free_from) for a in act_alloc)),
                 max(1, *(len(a.free_from) for a in cot_alloc)))
 
