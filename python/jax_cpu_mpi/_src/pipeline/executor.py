@@ -241,6 +241,16 @@ def _split(data: jax.Array, like: PyTree) -> PyTree:
     return jax.tree.unflatten(jax.tree.structure(like), leaves)
 
 
+# Columns of the tick table that ``_run`` builds from the plan: the plan's own action
+# columns up to the cotangent's slot (made a stash index), then the stash index of the
+# buffer kept on the stage, then one per op: where what it brings goes.
+(_BRANCH, _MICROBATCH, _VIRTUAL, _FIRST, _X_SLOT, _G_SLOT) = (
+    plan_mod.COLUMNS.index(name)
+    for name in ("branch", "microbatch", "virtual", "first", "x_slot", "g_slot"))
+_KEPT_AT = _G_SLOT + 1
+_RECEIVED_AT = _KEPT_AT + 1
+
+
 def _accumulator_dtype(dtype: Any) -> Any:
     return jnp.promote_types(dtype, jnp.float32) if jnp.issubdtype(dtype, jnp.inexact) \
         else dtype
@@ -307,7 +317,7 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
     # return the accumulators as they got them (XLA still copies a buffer a branch passes
     # through, but computes nothing).
     def inputs(stash, cell):
-        m, v, first, x_slot = cell[1], cell[2], cell[3], cell[4]
+        m, v, first, x_slot = cell[_MICROBATCH], cell[_VIRTUAL], cell[_FIRST], cell[_X_SLOT]
         x_in = pick(xs, m)
         x = x_in if C == 1 else jax.tree.map(
             lambda a, b: jnp.where(first == 1, a, b), x_in, pick(stash, x_slot))
@@ -324,29 +334,29 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
         grads, loss, outs = state
         p, x, c = inputs(stash, cell)
         y = apply(p, x, c)
-        step_loss, dy = jax.value_and_grad(lambda y: loss_fn(y, pick(ys, cell[1])))(y)
+        step_loss, dy = jax.value_and_grad(lambda y: loss_fn(y, pick(ys, cell[_MICROBATCH])))(y)
         if return_outputs:
-            outs = put(outs, cell[1], y)
+            outs = put(outs, cell[_MICROBATCH], y)
         return dy, (grads, loss + step_loss.astype(jnp.float32), outs)
 
     def backward(stash, state, cell):
         grads, loss, outs = state
         p, x, c = inputs(stash, cell)
         _, vjp = jax.vjp(lambda p, x: apply(p, x, c), p, x)
-        dp, dx = vjp(pick(stash, cell[5]))
-        return dx, (add_grads(grads, cell[2], dp), loss, outs)
+        dp, dx = vjp(pick(stash, cell[_G_SLOT]))
+        return dx, (add_grads(grads, cell[_VIRTUAL], dp), loss, outs)
 
     def weight(stash, state, cell):
         grads, loss, outs = state
         p, x, c = inputs(stash, cell)
         _, vjp = jax.vjp(lambda p: apply(p, x, c), p)
-        (dp,) = vjp(pick(stash, cell[5]))
-        return no_buffer(), (add_grads(grads, cell[2], dp), loss, outs)
+        (dp,) = vjp(pick(stash, cell[_G_SLOT]))
+        return no_buffer(), (add_grads(grads, cell[_VIRTUAL], dp), loss, outs)
 
     def backward_input(stash, state, cell):
         p, x, c = inputs(stash, cell)
         _, vjp = jax.vjp(lambda x: apply(p, x, c), x)
-        (dx,) = vjp(pick(stash, cell[5]))
+        (dx,) = vjp(pick(stash, cell[_G_SLOT]))
         return dx, state
 
     branches = [None] * plan_mod.BRANCHES
@@ -379,9 +389,10 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
         return np.where(kind == plan_mod.ACTIVATION, slot,
                         np.where(kind == plan_mod.COTANGENT, A + slot, scratch))
 
+    kept_kind, kept_slot = (plan_mod.COLUMNS.index(c) for c in ("local_kind", "local_slot"))
     table = np.concatenate(
-        [actions[..., :5], A + actions[..., 5:6],
-         index(actions[..., 6], actions[..., 7])[..., None],
+        [actions[..., :_G_SLOT], A + actions[..., _G_SLOT:_G_SLOT + 1],
+         index(actions[..., kept_kind], actions[..., kept_slot])[..., None],
          index(plan.receives[..., 0], plan.receives[..., 1])], -1)
 
     # The tick's messages are one of the few distinct sets the plan's ticks have
@@ -406,15 +417,15 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
         stash, state = carry
         row, kind = xs
         cell = jax.lax.dynamic_index_in_dim(row, s, keepdims=False)
-        buffer, state = jax.lax.switch(cell[0], live, stash, state, cell)
+        buffer, state = jax.lax.switch(cell[_BRANCH], live, stash, state, cell)
         # Kept on this stage: the loss cotangent, or (P = 1) the next chunk's input.
-        stash = put(stash, cell[6], buffer)
+        stash = put(stash, cell[_KEPT_AT], buffer)
         # In the same order on every device (see .plan); each precv's result goes into the
         # stash (the scratch slot where nothing arrives), which the next tick's action reads,
         # so the ticks' messages stay in order.
         got = jax.lax.switch(kind, [exchange(ops) for ops in kinds], buffer)
         for k, value in enumerate(got):
-            stash = put(stash, cell[7 + k], value)
+            stash = put(stash, cell[_RECEIVED_AT + k], value)
         return (stash, state), None
 
     stash = zeros(buffer_shape, (scratch + 1,))
