@@ -119,7 +119,6 @@ class Build:
                                    time.time() - started)
         return self._result
 
-
     def built(self, what: str, *, skip_codes: tuple[int, ...], timeout: float) -> Path:
         """For a fixture: the build's folder once it succeeded. A status in ``skip_codes``
         (the build could not get what it needs) skips the test with the build's last line;
@@ -210,14 +209,6 @@ def start(name: str, command: Callable[[Path], list[str]], env: dict[str, str],
             build.launch(command(workdir), env, nice)
         _builds[name] = build
     return _builds[name]
-
-
-def get(name: str) -> Build | None:
-    """The build ``name`` if some process of this run started it."""
-    if name in _builds:
-        return _builds[name]
-    workdir = _builds_dir() / name
-    return _builds.setdefault(name, Build(name, workdir)) if workdir.exists() else None
 
 
 def stop_all() -> None:
