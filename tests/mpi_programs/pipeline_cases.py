@@ -40,6 +40,7 @@ class Case:
     data: int = 1
     dtype: str = "float32"
     samples: int = MICROBATCH  # per microbatch and data shard
+    input_grads: bool = False  # also the gradient with respect to the microbatches
 
     def schedule(self) -> pl.Schedule:
         kind, _, v = self.name.partition(":")
@@ -80,16 +81,17 @@ def _reference_fn(P: int, V: int):
         losses, outs = jax.vmap(one)(xs, ys)
         return jnp.mean(losses), outs
 
-    return jax.jit(jax.value_and_grad(total, has_aux=True))
+    return jax.jit(jax.value_and_grad(total, argnums=(0, 1), has_aux=True))
 
 
 def reference(params, xs, ys, P: int, V: int):
-    """(loss, grads, outputs) on one device, in float32."""
+    """(loss, grads, outputs, input grads) on one device, in float32."""
     up = lambda t: jax.tree.map(lambda a: np.asarray(a, np.float32), t)  # noqa: E731
     device = jax.local_devices()[0]
     args = jax.device_put((up(params), up(xs), up(ys)), device)
-    (value, outs), grads = _reference_fn(P, V)(*args)
-    return float(value), jax.tree.map(np.asarray, grads), jax.tree.map(np.asarray, outs)
+    (value, outs), (grads, input_grads) = _reference_fn(P, V)(*args)
+    return (float(value), jax.tree.map(np.asarray, grads), jax.tree.map(np.asarray, outs),
+            jax.tree.map(np.asarray, input_grads))
 
 
 def put(mesh, spec, value):
@@ -99,7 +101,7 @@ def put(mesh, spec, value):
 
 def run_pipeline(case: Case, devices) -> tuple:
     """Run ``case`` on ``devices`` (stages x data); returns its inputs (NumPy) and results
-    (loss, gradients, outputs: NumPy, whole on every process)."""
+    (loss, gradients, outputs[, input gradients]: NumPy, whole on every process)."""
     schedule = case.schedule()
     S, V, M, D = case.stages, schedule.virtual_stages, case.microbatches, case.data
     dtype = jnp.bfloat16 if case.dtype == "bfloat16" else np.float32
@@ -112,7 +114,8 @@ def run_pipeline(case: Case, devices) -> tuple:
     # same compiled program (a gather per leaf afterwards would be a compilation per leaf).
     f = jax.jit(pl.shard_value_and_grad(stage, loss, mesh, schedule,
                                         data_axis_name="data" if D > 1 else None,
-                                        return_outputs=True),
+                                        return_outputs=True,
+                                        return_input_grads=case.input_grads),
                 out_shardings=NamedSharding(mesh, P()))
     data = P(None, "data") if D > 1 else P()
     args = (jax.tree.map(lambda a: put(mesh, P("stage"), a), params),
@@ -122,11 +125,12 @@ def run_pipeline(case: Case, devices) -> tuple:
 
 
 def compare(case: Case, inputs: tuple, results: tuple) -> dict[str, float]:
-    """The largest relative differences of loss, gradients and outputs from
-    :func:`reference`."""
+    """The largest relative differences of loss, gradients, outputs (and input gradients)
+    from :func:`reference`."""
     V = case.schedule().virtual_stages
-    got_loss, got_grads, got_outs = results
-    want_loss, want_grads, want_outs = reference(*inputs, case.stages, V)
+    got_loss, got_grads, got_outs, *got_inputs = results
+    want_loss, want_grads, want_outs, want_inputs = reference(*inputs, case.stages, V)
+    assert len(got_inputs) == case.input_grads
 
     def rel(got, want):
         got = got.astype(np.float32)
@@ -136,7 +140,10 @@ def compare(case: Case, inputs: tuple, results: tuple) -> dict[str, float]:
     grad_err = max(jax.tree.leaves(jax.tree.map(rel, got_grads, want_grads)))
     out_err = max(jax.tree.leaves(jax.tree.map(rel, got_outs, want_outs)))
     loss_err = abs(float(got_loss) - want_loss) / abs(want_loss)
-    return {"loss": loss_err, "grads": grad_err, "outputs": out_err}
+    errors = {"loss": loss_err, "grads": grad_err, "outputs": out_err}
+    if case.input_grads:
+        errors["inputs"] = max(jax.tree.leaves(jax.tree.map(rel, got_inputs[0], want_inputs)))
+    return errors
 
 
 def run_case(case: Case, devices) -> dict[str, float]:

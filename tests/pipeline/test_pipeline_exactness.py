@@ -1,11 +1,12 @@
 """Every schedule computes the loss, gradients and outputs of the model on one device.
 
 One process, the first devices of pytest's 8: 4 stages (pytree activations, M not a
-multiple of P), 2 stages x 2 data shards, M = 1, P = 1, bfloat16, and chunks whose
-parameters differ in shape. The mpirun topologies run in test_pipeline_mpi.py. Reference:
-``jax.value_and_grad`` of the chunks composed without a pipeline
-(tests/mpi_programs/pipeline_cases.py). One compilation per case: compiling the cases of
-one mesh as one function takes longer than compiling them one by one.
+multiple of P), 2 stages x 2 data shards, M = 1, P = 1, bfloat16, chunks whose parameters
+differ in shape, and the gradients with respect to the microbatches. The mpirun
+topologies run in test_pipeline_mpi.py. Reference: ``jax.value_and_grad`` of the chunks
+composed without a pipeline (tests/mpi_programs/pipeline_cases.py). One compilation per
+case: compiling the cases of one mesh as one function takes longer than compiling them one
+by one.
 """
 
 from __future__ import annotations
@@ -32,11 +33,16 @@ CASES = (
     # dtype alike, and, sent as one psend per leaf on the same device pair, arrived swapped
     # in some compiled programs (the mailbox's size check could not tell them apart).
     + [Case("gpipe", stages=4, microbatches=5, samples=2)]
+    # The microbatches' gradients: the first chunk's full and split (ZB) backward, data
+    # shards (each gets its part, of the data-averaged loss), one stage.
+    + [Case("zero-bubble", stages=4, microbatches=5, input_grads=True),
+       Case("interleaved-1f1b:2", stages=2, microbatches=3, data=2, input_grads=True),
+       Case("1f1b", stages=1, microbatches=3, input_grads=True)]
 )
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.name}-P{c.stages}-M{c.microbatches}"
-                         f"-D{c.data}-{c.dtype}-S{c.samples}")
+                         f"-D{c.data}-{c.dtype}-S{c.samples}" + ("-dx" if c.input_grads else ""))
 def test_matches_single_device(case):
     errors = run_case(case, jax.devices())
     assert max(errors.values()) <= tolerance(case), errors

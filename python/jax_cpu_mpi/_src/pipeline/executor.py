@@ -2,10 +2,12 @@
 
 Each tick, every stage reads its action from the plan (:mod:`.plan`) by its index on the
 stage axis, computes it in a ``lax.switch`` (a forward, a backward recomputing the forward
-under ``jax.vjp``, or idling), then the stages that have a message in this tick send it with
-``jax_cpu_mpi.psend``/``precv`` (a second ``lax.switch``, over the plan's distinct sets of a
-tick's messages) and store what they receive in their stash slots. Only the stage inputs
-(and cotangents) are stashed: the backward recomputes the stage's forward.
+under ``jax.vjp``, or idling) and writes its buffer into its stash; then the stages that have
+a message in this tick send it from their stash with ``jax_cpu_mpi.psend``/``precv`` (a
+second ``lax.switch``, over the plan's distinct sets of a tick's messages) and store what
+they receive in their stash slots. The plan picks the tick of each message between the one
+that makes it and the one that needs it. Only the stage inputs (and cotangents) are
+stashed: the backward recomputes the stage's forward.
 """
 
 from __future__ import annotations
@@ -100,7 +102,8 @@ def value_and_grad(
     axis_name: Hashable = "stage",
     data_axis_name: Hashable | None = None,
     return_outputs: bool = False,
-) -> tuple[jax.Array, PyTree] | tuple[jax.Array, PyTree, PyTree]:
+    return_input_grads: bool = False,
+) -> tuple[Any, ...]:
     """Mean loss and parameter gradients of a pipelined model; call inside ``jax.shard_map``.
 
     The model is ``C = P * V`` chunks applied in order, chunk ``c = v * P + s`` being
@@ -124,10 +127,16 @@ def value_and_grad(
       data_axis_name: a data-parallel mesh axis (or ``None``): each data shard runs the
         pipeline on its part of every microbatch; loss and gradients are averaged over it.
       return_outputs: also return the last chunk's outputs, ``[M, ...]`` leaves, on every stage.
+      return_input_grads: also return the gradient of the loss with respect to
+        ``microbatches`` (shaped like them, on every stage): for layers that run before the
+        pipeline, an embedding say. The first chunk's backward then forms its input's
+        cotangent too, as every other chunk's does. With ``data_axis_name`` it is this data
+        shard's part, of the loss averaged over the data axis.
 
     Returns:
-      ``(loss, grads)`` or ``(loss, grads, outputs)``: the mean loss (float32 scalar, the
-      same on every stage), and gradients shaped like ``params`` (this stage's block).
+      ``(loss, grads)``, then ``outputs`` if asked for, then ``input_grads`` if asked for:
+      the mean loss (float32 scalar, the same on every stage), and gradients shaped like
+      ``params`` (this stage's block).
 
     Raises:
       PipelineError: the axis is not bound, or its size does not fit the parameters or the
@@ -154,9 +163,22 @@ def value_and_grad(
     schedule = schedule.bind(P, M)
     V = schedule.virtual_stages
     chunk_params = _chunk_params(params, V, P)
-    plan = plan_mod.make_plan(schedule)  # builds and validates the table
+    if return_input_grads:
+        _check_differentiable(microbatches)
+    plan = plan_mod.make_plan(schedule, return_input_grads)  # builds and validates the table
     return _run(stage_fn, chunk_params, loss_fn, microbatches, targets, plan, axis_name,
                 data_axis_name, return_outputs, params)
+
+
+def _check_differentiable(microbatches: PyTree) -> None:
+    bad = [a for a in jax.tree.leaves(microbatches)
+           if not jnp.issubdtype(a.dtype, jnp.inexact)]
+    if bad:
+        raise PipelineError(
+            f"jax_cpu_mpi.pipeline.value_and_grad: return_input_grads=True needs floating "
+            f"microbatches (their gradient), but they are {_leaves_shapes(microbatches)}; "
+            f"integer inputs (token ids, say) have none: look them up in an embedding "
+            f"before the pipeline and pass the embedded microbatches")
 
 
 def _check_stage_shapes(stage_fn: Callable, chunk: PyTree, x: PyTree, C: int) -> PyTree:
@@ -241,14 +263,13 @@ def _split(data: jax.Array, like: PyTree) -> PyTree:
     return jax.tree.unflatten(jax.tree.structure(like), leaves)
 
 
-# Columns of the tick table that ``_run`` builds from the plan: the plan's own action
-# columns up to the cotangent's slot (made a stash index), then the stash index of the
-# buffer kept on the stage, then one per op: where what it brings goes.
-(_BRANCH, _MICROBATCH, _VIRTUAL, _FIRST, _X_SLOT, _G_SLOT) = (
+# Columns of the tick table that ``_run`` builds from the plan: the plan's action columns,
+# then per entry of the tick's messages the slot each stage sends from, then the slot what
+# the entry brings goes into.
+(_BRANCH, _MICROBATCH, _VIRTUAL, _FIRST, _X_SLOT, _G_SLOT, _OUT_SLOT) = (
     plan_mod.COLUMNS.index(name)
-    for name in ("branch", "microbatch", "virtual", "first", "x_slot", "g_slot"))
-_KEPT_AT = _G_SLOT + 1
-_RECEIVED_AT = _KEPT_AT + 1
+    for name in ("branch", "microbatch", "virtual", "first", "x_slot", "g_slot", "out_slot"))
+_SENDS_AT = len(plan_mod.COLUMNS)
 
 
 def _accumulator_dtype(dtype: Any) -> Any:
@@ -312,7 +333,7 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
                 a, jax.lax.dynamic_index_in_dim(a, v, keepdims=False) + d, v, 0), grads, dp)
 
     # The branches of the tick's lax.switch: (stash, state, cell) -> (buffer, state),
-    # state being (grads, loss, outs). Each branch reads only what its action needs and
+    # state being (grads, loss, outs, dins). Each branch reads only what its action needs and
     # updates the accumulators itself, so idle and forward ticks add no zero gradient: they
     # return the accumulators as they got them (XLA still copies a buffer a branch passes
     # through, but computes nothing).
@@ -331,33 +352,43 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
         return apply(p, x, c), state
 
     def forward_last(stash, state, cell):
-        grads, loss, outs = state
+        grads, loss, outs, dins = state
         p, x, c = inputs(stash, cell)
         y = apply(p, x, c)
         step_loss, dy = jax.value_and_grad(lambda y: loss_fn(y, pick(ys, cell[_MICROBATCH])))(y)
         if return_outputs:
             outs = put(outs, cell[_MICROBATCH], y)
-        return dy, (grads, loss + step_loss.astype(jnp.float32), outs)
+        return dy, (grads, loss + step_loss.astype(jnp.float32), outs, dins)
 
     def backward(stash, state, cell):
-        grads, loss, outs = state
+        grads, loss, outs, dins = state
         p, x, c = inputs(stash, cell)
         _, vjp = jax.vjp(lambda p, x: apply(p, x, c), p, x)
         dp, dx = vjp(pick(stash, cell[_G_SLOT]))
-        return dx, (add_grads(grads, cell[_VIRTUAL], dp), loss, outs)
+        return dx, (add_grads(grads, cell[_VIRTUAL], dp), loss, outs, dins)
 
     def weight(stash, state, cell):
-        grads, loss, outs = state
+        grads, loss, outs, dins = state
         p, x, c = inputs(stash, cell)
         _, vjp = jax.vjp(lambda p: apply(p, x, c), p)
         (dp,) = vjp(pick(stash, cell[_G_SLOT]))
-        return no_buffer(), (add_grads(grads, cell[_VIRTUAL], dp), loss, outs)
+        return no_buffer(), (add_grads(grads, cell[_VIRTUAL], dp), loss, outs, dins)
 
     def backward_input(stash, state, cell):
         p, x, c = inputs(stash, cell)
         _, vjp = jax.vjp(lambda x: apply(p, x, c), x)
         (dx,) = vjp(pick(stash, cell[_G_SLOT]))
         return dx, state
+
+    # The first chunk's input cotangent, where asked for, stays on stage 0 (in dins).
+    def backward_first_with_input(stash, state, cell):
+        dx, (grads, loss, outs, dins) = backward(stash, state, cell)
+        return no_buffer(), (grads, loss, outs, put(dins, cell[_MICROBATCH], dx))
+
+    def backward_input_first(stash, state, cell):
+        grads, loss, outs, dins = state
+        dx, _ = backward_input(stash, state, cell)
+        return no_buffer(), (grads, loss, outs, put(dins, cell[_MICROBATCH], dx))
 
     branches = [None] * plan_mod.BRANCHES
     branches[plan_mod.IDLE] = idle
@@ -367,33 +398,23 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
     branches[plan_mod.BACKWARD_FIRST] = weight  # the first chunk's input needs no cotangent
     branches[plan_mod.BACKWARD_INPUT] = backward_input
     branches[plan_mod.WEIGHT] = weight
-    used = sorted({int(b) for b in np.unique(plan.actions[..., 0])} | {plan_mod.IDLE})
+    branches[plan_mod.BACKWARD_FIRST_WITH_INPUT] = backward_first_with_input
+    branches[plan_mod.BACKWARD_INPUT_FIRST] = backward_input_first
+    used = sorted({int(b) for b in np.unique(plan.actions[..., _BRANCH])} | {plan_mod.IDLE})
     index_of = np.zeros(plan_mod.BRANCHES, np.int32)
     index_of[used] = np.arange(len(used))
     # Only the branches this schedule uses are compiled; the table maps to their positions.
-    actions = plan.actions.copy()
-    actions[..., 0] = index_of[actions[..., 0]]
     # Every branch must return the same types (vma included): mark them varying alike.
     live = [lambda *a, f=branches[b]: _vary(f(*a), varying) for b in used]
 
-    # One stash holds the chunk inputs (slots 0 .. A - 1), the cotangents (A ..) and a
-    # scratch slot (the last) for what goes nowhere, never read: each buffer of a tick is
-    # stored with one unconditional write. Where each goes is appended to the action table
-    # (one row per tick and stage, read once per tick): after the branch columns, the
-    # cotangent's stash index, then where the buffer kept on the stage and what each op
-    # brings are stored.
-    A = plan.activation_slots if C > 1 else 0
-    scratch = A + plan.cotangent_slots
-
-    def index(kind: np.ndarray, slot: np.ndarray) -> np.ndarray:
-        return np.where(kind == plan_mod.ACTIVATION, slot,
-                        np.where(kind == plan_mod.COTANGENT, A + slot, scratch))
-
-    kept_kind, kept_slot = (plan_mod.COLUMNS.index(c) for c in ("local_kind", "local_slot"))
-    table = np.concatenate(
-        [actions[..., :_G_SLOT], A + actions[..., _G_SLOT:_G_SLOT + 1],
-         index(actions[..., kept_kind], actions[..., kept_slot])[..., None],
-         index(plan.receives[..., 0], plan.receives[..., 1])], -1)
+    # One stash holds every slot of the plan and a scratch slot (the last) for what goes
+    # nowhere, never read: each buffer of a tick is stored with one unconditional write.
+    # Where things are is the tick table (one row per tick and stage, read once per tick):
+    # the plan's action columns, then per message entry the slot sent from and the slot
+    # written with what arrives.
+    table = np.concatenate([plan.actions, plan.sends, plan.receives], -1)
+    table[..., _BRANCH] = index_of[table[..., _BRANCH]]
+    receives_at = _SENDS_AT + plan.sends.shape[-1]
 
     # The tick's messages are one of the few distinct sets the plan's ticks have
     # (plan.messages): the same on every device in a tick, picked by a second lax.switch.
@@ -402,14 +423,15 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
     kinds = list(dict.fromkeys(plan.messages))
     message_kind = np.asarray([kinds.index(m) for m in plan.messages], np.int32)
 
-    # Each set's branch returns what every op brings (zeros for the ops it does not run),
-    # not the stash: a conditional's output cannot alias its operand, so passing the stash
-    # through would copy all of it every tick.
-    def exchange(ops):
-        def run(buffer):
-            got = [no_buffer() for _ in plan.ops]
-            for k, pairs in ops:
-                got[k] = _vary(_exchange(buffer, axis, pairs), varying)
+    # Each set's branch returns what every entry brings (zeros for entries it does not
+    # have), not the stash: a conditional's output cannot alias its operand, so passing the
+    # stash through would copy all of it every tick.
+    def exchange(entries):
+        def run(stash, cell):
+            got = [no_buffer() for _ in range(plan.sends.shape[-1])]
+            for e, (_, pairs) in enumerate(entries):
+                value = pick(stash, cell[_SENDS_AT + e])
+                got[e] = _vary(_exchange(value, axis, pairs), varying)
             return got
         return run
 
@@ -418,22 +440,23 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
         row, kind = xs
         cell = jax.lax.dynamic_index_in_dim(row, s, keepdims=False)
         buffer, state = jax.lax.switch(cell[_BRANCH], live, stash, state, cell)
-        # Kept on this stage: the loss cotangent, or (P = 1) the next chunk's input.
-        stash = put(stash, cell[_KEPT_AT], buffer)
+        # Into the slot its reader on this stage takes it from, or its outbox slot.
+        stash = put(stash, cell[_OUT_SLOT], buffer)
         # In the same order on every device (see .plan); each precv's result goes into the
-        # stash (the scratch slot where nothing arrives), which the next tick's action reads,
-        # so the ticks' messages stay in order.
-        got = jax.lax.switch(kind, [exchange(ops) for ops in kinds], buffer)
-        for k, value in enumerate(got):
-            stash = put(stash, cell[_RECEIVED_AT + k], value)
+        # stash (the scratch slot where nothing arrives), which later ticks' actions and
+        # sends read, so the ticks' messages stay in order.
+        got = jax.lax.switch(kind, [exchange(entries) for entries in kinds], stash, cell)
+        for e, value in enumerate(got):
+            stash = put(stash, cell[receives_at + e], value)
         return (stash, state), None
 
-    stash = zeros(buffer_shape, (scratch + 1,))
+    stash = zeros(buffer_shape, (plan.slots + 1,))
     grads = _vary(jax.tree.map(lambda a, d: jnp.zeros(a.shape, d), chunk_params, acc_dtypes),
                   varying)
     outs = zeros(y_shape, (M,)) if return_outputs else None
-    carry = (stash, (grads, _vary(jnp.zeros((), jnp.float32), varying), outs))
-    (_, (grads, loss, outs)), _ = jax.lax.scan(
+    dins = zeros(x0, (M,)) if plan.input_grads else None
+    carry = (stash, (grads, _vary(jnp.zeros((), jnp.float32), varying), outs, dins))
+    (_, (grads, loss, outs, dins)), _ = jax.lax.scan(
         tick, carry, (jnp.asarray(table, np.int32), jnp.asarray(message_kind)))
 
     # The loss lives on the last stage: share it (after the scan, so after every message).
@@ -443,7 +466,15 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
         loss = jax.lax.pmean(loss, data_axis)
         grads = jax.lax.pmean(grads, data_axis)
     grads = jax.tree.map(lambda g, a: g.reshape(a.shape), grads, params)
-    if not return_outputs:
-        return loss, grads
-    outs = jax.lax.psum(jax.tree.map(lambda o: jnp.where(s == (C - 1) % P, o, 0), outs), axis)
-    return loss, grads, outs
+    result = [loss, grads]
+    if return_outputs:
+        result.append(jax.lax.psum(
+            jax.tree.map(lambda o: jnp.where(s == (C - 1) % P, o, 0), outs), axis))
+    if plan.input_grads:
+        # Of the mean over microbatches (and data shards): each microbatch's share is 1 / M.
+        shards = 1 if data_axis is None else int(jax.lax.axis_size(data_axis))
+        dins = jax.lax.psum(jax.tree.map(lambda d: jnp.where(s == 0, d, 0), dins), axis)
+        result.append(jax.tree.map(
+            lambda d: (d.astype(_accumulator_dtype(d.dtype)) / (M * shards)).astype(d.dtype),
+            dins))
+    return tuple(result)

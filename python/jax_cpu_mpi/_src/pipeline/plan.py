@@ -3,18 +3,38 @@
 Every tick each stage runs at most one action and so produces at most one buffer shaped like
 a stage activation: a forward's output (for the next chunk), a backward's input cotangent
 (for the chunk before), or, for the last chunk's forward, the loss cotangent (kept on the
-stage). It goes to the neighbour that owns the chunk after (before) it, or stays on the
-stage (P = 1, or the loss cotangent). The receiver keeps it in a stash slot until the last
-action that reads it; slots are reused as soon as they are read for the last time, so the
-stash holds the schedule's live values, not all ``M`` microbatches.
+stage). The buffer goes into the stage's stash: into the slot its reader takes it from when
+that reader is on the same stage, else into an outbox slot until it is sent.
 
-Messages: one op per direction between neighbours, ``s -> s + 1`` and ``s + 1 -> s``, and for
+**When a message is sent.** A tick is: the action, then the tick's messages. A message goes
+from its producing stage to its consuming stage in one op (a psend and its precv, adjacent,
+as XLA GPU requires) at some tick ``tm`` from the tick that produces the value up to the
+tick before the first action that reads it. On CPU the psend returns at once and the precv
+waits, so a message at ``tm`` holds the consumer, at the end of its tick ``tm``, until the
+producer has finished its tick ``tm``. Sent as soon as it is made, a message makes the
+consumer wait for the producer's progress although it needs the value only ticks later;
+sent just before it is needed, it makes the consumer wait for the producer's later actions.
+The plan therefore times a dataflow run of the table (every action starts once its stage is
+free and its inputs are made) with a cost model of the actions (:data:`ACTION_COST`), and
+sends each message at the first tick in its range at which that run has the producer done
+no later than the consumer: the receive then costs the run no wait. Where no tick does, at
+the tick with the shortest wait. For two stages this reproduces the dataflow run exactly
+for every schedule; with more, the consumer still waits for actions of the producer it does
+not need, but less than when every message is sent as it is made.
+
+**Ops.** One op per direction between neighbours, ``s -> s + 1`` and ``s + 1 -> s``, and for
 interleaved schedules with ``P > 2`` the wrap-around ``P - 1 -> 0`` and ``0 -> P - 1`` (one op
 each, so no op's pairs form a cycle, which XLA GPU rejects). A tick runs an op only with the
 pairs that carry a message in that tick (``Plan.messages``), and none where none does: a
-stage then waits only for a message it receives, never for a neighbour's tick as such. Each
-device pair carries at most one message per tick, and every device runs the ops in the same
-program order: messages match in order and no receive waits on a send that comes later.
+stage waits only for a message it receives, never for a neighbour's tick as such. Where two
+messages of one pair fall into the same tick, the op runs twice (a second round). Every
+device runs a tick's ops in the same program order: messages match in order and no receive
+waits on a send that comes later.
+
+**Slots.** Each value occupies a stash slot from its write to its last read; a slot is
+reused as soon as its value is read for the last time, so the stash holds the schedule's
+live values, not all ``M`` microbatches. Within a tick the action reads first, then its
+buffer is written, then the messages read what they send, then what they bring is written.
 """
 
 from __future__ import annotations
@@ -26,9 +46,12 @@ import numpy as np
 from jax_cpu_mpi._src.pipeline.schedules import Action, Schedule, ScheduleError
 
 __all__ = [
+    "ACTION_COST",
     "BACKWARD",
     "BACKWARD_FIRST",
+    "BACKWARD_FIRST_WITH_INPUT",
     "BACKWARD_INPUT",
+    "BACKWARD_INPUT_FIRST",
     "FORWARD",
     "FORWARD_LAST",
     "IDLE",
@@ -45,14 +68,23 @@ BACKWARD = 3  # parameter and input cotangents
 BACKWARD_FIRST = 4  # the first chunk: parameter cotangents only (no one needs the input's)
 BACKWARD_INPUT = 5  # split backward (ZB): input cotangent only
 WEIGHT = 6  # split backward (ZB): parameter cotangent only
-BRANCHES = 7
+BACKWARD_FIRST_WITH_INPUT = 7  # the first chunk, input gradients asked for: both cotangents
+BACKWARD_INPUT_FIRST = 8  # split, the first chunk, input gradients asked for: its input's
+BRANCHES = 9
 
-# Where a buffer goes / what a received buffer is.
-NOWHERE, ACTIVATION, COTANGENT = 0, 1, 2
+#: The cost model that times the dataflow run which places the messages (module docstring),
+#: in forwards: a backward recomputes its chunk's forward under ``jax.vjp`` (1), then forms
+#: the parameter and the input cotangent, each about a forward's work for dense layers.
+ACTION_COST = {IDLE: 0.0, FORWARD: 1.0, FORWARD_LAST: 1.0, BACKWARD: 3.0, BACKWARD_FIRST: 2.0,
+               BACKWARD_INPUT: 2.0, WEIGHT: 2.0, BACKWARD_FIRST_WITH_INPUT: 3.0,
+               BACKWARD_INPUT_FIRST: 2.0}
 
-# Columns of Plan.actions[tick, stage, :].
-COLUMNS = ("branch", "microbatch", "virtual", "first", "x_slot", "g_slot", "local_kind",
-           "local_slot")
+# Columns of Plan.actions[tick, stage, :]; slots are stash indices, Plan.slots the scratch
+# slot (written, never read).
+COLUMNS = ("branch", "microbatch", "virtual", "first", "x_slot", "g_slot", "out_slot")
+
+# Phases of a tick, for slot lifetimes (module docstring).
+_READ, _WRITE, _SEND, _ARRIVE = range(4)
 
 
 @dataclass(frozen=True)
@@ -60,17 +92,26 @@ class Plan:
     """The executor's static tables (NumPy int32) for one schedule."""
 
     schedule: Schedule
+    #: Whether the first chunk's backward also forms the microbatches' cotangents.
+    input_grads: bool
     #: ``[ticks, P, len(COLUMNS)]``: per tick and stage, what to compute and where things are.
     actions: np.ndarray
     #: The message ops: pairs ``(src, dst)`` of each, in the order every device runs them.
     ops: tuple[tuple[tuple[int, int], ...], ...]
-    #: ``[ticks, P, len(ops), 2]``: per receiving stage and op, (kind, slot) of what arrives.
-    receives: np.ndarray
-    #: Per tick, the ops it runs: ``(k, pairs)``, ``pairs`` those of ``ops[k]`` that carry a
-    #: message in that tick; ops with none are left out.
+    #: Per tick, the ops it runs in program order: ``(k, pairs)``, ``pairs`` those of
+    #: ``ops[k]`` that carry a message in that tick (an op may come twice, see the module
+    #: docstring); ops with none are left out.
     messages: tuple[tuple[tuple[int, tuple[tuple[int, int], ...]], ...], ...]
-    activation_slots: int
-    cotangent_slots: int
+    #: ``[ticks, P, rounds]``: per tick, stage and entry of ``messages[tick]``, the slot the
+    #: stage sends from (the scratch slot where it sends nothing).
+    sends: np.ndarray
+    #: ``[ticks, P, rounds]``: the slot what the entry brings goes into (scratch where nothing).
+    receives: np.ndarray
+    #: Stash slots per stage; index ``slots`` is the scratch slot.
+    slots: int
+    #: Per message ``(src, dst, made, sent, needed)``: the ticks its value is made in, sent
+    #: in, and first read in.
+    schedule_of_messages: tuple[tuple[int, int, int, int, int], ...]
 
     @property
     def ticks(self) -> int:
@@ -84,99 +125,196 @@ def _message_ops(P: int, V: int) -> tuple[tuple[tuple[int, int], ...], ...]:
     return tuple(op for op in ops if op)
 
 
+def _branch(a: Action, c: int, C: int, split: bool, input_grads: bool) -> int:
+    if a.kind == "F":
+        return FORWARD_LAST if c == C - 1 else FORWARD
+    if a.kind == "W":
+        return WEIGHT
+    if split:
+        if c > 0:
+            return BACKWARD_INPUT
+        return BACKWARD_INPUT_FIRST if input_grads else IDLE
+    if c > 0:
+        return BACKWARD
+    return BACKWARD_FIRST_WITH_INPUT if input_grads else BACKWARD_FIRST
+
+
+@dataclass
+class _Value:
+    """A buffer one action makes and later actions read (see :func:`make_plan`)."""
+
+    src: int  # the stage that makes it
+    dst: int  # the stage that reads it
+    made: int  # tick
+    reads: list[int]  # ticks of the actions that read it
+    sent: int = -1  # tick of its message (src != dst)
+    out_slot: int = -1  # where it is written on src
+    in_slot: int = -1  # where it arrives on dst
+
+
+def _dataflow_ends(branches: np.ndarray, values: list[_Value]) -> np.ndarray:
+    """``end[t, s]``: when stage ``s`` finishes its tick-``t`` action in a dataflow run of the
+    table under :data:`ACTION_COST` (an action starts once its stage is free and the values
+    it reads from other stages are made)."""
+    T, P = branches.shape
+    waits_for: dict[tuple[int, int], list[_Value]] = {}
+    for v in values:
+        if v.src != v.dst:
+            for t in v.reads:
+                waits_for.setdefault((t, v.dst), []).append(v)
+    end = np.zeros((T, P))
+    now = np.zeros(P)
+    for t in range(T):
+        for s in range(P):
+            start = max([now[s]] + [end[v.made, v.src] for v in waits_for.get((t, s), ())])
+            now[s] = start + ACTION_COST[int(branches[t, s])]
+            end[t, s] = now[s]
+    return end
+
+
+def _place_messages(values: list[_Value], end: np.ndarray) -> None:
+    """Each message's tick (module docstring): the first tick of ``[made, first read)`` at
+    which the dataflow run has its producer done no later than its consumer, else the one
+    with the shortest wait."""
+    for v in values:
+        if v.src == v.dst:
+            continue
+        need = min(v.reads)
+        v.sent = min(range(v.made, need),
+                     key=lambda t: (max(0.0, end[t, v.src] - end[t, v.dst]), t))
+
+
 class _Slots:
-    """Greedy slot allocation: a value occupies a slot from its arrival tick to its last
-    read; a slot read for the last time in tick t can take a value that arrives in tick t
-    (a tick reads before it writes)."""
+    """Greedy slot allocation by write time (optimal for intervals): a value holds its slot
+    from its write to its last read, both in ``4 * tick + phase`` units."""
 
     def __init__(self) -> None:
-        self.free_from: list[int] = []
+        self.free_after: list[int] = []
 
-    def take(self, arrive: int, last_read: int) -> int:
-        for i, t in enumerate(self.free_from):
-            if t <= arrive:
-                self.free_from[i] = last_read
+    def take(self, write: int, last_read: int) -> int:
+        for i, t in enumerate(self.free_after):
+            if t < write:
+                self.free_after[i] = last_read
                 return i
-        self.free_from.append(last_read)
-        return len(self.free_from) - 1
+        self.free_after.append(last_read)
+        return len(self.free_after) - 1
 
 
-def make_plan(schedule: Schedule) -> Plan:
-    """The tables of a bound schedule (see the module docstring)."""
+def make_plan(schedule: Schedule, input_grads: bool = False) -> Plan:
+    """The tables of a bound schedule (see the module docstring); ``input_grads``: the first
+    chunk's backward also forms its input's cotangent (kept on stage 0, sent nowhere)."""
     table = schedule.table
     P, M, V = schedule.stages, schedule.microbatches, schedule.virtual_stages
     assert P is not None and M is not None
     C, split = P * V, schedule.splits_weight_gradient
     T = len(table)
     when: dict[tuple[str, int, int], int] = {}
+    branches = np.zeros((T, P), np.int32)
     for t, row in enumerate(table):
         for s, a in enumerate(row):
             if a is not None:
-                when[(a.kind, a.microbatch, a.virtual_stage * P + s)] = t
+                c = a.virtual_stage * P + s
+                when[(a.kind, a.microbatch, c)] = t
+                branches[t, s] = _branch(a, c, C, split, input_grads)
 
-    # Values: the input activation of (m, c) for c > 0, and the output cotangent of (m, c).
-    # Each arrives at the end of the tick that produced it and is read by later actions.
-    act_slot: dict[tuple[int, int], int] = {}
-    cot_slot: dict[tuple[int, int], int] = {}
-    act_alloc = [_Slots() for _ in range(P)]
-    cot_alloc = [_Slots() for _ in range(P)]
-    events = []
+    def reading(m: int, c: int, kinds: tuple[str, ...]) -> list[int]:
+        """Ticks of the actions of (m, c) among ``kinds`` that compute something."""
+        return [when[(k, m, c)] for k in kinds if branches[when[(k, m, c)], c % P] != IDLE]
+
+    # The values: the input activation of (m, c) for c > 0, read by its F, B (and W); the
+    # output cotangent of (m, c), read by its B (and W), made by B of c + 1 or, for the last
+    # chunk, by its own F.
+    backward = ("B", "W") if split else ("B",)
+    activation: dict[tuple[int, int], _Value] = {}
+    cotangent: dict[tuple[int, int], _Value] = {}
     for m in range(M):
         for c in range(C):
-            last_read = when[("W" if split else "B", m, c)]
             if c > 0:
-                events.append((when[("F", m, c - 1)], 0, m, c, last_read))
-            made = when[("F", m, c)] if c == C - 1 else when[("B", m, c + 1)]
-            events.append((made, 1, m, c, last_read))
-    for arrive, kind, m, c, last_read in sorted(events):
-        if last_read <= arrive:  # validate_table rules this out; a plan must never rely on it
-            raise ScheduleError(f"{schedule._title()}: a value of microbatch {m}, chunk {c} is "
-                                f"read at tick {last_read}, before it arrives ({arrive})")
-        alloc, slots = (act_alloc, act_slot) if kind == 0 else (cot_alloc, cot_slot)
-        slots[(m, c)] = alloc[c % P].take(arrive, last_read)
+                activation[(m, c)] = _Value((c - 1) % P, c % P, when[("F", m, c - 1)],
+                                            reading(m, c, ("F", *backward)))
+            made, src = ((when[("F", m, c)], c % P) if c == C - 1
+                         else (when[("B", m, c + 1)], (c + 1) % P))
+            cotangent[(m, c)] = _Value(src, c % P, made, reading(m, c, backward))
+    values = [*activation.values(), *cotangent.values()]
+    for v in values:
+        if not v.reads or min(v.reads) <= v.made:  # validate_table rules this out
+            raise ScheduleError(f"{schedule._title()}: a value made at tick {v.made} on stage "
+                                f"{v.src} is read at ticks {v.reads}, not after it is made")
+    _place_messages(values, _dataflow_ends(branches, values))
 
+    # Slots: on the producer from its write to its send (or to its last read when it stays),
+    # on the consumer from its arrival to its last read.
+    lifetimes: list[list[tuple[int, int, _Value, str]]] = [[] for _ in range(P)]
+    for v in values:
+        last = 4 * max(v.reads) + _READ
+        if v.src == v.dst:
+            lifetimes[v.src].append((4 * v.made + _WRITE, last, v, "out"))
+        else:
+            lifetimes[v.src].append((4 * v.made + _WRITE, 4 * v.sent + _SEND, v, "out"))
+            lifetimes[v.dst].append((4 * v.sent + _ARRIVE, last, v, "in"))
+    allocators = [_Slots() for _ in range(P)]
+    for s in range(P):
+        for write, last, v, side in sorted(lifetimes[s], key=lambda x: x[:2]):
+            slot = allocators[s].take(write, last)
+            if side == "out":
+                v.out_slot = slot
+            else:
+                v.in_slot = slot
+    slots = max([1, *(len(a.free_after) for a in allocators)])
+    scratch = slots
+
+    # Each tick's message entries: per op, the pairs with a message, in rounds where one pair
+    # has two (the earlier made first).
     ops = _message_ops(P, V)
     op_of_pair = {pair: i for i, op in enumerate(ops) for pair in op}
+    by_tick: dict[int, list[_Value]] = {}
+    for v in values:
+        if v.src != v.dst:
+            by_tick.setdefault(v.sent, []).append(v)
+    entries: list[list[tuple[int, list[_Value]]]] = [[] for _ in range(T)]
+    for t, sent in by_tick.items():
+        rounds: dict[tuple[int, int], list[_Value]] = {}
+        seen: dict[tuple[int, int], int] = {}
+        for v in sorted(sent, key=lambda v: v.made):
+            pair = (v.src, v.dst)
+            r = seen.get(pair, 0)
+            seen[pair] = r + 1
+            rounds.setdefault((r, op_of_pair[pair]), []).append(v)
+        entries[t] = [(k, sorted(vs, key=lambda v: ops[k].index((v.src, v.dst))))
+                      for (_, k), vs in sorted(rounds.items())]
+    width = max([1, *(len(e) for e in entries)])
+    sends = np.full((T, P, width), scratch, np.int32)
+    receives = np.full((T, P, width), scratch, np.int32)
+    for t in range(T):
+        for e, (_, vs) in enumerate(entries[t]):
+            for v in vs:
+                sends[t, v.src, e] = v.out_slot
+                receives[t, v.dst, e] = v.in_slot
+    messages = tuple(tuple((k, tuple((v.src, v.dst) for v in vs)) for k, vs in entries[t])
+                     for t in range(T))
+
     actions = np.zeros((T, P, len(COLUMNS)), np.int32)
-    receives = np.zeros((T, P, max(len(ops), 1), 2), np.int32)
+    actions[..., COLUMNS.index("out_slot")] = scratch
     for t, row in enumerate(table):
         for s, a in enumerate(row):
             if a is None:
                 continue
-            c = a.virtual_stage * P + s
-            m = a.microbatch
-            branch = _branch(a, c, C, split)
+            c, m = a.virtual_stage * P + s, a.microbatch
+            branch = int(branches[t, s])
             cell = actions[t, s]
             cell[:4] = (branch, m, a.virtual_stage, int(c == 0))
-            cell[4] = act_slot.get((m, c), 0)
-            cell[5] = cot_slot[(m, c)]
-            # Where this action's buffer goes.
-            if branch == FORWARD_LAST:
-                dest, kind, slot = s, COTANGENT, cot_slot[(m, c)]
-            elif branch == FORWARD:
-                dest, kind, slot = (c + 1) % P, ACTIVATION, act_slot[(m, c + 1)]
-            elif branch in (BACKWARD, BACKWARD_INPUT):
-                dest, kind, slot = (c - 1) % P, COTANGENT, cot_slot[(m, c - 1)]
-            else:
-                continue
-            if dest == s:
-                cell[6:8] = (kind, slot)
-            else:
-                receives[t, dest, op_of_pair[(s, dest)]] = (kind, slot)
-    messages = tuple(
-        tuple((k, sent) for k, pairs in enumerate(ops)
-              if (sent := tuple((a, b) for a, b in pairs if receives[t, b, k, 0] != NOWHERE)))
-        for t in range(T))
-    return Plan(schedule, actions, ops, receives, messages,
-                max(1, *(len(a.free_from) for a in act_alloc)),
-                max(1, *(len(a.free_from) for a in cot_alloc)))
-
-
-def _branch(a: Action, c: int, C: int, split: bool) -> int:
-    if a.kind == "F":
-        return FORWARD_LAST if c == C - 1 else FORWARD
-    if a.kind == "W":
-        return WEIGHT
-    if split:
-        return BACKWARD_INPUT if c > 0 else IDLE  # the first chunk's input needs no gradient
-    return BACKWARD if c > 0 else BACKWARD_FIRST
+            if c > 0:
+                x = activation[(m, c)]
+                cell[4] = x.out_slot if x.src == x.dst else x.in_slot
+            g = cotangent[(m, c)]
+            cell[5] = g.out_slot if g.src == g.dst else g.in_slot
+            made = (cotangent.get((m, c)) if branch == FORWARD_LAST
+                    else activation.get((m, c + 1)) if branch == FORWARD
+                    else cotangent.get((m, c - 1)) if branch in (BACKWARD, BACKWARD_INPUT)
+                    else None)
+            if made is not None:
+                cell[6] = made.out_slot
+    schedule_of_messages = tuple(sorted((v.src, v.dst, v.made, v.sent, min(v.reads))
+                                        for v in values if v.src != v.dst))
+    return Plan(schedule, input_grads, actions, ops, messages, sends, receives, slots,
+                schedule_of_messages)

@@ -56,16 +56,18 @@ def reference_value_and_grad(
     microbatches: PyTree,
     targets: PyTree,
     virtual_stages: int = 1,
-) -> tuple[jax.Array, PyTree]:
+    return_input_grads: bool = False,
+) -> tuple[Any, ...]:
     """``jax.value_and_grad`` of the model a pipeline runs, on one device, no pipeline.
 
     ``params`` are the stacked parameters (leaves ``[P, ...]`` or ``[P, V, ...]``); the model
     applies chunk ``0, 1, ..., P V - 1`` (chunk ``c = v * P + s``) to each microbatch; the loss
-    is the mean over microbatches of ``loss_fn(output, target)``.
+    is the mean over microbatches of ``loss_fn(output, target)``. Returns ``(loss, grads)``,
+    and the gradient with respect to ``microbatches`` after them if ``return_input_grads``.
     """
     V = virtual_stages
 
-    def loss(params: PyTree) -> jax.Array:
+    def loss(params: PyTree, microbatches: PyTree) -> jax.Array:
         chunks = chunk_list(params, V)
 
         def one(x: PyTree, y: PyTree) -> jax.Array:
@@ -75,4 +77,7 @@ def reference_value_and_grad(
 
         return jnp.mean(jax.vmap(one)(microbatches, targets))
 
-    return jax.value_and_grad(loss)(params)
+    if not return_input_grads:
+        return jax.value_and_grad(loss)(params, microbatches)
+    value, (grads, input_grads) = jax.value_and_grad(loss, argnums=(0, 1))(params, microbatches)
+    return value, grads, input_grads

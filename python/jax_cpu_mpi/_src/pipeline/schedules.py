@@ -236,8 +236,9 @@ def validate_table(table: Table, P: int, M: int, V: int, split: bool, title: str
     microbatch and chunk exactly once, each after what it needs (``F`` of the chunk before,
     ``F`` before ``B`` of the same chunk, ``B`` of the chunk after before ``B``, ``B``
     before ``W``), in an earlier tick. The executor then sends exactly one message per
-    action, from a stage to its neighbour, received in the tick it is sent: sends and
-    receives match in order by construction. Raises :class:`ScheduleError`."""
+    value that crosses stages, from a stage to its neighbour, between the tick that makes
+    it and the one that first reads it (see :mod:`.plan`); sends and receives match in order
+    by construction. Raises :class:`ScheduleError`."""
     C = P * V
     kinds = ("F", "B", "W") if split else ("F", "B")
     when: dict[tuple[str, int, int], int] = {}

@@ -26,14 +26,17 @@ def shard_value_and_grad(
     axis_name: Hashable = "stage",
     data_axis_name: Hashable | None = None,
     return_outputs: bool = False,
+    return_input_grads: bool = False,
 ) -> Callable[..., Any]:
-    """A function ``(params, microbatches, targets) -> (loss, grads[, outputs])`` that runs
-    :func:`value_and_grad` under ``jax.shard_map`` over ``mesh`` (wrap it in ``jax.jit``).
+    """A function ``(params, microbatches, targets) -> (loss, grads[, outputs][, input_grads])``
+    that runs :func:`value_and_grad` under ``jax.shard_map`` over ``mesh`` (wrap it in
+    ``jax.jit``).
 
     ``params``: stacked leaves ``[P, ...]`` (``[P, V, ...]`` interleaved), sharded over
     ``axis_name``; ``microbatches`` / ``targets``: ``[M, batch, ...]`` leaves, the batch axis
     sharded over ``data_axis_name`` if given, else replicated. ``loss`` is replicated,
-    ``grads`` are sharded like ``params``, ``outputs`` like the microbatches.
+    ``grads`` are sharded like ``params``, ``outputs`` and ``input_grads`` (the gradient with
+    respect to ``microbatches``) like the microbatches.
 
     Chunks whose parameters differ in shape: give ``stage_fn`` as a sequence of ``P x V``
     functions (model order) and ``params`` as a sequence of as many pytrees, one per chunk
@@ -67,9 +70,11 @@ def shard_value_and_grad(
     def body(params: PyTree, microbatches: PyTree, targets: PyTree) -> Any:
         return value_and_grad(stage_fn, params, loss_fn, microbatches, targets, schedule,
                               axis_name=axis_name, data_axis_name=data_axis_name,
-                              return_outputs=return_outputs)
+                              return_outputs=return_outputs,
+                              return_input_grads=return_input_grads)
 
-    out_specs = (PartitionSpec(), stage) + ((data,) if return_outputs else ())
+    out_specs = ((PartitionSpec(), stage) + ((data,) if return_outputs else ())
+                 + ((data,) if return_input_grads else ()))
     mapped = jax.shard_map(body, mesh=mesh, in_specs=(stage, data, data), out_specs=out_specs)
 
     def run(params: PyTree, microbatches: PyTree, targets: PyTree) -> Any:
@@ -90,7 +95,8 @@ def shard_value_and_grad(
             return value_and_grad(per_chunk, vectors, loss_fn, microbatches, targets,
                                   schedule, axis_name=axis_name,
                                   data_axis_name=data_axis_name,
-                                  return_outputs=return_outputs)
+                                  return_outputs=return_outputs,
+                                  return_input_grads=return_input_grads)
 
         mapped = jax.shard_map(body, mesh=mesh, in_specs=(stage, data, data),
                                out_specs=out_specs)
