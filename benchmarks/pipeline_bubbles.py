@@ -28,7 +28,12 @@ Three figures to compare ``wait`` with:
   message in a tick goes on to the next) with every action costing 1 and idle 0, messages
   free;
 * ``weighted sim``: the same simulation with the measured action costs and the measured time
-  of each psend/precv outside its wait: the theory of this schedule on this machine.
+  of each psend/precv outside its wait: the executor on this machine;
+* ``dataflow``: the schedule's table run as pure dataflow with those same costs (an action
+  starts once its stage is free and the values it reads have arrived; no ticks at all):
+  the least idle any executor of this table gets on this machine, the theory of the
+  schedule with this model's action costs and this transport's message costs
+  (``free msgs``: the same with messages that cost nothing).
 
 ``psend`` in the printed line is the part of ``wait`` spent in psend (the model counts none).
 
@@ -69,6 +74,10 @@ def parse_args() -> argparse.Namespace:
                    help="where the steps are recorded (emptied first; shared by the ranks)")
     p.add_argument("--pictures", default=None, help="directory for timeline-NAME.png")
     p.add_argument("--json", default=None, help="write every figure to this file")
+    p.add_argument("--input-grads", action="store_true",
+                   help="also form the microbatches' gradient (return_input_grads=True, as "
+                        "for layers before the pipeline): the first stage's backward then "
+                        "does the work of every other stage's, the theory's premise")
     return p.parse_args()
 
 
@@ -92,7 +101,9 @@ jax_cpu_mpi.initialize_distributed()
 MAIN = jax.process_index() == 0
 ACTION = {plan_mod.IDLE: "idle", plan_mod.FORWARD: "F", plan_mod.FORWARD_LAST: "F+loss",
           plan_mod.BACKWARD: "B", plan_mod.BACKWARD_FIRST: "B(dW only)",
-          plan_mod.BACKWARD_INPUT: "B(dx)", plan_mod.WEIGHT: "W"}
+          plan_mod.BACKWARD_INPUT: "B(dx)", plan_mod.WEIGHT: "W",
+          plan_mod.BACKWARD_FIRST_WITH_INPUT: "B(first, with dx)",
+          plan_mod.BACKWARD_INPUT_FIRST: "B(first dx)"}
 
 
 def ticks_of(timeline, plan) -> dict[int, dict[int, list]]:
@@ -199,6 +210,53 @@ def simulate(plan, cost, send_us, recv_us) -> float:
     return sum(wait) / (S * span), 1 - busy / (S * span)
 
 
+def make_step(mesh, schedule):
+    """The example's SGD step; with ``--input-grads`` its pipeline also returns the
+    microbatches' gradient (returned by the step, so XLA keeps it)."""
+    if not ARGS.input_grads:
+        return example.make_pipeline_step(mesh, schedule, 0.1)
+    value_and_grad = pipeline.shard_value_and_grad(
+        example.stage_forward, example.mse, mesh, schedule, axis_name=example.AXIS,
+        return_input_grads=True)
+
+    @jax.jit
+    def step(params, xs, ys):
+        loss, grads, dxs = value_and_grad(params, xs, ys)
+        new = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+        return (new, dxs), loss
+
+    def run(params, xs, ys):
+        (new, _), loss = step(params, xs, ys)
+        return new, loss
+
+    return run
+
+
+def dataflow(plan, cost, send_us, recv_us) -> float:
+    """Idle share of the table run as pure dataflow (module docstring): a value leaves its
+    producer when made (the producer spends ``send_us`` on it) and the consumer spends
+    ``recv_us`` taking it before the action that first reads it. Idle cells cost nothing:
+    without ticks there are none."""
+    S = plan.schedule.stages
+    work = lambda s, t: 0.0 if plan.actions[t, s, 0] == plan_mod.IDLE else cost(s, t)  # noqa: E731
+    reads: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
+    sends: dict[tuple[int, int], int] = defaultdict(int)
+    for src, dst, made, _, need in plan.schedule_of_messages:
+        reads[(need, dst)].append((made, src))
+        sends[(made, src)] += 1
+    now, ready, busy = [0.0] * S, {}, 0.0
+    for t in range(plan.ticks):
+        for s in range(S):
+            for made, src in reads.get((t, s), ()):
+                now[s] = max(now[s], ready[(made, src)]) + recv_us(s)
+            now[s] += work(s, t)
+            busy += work(s, t)
+            now[s] += sends[(t, s)] * send_us(s)
+            ready[(t, s)] = now[s]
+    span = max(now)
+    return 1 - busy / (S * span) if span > 0 else 0.0
+
+
 def measure(name: str, root: Path) -> dict[str, object] | None:
     V = 2 if name == "interleaved-1f1b" else 1
     S, M = ARGS.stages, ARGS.microbatches
@@ -211,11 +269,11 @@ def measure(name: str, root: Path) -> dict[str, object] | None:
     xs = put(problem.x.reshape(M, -1, ARGS.width), replicated)
     ys = put(problem.y.reshape(M, -1, ARGS.width), replicated)
     schedule = pipeline.schedule_by_name(name, V).bind(S, M)
-    plan = plan_mod.make_plan(schedule)
-    step = example.make_pipeline_step(mesh, schedule, 0.1)
+    plan = plan_mod.make_plan(schedule, ARGS.input_grads)
+    step = make_step(mesh, schedule)
     params, loss = step(params, xs, ys)  # compilation
     jax.block_until_ready((params, loss))
-    waits, outside, spans, units, weighted = [], [], [], [], []
+    waits, outside, spans, units, weighted, flows, free = [], [], [], [], [], [], []
     psend_waits, idles = [], []
     step_costs: list[dict] = []
     for i in range(ARGS.steps):
@@ -247,6 +305,8 @@ def measure(name: str, root: Path) -> dict[str, object] | None:
         send_us = lambda s, o=op_med: o.get((s, "psend"), 0.0)  # noqa: E731
         recv_us = lambda s, o=op_med: o.get((s, "precv"), 0.0)  # noqa: E731
         weighted.append(simulate(plan, cost, send_us, recv_us)[1])
+        flows.append(dataflow(plan, cost, send_us, recv_us))
+        free.append(dataflow(plan, cost, lambda s: 0.0, lambda s: 0.0))
         idles.append(measured_idle(by_tick, plan, cost))
         psend_waits.append(sum(m.wait_us for m in timeline.messages if m.op == "psend")
                            / (len(timeline.devices) * timeline.span_us))
@@ -266,7 +326,9 @@ def measure(name: str, root: Path) -> dict[str, object] | None:
             kinds[k.split("@")[0]].append(v)
     return {"schedule": name, "ticks": schedule.ticks, "theory": schedule.bubble_fraction,
             "unit_sim": statistics.median(units), "weighted_sim": statistics.median(weighted),
-            "weighted_all": weighted,
+            "weighted_all": weighted, "dataflow": statistics.median(flows),
+            "dataflow_all": flows, "dataflow_free_messages": statistics.median(free),
+            "op_us": {f"{op}@{s}": v for (s, op), v in sorted(op_med.items())},
             "psend_wait": statistics.median(psend_waits),
             "wait": statistics.median(waits), "wait_all": waits,
             "idle": statistics.median(idles), "idle_all": idles,
@@ -288,7 +350,7 @@ def main() -> int:
             continue
         rows.append(r)
         print(f"{name}: theory {r['theory']:.3f}  unit sim {r['unit_sim']:.3f}  weighted sim "
-              f"{r['weighted_sim']:.3f}  idle {r['idle']:.3f} "
+              f"{r['weighted_sim']:.3f}  dataflow {r['dataflow']:.3f}  idle {r['idle']:.3f} "
               f"{[round(w, 3) for w in r['idle_all']]}  wait {r['wait']:.3f} "
               f"(psend {r['psend_wait']:.3f}) "
               f"{[round(w, 3) for w in r['wait_all']]}  not computing "
@@ -299,16 +361,21 @@ def main() -> int:
     layout = f"{jax.process_count()} process(es) x {DEVICES} CPU device(s)"
     print()
     print(f"P={ARGS.stages}, M={ARGS.microbatches}, width {ARGS.width}, batch {ARGS.batch}, "
-          f"{layout}, median of {ARGS.steps} steps, load average {os.getloadavg()[0]:.2f}")
+          f"{layout}, median of {ARGS.steps} steps, load average {os.getloadavg()[0]:.2f}"
+          + (", input gradients formed (every stage's backward alike)" if ARGS.input_grads
+             else ", no input gradient (the first stage's backward is lighter)"))
     print()
-    print("| schedule | ticks | theory | unit sim | weighted sim | measured idle | "
-          "idle / theory | idle / weighted | measured wait | step ms | action ms |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("| schedule | ticks | theory | unit sim | weighted sim | free msgs | dataflow | "
+          "measured idle | "
+          "idle / theory | idle / dataflow | measured wait | step ms | action ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         acts = ", ".join(f"{k} {v:.2f}" for k, v in r["action_ms"].items())
         print(f"| {r['schedule']} | {r['ticks']} | {r['theory']:.3f} | {r['unit_sim']:.3f} | "
-              f"{r['weighted_sim']:.3f} | {r['idle']:.3f} | {r['idle'] / r['theory']:.2f} | "
-              f"{r['idle'] / r['weighted_sim']:.2f} | {r['wait']:.3f} | "
+              f"{r['weighted_sim']:.3f} | {r['dataflow_free_messages']:.3f} | "
+              f"{r['dataflow']:.3f} | {r['idle']:.3f} | "
+              f"{r['idle'] / r['theory']:.2f} | {r['idle'] / r['dataflow']:.2f} | "
+              f"{r['wait']:.3f} | "
               f"{r['step_ms']:.1f} | {acts} |")
     if ARGS.json:
         Path(ARGS.json).write_text(json.dumps({"args": vars(ARGS), "layout": layout,

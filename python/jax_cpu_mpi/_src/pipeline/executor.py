@@ -325,18 +325,31 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
         return pick(chunk_params, v)
 
     def add_grads(grads: PyTree, v: Any, dp: PyTree) -> PyTree:
-        dp = cast(dp)
         if V == 1:
             return jax.tree.map(lambda a, d: a + d.reshape(a.shape), grads, dp)
         return jax.tree.map(
             lambda a, d: jax.lax.dynamic_update_index_in_dim(
                 a, jax.lax.dynamic_index_in_dim(a, v, keepdims=False) + d, v, 0), grads, dp)
 
-    # The branches of the tick's lax.switch: (stash, state, cell) -> (buffer, state),
-    # state being (grads, loss, outs, dins). Each branch reads only what its action needs and
-    # updates the accumulators itself, so idle and forward ticks add no zero gradient: they
-    # return the accumulators as they got them (XLA still copies a buffer a branch passes
-    # through, but computes nothing).
+    # The tick's action, in two levels: a lax.cond on whether it forms a parameter
+    # cotangent, then a lax.switch among the branches of that kind. The gradient
+    # accumulators go through the first level only: XLA copies a buffer that a conditional
+    # branch passes through unchanged once it has two or more such branches (a parameter-sized
+    # copy every idle and forward tick), not when one branch passes it and the other adds.
+    # The branches: (stash, loss, cell) -> (buffer, loss, kept), and those forming a
+    # parameter cotangent return it too. ``kept`` is what goes into the per-microbatch results
+    # (outputs, input cotangents), written after the switch: passed through every branch,
+    # those [M, ...] arrays would be copied whole every tick.
+    def kept(m=None, y=None, dx=None):
+        """``(row, value)`` per result asked for; row M, a scratch row, where the action
+        leaves nothing."""
+        out = ()
+        if return_outputs:
+            out += ((jnp.int32(M), zeros(y_shape)) if y is None else (m, y),)
+        if plan.input_grads:
+            out += ((jnp.int32(M), zeros(x0)) if dx is None else (m, dx),)
+        return out
+
     def inputs(stash, cell):
         m, v, first, x_slot = cell[_MICROBATCH], cell[_VIRTUAL], cell[_FIRST], cell[_X_SLOT]
         x_in = pick(xs, m)
@@ -344,68 +357,80 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
             lambda a, b: jnp.where(first == 1, a, b), x_in, pick(stash, x_slot))
         return params_of(v), x, v * P + s
 
-    def idle(stash, state, cell):
-        return no_buffer(), state
+    def idle(stash, loss, cell):
+        return no_buffer(), loss, kept()
 
-    def forward(stash, state, cell):
+    def forward(stash, loss, cell):
         p, x, c = inputs(stash, cell)
-        return apply(p, x, c), state
+        return apply(p, x, c), loss, kept()
 
-    def forward_last(stash, state, cell):
-        grads, loss, outs, dins = state
+    def forward_last(stash, loss, cell):
         p, x, c = inputs(stash, cell)
         y = apply(p, x, c)
         step_loss, dy = jax.value_and_grad(lambda y: loss_fn(y, pick(ys, cell[_MICROBATCH])))(y)
-        if return_outputs:
-            outs = put(outs, cell[_MICROBATCH], y)
-        return dy, (grads, loss + step_loss.astype(jnp.float32), outs, dins)
+        return dy, loss + step_loss.astype(jnp.float32), kept(cell[_MICROBATCH], y=y)
 
-    def backward(stash, state, cell):
-        grads, loss, outs, dins = state
-        p, x, c = inputs(stash, cell)
-        _, vjp = jax.vjp(lambda p, x: apply(p, x, c), p, x)
-        dp, dx = vjp(pick(stash, cell[_G_SLOT]))
-        return dx, (add_grads(grads, cell[_VIRTUAL], dp), loss, outs, dins)
-
-    def weight(stash, state, cell):
-        grads, loss, outs, dins = state
-        p, x, c = inputs(stash, cell)
-        _, vjp = jax.vjp(lambda p: apply(p, x, c), p)
-        (dp,) = vjp(pick(stash, cell[_G_SLOT]))
-        return no_buffer(), (add_grads(grads, cell[_VIRTUAL], dp), loss, outs, dins)
-
-    def backward_input(stash, state, cell):
+    def backward_input(stash, loss, cell):
         p, x, c = inputs(stash, cell)
         _, vjp = jax.vjp(lambda x: apply(p, x, c), x)
         (dx,) = vjp(pick(stash, cell[_G_SLOT]))
-        return dx, state
+        return dx, loss, kept()
 
-    # The first chunk's input cotangent, where asked for, stays on stage 0 (in dins).
-    def backward_first_with_input(stash, state, cell):
-        dx, (grads, loss, outs, dins) = backward(stash, state, cell)
-        return no_buffer(), (grads, loss, outs, put(dins, cell[_MICROBATCH], dx))
+    # The first chunk's input cotangent, where asked for, stays on stage 0 (a result).
+    def backward_input_first(stash, loss, cell):
+        dx, loss, _ = backward_input(stash, loss, cell)
+        return no_buffer(), loss, kept(cell[_MICROBATCH], dx=dx)
 
-    def backward_input_first(stash, state, cell):
-        grads, loss, outs, dins = state
-        dx, _ = backward_input(stash, state, cell)
-        return no_buffer(), (grads, loss, outs, put(dins, cell[_MICROBATCH], dx))
+    def backward(stash, loss, cell):
+        p, x, c = inputs(stash, cell)
+        _, vjp = jax.vjp(lambda p, x: apply(p, x, c), p, x)
+        dp, dx = vjp(pick(stash, cell[_G_SLOT]))
+        return dx, loss, kept(), cast(dp)
 
-    branches = [None] * plan_mod.BRANCHES
-    branches[plan_mod.IDLE] = idle
-    branches[plan_mod.FORWARD] = forward
-    branches[plan_mod.FORWARD_LAST] = forward_last
-    branches[plan_mod.BACKWARD] = backward
-    branches[plan_mod.BACKWARD_FIRST] = weight  # the first chunk's input needs no cotangent
-    branches[plan_mod.BACKWARD_INPUT] = backward_input
-    branches[plan_mod.WEIGHT] = weight
-    branches[plan_mod.BACKWARD_FIRST_WITH_INPUT] = backward_first_with_input
-    branches[plan_mod.BACKWARD_INPUT_FIRST] = backward_input_first
-    used = sorted({int(b) for b in np.unique(plan.actions[..., _BRANCH])} | {plan_mod.IDLE})
+    def weight(stash, loss, cell):
+        p, x, c = inputs(stash, cell)
+        _, vjp = jax.vjp(lambda p: apply(p, x, c), p)
+        (dp,) = vjp(pick(stash, cell[_G_SLOT]))
+        return no_buffer(), loss, kept(), cast(dp)
+
+    def backward_first_with_input(stash, loss, cell):
+        dx, loss, _, dp = backward(stash, loss, cell)
+        return no_buffer(), loss, kept(cell[_MICROBATCH], dx=dx), dp
+
+    with_grads = {plan_mod.BACKWARD: backward,
+                  plan_mod.BACKWARD_FIRST: weight,  # the first chunk's input needs none
+                  plan_mod.WEIGHT: weight,
+                  plan_mod.BACKWARD_FIRST_WITH_INPUT: backward_first_with_input}
+    without_grads = {plan_mod.IDLE: idle, plan_mod.FORWARD: forward,
+                     plan_mod.FORWARD_LAST: forward_last,
+                     plan_mod.BACKWARD_INPUT: backward_input,
+                     plan_mod.BACKWARD_INPUT_FIRST: backward_input_first}
+    # Only the branches this schedule uses are compiled; the table maps each to its position:
+    # those forming a parameter cotangent first, then the others.
+    used = {int(b) for b in np.unique(plan.actions[..., _BRANCH])} | {plan_mod.IDLE}
+    grad_kinds = sorted(used & with_grads.keys())
+    other_kinds = sorted(used & without_grads.keys())
     index_of = np.zeros(plan_mod.BRANCHES, np.int32)
-    index_of[used] = np.arange(len(used))
-    # Only the branches this schedule uses are compiled; the table maps to their positions.
+    index_of[grad_kinds] = np.arange(len(grad_kinds))
+    index_of[other_kinds] = len(grad_kinds) + np.arange(len(other_kinds))
     # Every branch must return the same types (vma included): mark them varying alike.
-    live = [lambda *a, f=branches[b]: _vary(f(*a), varying) for b in used]
+    grad_live = [lambda *a, f=with_grads[b]: _vary(f(*a), varying) for b in grad_kinds]
+    other_live = [lambda *a, f=without_grads[b]: _vary(f(*a), varying) for b in other_kinds]
+
+    def act(stash, grads, loss, cell):
+        """The tick's action: (buffer, grads, loss, kept)."""
+        def forming(stash, grads, loss, cell):
+            buffer, loss, rows, dp = jax.lax.switch(cell[_BRANCH], grad_live, stash, loss, cell)
+            return buffer, add_grads(grads, cell[_VIRTUAL], dp), loss, rows
+
+        def not_forming(stash, grads, loss, cell):
+            buffer, loss, rows = jax.lax.switch(cell[_BRANCH] - len(grad_kinds), other_live,
+                                                stash, loss, cell)
+            return buffer, grads, loss, rows
+
+        # Every table has a backward (validate_table), so both sides have branches.
+        return jax.lax.cond(cell[_BRANCH] < len(grad_kinds), forming, not_forming,
+                            stash, grads, loss, cell)
 
     # One stash holds every slot of the plan and a scratch slot (the last) for what goes
     # nowhere, never read: each buffer of a tick is stored with one unconditional write.
@@ -436,10 +461,12 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
         return run
 
     def tick(carry, xs):
-        stash, state = carry
+        stash, state, results = carry
         row, kind = xs
         cell = jax.lax.dynamic_index_in_dim(row, s, keepdims=False)
-        buffer, state = jax.lax.switch(cell[_BRANCH], live, stash, state, cell)
+        buffer, grads, loss, rows = act(stash, *state, cell)
+        state = (grads, loss)
+        results = tuple(put(r, i, value) for r, (i, value) in zip(results, rows, strict=True))
         # Into the slot its reader on this stage takes it from, or its outbox slot.
         stash = put(stash, cell[_OUT_SLOT], buffer)
         # In the same order on every device (see .plan); each precv's result goes into the
@@ -448,16 +475,18 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
         got = jax.lax.switch(kind, [exchange(entries) for entries in kinds], stash, cell)
         for e, value in enumerate(got):
             stash = put(stash, cell[receives_at + e], value)
-        return (stash, state), None
+        return (stash, state, results), None
 
     stash = zeros(buffer_shape, (plan.slots + 1,))
     grads = _vary(jax.tree.map(lambda a, d: jnp.zeros(a.shape, d), chunk_params, acc_dtypes),
                   varying)
-    outs = zeros(y_shape, (M,)) if return_outputs else None
-    dins = zeros(x0, (M,)) if plan.input_grads else None
-    carry = (stash, (grads, _vary(jnp.zeros((), jnp.float32), varying), outs, dins))
-    (_, (grads, loss, outs, dins)), _ = jax.lax.scan(
+    # The per-microbatch results asked for, each with a scratch row M (see kept()).
+    results = ((zeros(y_shape, (M + 1,)),) if return_outputs else ()) + \
+        ((zeros(x0, (M + 1,)),) if plan.input_grads else ())
+    carry = (stash, (grads, _vary(jnp.zeros((), jnp.float32), varying)), results)
+    (_, (grads, loss), results), _ = jax.lax.scan(
         tick, carry, (jnp.asarray(table, np.int32), jnp.asarray(message_kind)))
+    results = [jax.tree.map(lambda a: a[:M], r) for r in results]
 
     # The loss lives on the last stage: share it (after the scan, so after every message).
     loss = jax.lax.psum(jnp.where(s == (C - 1) % P, loss, 0.0), axis) / M
@@ -468,9 +497,11 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
     grads = jax.tree.map(lambda g, a: g.reshape(a.shape), grads, params)
     result = [loss, grads]
     if return_outputs:
+        outs = results.pop(0)
         result.append(jax.lax.psum(
             jax.tree.map(lambda o: jnp.where(s == (C - 1) % P, o, 0), outs), axis))
     if plan.input_grads:
+        dins = results.pop(0)
         # Of the mean over microbatches (and data shards): each microbatch's share is 1 / M.
         shards = 1 if data_axis is None else int(jax.lax.axis_size(data_axis))
         dins = jax.lax.psum(jax.tree.map(lambda d: jnp.where(s == 0, d, 0), dins), axis)
