@@ -233,28 +233,20 @@ def make_step(mesh, schedule):
 
 
 def dataflow(plan, cost, send_us, recv_us) -> float:
-    """Idle share of the table run as pure dataflow (module docstring): a value leaves its
-    producer when made (the producer spends ``send_us`` on it) and the consumer spends
-    ``recv_us`` taking it before the action that first reads it. Idle cells cost nothing:
-    without ticks there are none."""
-    S = plan.schedule.stages
-    work = lambda s, t: 0.0 if plan.actions[t, s, 0] == plan_mod.IDLE else cost(s, t)  # noqa: E731
-    reads: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
-    sends: dict[tuple[int, int], int] = defaultdict(int)
-    for src, dst, made, _, need in plan.schedule_of_messages:
-        reads[(need, dst)].append((made, src))
-        sends[(made, src)] += 1
-    now, ready, busy = [0.0] * S, {}, 0.0
-    for t in range(plan.ticks):
-        for s in range(S):
-            for made, src in reads.get((t, s), ()):
-                now[s] = max(now[s], ready[(made, src)]) + recv_us(s)
-            now[s] += work(s, t)
-            busy += work(s, t)
-            now[s] += sends[(t, s)] * send_us(s)
-            ready[(t, s)] = now[s]
-    span = max(now)
-    return 1 - busy / (S * span) if span > 0 else 0.0
+    """Idle share of the table run as pure dataflow (module docstring):
+    ``Schedule.bubble_fraction_for`` with each action's measured cost (a cell the executor
+    leaves idle, the first chunk's B where split without input gradients, costs nothing) and
+    the stages' mean psend / precv times per message."""
+    schedule = plan.schedule
+    tick = {(s, a): t for t, row in enumerate(schedule.table) for s, a in enumerate(row) if a}
+
+    def work(s, a):
+        t = tick[(s, a)]
+        return 0.0 if plan.actions[t, s, 0] == plan_mod.IDLE else cost(s, t)
+
+    stages = range(schedule.stages)
+    return schedule.bubble_fraction_for(work, send=statistics.mean(map(send_us, stages)),
+                                        receive=statistics.mean(map(recv_us, stages)))
 
 
 def measure(name: str, root: Path) -> dict[str, object] | None:

@@ -215,3 +215,28 @@ def test_one_f_one_b_messages_by_tick():
     plan = make_plan(pl.OneFOneB(stages=2, microbatches=3))
     down, up = (0, ((0, 1),)), (1, ((1, 0),))
     assert plan.messages == ((down,), (down,), (up,), (), (down, up), (), (up,), ())
+
+
+@pytest.mark.parametrize("P,M", [(2, 3), (2, 8), (3, 4), (4, 5), (4, 8), (4, 16)])
+def test_bubble_for_unit_costs_is_the_tables(P, M):
+    """Run as dataflow with every action 1 and free messages, each table is as tight as its
+    cells: bubble_fraction_for() is bubble_fraction."""
+    for schedule in all_schedules(P, M):
+        assert schedule.bubble_fraction_for() == pytest.approx(schedule.bubble_fraction)
+
+
+def test_bubble_for_costs_and_messages_by_hand():
+    """GPipe, P = 2, M = 1: F0 on stage 0 [0, 1]; stage 1 receives (0.5), F [1.5, 2.5], B
+    [2.5, 3.5]; stage 0 receives (0.5), B [4, 5]. Busy 4 of 2 x 5."""
+    gpipe = pl.GPipe(stages=2, microbatches=1)
+    assert gpipe.bubble_fraction_for(receive=0.5) == pytest.approx(0.6)
+    # Costs by kind, and by stage: a backward twice a forward keeps GPipe's (P-1)/(M+P-1)
+    # on equal stages; a lighter first stage idles more.
+    gpipe8 = pl.GPipe(stages=2, microbatches=8)
+    assert gpipe8.bubble_fraction_for({"B": 2.0}) == pytest.approx(1 / 9)
+    lighter = gpipe8.bubble_fraction_for(lambda s, a: 1.0 if a.kind == "F" or s == 0 else 2.0)
+    assert lighter == pytest.approx(3 / 13)
+    # ZB-H1's table assumes F = B = W; with B and W twice F its W no longer fill the gaps.
+    zb = pl.ZeroBubble(stages=4, microbatches=8)
+    assert zb.bubble_fraction_for() == pytest.approx(1 / 9)
+    assert zb.bubble_fraction_for({"B": 2.0, "W": 2.0}) == pytest.approx(3 / 23)

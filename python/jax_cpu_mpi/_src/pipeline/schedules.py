@@ -15,7 +15,7 @@ action takes one tick; :attr:`Schedule.bubble_fraction` is the share of idle cel
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import cached_property
 from typing import ClassVar, Literal, NamedTuple
 
@@ -152,6 +152,57 @@ class Schedule:
         interleaved, ``(P - 1) / (3 M + P - 1)`` for ZB-H1."""
         idle = sum(a is None for row in self.table for a in row)
         return idle / (len(self.table) * len(self.table[0]))
+
+    def bubble_fraction_for(
+        self,
+        cost: Mapping[str, float] | Callable[[int, Action], float] | None = None,
+        *,
+        send: float = 0.0,
+        receive: float = 0.0,
+    ) -> float:
+        """The bubble of this table with actions that take different times: the share of
+        ``P x span`` the stages spend not computing, when every action starts as soon as its
+        stage is free and the values it reads from other stages have arrived (no ticks).
+
+        ``cost``: the time of each action kind (``{"F": 1, "B": 2, "W": 1}``, kinds left out
+        take 1), or a function ``(stage, action) -> time`` for costs that differ by stage or
+        chunk; ``None``: every action 1. ``send`` / ``receive``: the time a stage spends
+        sending / receiving each value that crosses stages (communication, counted as not
+        computing). With unit costs and free messages this is :attr:`bubble_fraction` for
+        the schedules here; measured action and message times give the bubble this schedule
+        can reach on a machine (``benchmarks/pipeline_bubbles.py``).
+        """
+        P, _, V = self._sizes()
+        C = P * V
+        if cost is None or isinstance(cost, Mapping):
+            kinds = {"F": 1.0, "B": 1.0, "W": 1.0, **(cost or {})}
+            duration: Callable[[int, Action], float] = lambda s, a: float(kinds[a.kind])  # noqa: E731
+        else:
+            duration = cost
+        now, busy = [0.0] * P, 0.0
+        arrives: dict[tuple[str, int, int], float] = {}
+        for row in self.table:
+            for s, a in enumerate(row):
+                if a is None:
+                    continue
+                c = _chunk(a, s, P)
+                reads = []  # the values from other stages this action reads
+                if a.kind == "F" and c > 0 and (c - 1) % P != s:
+                    reads.append(("F", a.microbatch, c - 1))
+                if a.kind == "B" and c < C - 1 and (c + 1) % P != s:
+                    reads.append(("B", a.microbatch, c + 1))
+                for value in reads:
+                    now[s] = max(now[s], arrives[value]) + receive
+                work = duration(s, a)
+                now[s] += work
+                busy += work
+                sends = (a.kind == "F" and c < C - 1 and (c + 1) % P != s) or \
+                    (a.kind == "B" and c > 0 and (c - 1) % P != s)
+                if sends:
+                    now[s] += send
+                    arrives[(a.kind, a.microbatch, c)] = now[s]
+        span = max(now)
+        return 1.0 - busy / (P * span) if span > 0 else 0.0
 
     @property
     def peak_stash(self) -> tuple[int, ...]:
