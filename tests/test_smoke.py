@@ -12,6 +12,8 @@ from mpi_launcher import assert_mpi_ok, run_mpi
 
 
 @needs_jax_p2p
+@pytest.mark.filterwarnings("ignore:jax.lax.psend is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:jax.lax.precv is deprecated:DeprecationWarning")
 def test_chain_matches_ppermute_in_one_process():
     """A plain jax.lax.psend/precv program runs unchanged (JAX's deprecated API)."""
     mesh = make_mesh((4, "x"))
