@@ -171,9 +171,7 @@ def value_and_grad(
 
 
 def _check_differentiable(microbatches: PyTree) -> None:
-    bad = [a for a in jax.tree.leaves(microbatches)
-           if not jnp.issubdtype(a.dtype, jnp.inexact)]
-    if bad:
+    if not all(jnp.issubdtype(a.dtype, jnp.inexact) for a in jax.tree.leaves(microbatches)):
         raise PipelineError(
             f"jax_cpu_mpi.pipeline.value_and_grad: return_input_grads=True needs floating "
             f"microbatches (their gradient), but they are {_leaves_shapes(microbatches)}; "
@@ -488,8 +486,14 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
         tick, carry, (jnp.asarray(table, np.int32), jnp.asarray(message_kind)))
     results = [jax.tree.map(lambda a: a[:M], r) for r in results]
 
-    # The loss lives on the last stage: share it (after the scan, so after every message).
-    loss = jax.lax.psum(jnp.where(s == (C - 1) % P, loss, 0.0), axis) / M
+    def shared_from(stage: int, tree: PyTree) -> PyTree:
+        """What only ``stage`` holds, on every stage (after the scan, so after every
+        message)."""
+        return jax.lax.psum(jax.tree.map(lambda a: jnp.where(s == stage, a, 0), tree), axis)
+
+    # The loss and the outputs live on the last chunk's stage, the input cotangents on 0.
+    last = (C - 1) % P
+    loss = shared_from(last, loss) / M
     grads = jax.tree.map(lambda g, a: (g / M).astype(a.dtype), grads, chunk_params)
     if data_axis is not None:
         loss = jax.lax.pmean(loss, data_axis)
@@ -497,14 +501,11 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
     grads = jax.tree.map(lambda g, a: g.reshape(a.shape), grads, params)
     result = [loss, grads]
     if return_outputs:
-        outs = results.pop(0)
-        result.append(jax.lax.psum(
-            jax.tree.map(lambda o: jnp.where(s == (C - 1) % P, o, 0), outs), axis))
+        result.append(shared_from(last, results.pop(0)))
     if plan.input_grads:
-        dins = results.pop(0)
         # Of the mean over microbatches (and data shards): each microbatch's share is 1 / M.
-        shards = 1 if data_axis is None else int(jax.lax.axis_size(data_axis))
-        dins = jax.lax.psum(jax.tree.map(lambda d: jnp.where(s == 0, d, 0), dins), axis)
+        shards = 1 if data_axis is None else _axis_size(data_axis, "the data axis")
+        dins = shared_from(0, results.pop(0))
         result.append(jax.tree.map(
             lambda d: (d.astype(_accumulator_dtype(d.dtype)) / (M * shards)).astype(d.dtype),
             dins))

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jax_cpu_mpi._src.pipeline.schedules import Action, Schedule, ScheduleError
+from jax_cpu_mpi._src.pipeline.schedules import Action, Schedule, ScheduleError, dataflow_clock
 
 __all__ = [
     "ACTION_COST",
@@ -151,25 +151,10 @@ class _Value:
     out_slot: int = -1  # where it is written on src
     in_slot: int = -1  # where it arrives on dst
 
-
-def _dataflow_ends(branches: np.ndarray, values: list[_Value]) -> np.ndarray:
-    """``end[t, s]``: when stage ``s`` finishes its tick-``t`` action in a dataflow run of the
-    table under :data:`ACTION_COST` (an action starts once its stage is free and the values
-    it reads from other stages are made)."""
-    T, P = branches.shape
-    waits_for: dict[tuple[int, int], list[_Value]] = {}
-    for v in values:
-        if v.src != v.dst:
-            for t in v.reads:
-                waits_for.setdefault((t, v.dst), []).append(v)
-    end = np.zeros((T, P))
-    now = np.zeros(P)
-    for t in range(T):
-        for s in range(P):
-            start = max([now[s]] + [end[v.made, v.src] for v in waits_for.get((t, s), ())])
-            now[s] = start + ACTION_COST[int(branches[t, s])]
-            end[t, s] = now[s]
-    return end
+    @property
+    def read_slot(self) -> int:
+        """Where its readers (on ``dst``) find it."""
+        return self.out_slot if self.src == self.dst else self.in_slot
 
 
 def _place_messages(values: list[_Value], end: np.ndarray) -> None:
@@ -240,7 +225,13 @@ def make_plan(schedule: Schedule, input_grads: bool = False) -> Plan:
         if not v.reads or min(v.reads) <= v.made:  # validate_table rules this out
             raise ScheduleError(f"{schedule._title()}: a value made at tick {v.made} on stage "
                                 f"{v.src} is read at ticks {v.reads}, not after it is made")
-    _place_messages(values, _dataflow_ends(branches, values))
+    # When each stage finishes each tick in a dataflow run under the cost model (an action
+    # the executor leaves idle waits for nothing).
+    def cost(s: int, a: Action) -> float | None:
+        branch = int(branches[when[(a.kind, a.microbatch, a.virtual_stage * P + s)], s])
+        return None if branch == IDLE else ACTION_COST[branch]
+
+    _place_messages(values, np.asarray(dataflow_clock(table, P, V, cost)[0]))
 
     # Slots: on the producer from its write to its send (or to its last read when it stays),
     # on the consumer from its arrival to its last read.
@@ -304,10 +295,8 @@ def make_plan(schedule: Schedule, input_grads: bool = False) -> Plan:
             cell = actions[t, s]
             cell[:4] = (branch, m, a.virtual_stage, int(c == 0))
             if c > 0:
-                x = activation[(m, c)]
-                cell[4] = x.out_slot if x.src == x.dst else x.in_slot
-            g = cotangent[(m, c)]
-            cell[5] = g.out_slot if g.src == g.dst else g.in_slot
+                cell[4] = activation[(m, c)].read_slot
+            cell[5] = cotangent[(m, c)].read_slot
             made = (cotangent.get((m, c)) if branch == FORWARD_LAST
                     else activation.get((m, c + 1)) if branch == FORWARD
                     else cotangent.get((m, c - 1)) if branch in (BACKWARD, BACKWARD_INPUT)

@@ -173,35 +173,13 @@ class Schedule:
         can reach on a machine (``benchmarks/pipeline_bubbles.py``).
         """
         P, _, V = self._sizes()
-        C = P * V
         if cost is None or isinstance(cost, Mapping):
             kinds = {"F": 1.0, "B": 1.0, "W": 1.0, **(cost or {})}
             duration: Callable[[int, Action], float] = lambda s, a: float(kinds[a.kind])  # noqa: E731
         else:
             duration = cost
-        now, busy = [0.0] * P, 0.0
-        arrives: dict[tuple[str, int, int], float] = {}
-        for row in self.table:
-            for s, a in enumerate(row):
-                if a is None:
-                    continue
-                c = _chunk(a, s, P)
-                reads = []  # the values from other stages this action reads
-                if a.kind == "F" and c > 0 and (c - 1) % P != s:
-                    reads.append(("F", a.microbatch, c - 1))
-                if a.kind == "B" and c < C - 1 and (c + 1) % P != s:
-                    reads.append(("B", a.microbatch, c + 1))
-                for value in reads:
-                    now[s] = max(now[s], arrives[value]) + receive
-                work = duration(s, a)
-                now[s] += work
-                busy += work
-                sends = (a.kind == "F" and c < C - 1 and (c + 1) % P != s) or \
-                    (a.kind == "B" and c > 0 and (c - 1) % P != s)
-                if sends:
-                    now[s] += send
-                    arrives[(a.kind, a.microbatch, c)] = now[s]
-        span = max(now)
+        clock, busy = dataflow_clock(self.table, P, V, duration, send=send, receive=receive)
+        span = max(clock[-1])
         return 1.0 - busy / (P * span) if span > 0 else 0.0
 
     @property
@@ -280,6 +258,50 @@ def _simulate(schedule: Schedule, P: int, M: int, V: int,
                 done[(a.kind, a.microbatch, _chunk(a, s, P))] = len(table)
         table.append(row)
     return tuple(table)
+
+
+def dataflow_clock(
+    table: Table, P: int, V: int, duration: Callable[[int, Action], float | None], *,
+    send: float = 0.0, receive: float = 0.0,
+) -> tuple[list[list[float]], float]:
+    """Run ``table`` as dataflow (see :meth:`Schedule.bubble_fraction_for`): each action starts
+    once its stage is free and the values it reads from other stages have arrived.
+
+    ``duration(stage, action)`` is its time, or ``None`` for an action that computes nothing
+    (the first chunk's ``B`` where the input needs no gradient): it neither waits nor takes
+    time, and the value it would have read is waited for by the next action that reads it
+    (its ``W``). A value is received once, by the first action of its stage that reads it.
+    Returns ``(clock, busy)``: ``clock[t][s]``, stage ``s``'s time at the end of tick ``t``;
+    ``busy``, the summed durations."""
+    C = P * V
+    now, busy = [0.0] * P, 0.0
+    arrives: dict[tuple[str, int, int], float] = {}
+    received: set[tuple[str, int, int]] = set()
+    clock = []
+    for row in table:
+        for s, a in enumerate(row):
+            work = None if a is None else duration(s, a)
+            if work is None:
+                continue
+            c = _chunk(a, s, P)
+            reads = []  # the values from other stages this action reads
+            if a.kind == "F" and c > 0 and (c - 1) % P != s:
+                reads.append(("F", a.microbatch, c - 1))
+            if a.kind in ("B", "W") and c < C - 1 and (c + 1) % P != s:
+                reads.append(("B", a.microbatch, c + 1))
+            for value in reads:
+                if value not in received:
+                    received.add(value)
+                    now[s] = max(now[s], arrives[value]) + receive
+            now[s] += work
+            busy += work
+            sends = (a.kind == "F" and c < C - 1 and (c + 1) % P != s) or \
+                (a.kind == "B" and c > 0 and (c - 1) % P != s)
+            if sends:
+                now[s] += send
+                arrives[(a.kind, a.microbatch, c)] = now[s]
+        clock.append(list(now))
+    return clock, busy
 
 
 def validate_table(table: Table, P: int, M: int, V: int, split: bool, title: str) -> None:
