@@ -41,6 +41,7 @@ class Case:
     dtype: str = "float32"
     samples: int = MICROBATCH  # per microbatch and data shard
     input_grads: bool = False  # also the gradient with respect to the microbatches
+    remat: bool = True  # False: the forwards keep their residuals for the backward
 
     def schedule(self) -> pl.Schedule:
         kind, _, v = self.name.partition(":")
@@ -115,7 +116,8 @@ def run_pipeline(case: Case, devices) -> tuple:
     f = jax.jit(pl.shard_value_and_grad(stage, loss, mesh, schedule,
                                         data_axis_name="data" if D > 1 else None,
                                         return_outputs=True,
-                                        return_input_grads=case.input_grads),
+                                        return_input_grads=case.input_grads,
+                                        remat=case.remat),
                 out_shardings=NamedSharding(mesh, P()))
     data = P(None, "data") if D > 1 else P()
     args = (jax.tree.map(lambda a: put(mesh, P("stage"), a), params),

@@ -17,9 +17,11 @@ from pipeline_cases import Case, compare, run_pipeline, tolerance
 stages, microbatches = int(sys.argv[1]), int(sys.argv[2])
 data = int(sys.argv[3]) if len(sys.argv) > 3 else 1
 devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-# 1F1B and ZB-H1 also return the microbatches' gradients (formed on stage 0, shared).
+# 1F1B and ZB-H1 also return the microbatches' gradients (formed on stage 0, shared);
+# GPipe and interleaved 1F1B keep their forwards' residuals (remat=False).
 cases = [Case(name, stages=stages, microbatches=microbatches, data=data,
-              input_grads=name in ("1f1b", "zero-bubble"))
+              input_grads=name in ("1f1b", "zero-bubble"),
+              remat=name in ("1f1b", "zero-bubble"))
          for name in ("gpipe", "1f1b", "interleaved-1f1b:2", "zero-bubble")]
 # Every process runs every pipeline first, then process 0 alone compiles the references:
 # a process that ran ahead into the next pipeline while process 0 compiled a reference would

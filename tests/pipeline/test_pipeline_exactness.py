@@ -38,11 +38,19 @@ CASES = (
     + [Case("zero-bubble", stages=4, microbatches=5, input_grads=True),
        Case("interleaved-1f1b:2", stages=2, microbatches=3, data=2, input_grads=True),
        Case("1f1b", stages=1, microbatches=3, input_grads=True)]
+    # remat=False: the backward starts from the forward's kept residuals; ZB-H1's weight
+    # part from what its input part kept (with and without the first chunk's dx).
+    + [Case(s, stages=4, microbatches=5, remat=False) for s in SCHEDULES]
+    + [Case("zero-bubble", stages=4, microbatches=5, input_grads=True, remat=False),
+       Case("interleaved-1f1b:2", stages=2, microbatches=3, data=2, remat=False),
+       Case("zero-bubble", stages=2, microbatches=2, dtype="bfloat16", remat=False),
+       Case("1f1b", stages=1, microbatches=3, input_grads=True, remat=False)]
 )
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.name}-P{c.stages}-M{c.microbatches}"
-                         f"-D{c.data}-{c.dtype}-S{c.samples}" + ("-dx" if c.input_grads else ""))
+                         f"-D{c.data}-{c.dtype}-S{c.samples}" + ("-dx" if c.input_grads else "")
+                         + ("" if c.remat else "-kept"))
 def test_matches_single_device(case):
     errors = run_case(case, jax.devices())
     assert max(errors.values()) <= tolerance(case), errors
@@ -88,15 +96,18 @@ def different_shapes_problem():
     return functions, params, xs, ys, jax.jit(jax.value_and_grad(model_loss))(params)
 
 
-@pytest.mark.parametrize("schedule,stages", [(pl.OneFOneB(), 4), (pl.Interleaved1F1B(2), 2)],
-                         ids=["1f1b-P4", "interleaved-P2xV2"])
-def test_chunks_with_parameters_of_different_shapes(schedule, stages):
+@pytest.mark.parametrize("schedule,stages,remat",
+                         [(pl.OneFOneB(), 4, True), (pl.Interleaved1F1B(2), 2, True),
+                          (pl.ZeroBubble(), 4, False)],
+                         ids=["1f1b-P4", "interleaved-P2xV2", "zero-bubble-P4-kept"])
+def test_chunks_with_parameters_of_different_shapes(schedule, stages, remat):
     """One function and one parameter pytree per chunk, against the same chunks composed on
-    one device."""
+    one device. With remat=False every chunk keeps its own residuals (JAX's switch over the
+    chunks keeps those of all of them)."""
     functions, params, xs, ys, (want_loss, want_grads) = different_shapes_problem()
     mesh = jax.make_mesh((stages,), ("stage",), devices=jax.devices()[:stages])
     f = jax.jit(pl.shard_value_and_grad(functions, lambda y, t: jnp.mean((y - t) ** 2), mesh,
-                                        schedule))
+                                        schedule, remat=remat))
     got_loss, got_grads = f(params, xs, ys)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
     assert jax.tree.structure(got_grads) == jax.tree.structure(want_grads)

@@ -74,6 +74,18 @@ def test_every_schedule_exports_for_cuda_and_passes_the_gpu_parity_check(schedul
     assert text.count('"stablehlo.send"') == text.count('"stablehlo.recv"') == ops, text
 
 
+@pytest.mark.parametrize("schedule", [pl.OneFOneB(), pl.ZeroBubble()],
+                         ids=lambda s: type(s).__name__)
+def test_kept_residuals_export_for_cuda_and_pass_the_gpu_parity_check(schedule):
+    """remat=False changes what a tick computes and keeps, not its messages."""
+    P, M = 4, 4
+    f = pl.shard_value_and_grad(stage, loss, mesh(P), schedule, remat=False)
+    text = export_and_check(f, *abstract_args(P, 1, M, 8, 2))
+    plan = make_plan(schedule.bind(P, M), remat=False)
+    ops = sum(len(tick) for tick in set(plan.messages))
+    assert text.count('"stablehlo.send"') == text.count('"stablehlo.recv"') == ops, text
+
+
 @pytest.mark.parametrize("input_grads", [False, True])
 def test_two_messages_of_one_pair_in_a_tick_pass_the_gpu_parity_check(input_grads):
     """Interleaved 1F1B on two stages sends some messages after the tick that makes them

@@ -56,6 +56,7 @@ def install() -> None:
     # `import jax_cpu_mpi` gets there in time.
     compat.enable("clusters", launchers.register)
     compat.enable("exit_from_broken_job", lambda: None)  # used at exit (runtime.mpi)
+    compat.enable("pipeline:split_backward", lambda: None)  # used when pipelines trace
     _installed = True
 
 

@@ -433,3 +433,17 @@ XLA_CPU_INLINE_FLOPS = 1000
 _need_all([FAST_DISPATCH], "jax._src.interpreters.mlir:lower_jaxpr_to_module",
           check=has_params("module_name", "jaxpr", "platforms"))
 _need_all([FAST_DISPATCH], "jax._src.lib.mlir.dialects:hlo", check=is_module)
+
+# ---------------------------------------------- pipeline: kept residuals, split backward
+
+PIPELINE_SPLIT_BACKWARD = feature(
+    "pipeline:split_backward", "pipelines with remat=False: a split backward (zero-bubble's "
+    "input and weight cotangents) whose weight part reuses the input part's work",
+    when_off="with remat=False the weight part of a split backward (ZeroBubble's W) "
+             "recomputes the cotangents inside the chunk from the kept residuals; results "
+             "are the same, W costs more")
+#: Dead-code elimination of a jaxpr for chosen outputs: how the backward of a chunk is cut
+#: into the part that forms its input's cotangent and the part that forms its parameters'.
+dce_jaxpr = PIPELINE_SPLIT_BACKWARD.need(
+    "jax._src.interpreters.partial_eval:dce_jaxpr",
+    check=has_params("jaxpr", "used_outputs", "instantiate"))

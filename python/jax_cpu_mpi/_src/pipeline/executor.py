@@ -6,8 +6,10 @@ under ``jax.vjp``, or idling) and writes its buffer into its stash; then the sta
 a message in this tick send it from their stash with ``jax_cpu_mpi.psend``/``precv`` (a
 second ``lax.switch``, over the plan's distinct sets of a tick's messages) and store what
 they receive in their stash slots. The plan picks the tick of each message between the one
-that makes it and the one that needs it. Only the stage inputs (and cotangents) are
-stashed: the backward recomputes the stage's forward.
+that makes it and the one that needs it. By default only the stage inputs (and
+cotangents) are stashed: the backward recomputes the stage's forward. With ``remat=False``
+the forward keeps its residuals (:mod:`.residuals`) in slots of their own until the
+backward, which starts from them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 
 from jax_cpu_mpi._src.ops.p2p import precv, psend
 from jax_cpu_mpi._src.pipeline import plan as plan_mod
+from jax_cpu_mpi._src.pipeline import residuals
 from jax_cpu_mpi._src.pipeline.per_chunk import PerChunkStages
 from jax_cpu_mpi._src.pipeline.schedules import Schedule
 
@@ -103,6 +106,7 @@ def value_and_grad(
     data_axis_name: Hashable | None = None,
     return_outputs: bool = False,
     return_input_grads: bool = False,
+    remat: bool = True,
 ) -> tuple[Any, ...]:
     """Mean loss and parameter gradients of a pipelined model; call inside ``jax.shard_map``.
 
@@ -132,6 +136,11 @@ def value_and_grad(
         pipeline, an embedding say. The first chunk's backward then forms its input's
         cotangent too, as every other chunk's does. With ``data_axis_name`` it is this data
         shard's part, of the loss averaged over the data axis.
+      remat: recompute each chunk's forward in its backward (the default: only the
+        chunk's input is stashed per microbatch). ``False`` keeps the forward's residuals
+        (what ``jax.vjp`` saves, less what the parameters alone give) until the backward
+        instead: a forward's work less per backward, for their memory. With a split
+        backward (``ZeroBubble``) the weight part then reuses the input part's work.
 
     Returns:
       ``(loss, grads)``, then ``outputs`` if asked for, then ``input_grads`` if asked for:
@@ -165,7 +174,7 @@ def value_and_grad(
     chunk_params = _chunk_params(params, V, P)
     if return_input_grads:
         _check_differentiable(microbatches)
-    plan = plan_mod.make_plan(schedule, return_input_grads)  # builds and validates the table
+    plan = plan_mod.make_plan(schedule, return_input_grads, remat)  # builds, validates the table
     return _run(stage_fn, chunk_params, loss_fn, microbatches, targets, plan, axis_name,
                 data_axis_name, return_outputs, params)
 
@@ -264,9 +273,10 @@ def _split(data: jax.Array, like: PyTree) -> PyTree:
 # Columns of the tick table that ``_run`` builds from the plan: the plan's action columns,
 # then per entry of the tick's messages the slot each stage sends from, then the slot what
 # the entry brings goes into.
-(_BRANCH, _MICROBATCH, _VIRTUAL, _FIRST, _X_SLOT, _G_SLOT, _OUT_SLOT) = (
+(_BRANCH, _MICROBATCH, _VIRTUAL, _FIRST, _X_SLOT, _G_SLOT, _OUT_SLOT, _KEPT_SLOT) = (
     plan_mod.COLUMNS.index(name)
-    for name in ("branch", "microbatch", "virtual", "first", "x_slot", "g_slot", "out_slot"))
+    for name in ("branch", "microbatch", "virtual", "first", "x_slot", "g_slot", "out_slot",
+                 "kept_slot"))
 _SENDS_AT = len(plan_mod.COLUMNS)
 
 
@@ -338,7 +348,7 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
     # parameter cotangent return it too. ``kept`` is what goes into the per-microbatch results
     # (outputs, input cotangents), written after the switch: passed through every branch,
     # those [M, ...] arrays would be copied whole every tick.
-    def kept(m=None, y=None, dx=None):
+    def kept_rows(m=None, y=None, dx=None):
         """``(row, value)`` per result asked for; row M, a scratch row, where the action
         leaves nothing."""
         out = ()
@@ -355,80 +365,174 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
             lambda a, b: jnp.where(first == 1, a, b), x_in, pick(stash, x_slot))
         return params_of(v), x, v * P + s
 
-    def idle(stash, loss, cell):
-        return no_buffer(), loss, kept()
+    # With remat=False the forward's residuals (and, for a split backward, what its input
+    # part hands to its weight part, ``mid``) are kept per (microbatch, chunk) in ``kept``:
+    # one stack of slots per leaf.
+    vjp = None if plan.remat else residuals.chunk_vjp(
+        apply, params_of(jnp.int32(0)), _vary(x0, varying), s)
+    n_res = 0 if vjp is None else len(vjp.kept)
 
-    def forward(stash, loss, cell):
-        p, x, c = inputs(stash, cell)
-        return apply(p, x, c), loss, kept()
+    def kept_at(kept, cell):
+        i = cell[_KEPT_SLOT]
+        leaves = [jax.lax.dynamic_index_in_dim(a, i, keepdims=False) for a in kept]
+        return leaves[:n_res], leaves[n_res:]
 
-    def forward_last(stash, loss, cell):
+    def keep(kept, cell, values, start):
+        """``kept`` with ``values`` in leaves ``start, start + 1, ...`` of the cell's slot."""
+        out = list(kept)
+        for j, v in enumerate(values):
+            out[start + j] = jax.lax.dynamic_update_index_in_dim(out[start + j], v,
+                                                                 cell[_KEPT_SLOT], 0)
+        return tuple(out)
+
+    # The branches: (stash, kept, loss, cell) -> (buffer, loss, rows, extra): ``extra`` is
+    # what the action writes into the state: the parameter cotangent for those that form
+    # one; with remat=False, the residuals to keep for forwards, the ``mid`` leaves for a
+    # split backward's input part; else nothing.
+    def idle(stash, kept, loss, cell):
+        return no_buffer(), loss, kept_rows(), []
+
+    def run_forward(stash, cell):
         p, x, c = inputs(stash, cell)
-        y = apply(p, x, c)
+        return (apply(p, x, c), []) if vjp is None else vjp.forward(p, x, c)
+
+    def forward(stash, kept, loss, cell):
+        y, res = run_forward(stash, cell)
+        return y, loss, kept_rows(), res
+
+    def forward_last(stash, kept, loss, cell):
+        y, res = run_forward(stash, cell)
         step_loss, dy = jax.value_and_grad(lambda y: loss_fn(y, pick(ys, cell[_MICROBATCH])))(y)
-        return dy, loss + step_loss.astype(jnp.float32), kept(cell[_MICROBATCH], y=y)
+        return dy, loss + step_loss.astype(jnp.float32), kept_rows(cell[_MICROBATCH], y=y), res
 
-    def backward_input(stash, loss, cell):
+    def cotangent(stash, cell):
+        return pick(stash, cell[_G_SLOT])
+
+    def backward_input(stash, kept, loss, cell):
         p, x, c = inputs(stash, cell)
-        _, vjp = jax.vjp(lambda x: apply(p, x, c), x)
-        (dx,) = vjp(pick(stash, cell[_G_SLOT]))
-        return dx, loss, kept()
+        if vjp is None:
+            _, f_vjp = jax.vjp(lambda x: apply(p, x, c), x)
+            (dx,) = f_vjp(cotangent(stash, cell))
+            return dx, loss, kept_rows(), []
+        dx, mid = vjp.input_part(p, c, kept_at(kept, cell)[0], cotangent(stash, cell))
+        return dx, loss, kept_rows(), mid
 
     # The first chunk's input cotangent, where asked for, stays on stage 0 (a result).
-    def backward_input_first(stash, loss, cell):
-        dx, loss, _ = backward_input(stash, loss, cell)
-        return no_buffer(), loss, kept(cell[_MICROBATCH], dx=dx)
+    def backward_input_first(stash, kept, loss, cell):
+        dx, loss, _, mid = backward_input(stash, kept, loss, cell)
+        return no_buffer(), loss, kept_rows(cell[_MICROBATCH], dx=dx), mid
 
-    def backward(stash, loss, cell):
+    def backward(stash, kept, loss, cell):
         p, x, c = inputs(stash, cell)
-        _, vjp = jax.vjp(lambda p, x: apply(p, x, c), p, x)
-        dp, dx = vjp(pick(stash, cell[_G_SLOT]))
-        return dx, loss, kept(), cast(dp)
+        if vjp is None:
+            _, f_vjp = jax.vjp(lambda p, x: apply(p, x, c), p, x)
+            dp, dx = f_vjp(cotangent(stash, cell))
+        else:
+            dp, dx = vjp.backward(p, c, kept_at(kept, cell)[0], cotangent(stash, cell))
+        return dx, loss, kept_rows(), cast(dp)
 
-    def weight(stash, loss, cell):
+    def weight(stash, kept, loss, cell):
         p, x, c = inputs(stash, cell)
-        _, vjp = jax.vjp(lambda p: apply(p, x, c), p)
-        (dp,) = vjp(pick(stash, cell[_G_SLOT]))
-        return no_buffer(), loss, kept(), cast(dp)
+        if vjp is None:
+            _, f_vjp = jax.vjp(lambda p: apply(p, x, c), p)
+            (dp,) = f_vjp(cotangent(stash, cell))
+        else:
+            res, mid = kept_at(kept, cell)
+            dp = vjp.weight_part(p, c, res, cotangent(stash, cell), mid)
+        return no_buffer(), loss, kept_rows(), cast(dp)
 
-    def backward_first_with_input(stash, loss, cell):
-        dx, loss, _, dp = backward(stash, loss, cell)
-        return no_buffer(), loss, kept(cell[_MICROBATCH], dx=dx), dp
+    def backward_first(stash, kept, loss, cell):
+        if vjp is None:
+            return weight(stash, kept, loss, cell)
+        _, loss, rows, dp = backward(stash, kept, loss, cell)
+        return no_buffer(), loss, rows, dp
 
-    with_grads = {plan_mod.BACKWARD: backward,
-                  plan_mod.BACKWARD_FIRST: weight,  # the first chunk's input needs none
-                  plan_mod.WEIGHT: weight,
-                  plan_mod.BACKWARD_FIRST_WITH_INPUT: backward_first_with_input}
-    without_grads = {plan_mod.IDLE: idle, plan_mod.FORWARD: forward,
-                     plan_mod.FORWARD_LAST: forward_last,
-                     plan_mod.BACKWARD_INPUT: backward_input,
-                     plan_mod.BACKWARD_INPUT_FIRST: backward_input_first}
-    # Only the branches this schedule uses are compiled; the table maps each to its position:
-    # those forming a parameter cotangent first, then the others.
+    def backward_first_with_input(stash, kept, loss, cell):
+        dx, loss, _, dp = backward(stash, kept, loss, cell)
+        return no_buffer(), loss, kept_rows(cell[_MICROBATCH], dx=dx), dp
+
+    functions = {plan_mod.BACKWARD: backward,
+                 plan_mod.BACKWARD_FIRST: backward_first,  # its input needs no cotangent
+                 plan_mod.WEIGHT: weight,
+                 plan_mod.BACKWARD_FIRST_WITH_INPUT: backward_first_with_input,
+                 plan_mod.IDLE: idle, plan_mod.FORWARD: forward,
+                 plan_mod.FORWARD_LAST: forward_last,
+                 plan_mod.BACKWARD_INPUT: backward_input,
+                 plan_mod.BACKWARD_INPUT_FIRST: backward_input_first}
+
+    # The branches in groups by what they write, each group one lax.switch whose write is
+    # done after it: those forming a parameter cotangent (into the gradient accumulators);
+    # with remat=False, the forwards (their residuals into ``kept``) and a split backward's
+    # input parts (their ``mid`` into ``kept``); the rest write nothing. XLA copies a buffer
+    # that a conditional passes through unchanged in two or more branches, nested
+    # conditionals included (all the gradients, or all of ``kept``, every tick); not one
+    # that one branch updates and the other passes through. So each written buffer goes
+    # through exactly one two-way lax.cond: with remat, one cond (forming, or the others'
+    # switch); without, one cond per written group, run one after the other, each passing
+    # its buffer through where the tick's action is not of its group.
     used = {int(b) for b in np.unique(plan.actions[..., _BRANCH])} | {plan_mod.IDLE}
-    grad_kinds = sorted(used & with_grads.keys())
-    other_kinds = sorted(used & without_grads.keys())
+    forming = sorted(used & {plan_mod.BACKWARD, plan_mod.BACKWARD_FIRST, plan_mod.WEIGHT,
+                             plan_mod.BACKWARD_FIRST_WITH_INPUT})
+    if vjp is None:
+        groups = [(forming, "grads"), (sorted(used - set(forming)), None)]
+    else:
+        forwards = sorted(used & {plan_mod.FORWARD, plan_mod.FORWARD_LAST})
+        input_parts = sorted(used & {plan_mod.BACKWARD_INPUT, plan_mod.BACKWARD_INPUT_FIRST})
+        groups = [(forwards, 0), (input_parts, n_res), (forming, "grads"),
+                  ([plan_mod.IDLE], None)]
+        groups = [g for g in groups if g[0]]
+    offsets = np.cumsum([0, *(len(kinds) for kinds, _ in groups)])
     index_of = np.zeros(plan_mod.BRANCHES, np.int32)
-    index_of[grad_kinds] = np.arange(len(grad_kinds))
-    index_of[other_kinds] = len(grad_kinds) + np.arange(len(other_kinds))
+    for (kinds, _), offset in zip(groups, offsets, strict=False):
+        index_of[kinds] = offset + np.arange(len(kinds))
     # Every branch must return the same types (vma included): mark them varying alike.
-    grad_live = [lambda *a, f=with_grads[b]: _vary(f(*a), varying) for b in grad_kinds]
-    other_live = [lambda *a, f=without_grads[b]: _vary(f(*a), varying) for b in other_kinds]
+    live = [[lambda *a, f=functions[b]: _vary(f(*a), varying) for b in kinds]
+            for kinds, _ in groups]
 
-    def act(stash, grads, loss, cell):
-        """The tick's action: (buffer, grads, loss, kept)."""
-        def forming(stash, grads, loss, cell):
-            buffer, loss, rows, dp = jax.lax.switch(cell[_BRANCH], grad_live, stash, loss, cell)
-            return buffer, add_grads(grads, cell[_VIRTUAL], dp), loss, rows
+    def run_group(g: int, stash, kept, grads, loss, cell):
+        """Group ``g``'s action: (buffer, what it writes (grads or kept), loss, rows)."""
+        buffer, loss, rows, extra = jax.lax.switch(cell[_BRANCH] - int(offsets[g]), live[g],
+                                                   stash, kept, loss, cell)
+        target = groups[g][1]
+        written = add_grads(grads, cell[_VIRTUAL], extra) if target == "grads" \
+            else keep(kept, cell, extra, target)
+        return buffer, written, loss, rows
 
-        def not_forming(stash, grads, loss, cell):
-            buffer, loss, rows = jax.lax.switch(cell[_BRANCH] - len(grad_kinds), other_live,
-                                                stash, loss, cell)
-            return buffer, grads, loss, rows
+    def in_group(g: int, cell) -> jax.Array:
+        return (cell[_BRANCH] >= int(offsets[g])) & (cell[_BRANCH] < int(offsets[g + 1]))
 
-        # Every table has a backward (validate_table), so both sides have branches.
-        return jax.lax.cond(cell[_BRANCH] < len(grad_kinds), forming, not_forming,
-                            stash, grads, loss, cell)
+    def act(stash, kept, grads, loss, cell):
+        """The tick's action: (buffer, kept, grads, loss, rows)."""
+        if vjp is None:  # every table has a backward (validate_table): no group is empty
+            def not_forming(stash, kept, grads, loss, cell):
+                buffer, loss, rows, _ = jax.lax.switch(cell[_BRANCH] - int(offsets[1]),
+                                                       live[1], stash, kept, loss, cell)
+                return buffer, grads, loss, rows
+
+            buffer, grads, loss, rows = jax.lax.cond(
+                in_group(0, cell), lambda *a: run_group(0, *a), not_forming,
+                stash, kept, grads, loss, cell)
+            return buffer, kept, grads, loss, rows
+        # Each cond returns only the state its group writes; the rest it only reads.
+        buffer, rows = no_buffer(), kept_rows()
+        for g, (_, target) in enumerate(groups):
+            if target is None:
+                continue  # idle: no group ran
+
+            def passing(stash, kept, grads, loss, cell, target=target):
+                return _vary((no_buffer(), grads if target == "grads" else kept, loss,
+                              kept_rows()), varying)
+
+            active = in_group(g, cell)
+            b, written, loss, r = jax.lax.cond(active, lambda *a, g=g: run_group(g, *a),
+                                               passing, stash, kept, grads, loss, cell)
+            if target == "grads":
+                grads = written
+            else:
+                kept = written
+            buffer, rows = jax.tree.map(lambda a, o, active=active: jnp.where(active, a, o),
+                                        (b, r), (buffer, rows))
+        return buffer, kept, grads, loss, rows
 
     # One stash holds every slot of the plan and a scratch slot (the last) for what goes
     # nowhere, never read: each buffer of a tick is stored with one unconditional write.
@@ -459,10 +563,10 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
         return run
 
     def tick(carry, xs):
-        stash, state, results = carry
+        stash, kept, state, results = carry
         row, kind = xs
         cell = jax.lax.dynamic_index_in_dim(row, s, keepdims=False)
-        buffer, grads, loss, rows = act(stash, *state, cell)
+        buffer, kept, grads, loss, rows = act(stash, kept, *state, cell)
         state = (grads, loss)
         results = tuple(put(r, i, value) for r, (i, value) in zip(results, rows, strict=True))
         # Into the slot its reader on this stage takes it from, or its outbox slot.
@@ -473,16 +577,18 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
         got = jax.lax.switch(kind, [exchange(entries) for entries in kinds], stash, cell)
         for e, value in enumerate(got):
             stash = put(stash, cell[receives_at + e], value)
-        return (stash, state, results), None
+        return (stash, kept, state, results), None
 
     stash = zeros(buffer_shape, (plan.slots + 1,))
     grads = _vary(jax.tree.map(lambda a, d: jnp.zeros(a.shape, d), chunk_params, acc_dtypes),
                   varying)
-    # The per-microbatch results asked for, each with a scratch row M (see kept()).
+    # The per-microbatch results asked for, each with a scratch row M (see kept_rows()).
     results = ((zeros(y_shape, (M + 1,)),) if return_outputs else ()) + \
         ((zeros(x0, (M + 1,)),) if plan.input_grads else ())
-    carry = (stash, (grads, _vary(jnp.zeros((), jnp.float32), varying)), results)
-    (_, (grads, loss), results), _ = jax.lax.scan(
+    kept = () if vjp is None else tuple(
+        zeros(leaf, (plan.kept_slots + 1,)) for leaf in (*vjp.kept, *vjp.mid))
+    carry = (stash, kept, (grads, _vary(jnp.zeros((), jnp.float32), varying)), results)
+    (_, _, (grads, loss), results), _ = jax.lax.scan(
         tick, carry, (jnp.asarray(table, np.int32), jnp.asarray(message_kind)))
     results = [jax.tree.map(lambda a: a[:M], r) for r in results]
 

@@ -55,6 +55,7 @@ __all__ = [
     "FORWARD",
     "FORWARD_LAST",
     "IDLE",
+    "KEPT_ACTION_COST",
     "WEIGHT",
     "Plan",
     "make_plan",
@@ -79,9 +80,17 @@ ACTION_COST = {IDLE: 0.0, FORWARD: 1.0, FORWARD_LAST: 1.0, BACKWARD: 3.0, BACKWA
                BACKWARD_INPUT: 2.0, WEIGHT: 2.0, BACKWARD_FIRST_WITH_INPUT: 3.0,
                BACKWARD_INPUT_FIRST: 2.0}
 
+#: The same with ``remat=False``: a backward starts from the kept residuals (no forward).
+KEPT_ACTION_COST = {IDLE: 0.0, FORWARD: 1.0, FORWARD_LAST: 1.0, BACKWARD: 2.0,
+                    BACKWARD_FIRST: 1.0, BACKWARD_INPUT: 1.0, WEIGHT: 1.0,
+                    BACKWARD_FIRST_WITH_INPUT: 2.0, BACKWARD_INPUT_FIRST: 1.0}
+
 # Columns of Plan.actions[tick, stage, :]; slots are stash indices, Plan.slots the scratch
-# slot (written, never read).
-COLUMNS = ("branch", "microbatch", "virtual", "first", "x_slot", "g_slot", "out_slot")
+# slot (written, never read). ``kept_slot``: with ``remat=False``, where the (microbatch,
+# chunk)'s residuals are kept from its forward to its last backward action (Plan.kept_slots
+# the scratch slot, and the only one with ``remat=True``).
+COLUMNS = ("branch", "microbatch", "virtual", "first", "x_slot", "g_slot", "out_slot",
+           "kept_slot")
 
 # Phases of a tick, for slot lifetimes (module docstring).
 _READ, _WRITE, _SEND, _ARRIVE = range(4)
@@ -112,6 +121,10 @@ class Plan:
     #: Per message ``(src, dst, made, sent, needed)``: the ticks its value is made in, sent
     #: in, and first read in.
     schedule_of_messages: tuple[tuple[int, int, int, int, int], ...]
+    #: Whether the backward recomputes the forward (else it starts from kept residuals).
+    remat: bool = True
+    #: Slots of kept residuals per stage (``remat=False``); index ``kept_slots`` is scratch.
+    kept_slots: int = 0
 
     @property
     def ticks(self) -> int:
@@ -125,11 +138,13 @@ def _message_ops(P: int, V: int) -> tuple[tuple[tuple[int, int], ...], ...]:
     return tuple(op for op in ops if op)
 
 
-def _branch(a: Action, c: int, C: int, split: bool, input_grads: bool) -> int:
+def _branch(a: Action, c: int, C: int, split: bool, input_grads: bool, remat: bool) -> int:
     if a.kind == "F":
         return FORWARD_LAST if c == C - 1 else FORWARD
     if a.kind == "W":
-        return WEIGHT
+        # The first chunk's W after a B that computed nothing forms the parameter cotangent
+        # alone: from kept residuals that is the whole backward, not its weight part.
+        return BACKWARD_FIRST if (c == 0 and not input_grads and not remat) else WEIGHT
     if split:
         if c > 0:
             return BACKWARD_INPUT
@@ -185,9 +200,11 @@ class _Slots:
         return len(self.free_after) - 1
 
 
-def make_plan(schedule: Schedule, input_grads: bool = False) -> Plan:
+def make_plan(schedule: Schedule, input_grads: bool = False, remat: bool = True) -> Plan:
     """The tables of a bound schedule (see the module docstring); ``input_grads``: the first
-    chunk's backward also forms its input's cotangent (kept on stage 0, sent nowhere)."""
+    chunk's backward also forms its input's cotangent (kept on stage 0, sent nowhere);
+    ``remat=False``: the forward keeps its residuals for the backward, which then reads no
+    stage input (``kept_slot``)."""
     table = schedule.table
     P, M, V = schedule.stages, schedule.microbatches, schedule.virtual_stages
     assert P is not None and M is not None
@@ -200,7 +217,7 @@ def make_plan(schedule: Schedule, input_grads: bool = False) -> Plan:
             if a is not None:
                 c = a.virtual_stage * P + s
                 when[(a.kind, a.microbatch, c)] = t
-                branches[t, s] = _branch(a, c, C, split, input_grads)
+                branches[t, s] = _branch(a, c, C, split, input_grads, remat)
 
     def reading(m: int, c: int, kinds: tuple[str, ...]) -> list[int]:
         """Ticks of the actions of (m, c) among ``kinds`` that compute something."""
@@ -216,7 +233,8 @@ def make_plan(schedule: Schedule, input_grads: bool = False) -> Plan:
         for c in range(C):
             if c > 0:
                 activation[(m, c)] = _Value((c - 1) % P, c % P, when[("F", m, c - 1)],
-                                            reading(m, c, ("F", *backward)))
+                                            reading(m, c, ("F", *backward) if remat
+                                                        else ("F",)))
             made, src = ((when[("F", m, c)], c % P) if c == C - 1
                          else (when[("B", m, c + 1)], (c + 1) % P))
             cotangent[(m, c)] = _Value(src, c % P, made, reading(m, c, backward))
@@ -229,7 +247,7 @@ def make_plan(schedule: Schedule, input_grads: bool = False) -> Plan:
     # the executor leaves idle waits for nothing).
     def cost(s: int, a: Action) -> float | None:
         branch = int(branches[when[(a.kind, a.microbatch, a.virtual_stage * P + s)], s])
-        return None if branch == IDLE else ACTION_COST[branch]
+        return None if branch == IDLE else (ACTION_COST if remat else KEPT_ACTION_COST)[branch]
 
     _place_messages(values, np.asarray(dataflow_clock(table, P, V, cost)[0]))
 
@@ -253,6 +271,17 @@ def make_plan(schedule: Schedule, input_grads: bool = False) -> Plan:
                 v.in_slot = slot
     slots = max([1, *(len(a.free_after) for a in allocators)])
     scratch = slots
+    # Kept residuals: from the forward's write to the last backward action's read.
+    kept_at: dict[tuple[int, int], int] = {}
+    kept_slots = 0
+    if not remat:
+        kept_pool = [_Slots() for _ in range(P)]
+        for (m, c) in sorted(((m, c) for m in range(M) for c in range(C)),
+                             key=lambda mc: when[("F", *mc)]):
+            last = max(reading(m, c, backward))
+            kept_at[(m, c)] = kept_pool[c % P].take(4 * when[("F", m, c)] + _WRITE,
+                                                    4 * last + _READ)
+        kept_slots = max(len(a.free_after) for a in kept_pool)
 
     # Each tick's message entries: per op, the pairs with a message, in rounds where one pair
     # has two (the earlier made first).
@@ -286,6 +315,7 @@ def make_plan(schedule: Schedule, input_grads: bool = False) -> Plan:
 
     actions = np.zeros((T, P, len(COLUMNS)), np.int32)
     actions[..., COLUMNS.index("out_slot")] = scratch
+    actions[..., COLUMNS.index("kept_slot")] = kept_slots
     for t, row in enumerate(table):
         for s, a in enumerate(row):
             if a is None:
@@ -303,7 +333,9 @@ def make_plan(schedule: Schedule, input_grads: bool = False) -> Plan:
                     else None)
             if made is not None:
                 cell[6] = made.out_slot
+            if not remat:
+                cell[7] = kept_at[(m, c)]
     schedule_of_messages = tuple(sorted((v.src, v.dst, v.made, v.sent, min(v.reads))
                                         for v in values if v.src != v.dst))
     return Plan(schedule, input_grads, actions, ops, messages, sends, receives, slots,
-                schedule_of_messages)
+                schedule_of_messages, remat, kept_slots)

@@ -27,6 +27,7 @@ def shard_value_and_grad(
     data_axis_name: Hashable | None = None,
     return_outputs: bool = False,
     return_input_grads: bool = False,
+    remat: bool = True,
 ) -> Callable[..., Any]:
     """A function ``(params, microbatches, targets) -> (loss, grads[, outputs][, input_grads])``
     that runs :func:`value_and_grad` under ``jax.shard_map`` over ``mesh`` (wrap it in
@@ -43,6 +44,8 @@ def shard_value_and_grad(
     (the gradients come back the same way). Each chunk's parameters are flattened into one
     padded vector per chunk (they must share one dtype); activations must still keep their
     shape from chunk to chunk.
+
+    ``remat``: as for :func:`value_and_grad` (``False`` keeps the forward's residuals).
     """
     if axis_name not in mesh.shape:
         raise PipelineError(f"jax_cpu_mpi.pipeline.shard_value_and_grad: the mesh has axes "
@@ -71,7 +74,7 @@ def shard_value_and_grad(
         return value_and_grad(stage_fn, params, loss_fn, microbatches, targets, schedule,
                               axis_name=axis_name, data_axis_name=data_axis_name,
                               return_outputs=return_outputs,
-                              return_input_grads=return_input_grads)
+                              return_input_grads=return_input_grads, remat=remat)
 
     out_specs = ((PartitionSpec(), stage) + ((data,) if return_outputs else ())
                  + ((data,) if return_input_grads else ()))
@@ -96,7 +99,7 @@ def shard_value_and_grad(
                                   schedule, axis_name=axis_name,
                                   data_axis_name=data_axis_name,
                                   return_outputs=return_outputs,
-                                  return_input_grads=return_input_grads)
+                                  return_input_grads=return_input_grads, remat=remat)
 
         mapped = jax.shard_map(body, mesh=mesh, in_specs=(stage, data, data),
                                out_specs=out_specs)

@@ -1,0 +1,227 @@
+"""A chunk's forward that keeps its residuals, and its backward cut into parts (``remat=False``).
+
+With ``remat=True`` (the default) a pipeline stashes each chunk's input and its backward
+recomputes the forward under ``jax.vjp``. With ``remat=False`` the forward keeps what the
+backward needs (``jax.vjp``'s residuals) and the backward starts from them: a forward's
+work less per backward, for the memory of the residuals.
+
+Everything is traced once, as jaxprs, from the chunk function and abstract arguments:
+
+* ``forward(p, x, c) -> (y, kept)``: the output and the residuals that depend on the
+  microbatch ``x``. Residuals that depend only on the parameters and the chunk index (a
+  weight matrix sliced out of a stacked parameter, say) are not kept per microbatch: the
+  backward forms them again from ``p``, which costs a slice, not a forward.
+* ``backward(p, kept, g) -> (dp, dx)``, and the same with only ``dp`` (the first chunk,
+  whose input needs no cotangent).
+* ``input_part(p, kept, g) -> (dx, mid)`` and ``weight_part(p, kept, g, mid) -> dp``:
+  zero-bubble's split backward. The backward's equations that form ``dx`` run in the input
+  part; the weight part runs only those left for ``dp`` and takes what it needs from the
+  input part as ``mid`` (for a dense layer, the cotangent at its output), so the two cost
+  what one backward does. Where this JAX lacks the names the cut needs
+  (``compat.PIPELINE_SPLIT_BACKWARD``), ``mid`` is empty and the weight part runs the whole
+  backward for ``dp``: the same values, more work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.extend import core as jex
+
+from jax_cpu_mpi._src import compat
+
+__all__ = ["ChunkVjp", "chunk_vjp"]
+
+PyTree = Any
+
+
+def _jaxpr(like: Any, invars: Sequence[Any], outvars: Sequence[Any], eqns: Sequence[Any]
+           ) -> Any:
+    """A jaxpr of some of ``like``'s equations (its effects; its debug info without names,
+    which no longer match the inputs and outputs)."""
+    debug = like.debug_info
+    unnamed = getattr(debug, "with_unknown_names", None)
+    return jex.Jaxpr([], list(invars), list(outvars), list(eqns), like.effects,
+                     unnamed() if unnamed is not None else debug)
+
+
+def _open(closed: Any) -> tuple[Any, list[Any]]:
+    """A closed jaxpr as an open one whose constants come first among its inputs."""
+    j = closed.jaxpr
+    return _jaxpr(j, [*j.constvars, *j.invars], j.outvars, j.eqns), list(closed.consts)
+
+
+def _run(jaxpr: Any, args: Sequence[Any]) -> list[Any]:
+    return jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr, []))(*args)
+
+
+def _depends_on(jaxpr: Any, inputs: Sequence[bool]) -> list[bool]:
+    """Per output of ``jaxpr``: whether it depends on an input marked in ``inputs``
+    (conservatively: an equation's outputs depend on all its inputs)."""
+    marked = {id(v) for v, m in zip(jaxpr.invars, inputs, strict=True) if m}
+    for eqn in jaxpr.eqns:
+        if any(id(v) in marked for v in eqn.invars if isinstance(v, jex.Var)):
+            marked.update(id(v) for v in eqn.outvars)
+    return [isinstance(v, jex.Var) and id(v) in marked for v in jaxpr.outvars]
+
+
+def _select(jaxpr: Any, outputs: Sequence[bool]) -> tuple[Any, list[bool]]:
+    """``jaxpr`` computing only the chosen outputs, and which of its inputs it still reads
+    (dead code removed where this JAX allows; else the whole jaxpr, reading every input)."""
+    if compat.available(compat.dce_jaxpr):
+        return compat.dce_jaxpr(jaxpr, list(outputs), instantiate=True)
+    outvars = [v for v, keep in zip(jaxpr.outvars, outputs, strict=True) if keep]
+    return _jaxpr(jaxpr, jaxpr.invars, outvars, jaxpr.eqns), [True] * len(jaxpr.invars)
+
+
+@dataclass(frozen=True)
+class _Part:
+    """A jaxpr over some of the named inputs, with constants."""
+
+    jaxpr: Any
+    consts: list[Any]
+    reads: list[bool]  # per input of the full argument list
+
+    def __call__(self, *args: Any) -> list[Any]:
+        return _run(self.jaxpr, [*self.consts, *(a for a, r in zip(args, self.reads,
+                                                                   strict=True) if r)])
+
+
+def _part(jaxpr: Any, consts: list[Any], outputs: Sequence[bool]) -> _Part:
+    part, reads = _select(jaxpr, outputs)
+    n = len(consts)
+    return _Part(part, [c for c, r in zip(consts, reads[:n], strict=True) if r], reads[n:])
+
+
+@dataclass(frozen=True)
+class ChunkVjp:
+    """A chunk's forward with kept residuals and its backward in parts (module docstring).
+
+    Pytrees in and out are shaped like the abstract arguments :func:`chunk_vjp` traced:
+    ``p`` the chunk's parameters, ``x``/``g`` an activation, ``c`` the chunk index."""
+
+    #: Leaves kept per microbatch from the forward to the backward.
+    kept: tuple[jax.ShapeDtypeStruct, ...]
+    #: Leaves the input part of a split backward hands to the weight part.
+    mid: tuple[jax.ShapeDtypeStruct, ...]
+    _forward: _Part
+    _again: _Part  # the residuals that depend on p and c only
+    _backward: _Part  # (consts, residuals, g) -> (dp, dx)
+    _input_part: _Part
+    _weight_part: _Part
+    _is_kept: tuple[bool, ...]
+    _trees: tuple[Any, Any, Any]  # p, x, dp
+
+    def forward(self, p: PyTree, x: PyTree, c: Any) -> tuple[PyTree, list[jax.Array]]:
+        out = self._forward(*self._args(p, x, c))
+        y_tree = self._trees[1]
+        return jax.tree.unflatten(y_tree, out[:y_tree.num_leaves]), out[y_tree.num_leaves:]
+
+    def _args(self, p: PyTree, x: PyTree, c: Any) -> list[Any]:
+        return [*jax.tree.leaves(p), *jax.tree.leaves(x), c]
+
+    def _residuals(self, p: PyTree, c: Any, kept: Sequence[jax.Array]) -> list[Any]:
+        again = iter(self._again(*jax.tree.leaves(p), *[None] * self._trees[1].num_leaves, c))
+        kept_ = iter(kept)
+        return [next(kept_) if k else next(again) for k in self._is_kept]
+
+    def _grads(self, out: Sequence[Any]) -> tuple[PyTree, PyTree]:
+        dp_tree, x_tree = self._trees[2], self._trees[1]
+        n = dp_tree.num_leaves
+        return jax.tree.unflatten(dp_tree, out[:n]), jax.tree.unflatten(x_tree, out[n:])
+
+    def backward(self, p: PyTree, c: Any, kept: Sequence[jax.Array], g: PyTree
+                 ) -> tuple[PyTree, PyTree]:
+        """``(dp, dx)`` from the kept residuals and the output cotangent ``g``."""
+        return self._grads(self._backward(*self._residuals(p, c, kept), *jax.tree.leaves(g)))
+
+    def input_part(self, p: PyTree, c: Any, kept: Sequence[jax.Array], g: PyTree
+                   ) -> tuple[PyTree, list[jax.Array]]:
+        """``(dx, mid)``: the input's cotangent and what the weight part needs of its work."""
+        out = self._input_part(*self._residuals(p, c, kept), *jax.tree.leaves(g))
+        n = self._trees[1].num_leaves
+        return jax.tree.unflatten(self._trees[1], out[:n]), out[n:]
+
+    def weight_part(self, p: PyTree, c: Any, kept: Sequence[jax.Array], g: PyTree,
+                    mid: Sequence[jax.Array]) -> PyTree:
+        """``dp``, from the residuals, ``g`` and the input part's ``mid``."""
+        out = self._weight_part(*self._residuals(p, c, kept), *jax.tree.leaves(g), *mid)
+        return jax.tree.unflatten(self._trees[2], out)
+
+
+def chunk_vjp(apply: Callable[[PyTree, PyTree, Any], PyTree], p: PyTree, x: PyTree,
+              c: Any) -> ChunkVjp:
+    """Trace ``apply(p, x, c)`` (a chunk: parameters, activation, chunk index) into a
+    :class:`ChunkVjp`; ``p``, ``x`` and ``c`` may be tracers or shapes."""
+    p_tree, x_tree = jax.tree.structure(p), jax.tree.structure(x)
+    vjp_tree: list[Any] = []
+
+    def forward(p_leaves, x_leaves, c):
+        y, vjp = jax.vjp(lambda p, x: apply(p, x, c), jax.tree.unflatten(p_tree, p_leaves),
+                         jax.tree.unflatten(x_tree, x_leaves))
+        residuals, tree = jax.tree.flatten(vjp)
+        vjp_tree.append(tree)
+        return jax.tree.leaves(y), residuals
+
+    closed, (y_shapes, res_shapes) = jax.make_jaxpr(forward, return_shape=True)(
+        jax.tree.leaves(p), jax.tree.leaves(x), c)
+    fwd, fwd_consts = _open(closed)
+    n_consts, n_p, n_x = len(fwd_consts), p_tree.num_leaves, x_tree.num_leaves
+    n_y = len(y_shapes)
+    inputs_x = [False] * n_consts + [False] * n_p + [True] * n_x + [False]
+    # Without dead-code elimination nothing can be formed again from p alone: keep it all.
+    is_kept = _depends_on(fwd, inputs_x)[n_y:] if compat.available(compat.dce_jaxpr) \
+        else [True] * len(res_shapes)
+    forward_part = _part(fwd, fwd_consts, [True] * n_y + is_kept)
+    again = _part(fwd, fwd_consts, [False] * n_y + [not k for k in is_kept])
+
+    tree = vjp_tree[-1]
+    closed_b, dp_dx = jax.make_jaxpr(
+        lambda res, g: jax.tree.unflatten(tree, res)(jax.tree.unflatten(x_tree, g)),
+        return_shape=True)(list(res_shapes), list(y_shapes))
+    bwd, bwd_consts = _open(closed_b)
+    dp_tree = jax.tree.structure(dp_dx[0])
+    n_dp, n_dx = dp_tree.num_leaves, len(bwd.outvars) - dp_tree.num_leaves
+    backward = _part(bwd, bwd_consts, [True] * (n_dp + n_dx))
+    input_part, weight_part, mid = _cut(bwd, bwd_consts, n_dp, n_dx)
+    return ChunkVjp(
+        kept=tuple(jax.ShapeDtypeStruct(s.shape, s.dtype)
+                   for s, k in zip(res_shapes, is_kept, strict=True) if k),
+        mid=mid, _forward=forward_part, _again=again, _backward=backward,
+        _input_part=input_part, _weight_part=weight_part, _is_kept=tuple(is_kept),
+        _trees=(p_tree, x_tree, dp_tree))
+
+
+def _cut(bwd: Any, consts: list[Any], n_dp: int, n_dx: int
+         ) -> tuple[_Part, _Part, tuple[jax.ShapeDtypeStruct, ...]]:
+    """The backward's input part ``(res, g) -> (dx, mid)`` and weight part
+    ``(res, g, mid) -> dp`` (module docstring)."""
+    for_dx, _ = _select(bwd, [False] * n_dp + [True] * n_dx)
+    for_dp, _ = _select(bwd, [True] * n_dp + [False] * n_dx)
+    if not compat.available(compat.dce_jaxpr):
+        n = len(consts)
+        return (_Part(for_dx, consts, [True] * (len(bwd.invars) - n)),
+                _Part(for_dp, consts, [True] * (len(bwd.invars) - n)), ())
+    # What the input part computes (its equations, shared with the weight part's by dead
+    # code elimination, which keeps the equations it does not drop), and what the weight
+    # part still has to.
+    done = {id(e) for e in for_dx.eqns}
+    rest = [e for e in for_dp.eqns if id(e) not in done]
+    made_by_input = {id(v): v for e in for_dx.eqns for v in e.outvars}
+    needed: dict[int, Any] = {}
+    for atom in [*(v for e in rest for v in e.invars), *for_dp.outvars]:
+        if isinstance(atom, jex.Var) and id(atom) in made_by_input:
+            needed.setdefault(id(atom), atom)
+    mid_vars = list(needed.values())
+    # Both parts read the full argument list (consts, residuals, g) (+ mid for the weight
+    # part); a dead-code pass trims what each does not read.
+    inputs = list(bwd.invars)
+    input_jaxpr = _jaxpr(bwd, inputs, [*for_dx.outvars, *mid_vars], for_dx.eqns)
+    weight_jaxpr = _jaxpr(bwd, [*inputs, *mid_vars], for_dp.outvars, rest)
+    input_part = _part(input_jaxpr, consts, [True] * (n_dx + len(mid_vars)))
+    weight_part = _part(weight_jaxpr, consts, [True] * n_dp)
+    return input_part, weight_part, tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+                                          for v in mid_vars)

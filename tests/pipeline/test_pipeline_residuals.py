@@ -1,0 +1,126 @@
+"""remat=False: a chunk's forward keeps its residuals, its backward starts from them, and a
+split backward's weight part does not redo its input part's work; the compiled pipeline
+keeps them in place (no copy of the kept residuals or of the gradients per tick)."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_cpu_mpi import pipeline as pl
+from jax_cpu_mpi._src.pipeline.plan import make_plan
+from jax_cpu_mpi._src.pipeline.residuals import chunk_vjp
+
+LAYERS, WIDTH, BATCH = 3, 16, 4
+
+
+def three_layers(p, x, c):
+    for i in range(LAYERS):
+        x = jnp.tanh(x @ p["w"][i] + p["b"][i])
+    return x
+
+
+def problem():
+    rng = np.random.default_rng(0)
+    p = {"w": jnp.asarray(rng.normal(0, 0.4, (LAYERS, WIDTH, WIDTH)), jnp.float32),
+         "b": jnp.asarray(rng.normal(0, 0.1, (LAYERS, WIDTH)), jnp.float32)}
+    x = jnp.asarray(rng.normal(size=(BATCH, WIDTH)), jnp.float32)
+    g = jnp.asarray(rng.normal(size=(BATCH, WIDTH)), jnp.float32)
+    return p, x, g
+
+
+def dots(f, *args) -> int:
+    return sum(e.primitive.name == "dot_general" for e in jax.make_jaxpr(f)(*args).jaxpr.eqns)
+
+
+def test_the_parts_equal_jax_vjp_and_share_their_work():
+    p, x, g = problem()
+    c = jnp.int32(0)
+    vjp = chunk_vjp(three_layers, p, x, c)
+    # Kept per microbatch: activations only. The weight matrices the forward slices out of
+    # the stacked parameters are residuals too; they are formed again from p, not stashed
+    # once per microbatch.
+    assert vjp.kept and all(k.shape == (BATCH, WIDTH) for k in vjp.kept), vjp.kept
+    y, kept = vjp.forward(p, x, c)
+    want_y, f_vjp = jax.vjp(lambda p, x: three_layers(p, x, 0), p, x)
+    want_dp, want_dx = f_vjp(g)
+    np.testing.assert_array_equal(y, want_y)
+    close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)  # noqa: E731
+    dp, dx = vjp.backward(p, c, kept, g)
+    jax.tree.map(close, (dp, dx), (want_dp, want_dx))
+    dx, mid = vjp.input_part(p, c, kept, g)
+    dp = vjp.weight_part(p, c, kept, g, mid)
+    jax.tree.map(close, (dp, dx), (want_dp, want_dx))
+    # One matmul per layer each: the forward, the input part (dx through every layer), the
+    # weight part (dW of every layer from what the input part handed over); the whole
+    # backward is both parts' matmuls, no forward.
+    assert dots(lambda p, x: vjp.forward(p, x, c), p, x) == LAYERS
+    assert dots(lambda p, k, g: vjp.input_part(p, c, k, g), p, kept, g) == LAYERS
+    assert dots(lambda p, k, g, m: vjp.weight_part(p, c, k, g, m), p, kept, g, mid) == LAYERS
+    assert dots(lambda p, k, g: vjp.backward(p, c, k, g), p, kept, g) == 2 * LAYERS
+
+
+def test_plan_keeps_each_forward_until_its_last_backward():
+    """The kept slots: one per (microbatch, chunk) from its F to its last B or W, reused
+    after; as many as the schedule's peak stash."""
+    for schedule in (pl.GPipe(), pl.OneFOneB(), pl.Interleaved1F1B(2), pl.ZeroBubble()):
+        plan = make_plan(schedule.bind(4, 8), remat=False)
+        assert plan.kept_slots == max(schedule.bind(4, 8).peak_stash)
+        kept_col = plan.actions[..., -1]
+        table = schedule.bind(4, 8).table
+        holder: dict[tuple[int, int], tuple[int, int, int]] = {}
+        for t, row in enumerate(table):
+            for s, a in enumerate(row):
+                if a is None:
+                    continue
+                key = (s, int(kept_col[t, s]))
+                owner = (a.microbatch, a.virtual_stage)
+                if a.kind == "F":
+                    assert key not in holder, f"{schedule}: slot {key} reused while held"
+                    holder[key] = (*owner, 0)
+                else:
+                    assert holder.get(key, (None, None))[:2] == owner, (schedule, t, s, a)
+                    last = "W" if schedule.splits_weight_gradient else "B"
+                    if a.kind == last:
+                        del holder[key]
+        assert not holder
+
+
+def abstract_args(P: int, V: int, M: int):
+    lead = (P, V) if V > 1 else (P,)
+    params = {"w": jax.ShapeDtypeStruct((*lead, 2, 32, 32), jnp.float32),
+              "b": jax.ShapeDtypeStruct((*lead, 2, 32), jnp.float32)}
+    xs = jax.ShapeDtypeStruct((M, 8, 32), jnp.float32)
+    return params, xs, xs
+
+
+def stage(p, x):
+    return three_layers({"w": p["w"][:2], "b": p["b"][:2]}, x, 0)
+
+
+@pytest.mark.parametrize("remat", [True, False], ids=["remat", "kept"])
+@pytest.mark.parametrize("schedule", [pl.OneFOneB(), pl.ZeroBubble(), pl.Interleaved1F1B(2)],
+                         ids=lambda s: type(s).__name__)
+def test_no_tick_copies_a_stash_or_the_gradients(schedule, remat):
+    """XLA copies a buffer that a conditional passes through in two or more branches: the
+    executor's branches are grouped so that the gradient accumulators and the kept
+    residuals never are. Inside the compiled loop, no copy is larger than one activation."""
+    P, M = 4, 8
+    mesh = jax.make_mesh((P,), ("stage",), devices=jax.devices()[:P])
+    f = jax.jit(pl.shard_value_and_grad(stage, lambda y, t: jnp.mean((y - t) ** 2), mesh,
+                                        schedule, remat=remat))
+    hlo = f.lower(*abstract_args(P, schedule.virtual_stages, M)).compile().as_text()
+    activation = 8 * 32
+    big, computation = [], ""
+    for line in hlo.splitlines():
+        if line and not line.startswith(" "):
+            computation = line.split(" ")[0]
+        m = re.search(r"= [a-z0-9]+\[([0-9,]*)\]\S* copy\(", line)
+        if m and computation != "ENTRY" and m.group(1):
+            if np.prod([int(d) for d in m.group(1).split(",")]) > activation:
+                big.append(f"{computation}: {line.strip()[:120]}")
+    assert not big, "\n".join(big)
