@@ -74,6 +74,13 @@ def parse_args() -> argparse.Namespace:
                    help="where the steps are recorded (emptied first; shared by the ranks)")
     p.add_argument("--pictures", default=None, help="directory for timeline-NAME.png")
     p.add_argument("--json", default=None, help="write every figure to this file")
+    p.add_argument("--depth", type=int, default=1,
+                   help="dense layers per chunk (1: the example's model); deeper chunks make "
+                        "messages and per-tick overheads small next to the actions")
+    p.add_argument("--keep-residuals", action="store_true",
+                   help="remat=False: the forwards keep their residuals and the backward "
+                        "starts from them (ZB-H1's B and W then each cost about a forward, "
+                        "the premise of its theory)")
     p.add_argument("--input-grads", action="store_true",
                    help="also form the microbatches' gradient (return_input_grads=True, as "
                         "for layers before the pipeline): the first stage's backward then "
@@ -210,18 +217,24 @@ def simulate(plan, cost, send_us, recv_us) -> float:
     return sum(wait) / (S * span), 1 - busy / (S * span)
 
 
+def chunk(p, h):
+    """``--depth`` of the example's layers (``p``: leaves ``[depth, ...]``)."""
+    for k in range(ARGS.depth):
+        h = example.stage_forward(example.Params(p.w[k], p.b[k]), h)
+    return h
+
+
 def make_step(mesh, schedule):
-    """The example's SGD step; with ``--input-grads`` its pipeline also returns the
-    microbatches' gradient (returned by the step, so XLA keeps it)."""
-    if not ARGS.input_grads:
-        return example.make_pipeline_step(mesh, schedule, 0.1)
+    """An SGD step of the example's model with ``--depth`` layers per chunk; with
+    ``--input-grads`` its pipeline also returns the microbatches' gradient (returned by the
+    step, so XLA keeps it)."""
     value_and_grad = pipeline.shard_value_and_grad(
-        example.stage_forward, example.mse, mesh, schedule, axis_name=example.AXIS,
-        return_input_grads=True)
+        chunk, example.mse, mesh, schedule, axis_name=example.AXIS,
+        return_input_grads=ARGS.input_grads, remat=not ARGS.keep_residuals)
 
     @jax.jit
     def step(params, xs, ys):
-        loss, grads, dxs = value_and_grad(params, xs, ys)
+        loss, grads, *dxs = value_and_grad(params, xs, ys)
         new = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
         return (new, dxs), loss
 
@@ -253,15 +266,17 @@ def measure(name: str, root: Path) -> dict[str, object] | None:
     V = 2 if name == "interleaved-1f1b" else 1
     S, M = ARGS.stages, ARGS.microbatches
     mesh = example.stage_mesh(S)
-    problem = example.make_problem(0, S * V, ARGS.width, ARGS.batch)
+    K = ARGS.depth
+    problem = example.make_problem(0, S * V * K, ARGS.width, ARGS.batch)
     stacked, replicated = NamedSharding(mesh, P(example.AXIS)), NamedSharding(mesh, P())
     put = lambda a, sh: jax.make_array_from_callback(a.shape, sh, lambda i: a[i])  # noqa: E731
+    chunks = example.Params(*(a.reshape(S * V, K, *a.shape[1:]) for a in problem.init))
     params = example.Params(*(put(a, stacked)
-                              for a in example.to_pipeline_layout(problem.init, S, V)))
+                              for a in example.to_pipeline_layout(chunks, S, V)))
     xs = put(problem.x.reshape(M, -1, ARGS.width), replicated)
     ys = put(problem.y.reshape(M, -1, ARGS.width), replicated)
     schedule = pipeline.schedule_by_name(name, V).bind(S, M)
-    plan = plan_mod.make_plan(schedule, ARGS.input_grads)
+    plan = plan_mod.make_plan(schedule, ARGS.input_grads, remat=not ARGS.keep_residuals)
     step = make_step(mesh, schedule)
     params, loss = step(params, xs, ys)  # compilation
     jax.block_until_ready((params, loss))
@@ -353,7 +368,9 @@ def main() -> int:
     layout = f"{jax.process_count()} process(es) x {DEVICES} CPU device(s)"
     print()
     print(f"P={ARGS.stages}, M={ARGS.microbatches}, width {ARGS.width}, batch {ARGS.batch}, "
-          f"{layout}, median of {ARGS.steps} steps, load average {os.getloadavg()[0]:.2f}"
+          f"{ARGS.depth} layer(s) per chunk, "
+          + ("residuals kept (remat=False), " if ARGS.keep_residuals else "remat, ")
+          + f"{layout}, median of {ARGS.steps} steps, load average {os.getloadavg()[0]:.2f}"
           + (", input gradients formed (every stage's backward alike)" if ARGS.input_grads
              else ", no input gradient (the first stage's backward is lighter)"))
     print()

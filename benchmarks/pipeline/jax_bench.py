@@ -9,10 +9,10 @@ Launched by ``run.py``::
 ``baseline``: ``jax.jit(jax.value_and_grad(loss))`` of the whole model on the full batch, one
 device. Otherwise the schedule (``gpipe``, ``1f1b``, ``interleaved-1f1b``, ``zero-bubble``)
 of ``jax_cpu_mpi.pipeline`` over a 1-D ``'stage'`` mesh of every device of the job (stage
-``s`` on the job's ``s``-th device, process by process). Both compute the loss and the
-gradients only (no optimizer update), as the torch side does. Before timing, the loss and
-the gradients are compared with a float64 NumPy reference (exit 1 beyond float32
-tolerance). Process 0 writes the JSON: per-step seconds of every repeat (process 0's wall
+``s`` on the job's ``s``-th device, process by process); ``NAME-kept`` runs it with
+``remat=False``. Both compute the loss and the gradients only (no optimizer update), as the
+torch side does. Before timing, the loss and the gradients are compared with a float64 NumPy
+reference (exit 1 beyond float32 tolerance). Process 0 writes the JSON: per-step seconds of every repeat (process 0's wall
 clock until its outputs are ready), XLA's compiled memory analysis (temp bytes of one
 device's program) and the peak RSS of every process.
 """
@@ -33,7 +33,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model import add_model_arguments
 
-SCHEDULES = ("baseline", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+PIPELINES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+#: ``NAME-kept``: the same schedule with remat=False (the forwards keep their residuals).
+SCHEDULES = ("baseline", *PIPELINES, *(f"{n}-kept" for n in PIPELINES))
 
 
 def parse_args() -> argparse.Namespace:
@@ -116,6 +118,8 @@ def pipelined(shape: Shape, problem, name: str) -> tuple[dict, Callable]:
 
     from jax_cpu_mpi import pipeline as pl
 
+    kept = name.endswith("-kept")
+    name = name.removesuffix("-kept")
     virtual = ARGS.virtual_stages if name == "interleaved-1f1b" else 1
     shape.check(virtual)
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
@@ -143,7 +147,8 @@ def pipelined(shape: Shape, problem, name: str) -> tuple[dict, Callable]:
 
     params = jax.tree.map(lambda a: to_mesh(a, P("stage")), host_params)
     x, y = to_mesh(host_x, P()), to_mesh(host_y, P())
-    f = pl.shard_value_and_grad(chunk_fn, mse, mesh, schedule, axis_name="stage")
+    f = pl.shard_value_and_grad(chunk_fn, mse, mesh, schedule, axis_name="stage",
+                                remat=not kept)
     compiled = jax.jit(f).lower(params, x, y).compile()
     value, grads = compiled(params, x, y)
     grads = jax.tree.map(lambda g: np.asarray(multihost_utils.process_allgather(g, tiled=True)),
@@ -215,7 +220,7 @@ def main() -> int:
     if jax.process_index() != 0:
         return 0
     for name, result in results.items():
-        virtual = ARGS.virtual_stages if name == "interleaved-1f1b" else 1
+        virtual = ARGS.virtual_stages if name.startswith("interleaved-1f1b") else 1
         result.update({
             "framework": "jax", "schedule": name, "virtual_stages": virtual,
             "processes": jax.process_count(), "devices_per_process": jax.local_device_count(),

@@ -63,6 +63,8 @@ TORCH_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 LAYOUTS = {"1x4": (1, 4), "2x2": (2, 2), "4x1": (4, 1)}
 NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B",
          "zero-bubble": "ZeroBubble", "baseline": "single device"}
+# NAME-kept: the schedule with remat=False (jax_bench.py).
+NAMES.update({f"{k}-kept": f"{v}, remat=False" for k, v in list(NAMES.items())})
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -75,7 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--layouts", default="1x4,2x2,4x1",
                    help="JAX layouts: processes x devices, comma separated (1x4,2x2,4x1)")
-    p.add_argument("--schedules", default=",".join(JAX_SCHEDULES))
+    p.add_argument("--schedules", default=",".join(JAX_SCHEDULES),
+                   help="JAX schedules, comma separated; NAME-kept runs NAME with remat=False "
+                        "(the forwards keep their residuals)")
     p.add_argument("--torch-python", default=os.environ.get("TORCH_PYTHON",
                                                             "/work/venv-torch/bin/python"),
                    help="a Python with torch for the torch side ('' skips it)")
@@ -258,6 +262,9 @@ def write_outputs(a, out: Path, cfgs: list[dict], notes: list[str], meta: dict) 
         one = by_key.get(f"jax/1f1b/{layout}")
         target(one, by_key.get(f"jax/gpipe/{layout}"), 1.0,
                f"jax 1F1B >= jax GPipe, M={a.microbatches}, P={a.stages}, layout {layout}")
+        target(by_key.get(f"jax/1f1b-kept/{layout}"), by_key.get(f"jax/gpipe-kept/{layout}"),
+               1.0, f"jax 1F1B >= jax GPipe, both remat=False, M={a.microbatches}, "
+                    f"P={a.stages}, layout {layout}")
         target(one, by_key.get(f"torch/1f1b/{a.stages}x1"), 1.5,
                f"jax 1F1B (layout {layout}) >= 1.5x torch 1F1B (gloo, {a.stages} x 1)")
     for t in targets:

@@ -513,25 +513,26 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
                 in_group(0, cell), lambda *a: run_group(0, *a), not_forming,
                 stash, kept, grads, loss, cell)
             return buffer, kept, grads, loss, rows
-        # Each cond returns only the state its group writes; the rest it only reads.
+        # Each cond returns only the state its group writes, and the tick's buffer and rows
+        # (passed through where the action is not of its group); the rest it only reads.
         buffer, rows = no_buffer(), kept_rows()
         for g, (_, target) in enumerate(groups):
             if target is None:
                 continue  # idle: no group ran
 
-            def passing(stash, kept, grads, loss, cell, target=target):
-                return _vary((no_buffer(), grads if target == "grads" else kept, loss,
-                              kept_rows()), varying)
+            def ran(buffer, rows, stash, kept, grads, loss, cell, g=g):
+                return _vary(run_group(g, stash, kept, grads, loss, cell), varying)
 
-            active = in_group(g, cell)
-            b, written, loss, r = jax.lax.cond(active, lambda *a, g=g: run_group(g, *a),
-                                               passing, stash, kept, grads, loss, cell)
+            def passing(buffer, rows, stash, kept, grads, loss, cell, target=target):
+                return _vary((buffer, grads if target == "grads" else kept, loss, rows),
+                             varying)
+
+            buffer, written, loss, rows = jax.lax.cond(
+                in_group(g, cell), ran, passing, buffer, rows, stash, kept, grads, loss, cell)
             if target == "grads":
                 grads = written
             else:
                 kept = written
-            buffer, rows = jax.tree.map(lambda a, o, active=active: jnp.where(active, a, o),
-                                        (b, r), (buffer, rows))
         return buffer, kept, grads, loss, rows
 
     # One stash holds every slot of the plan and a scratch slot (the last) for what goes
