@@ -12,9 +12,9 @@ of ``jax_cpu_mpi.pipeline`` over a 1-D ``'stage'`` mesh of every device of the j
 ``s`` on the job's ``s``-th device, process by process); ``NAME-kept`` runs it with
 ``remat=False``. Both compute the loss and the gradients only (no optimizer update), as the
 torch side does. Before timing, the loss and the gradients are compared with a float64 NumPy
-reference (exit 1 beyond float32 tolerance). Process 0 writes the JSON: per-step seconds of every repeat (process 0's wall
-clock until its outputs are ready), XLA's compiled memory analysis (temp bytes of one
-device's program) and the peak RSS of every process.
+reference (exit 1 beyond float32 tolerance). Process 0 writes the JSON: per-step seconds of
+every repeat (process 0's wall clock until its outputs are ready), XLA's compiled memory
+analysis (temp bytes of one device's program) and the peak RSS of every process.
 """
 
 from __future__ import annotations
