@@ -139,8 +139,9 @@ def expected_messages(schedule: pl.Schedule, input_grads: bool):
 def test_every_message_is_sent_once_between_making_and_need(P, M, input_grads):
     """Each value that crosses stages is sent exactly once, from its maker to its reader, at
     a tick from the one that makes it to the one before its first read; each tick's entries
-    carry exactly the pairs sent in that tick, each pair of an op's own, at most once per
-    entry; a tick with nothing to send runs no op."""
+    carry exactly the pairs sent in that tick, each pair of an op's own, in one psend per
+    tick (two messages of a pair in one tick packed into it); a tick with nothing to send
+    runs no op."""
     for schedule in all_schedules(P, M):
         plan = make_plan(schedule, input_grads)
         sent = plan.schedule_of_messages
@@ -149,10 +150,12 @@ def test_every_message_is_sent_once_between_making_and_need(P, M, input_grads):
         assert all(made <= t < need for _, _, made, t, need in sent), schedule
         for t in range(plan.ticks):
             pairs = [pair for k, entry in plan.messages[t] for pair in entry]
-            assert sorted(pairs) == sorted((a, b) for a, b, _, when, _ in sent if when == t)
-            for k, entry in plan.messages[t]:
+            assert len(set(pairs)) == len(pairs), (schedule, t, plan.messages[t])
+            now = [(a, b) for a, b, _, when, _ in sent if when == t]
+            assert sorted(pairs) == sorted(set(now))
+            for (k, entry), n in zip(plan.messages[t], plan.packed[t], strict=True):
                 assert entry and set(entry) <= set(plan.ops[k])
-                assert len(set(entry)) == len(entry)
+                assert n == max(now.count(pair) for pair in entry)
 
 
 def executor_span(plan, messages) -> float:

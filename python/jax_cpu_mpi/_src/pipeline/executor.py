@@ -538,28 +538,41 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
     # One stash holds every slot of the plan and a scratch slot (the last) for what goes
     # nowhere, never read: each buffer of a tick is stored with one unconditional write.
     # Where things are is the tick table (one row per tick and stage, read once per tick):
-    # the plan's action columns, then per message entry the slot sent from and the slot
-    # written with what arrives.
-    table = np.concatenate([plan.actions, plan.sends, plan.receives], -1)
+    # the plan's action columns, then per message entry and packed buffer the slot sent
+    # from, then the slot written with what arrives.
+    T, _, width, depth = plan.sends.shape
+    columns = width * depth  # entry e, packed buffer j: column e * depth + j
+    table = np.concatenate([plan.actions, plan.sends.reshape(T, P, columns),
+                            plan.receives.reshape(T, P, columns)], -1)
     table[..., _BRANCH] = index_of[table[..., _BRANCH]]
-    receives_at = _SENDS_AT + plan.sends.shape[-1]
+    receives_at = _SENDS_AT + columns
+    # Columns no tick receives into are not written at all.
+    receiving = [c for c in range(columns)
+                 if (plan.receives.reshape(T, P, columns)[..., c] != plan.slots).any()]
 
     # The tick's messages are one of the few distinct sets the plan's ticks have
-    # (plan.messages): the same on every device in a tick, picked by a second lax.switch.
-    # Each set's ops carry only the pairs with a message, so a stage waits only for what it
-    # receives, not for its neighbours' ticks; a tick without messages runs no op.
-    kinds = list(dict.fromkeys(plan.messages))
-    message_kind = np.asarray([kinds.index(m) for m in plan.messages], np.int32)
+    # (plan.messages, with plan.packed): the same on every device in a tick, picked by a
+    # second lax.switch. Each set's ops carry only the pairs with a message, so a stage waits
+    # only for what it receives, not for its neighbours' ticks; a tick without messages runs
+    # no op.
+    kinds = list(dict.fromkeys(zip(plan.messages, plan.packed, strict=True)))
+    message_kind = np.asarray([kinds.index(m) for m in zip(plan.messages, plan.packed,
+                                                          strict=True)], np.int32)
 
     # Each set's branch returns what every entry brings (zeros for entries it does not
     # have), not the stash: a conditional's output cannot alias its operand, so passing the
-    # stash through would copy all of it every tick.
-    def exchange(entries):
+    # stash through would copy all of it every tick. An entry that packs several buffers
+    # (two messages of one pair in one tick) sends them as one message.
+    def exchange(kind):
+        entries, packed = kind
+
         def run(stash, cell):
-            got = [no_buffer() for _ in range(plan.sends.shape[-1])]
-            for e, (_, pairs) in enumerate(entries):
-                value = pick(stash, cell[_SENDS_AT + e])
-                got[e] = _vary(_exchange(value, axis, pairs), varying)
+            got = [no_buffer() for _ in range(columns)]
+            for e, ((_, pairs), n) in enumerate(zip(entries, packed, strict=True)):
+                values = [pick(stash, cell[_SENDS_AT + e * depth + j]) for j in range(n)]
+                received = _exchange(values, axis, pairs)
+                for j in range(n):
+                    got[e * depth + j] = _vary(received[j], varying)
             return got
         return run
 
@@ -575,9 +588,9 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
         # In the same order on every device (see .plan); each precv's result goes into the
         # stash (the scratch slot where nothing arrives), which later ticks' actions and
         # sends read, so the ticks' messages stay in order.
-        got = jax.lax.switch(kind, [exchange(entries) for entries in kinds], stash, cell)
-        for e, value in enumerate(got):
-            stash = put(stash, cell[receives_at + e], value)
+        got = jax.lax.switch(kind, [exchange(k) for k in kinds], stash, cell)
+        for c in receiving:
+            stash = put(stash, cell[receives_at + c], got[c])
         return (stash, kept, state, results), None
 
     stash = zeros(buffer_shape, (plan.slots + 1,))

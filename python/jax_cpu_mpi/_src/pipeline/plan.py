@@ -27,9 +27,10 @@ interleaved schedules with ``P > 2`` the wrap-around ``P - 1 -> 0`` and ``0 -> P
 each, so no op's pairs form a cycle, which XLA GPU rejects). A tick runs an op only with the
 pairs that carry a message in that tick (``Plan.messages``), and none where none does: a
 stage waits only for a message it receives, never for a neighbour's tick as such. Where two
-messages of one pair fall into the same tick, the op runs twice (a second round). Every
-device runs a tick's ops in the same program order: messages match in order and no receive
-waits on a send that comes later.
+messages of one pair fall into the same tick, the op packs both into its one psend
+(``Plan.packed``): one channel never carries two psends in one tick. Every device runs a
+tick's ops in the same program order: messages match in order and no receive waits on a
+send that comes later.
 
 **Slots.** Each value occupies a stash slot from its write to its last read; a slot is
 reused as soon as its value is read for the last time, so the stash holds the schedule's
@@ -108,19 +109,24 @@ class Plan:
     #: The message ops: pairs ``(src, dst)`` of each, in the order every device runs them.
     ops: tuple[tuple[tuple[int, int], ...], ...]
     #: Per tick, the ops it runs in program order: ``(k, pairs)``, ``pairs`` those of
-    #: ``ops[k]`` that carry a message in that tick (an op may come twice, see the module
-    #: docstring); ops with none are left out.
+    #: ``ops[k]`` that carry a message in that tick; ops with none are left out. Each op runs
+    #: at most once per tick.
     messages: tuple[tuple[tuple[int, tuple[tuple[int, int], ...]], ...], ...]
-    #: ``[ticks, P, rounds]``: per tick, stage and entry of ``messages[tick]``, the slot the
-    #: stage sends from (the scratch slot where it sends nothing).
+    #: ``[ticks, P, entries, packed]``: per tick, stage and entry of ``messages[tick]``, the
+    #: slots the stage sends from, in the order they are packed (the scratch slot where it
+    #: sends nothing).
     sends: np.ndarray
-    #: ``[ticks, P, rounds]``: the slot what the entry brings goes into (scratch where nothing).
+    #: ``[ticks, P, entries, packed]``: the slots what the entry brings goes into (scratch
+    #: where nothing).
     receives: np.ndarray
     #: Stash slots per stage; index ``slots`` is the scratch slot.
     slots: int
     #: Per message ``(src, dst, made, sent, needed)``: the ticks its value is made in, sent
     #: in, and first read in.
     schedule_of_messages: tuple[tuple[int, int, int, int, int], ...]
+    #: Per tick and entry of ``messages``: how many buffers its psend packs (2 where a pair
+    #: of the op has two messages in that tick, the earlier made first; 1 mostly).
+    packed: tuple[tuple[int, ...], ...]
     #: Whether the backward recomputes the forward (else it starts from kept residuals).
     remat: bool = True
     #: Slots of kept residuals per stage (``remat=False``); index ``kept_slots`` is scratch.
@@ -283,35 +289,41 @@ def make_plan(schedule: Schedule, input_grads: bool = False, remat: bool = True)
                                                     4 * last + _READ)
         kept_slots = max(len(a.free_after) for a in kept_pool)
 
-    # Each tick's message entries: per op, the pairs with a message, in rounds where one pair
-    # has two (the earlier made first).
+    # Each tick's message entries: per op, the pairs with a message. Where a pair has two
+    # messages in a tick (or more), the entry packs them into one psend, the earlier made
+    # first: two psends on one channel in one tick would be ordered by nothing but data, and
+    # XLA CPU runs independent thunks in any order (an optimization barrier between them is
+    # gone by then), so two messages of one shape could be matched swapped, silently.
     ops = _message_ops(P, V)
     op_of_pair = {pair: i for i, op in enumerate(ops) for pair in op}
     by_tick: dict[int, list[_Value]] = {}
     for v in values:
         if v.src != v.dst:
             by_tick.setdefault(v.sent, []).append(v)
-    entries: list[list[tuple[int, list[_Value]]]] = [[] for _ in range(T)]
+    entries: list[list[tuple[int, list[list[_Value]]]]] = [[] for _ in range(T)]
     for t, sent in by_tick.items():
-        rounds: dict[tuple[int, int], list[_Value]] = {}
-        seen: dict[tuple[int, int], int] = {}
+        per_pair: dict[tuple[int, int], list[_Value]] = {}
         for v in sorted(sent, key=lambda v: v.made):
-            pair = (v.src, v.dst)
-            r = seen.get(pair, 0)
-            seen[pair] = r + 1
-            rounds.setdefault((r, op_of_pair[pair]), []).append(v)
-        entries[t] = [(k, sorted(vs, key=lambda v: ops[k].index((v.src, v.dst))))
-                      for (_, k), vs in sorted(rounds.items())]
+            per_pair.setdefault((v.src, v.dst), []).append(v)
+        per_op: dict[int, list[list[_Value]]] = {}
+        for pair, vs in per_pair.items():
+            per_op.setdefault(op_of_pair[pair], []).append(vs)
+        entries[t] = [(k, sorted(groups, key=lambda vs: ops[k].index((vs[0].src, vs[0].dst))))
+                      for k, groups in sorted(per_op.items())]
     width = max([1, *(len(e) for e in entries)])
-    sends = np.full((T, P, width), scratch, np.int32)
-    receives = np.full((T, P, width), scratch, np.int32)
+    depth = max([1, *(len(vs) for e in entries for _, groups in e for vs in groups)])
+    sends = np.full((T, P, width, depth), scratch, np.int32)
+    receives = np.full((T, P, width, depth), scratch, np.int32)
     for t in range(T):
-        for e, (_, vs) in enumerate(entries[t]):
-            for v in vs:
-                sends[t, v.src, e] = v.out_slot
-                receives[t, v.dst, e] = v.in_slot
-    messages = tuple(tuple((k, tuple((v.src, v.dst) for v in vs)) for k, vs in entries[t])
-                     for t in range(T))
+        for e, (_, groups) in enumerate(entries[t]):
+            for vs in groups:
+                for j, v in enumerate(vs):
+                    sends[t, v.src, e, j] = v.out_slot
+                    receives[t, v.dst, e, j] = v.in_slot
+    messages = tuple(tuple((k, tuple((vs[0].src, vs[0].dst) for vs in groups))
+                           for k, groups in entries[t]) for t in range(T))
+    packed = tuple(tuple(max(len(vs) for vs in groups) for _, groups in entries[t])
+                   for t in range(T))
 
     actions = np.zeros((T, P, len(COLUMNS)), np.int32)
     actions[..., COLUMNS.index("out_slot")] = scratch
@@ -338,4 +350,4 @@ def make_plan(schedule: Schedule, input_grads: bool = False, remat: bool = True)
     schedule_of_messages = tuple(sorted((v.src, v.dst, v.made, v.sent, min(v.reads))
                                         for v in values if v.src != v.dst))
     return Plan(schedule, input_grads, actions, ops, messages, sends, receives, slots,
-                schedule_of_messages, remat, kept_slots)
+                schedule_of_messages, packed, remat, kept_slots)
