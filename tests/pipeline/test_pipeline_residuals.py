@@ -124,3 +124,52 @@ def test_no_tick_copies_a_stash_or_the_gradients(schedule, remat):
             if np.prod([int(d) for d in m.group(1).split(",")]) > activation:
                 big.append(f"{computation}: {line.strip()[:120]}")
     assert not big, "\n".join(big)
+
+
+def scanned_layers(p, x):
+    """The layers of a chunk under lax.scan (stacked weights), the middle one rematerialized
+    by jax.checkpoint, and a custom_vjp activation: residuals of every kind JAX makes."""
+    @jax.custom_vjp
+    def softsign(h):
+        return h / (1 + jnp.abs(h))
+
+    def softsign_fwd(h):
+        return softsign(h), h
+
+    def softsign_bwd(h, g):
+        return (g / (1 + jnp.abs(h)) ** 2,)
+
+    softsign.defvjp(softsign_fwd, softsign_bwd)
+
+    def layer(h, wb):
+        w, b = wb
+        return jnp.tanh(h @ w + b), None
+
+    x, _ = jax.lax.scan(layer, x, (p["w"], p["b"]))
+    x = jax.checkpoint(lambda h: jnp.sin(h @ p["w"][0]))(x)
+    return softsign(x)
+
+
+@pytest.mark.parametrize("remat", [True, False], ids=["remat", "kept"])
+@pytest.mark.parametrize("schedule", [pl.OneFOneB(), pl.ZeroBubble()],
+                         ids=lambda s: type(s).__name__)
+def test_stages_with_scan_checkpoint_and_custom_vjp(schedule, remat):
+    """Such a stage runs (its scan's carry, the activation, typed as varying over the stage
+    axis like the layers' parameters make it) and, with remat=False, keeps its residuals."""
+    P, M = 2, 3
+    rng = np.random.default_rng(1)
+    params = {"w": jnp.asarray(rng.normal(0, 0.4, (P, 2, WIDTH, WIDTH)), jnp.float32),
+              "b": jnp.asarray(rng.normal(0, 0.1, (P, 2, WIDTH)), jnp.float32)}
+    xs = jnp.asarray(rng.normal(size=(M, BATCH, WIDTH)), jnp.float32)
+    ys = jnp.asarray(rng.normal(size=(M, BATCH, WIDTH)), jnp.float32)
+    mesh = jax.make_mesh((P,), ("stage",), devices=jax.devices()[:P])
+    mse = lambda y, t: jnp.mean((y - t) ** 2)  # noqa: E731
+    got = jax.jit(pl.shard_value_and_grad(scanned_layers, mse, mesh, schedule,
+                                          return_input_grads=True, remat=remat))(params, xs, ys)
+    want_loss, want_grads = pl.reference_value_and_grad(scanned_layers, mse, params, xs, ys)
+    np.testing.assert_allclose(got[0], want_loss, rtol=1e-6)
+    for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-6)
+    want_dx = pl.reference_value_and_grad(scanned_layers, mse, params, xs, ys,
+                                          return_input_grads=True)[2]
+    np.testing.assert_allclose(got[2], want_dx, rtol=2e-5, atol=1e-7)

@@ -300,15 +300,18 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
     else:
         def apply(p: PyTree, x: PyTree, c: Any) -> PyTree:
             return stage_fn(p, x)
+    varying = _vma(s) | frozenset().union(*map(_vma, jax.tree.leaves((xs, chunk_params))))
+    # Parameters typed as the data shards' own copies: otherwise the vjp of each tick would
+    # sum their cotangents over the data axis (the transpose of the implicit broadcast), a
+    # collective per tick; the data mean is taken once, after the scan. The microbatches
+    # typed alike: a stage that scans over its layers with the activation as the carry
+    # needs the carry's type to stay what the layers (varying parameters) make of it.
+    chunk_params = _vary(chunk_params, varying)
+    xs = _vary(xs, varying)
     chunk0 = jax.tree.map(lambda a: a[0], chunk_params)
     x0 = jax.tree.map(lambda a: a[0], xs)
     y_shape = _check_stage_shapes(stage_fn, chunk0, x0, C)
     buffer_shape = y_shape  # what a tick sends: an activation or a cotangent (same shape)
-    varying = _vma(s) | frozenset().union(*map(_vma, jax.tree.leaves((xs, chunk_params))))
-    # Parameters typed as the data shards' own copies: otherwise the vjp of each tick would
-    # sum their cotangents over the data axis (the transpose of the implicit broadcast), a
-    # collective per tick; the data mean is taken once, after the scan.
-    chunk_params = _vary(chunk_params, varying)
 
     def zeros(shape_tree: PyTree, lead: tuple[int, ...] = ()) -> PyTree:
         return _vary(jax.tree.map(lambda a: jnp.zeros(lead + a.shape, a.dtype), shape_tree),
