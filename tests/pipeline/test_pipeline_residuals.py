@@ -173,3 +173,44 @@ def test_stages_with_scan_checkpoint_and_custom_vjp(schedule, remat):
     want_dx = pl.reference_value_and_grad(scanned_layers, mse, params, xs, ys,
                                           return_input_grads=True)[2]
     np.testing.assert_allclose(got[2], want_dx, rtol=2e-5, atol=1e-7)
+
+
+def test_one_chunk_may_change_the_activation_and_its_pytree():
+    """With one chunk (P = 1) the output need not be shaped like the input: the kept
+    backward takes a cotangent shaped like the output and gives one shaped like the input."""
+    rng = np.random.default_rng(2)
+    params = {"w": jnp.asarray(rng.normal(0, 0.4, (1, WIDTH, 3)), jnp.float32)}
+    xs = {"h": jnp.asarray(rng.normal(size=(4, BATCH, WIDTH)), jnp.float32)}
+    ys = jnp.asarray(rng.normal(size=(4, BATCH, 3)), jnp.float32)
+
+    def narrow(p, x):
+        return {"out": jnp.tanh(x["h"] @ p["w"]), "aux": jnp.sum(x["h"], -1)}
+
+    def score(y, t):
+        return jnp.mean((y["out"] - t) ** 2) + 0.1 * jnp.mean(y["aux"] ** 2)
+
+    mesh = jax.make_mesh((1,), ("stage",), devices=jax.devices()[:1])
+    got = jax.jit(pl.shard_value_and_grad(narrow, score, mesh, pl.OneFOneB(),
+                                          return_input_grads=True, remat=False))(params, xs, ys)
+    want = pl.reference_value_and_grad(narrow, score, params, xs, ys, return_input_grads=True)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-7)
+
+
+def test_without_dead_code_elimination_the_parts_still_agree(monkeypatch):
+    """On a JAX without the name the cut needs (compat), everything is kept and the weight
+    part runs the whole backward: the same values, more work."""
+    from jax_cpu_mpi._src import compat
+    from jax_cpu_mpi._src.compat.registry import Missing
+
+    monkeypatch.setattr(compat, "dce_jaxpr", Missing("dce_jaxpr", "absent for this test"))
+    p, x, g = problem()
+    c = jnp.int32(0)
+    vjp = chunk_vjp(three_layers, p, x, c)
+    assert vjp.mid == ()
+    _, kept = vjp.forward(p, x, c)
+    want_dp, want_dx = jax.vjp(lambda p, x: three_layers(p, x, 0), p, x)[1](g)
+    close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)  # noqa: E731
+    dx, mid = vjp.input_part(p, c, kept, g)
+    jax.tree.map(close, (vjp.weight_part(p, c, kept, g, mid), dx), (want_dp, want_dx))
+    jax.tree.map(close, vjp.backward(p, c, kept, g), (want_dp, want_dx))

@@ -113,23 +113,25 @@ class ChunkVjp:
     _input_part: _Part
     _weight_part: _Part
     _is_kept: tuple[bool, ...]
-    _trees: tuple[Any, Any, Any]  # p, x, dp
+    _trees: tuple[Any, Any, Any]  # x (and dx), y (and g), dp
 
     def forward(self, p: PyTree, x: PyTree, c: Any) -> tuple[PyTree, list[jax.Array]]:
-        out = self._forward(*self._args(p, x, c))
+        """``(y, kept)``: the chunk's output and the residuals to keep for its backward."""
+        out = self._forward(*jax.tree.leaves(p), *jax.tree.leaves(x), c)
         y_tree = self._trees[1]
         return jax.tree.unflatten(y_tree, out[:y_tree.num_leaves]), out[y_tree.num_leaves:]
 
-    def _args(self, p: PyTree, x: PyTree, c: Any) -> list[Any]:
-        return [*jax.tree.leaves(p), *jax.tree.leaves(x), c]
-
     def _residuals(self, p: PyTree, c: Any, kept: Sequence[jax.Array]) -> list[Any]:
-        again = iter(self._again(*jax.tree.leaves(p), *[None] * self._trees[1].num_leaves, c))
+        """Every residual: the kept ones, and those formed again from ``p`` and ``c`` (the
+        microbatch's inputs are not read: ``None`` in their places)."""
+        if all(self._is_kept):
+            return list(kept)
+        again = iter(self._again(*jax.tree.leaves(p), *[None] * self._trees[0].num_leaves, c))
         kept_ = iter(kept)
         return [next(kept_) if k else next(again) for k in self._is_kept]
 
     def _grads(self, out: Sequence[Any]) -> tuple[PyTree, PyTree]:
-        dp_tree, x_tree = self._trees[2], self._trees[1]
+        x_tree, _, dp_tree = self._trees
         n = dp_tree.num_leaves
         return jax.tree.unflatten(dp_tree, out[:n]), jax.tree.unflatten(x_tree, out[n:])
 
@@ -142,8 +144,8 @@ class ChunkVjp:
                    ) -> tuple[PyTree, list[jax.Array]]:
         """``(dx, mid)``: the input's cotangent and what the weight part needs of its work."""
         out = self._input_part(*self._residuals(p, c, kept), *jax.tree.leaves(g))
-        n = self._trees[1].num_leaves
-        return jax.tree.unflatten(self._trees[1], out[:n]), out[n:]
+        n = self._trees[0].num_leaves
+        return jax.tree.unflatten(self._trees[0], out[:n]), out[n:]
 
     def weight_part(self, p: PyTree, c: Any, kept: Sequence[jax.Array], g: PyTree,
                     mid: Sequence[jax.Array]) -> PyTree:
@@ -157,13 +159,13 @@ def chunk_vjp(apply: Callable[[PyTree, PyTree, Any], PyTree], p: PyTree, x: PyTr
     """Trace ``apply(p, x, c)`` (a chunk: parameters, activation, chunk index) into a
     :class:`ChunkVjp`; ``p``, ``x`` and ``c`` may be tracers or shapes."""
     p_tree, x_tree = jax.tree.structure(p), jax.tree.structure(x)
-    vjp_tree: list[Any] = []
+    trees: list[Any] = []  # of the trace below: the vjp's (residuals) and y's
 
     def forward(p_leaves, x_leaves, c):
         y, vjp = jax.vjp(lambda p, x: apply(p, x, c), jax.tree.unflatten(p_tree, p_leaves),
                          jax.tree.unflatten(x_tree, x_leaves))
         residuals, tree = jax.tree.flatten(vjp)
-        vjp_tree.append(tree)
+        trees[:] = [tree, jax.tree.structure(y)]
         return jax.tree.leaves(y), residuals
 
     closed, (y_shapes, res_shapes) = jax.make_jaxpr(forward, return_shape=True)(
@@ -178,9 +180,9 @@ def chunk_vjp(apply: Callable[[PyTree, PyTree, Any], PyTree], p: PyTree, x: PyTr
     forward_part = _part(fwd, fwd_consts, [True] * n_y + is_kept)
     again = _part(fwd, fwd_consts, [False] * n_y + [not k for k in is_kept])
 
-    tree = vjp_tree[-1]
+    vjp_tree, y_tree = trees
     closed_b, dp_dx = jax.make_jaxpr(
-        lambda res, g: jax.tree.unflatten(tree, res)(jax.tree.unflatten(x_tree, g)),
+        lambda res, g: jax.tree.unflatten(vjp_tree, res)(jax.tree.unflatten(y_tree, g)),
         return_shape=True)(list(res_shapes), list(y_shapes))
     bwd, bwd_consts = _open(closed_b)
     dp_tree = jax.tree.structure(dp_dx[0])
@@ -192,7 +194,7 @@ def chunk_vjp(apply: Callable[[PyTree, PyTree, Any], PyTree], p: PyTree, x: PyTr
                    for s, k in zip(res_shapes, is_kept, strict=True) if k),
         mid=mid, _forward=forward_part, _again=again, _backward=backward,
         _input_part=input_part, _weight_part=weight_part, _is_kept=tuple(is_kept),
-        _trees=(p_tree, x_tree, dp_tree))
+        _trees=(x_tree, y_tree, dp_tree))
 
 
 def _cut(bwd: Any, consts: list[Any], n_dp: int, n_dx: int
