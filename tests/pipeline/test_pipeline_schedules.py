@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from jax_cpu_mpi import pipeline as pl
-from jax_cpu_mpi._src.pipeline.plan import ACTION_COST, make_plan
+from jax_cpu_mpi._src.pipeline.plan import ACTION_COST, KEPT_ACTION_COST, make_plan
 
 
 def all_schedules(P: int, M: int):
@@ -158,6 +158,11 @@ def test_every_message_is_sent_once_between_making_and_need(P, M, input_grads):
                 assert n == max(now.count(pair) for pair in entry)
 
 
+def cost_model(plan) -> dict[int, float]:
+    """The plan's own cost model: a backward recomputes the forward unless remat=False."""
+    return ACTION_COST if plan.remat else KEPT_ACTION_COST
+
+
 def executor_span(plan, messages) -> float:
     """The executor, simulated under the plan's cost model: each stage computes its tick's
     action, then the tick's message entries run in program order (a psend returns at once,
@@ -165,7 +170,7 @@ def executor_span(plan, messages) -> float:
     now = [0.0] * plan.schedule.stages
     for t in range(plan.ticks):
         for s in range(len(now)):
-            now[s] += ACTION_COST[int(plan.actions[t, s, 0])]
+            now[s] += cost_model(plan)[int(plan.actions[t, s, 0])]
         for _, pairs in messages[t]:
             sent = {a: now[a] for a, _ in pairs}
             for a, b in pairs:
@@ -183,19 +188,20 @@ def dataflow_span(plan, input_grads) -> float:
     for t in range(plan.ticks):
         for s in range(len(now)):
             start = max([now[s]] + [end[(made, a)] for made, a in reads.get((t, s), [])])
-            now[s] = end[(t, s)] = start + ACTION_COST[int(plan.actions[t, s, 0])]
+            now[s] = end[(t, s)] = start + cost_model(plan)[int(plan.actions[t, s, 0])]
     return max(now)
 
 
+@pytest.mark.parametrize("remat", [True, False], ids=["remat", "kept"])
 @pytest.mark.parametrize("input_grads", [False, True])
 @pytest.mark.parametrize("M", [2, 3, 5, 8])
-def test_two_stages_run_as_dataflow(M, input_grads):
+def test_two_stages_run_as_dataflow(M, input_grads, remat):
     """Under the cost model, the executor with the plan's message ticks is exactly as fast
     as a dataflow run of the table, for every schedule on two stages: no stage waits for
     anything but the values it reads (the executor that sent each message in the tick
     that made it was up to a fifth slower for interleaved 1F1B)."""
     for schedule in all_schedules(2, M):
-        plan = make_plan(schedule, input_grads)
+        plan = make_plan(schedule, input_grads, remat)
         assert executor_span(plan, plan.messages) == pytest.approx(
             dataflow_span(plan, input_grads)), schedule
 
