@@ -77,6 +77,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--depth", type=int, default=1,
                    help="dense layers per chunk (1: the example's model); deeper chunks make "
                         "messages and per-tick overheads small next to the actions")
+    p.add_argument("--scan-layers", action="store_true",
+                   help="a chunk's --depth layers under lax.scan (else a Python loop)")
     p.add_argument("--keep-residuals", action="store_true",
                    help="remat=False: the forwards keep their residuals and the backward "
                         "starts from them (ZB-H1's B and W then each cost about a forward, "
@@ -218,7 +220,13 @@ def simulate(plan, cost, send_us, recv_us) -> float:
 
 
 def chunk(p, h):
-    """``--depth`` of the example's layers (``p``: leaves ``[depth, ...]``)."""
+    """``--depth`` of the example's layers (``p``: leaves ``[depth, ...]``): a Python loop,
+    or with ``--scan-layers`` a ``lax.scan`` over them."""
+    if ARGS.scan_layers:
+        def layer(h, wb):
+            return example.stage_forward(example.Params(*wb), h), None
+
+        return jax.lax.scan(layer, h, (p.w, p.b))[0]
     for k in range(ARGS.depth):
         h = example.stage_forward(example.Params(p.w[k], p.b[k]), h)
     return h
@@ -368,7 +376,7 @@ def main() -> int:
     layout = f"{jax.process_count()} process(es) x {DEVICES} CPU device(s)"
     print()
     print(f"P={ARGS.stages}, M={ARGS.microbatches}, width {ARGS.width}, batch {ARGS.batch}, "
-          f"{ARGS.depth} layer(s) per chunk, "
+          f"{ARGS.depth} layer(s) per chunk{' (lax.scan)' if ARGS.scan_layers else ''}, "
           + ("residuals kept (remat=False), " if ARGS.keep_residuals else "remat, ")
           + f"{layout}, median of {ARGS.steps} steps, load average {os.getloadavg()[0]:.2f}"
           + (", input gradients formed (every stage's backward alike)" if ARGS.input_grads
