@@ -34,7 +34,18 @@ def problem():
 
 
 def dots(f, *args) -> int:
-    return sum(e.primitive.name == "dot_general" for e in jax.make_jaxpr(f)(*args).jaxpr.eqns)
+    """Matrix products in ``f``'s jaxpr, those in the bodies of its scans included (once
+    per body: once per layer of a scanned chunk)."""
+    def count(jaxpr) -> int:
+        n = 0
+        for e in jaxpr.eqns:
+            n += e.primitive.name == "dot_general"
+            for value in e.params.values():
+                inner = getattr(value, "jaxpr", value)
+                if hasattr(inner, "eqns"):
+                    n += count(inner)
+        return n
+    return count(jax.make_jaxpr(f)(*args).jaxpr)
 
 
 def test_the_parts_equal_jax_vjp_and_share_their_work():
@@ -62,6 +73,29 @@ def test_the_parts_equal_jax_vjp_and_share_their_work():
     assert dots(lambda p, k, g: vjp.input_part(p, c, k, g), p, kept, g) == LAYERS
     assert dots(lambda p, k, g, m: vjp.weight_part(p, c, k, g, m), p, kept, g, mid) == LAYERS
     assert dots(lambda p, k, g: vjp.backward(p, c, k, g), p, kept, g) == 2 * LAYERS
+
+
+def scanned(p, x, c):
+    return jax.lax.scan(lambda h, wb: (jnp.tanh(h @ wb[0] + wb[1]), None), x,
+                        (p["w"], p["b"]))[0]
+
+
+def test_a_scan_over_layers_is_cut_in_two_scans():
+    """A chunk that scans over its layers: the input part runs the backward scan for the
+    input's cotangent and stacks what the weight part needs; the weight part runs a scan of
+    its own, without the chain (one matrix product per layer each)."""
+    p, x, g = problem()
+    c = jnp.int32(0)
+    vjp = chunk_vjp(scanned, p, x, c)
+    assert vjp.mid and all(m.shape[0] == LAYERS for m in vjp.mid), vjp.mid
+    _, kept = vjp.forward(p, x, c)
+    want_dp, want_dx = jax.vjp(lambda p, x: scanned(p, x, 0), p, x)[1](g)
+    close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)  # noqa: E731
+    dx, mid = vjp.input_part(p, c, kept, g)
+    jax.tree.map(close, (vjp.weight_part(p, c, kept, g, mid), dx), (want_dp, want_dx))
+    assert dots(lambda p, k, g: vjp.input_part(p, c, k, g), p, kept, g) == 1
+    assert dots(lambda p, k, g, m: vjp.weight_part(p, c, k, g, m), p, kept, g, mid) == 1
+    assert dots(lambda p, k, g: vjp.backward(p, c, k, g), p, kept, g) == 2
 
 
 def test_plan_keeps_each_forward_until_its_last_backward():

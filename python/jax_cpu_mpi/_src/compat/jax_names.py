@@ -447,3 +447,22 @@ PIPELINE_SPLIT_BACKWARD = feature(
 dce_jaxpr = PIPELINE_SPLIT_BACKWARD.need(
     "jax._src.interpreters.partial_eval:dce_jaxpr",
     check=has_params("jaxpr", "used_outputs", "instantiate"))
+
+
+def scan_layout(params: dict[str, Any], n_inputs: int
+                ) -> tuple[int, int, dict[str, Any]] | None:
+    """A scan equation's ``(consts, carries, lax.scan keywords)`` from its parameters: JAX
+    0.10's ``num_consts`` / ``num_carry``, or JAX 0.12's ``ft_in`` (a flat tree of the
+    consts, carries and xs); ``None`` where this JAX describes them otherwise (the pipeline
+    then leaves that scan whole)."""
+    keywords = {k: params[k] for k in ("length", "reverse", "unroll") if k in params}
+    if "num_consts" in params and "num_carry" in params:
+        return int(params["num_consts"]), int(params["num_carry"]), keywords
+    try:
+        consts, carry, xs = (list(part) for part in
+                             params["ft_in"].update(list(range(n_inputs))).unpack())
+    except Exception:  # any other shape of this private parameter
+        return None
+    if consts + carry + xs != list(range(n_inputs)):
+        return None
+    return len(consts), len(carry), keywords

@@ -17,9 +17,10 @@ Everything is traced once, as jaxprs, from the chunk function and abstract argum
   zero-bubble's split backward. The backward's equations that form ``dx`` run in the input
   part; the weight part runs only those left for ``dp`` and takes what it needs from the
   input part as ``mid`` (for a dense layer, the cotangent at its output), so the two cost
-  what one backward does. Where this JAX lacks the names the cut needs
-  (``compat.PIPELINE_SPLIT_BACKWARD``), ``mid`` is empty and the weight part runs the whole
-  backward for ``dp``: the same values, more work.
+  what one backward does. A scan in the backward (a chunk that scans over its layers) is
+  cut the same way into two scans (:func:`_split_scans`). Where this JAX lacks the names the
+  cut needs (``compat.PIPELINE_SPLIT_BACKWARD``), ``mid`` is empty and the weight part runs
+  the whole backward for ``dp``: the same values, more work.
 """
 
 from __future__ import annotations
@@ -201,18 +202,21 @@ def _cut(bwd: Any, consts: list[Any], n_dp: int, n_dx: int
          ) -> tuple[_Part, _Part, tuple[jax.ShapeDtypeStruct, ...]]:
     """The backward's input part ``(res, g) -> (dx, mid)`` and weight part
     ``(res, g, mid) -> dp`` (module docstring)."""
-    for_dx, _ = _select(bwd, [False] * n_dp + [True] * n_dx)
-    for_dp, _ = _select(bwd, [True] * n_dp + [False] * n_dx)
     if not compat.available(compat.dce_jaxpr):
+        for_dx, _ = _select(bwd, [False] * n_dp + [True] * n_dx)
+        for_dp, _ = _select(bwd, [True] * n_dp + [False] * n_dx)
         n = len(consts)
         return (_Part(for_dx, consts, [True] * (len(bwd.invars) - n)),
                 _Part(for_dp, consts, [True] * (len(bwd.invars) - n)), ())
-    # What the input part computes (its equations, shared with the weight part's by dead
-    # code elimination, which keeps the equations it does not drop), and what the weight
-    # part still has to.
-    done = {id(e) for e in for_dx.eqns}
-    rest = [e for e in for_dp.eqns if id(e) not in done]
+    bwd, consts, n_exposed = _split_scans(bwd, consts, n_dp, n_dx)
+    # The input part: what dx needs, and the scans' stacked intermediates the split scans
+    # expose for their weight halves. The weight part: what dp needs, less every equation
+    # whose results the input part already has (dead code elimination keeps the variables of
+    # the equations it keeps, so results are told apart by identity).
+    for_dx, _ = _select(bwd, [False] * n_dp + [True] * (n_dx + n_exposed))
+    for_dp, _ = _select(bwd, [True] * n_dp + [False] * (n_dx + n_exposed))
     made_by_input = {id(v): v for e in for_dx.eqns for v in e.outvars}
+    rest = [e for e in for_dp.eqns if not all(id(v) in made_by_input for v in e.outvars)]
     needed: dict[int, Any] = {}
     for atom in [*(v for e in rest for v in e.invars), *for_dp.outvars]:
         if isinstance(atom, jex.Var) and id(atom) in made_by_input:
@@ -221,9 +225,115 @@ def _cut(bwd: Any, consts: list[Any], n_dp: int, n_dx: int
     # Both parts read the full argument list (consts, residuals, g) (+ mid for the weight
     # part); a dead-code pass trims what each does not read.
     inputs = list(bwd.invars)
-    input_jaxpr = _jaxpr(bwd, inputs, [*for_dx.outvars, *mid_vars], for_dx.eqns)
-    weight_jaxpr = _jaxpr(bwd, [*inputs, *mid_vars], for_dp.outvars, rest)
+    input_jaxpr = _jaxpr(bwd, inputs, [*for_dx.outvars[:n_dx], *mid_vars], for_dx.eqns)
+    weight_jaxpr = _jaxpr(bwd, [*inputs, *mid_vars], for_dp.outvars[:n_dp], rest)
     input_part = _part(input_jaxpr, consts, [True] * (n_dx + len(mid_vars)))
     weight_part = _part(weight_jaxpr, consts, [True] * n_dp)
     return input_part, weight_part, tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
                                           for v in mid_vars)
+
+
+def _eval_eqn(like: Any, eqn: Any, env: dict[int, Any]) -> list[Any]:
+    """One equation of the jaxpr ``like`` on the values of ``env`` (variables by
+    identity)."""
+    invars = list({id(v): v for v in eqn.invars if isinstance(v, jex.Var)}.values())
+    return _run(_jaxpr(like, invars, eqn.outvars, [eqn]), [env[id(v)] for v in invars])
+
+
+def _value(atom: Any, env: dict[int, Any]) -> Any:
+    return env[id(atom)] if isinstance(atom, jex.Var) else atom.val
+
+
+def _split_scans(bwd: Any, consts: list[Any], n_dp: int, n_dx: int
+                 ) -> tuple[Any, list[Any], int]:
+    """``bwd`` with each scan whose results both cotangents need cut in two scans: one that
+    runs the carry (the chain of input cotangents through the layers) and stacks what the
+    other needs, and one, without a carry, that forms the rest (the weight gradients) from
+    those stacks. The intermediates the first stacks are extra outputs (their number is
+    returned), so that the input part keeps them for the weight part; the constants come
+    first among the inputs, as in ``bwd``, preceded by those the new scans close over.
+    Without such a scan, ``bwd`` itself."""
+    for_dx, _ = _select(bwd, [False] * n_dp + [True] * n_dx)
+    dx_reads = {id(v) for e in for_dx.eqns for v in e.invars if isinstance(v, jex.Var)}
+    dx_reads |= {id(v) for v in for_dx.outvars if isinstance(v, jex.Var)}
+    plans = {}
+    for eqn in bwd.eqns:
+        if eqn.primitive.name == "scan":
+            plan = _scan_cut(eqn, dx_reads)
+            if plan is not None:
+                plans[id(eqn)] = plan
+    if not plans:
+        return bwd, consts, 0
+
+    def run(*args):
+        env = {id(v): a for v, a in zip(bwd.invars, args, strict=True)}
+        exposed = []
+        for eqn in bwd.eqns:
+            invals = [_value(v, env) for v in eqn.invars]
+            plan = plans.get(id(eqn))
+            if plan is None:
+                outs = _eval_eqn(bwd, eqn, env)
+            else:
+                outs, stacks = plan(invals)
+                exposed += stacks
+            env.update((id(v), o) for v, o in zip(eqn.outvars, outs, strict=True))
+        return [_value(v, env) for v in bwd.outvars], exposed
+
+    closed = jax.make_jaxpr(run)(*[v.aval for v in bwd.invars])
+    split, split_consts = _open(closed)
+    return split, [*split_consts, *consts], len(split.outvars) - n_dp - n_dx
+
+
+def _scan_cut(eqn: Any, dx_reads: set[int]) -> Any:
+    """For a scan equation: a function of its inputs that runs it as two scans
+    (:func:`_split_scans`), returning its outputs and the stacked intermediates; ``None``
+    where there is nothing to cut (every output is needed for dx, or none)."""
+    layout = compat.scan_layout(eqn.params, len(eqn.invars))
+    if layout is None:
+        return None
+    n_consts, n_carry, scan_kw = layout
+    ys_for_dx = [id(v) in dx_reads for v in eqn.outvars[n_carry:]]
+    if all(ys_for_dx) or not any(id(v) in dx_reads for v in eqn.outvars):
+        return None
+    body, body_consts = _open(eqn.params["jaxpr"])
+    nb = len(body_consts)
+    carry_in = body.invars[nb + n_consts:nb + n_consts + n_carry]
+    # The first scan: every carry and the outputs dx needs; the second: the other outputs.
+    first, _ = _select(body, [True] * n_carry + ys_for_dx)
+    second, _ = _select(body, [False] * n_carry + [not k for k in ys_for_dx])
+    made = {id(v) for e in first.eqns for v in e.outvars} | {id(v) for v in carry_in}
+    rest = [e for e in second.eqns if not all(id(v) in made for v in e.outvars)]
+    stack: dict[int, Any] = {}
+    for atom in [*(v for e in rest for v in e.invars), *second.outvars]:
+        if isinstance(atom, jex.Var) and id(atom) in made:
+            stack.setdefault(id(atom), atom)
+    stacked = list(stack.values())
+    outs_first = [*body.outvars[:n_carry],
+                  *(v for v, k in zip(body.outvars[n_carry:], ys_for_dx, strict=True) if k)]
+    a = _jaxpr(body, body.invars, [*outs_first, *stacked], first.eqns)
+    xs_vars = body.invars[nb + n_consts + n_carry:]
+    b_invars = [*body.invars[:nb + n_consts], *xs_vars, *stacked]
+    b = _jaxpr(body, b_invars, list(second.outvars), rest)
+
+    def run(invals):
+        cs, carry, xs = (invals[:n_consts], invals[n_consts:n_consts + n_carry],
+                         invals[n_consts + n_carry:])
+
+        def step_a(c, x):
+            out = _run(a, [*body_consts, *cs, *c, *x])
+            return out[:n_carry], out[n_carry:]
+
+        carry_out, ys_a = jax.lax.scan(step_a, list(carry), list(xs), **scan_kw)
+        n_a = len(outs_first) - n_carry
+        ys_dx, stacks = ys_a[:n_a], ys_a[n_a:]
+
+        def step_b(_, x_s):
+            x, st = x_s
+            return None, _run(b, [*body_consts, *cs, *x, *st])
+
+        _, ys_b = jax.lax.scan(step_b, None, (list(xs), list(stacks)), **scan_kw)
+        it_dx, it_b = iter(ys_dx), iter(ys_b)
+        ys = [next(it_dx) if k else next(it_b) for k in ys_for_dx]
+        return [*carry_out, *ys], list(stacks)
+
+    return run
