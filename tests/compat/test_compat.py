@@ -68,6 +68,8 @@ JAX_NEEDS_ITSELF = frozenset({
     "jax._src.lax.parallel:_check_axis_names",
     # fast_dispatch: what runs every compiled program.
     "jax._src.interpreters.pxla:ExecuteReplicated",
+    # pipeline:split_backward: JAX's own dead-code elimination (jit and scan call it).
+    "jax._src.interpreters.partial_eval:dce_jaxpr",
 })
 
 NAMES = _compat.names()
