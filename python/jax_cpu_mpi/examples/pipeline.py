@@ -64,6 +64,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=2.0,
                    help="SGD learning rate (2.0; the loss is a mean over features)")
     p.add_argument("--seed", type=int, default=0, help="seed of data and parameters (0)")
+    p.add_argument("--no-remat", dest="remat", action="store_false",
+                   help="keep each forward's residuals for its backward instead of "
+                        "recomputing the forward (faster, more memory)")
     p.add_argument("--check", action="store_true",
                    help="compare with single-device training without pipelining")
     p.add_argument("--trace", metavar="DIR", default=None,
@@ -197,16 +200,16 @@ def to_model_order(params: Params, virtual_stages: int) -> Params:
 
 
 def make_pipeline_step(
-    mesh: jax.sharding.Mesh, schedule: pipeline.Schedule, lr: float
+    mesh: jax.sharding.Mesh, schedule: pipeline.Schedule, lr: float, remat: bool = True
 ) -> Callable[[Params, jax.Array, jax.Array], tuple[Params, jax.Array]]:
     """A jitted SGD step ``(params, xs, ys) -> (new_params, loss)`` pipelined over ``mesh``.
 
     ``params`` in the pipeline layout, sharded ``P('stage')``; ``xs``, ``ys``: the
     microbatches ``[M, batch / M, width]``, replicated. ``loss`` (the step's, before the
-    update) is replicated.
+    update) is replicated. ``remat``: as for :func:`jax_cpu_mpi.pipeline.value_and_grad`.
     """
     value_and_grad = pipeline.shard_value_and_grad(stage_forward, mse, mesh, schedule,
-                                                   axis_name=AXIS)
+                                                   axis_name=AXIS, remat=remat)
 
     @jax.jit
     def step(params: Params, xs: jax.Array, ys: jax.Array) -> tuple[Params, jax.Array]:
@@ -335,12 +338,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         schedule.validate()
     except pipeline.ScheduleError as e:
         raise SystemExit(f"pipeline: {e}") from None
-    step = make_pipeline_step(mesh, schedule, args.lr)
+    step = make_pipeline_step(mesh, schedule, args.lr, args.remat)
 
     say(f"pipeline: {args.stages} stages on {jax.process_count()} process(es) x "
         f"{jax.local_device_count()} CPU device(s), {args.microbatches} microbatches of "
         f"{args.batch // args.microbatches}, width {args.width}, {args.steps} steps, "
-        f"lr {args.lr:g}, seed {args.seed}")
+        f"lr {args.lr:g}, seed {args.seed}"
+        + ("" if args.remat else ", residuals kept (remat=False)"))
     say(f"schedule: {schedule.describe()}")
     ours = {f["feature"]: f["state"] for f in jax_cpu_mpi.features()}["own_primitives"]
     say(f"psend/precv: {'jax_cpu_mpi' if ours == 'active' else 'JAX'}'s primitives")
