@@ -215,13 +215,7 @@ def _cut(bwd: Any, consts: list[Any], n_dp: int, n_dx: int
     # the equations it keeps, so results are told apart by identity).
     for_dx, _ = _select(bwd, [False] * n_dp + [True] * (n_dx + n_exposed))
     for_dp, _ = _select(bwd, [True] * n_dp + [False] * (n_dx + n_exposed))
-    made_by_input = {id(v): v for e in for_dx.eqns for v in e.outvars}
-    rest = [e for e in for_dp.eqns if not all(id(v) in made_by_input for v in e.outvars)]
-    needed: dict[int, Any] = {}
-    for atom in [*(v for e in rest for v in e.invars), *for_dp.outvars]:
-        if isinstance(atom, jex.Var) and id(atom) in made_by_input:
-            needed.setdefault(id(atom), atom)
-    mid_vars = list(needed.values())
+    rest, mid_vars = _handover(for_dx.eqns, for_dp)
     # Both parts read the full argument list (consts, residuals, g) (+ mid for the weight
     # part); a dead-code pass trims what each does not read.
     inputs = list(bwd.invars)
@@ -231,6 +225,20 @@ def _cut(bwd: Any, consts: list[Any], n_dp: int, n_dx: int
     weight_part = _part(weight_jaxpr, consts, [True] * n_dp)
     return input_part, weight_part, tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
                                           for v in mid_vars)
+
+
+def _handover(first_eqns: Sequence[Any], second: Any, also_made: Sequence[Any] = ()
+              ) -> tuple[list[Any], list[Any]]:
+    """The equations of the jaxpr ``second`` that ``first_eqns`` did not already run (not
+    all of their results made there), and the variables made there (or in ``also_made``)
+    that those equations or ``second``'s outputs read: what the first part hands over."""
+    made = {id(v) for e in first_eqns for v in e.outvars} | {id(v) for v in also_made}
+    rest = [e for e in second.eqns if not all(id(v) in made for v in e.outvars)]
+    needed: dict[int, Any] = {}
+    for atom in [*(v for e in rest for v in e.invars), *second.outvars]:
+        if isinstance(atom, jex.Var) and id(atom) in made:
+            needed.setdefault(id(atom), atom)
+    return rest, list(needed.values())
 
 
 def _eval_eqn(like: Any, eqn: Any, env: dict[int, Any]) -> list[Any]:
@@ -301,13 +309,8 @@ def _scan_cut(eqn: Any, dx_reads: set[int]) -> Any:
     # The first scan: every carry and the outputs dx needs; the second: the other outputs.
     first, _ = _select(body, [True] * n_carry + ys_for_dx)
     second, _ = _select(body, [False] * n_carry + [not k for k in ys_for_dx])
-    made = {id(v) for e in first.eqns for v in e.outvars} | {id(v) for v in carry_in}
-    rest = [e for e in second.eqns if not all(id(v) in made for v in e.outvars)]
-    stack: dict[int, Any] = {}
-    for atom in [*(v for e in rest for v in e.invars), *second.outvars]:
-        if isinstance(atom, jex.Var) and id(atom) in made:
-            stack.setdefault(id(atom), atom)
-    stacked = list(stack.values())
+    # The carry at each step is the first scan's: the second stacks what it reads of it.
+    rest, stacked = _handover(first.eqns, second, also_made=carry_in)
     outs_first = [*body.outvars[:n_carry],
                   *(v for v, k in zip(body.outvars[n_carry:], ys_for_dx, strict=True) if k)]
     a = _jaxpr(body, body.invars, [*outs_first, *stacked], first.eqns)
