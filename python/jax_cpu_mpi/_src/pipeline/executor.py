@@ -376,17 +376,15 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
     n_res = 0 if vjp is None else len(vjp.kept)
 
     def kept_at(kept, cell):
-        i = cell[_KEPT_SLOT]
-        leaves = [jax.lax.dynamic_index_in_dim(a, i, keepdims=False) for a in kept]
+        """The cell's slot: (residuals, mid)."""
+        leaves = pick(list(kept), cell[_KEPT_SLOT])
         return leaves[:n_res], leaves[n_res:]
 
     def keep(kept, cell, values, start):
         """``kept`` with ``values`` in leaves ``start, start + 1, ...`` of the cell's slot."""
-        out = list(kept)
-        for j, v in enumerate(values):
-            out[start + j] = jax.lax.dynamic_update_index_in_dim(out[start + j], v,
-                                                                 cell[_KEPT_SLOT], 0)
-        return tuple(out)
+        end = start + len(values)
+        return (*kept[:start], *put(kept[start:end], cell[_KEPT_SLOT], tuple(values)),
+                *kept[end:])
 
     # The branches: (stash, kept, loss, cell) -> (buffer, loss, rows, extra): ``extra`` is
     # what the action writes into the state: the parameter cotangent for those that form
@@ -547,22 +545,21 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
     # from, then the slot written with what arrives.
     T, _, width, depth = plan.sends.shape
     columns = width * depth  # entry e, packed buffer j: column e * depth + j
-    table = np.concatenate([plan.actions, plan.sends.reshape(T, P, columns),
-                            plan.receives.reshape(T, P, columns)], -1)
+    receives = plan.receives.reshape(T, P, columns)
+    table = np.concatenate([plan.actions, plan.sends.reshape(T, P, columns), receives], -1)
     table[..., _BRANCH] = index_of[table[..., _BRANCH]]
     receives_at = _SENDS_AT + columns
     # Columns no tick receives into are not written at all.
-    receiving = [c for c in range(columns)
-                 if (plan.receives.reshape(T, P, columns)[..., c] != plan.slots).any()]
+    receiving = [c for c in range(columns) if (receives[..., c] != plan.slots).any()]
 
     # The tick's messages are one of the few distinct sets the plan's ticks have
     # (plan.messages, with plan.packed): the same on every device in a tick, picked by a
     # second lax.switch. Each set's ops carry only the pairs with a message, so a stage waits
     # only for what it receives, not for its neighbours' ticks; a tick without messages runs
     # no op.
-    kinds = list(dict.fromkeys(zip(plan.messages, plan.packed, strict=True)))
-    message_kind = np.asarray([kinds.index(m) for m in zip(plan.messages, plan.packed,
-                                                          strict=True)], np.int32)
+    tick_messages = list(zip(plan.messages, plan.packed, strict=True))
+    kinds = list(dict.fromkeys(tick_messages))
+    message_kind = np.asarray([kinds.index(m) for m in tick_messages], np.int32)
 
     # Each set's branch returns what every entry brings (zeros for entries it does not
     # have), not the stash: a conditional's output cannot alias its operand, so passing the

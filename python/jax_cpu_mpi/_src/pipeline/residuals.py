@@ -202,12 +202,9 @@ def _cut(bwd: Any, consts: list[Any], n_dp: int, n_dx: int
          ) -> tuple[_Part, _Part, tuple[jax.ShapeDtypeStruct, ...]]:
     """The backward's input part ``(res, g) -> (dx, mid)`` and weight part
     ``(res, g, mid) -> dp`` (module docstring)."""
-    if not compat.available(compat.dce_jaxpr):
-        for_dx, _ = _select(bwd, [False] * n_dp + [True] * n_dx)
-        for_dp, _ = _select(bwd, [True] * n_dp + [False] * n_dx)
-        n = len(consts)
-        return (_Part(for_dx, consts, [True] * (len(bwd.invars) - n)),
-                _Part(for_dp, consts, [True] * (len(bwd.invars) - n)), ())
+    if not compat.available(compat.dce_jaxpr):  # each part is the whole backward
+        return (_part(bwd, consts, [False] * n_dp + [True] * n_dx),
+                _part(bwd, consts, [True] * n_dp + [False] * n_dx), ())
     bwd, consts, n_exposed = _split_scans(bwd, consts, n_dp, n_dx)
     # The input part: what dx needs, and the scans' stacked intermediates the split scans
     # expose for their weight halves. The weight part: what dp needs, less every equation
