@@ -7,19 +7,18 @@ compilation step each of ``--steps`` steps is recorded into a directory of its o
 :func:`jax_cpu_mpi.trace`, so each timeline is exactly one step, and read with
 :func:`jax_cpu_mpi.read_timeline`. Per step:
 
+* ``idle``: the share of the step in which the devices run no action (the mean over
+  devices), read off the marks the executor records at each tick's start
+  (``Timeline.ticks``): a tick's span less its psend/precv is its action's time (with the
+  tick's own bookkeeping), exactly, on every device. This is the bubble as the schedule's
+  table counts it. ``from the entry``: the same with the step starting when stage 0 does
+  (``skew``: how much later that was than the first device's start);
 * ``wait``: the share of the step the devices spent blocked on a peer inside psend/precv
-  (``Timeline.bubble_fraction()``, the mean over devices): the measured bubble;
+  (``Timeline.bubble_fraction()``, the mean over devices), which misses the idle time
+  before a device's first message and after its last;
 * ``not computing``: the share spent inside psend/precv at all (waits plus copies).
 
-A tick runs only the messages it has (the plan's ``messages``), so a channel's n-th message
-(``seq``, counted from the step's first) is the plan's n-th message on that channel, which
-gives its tick. That cuts each device's timeline at the ticks where it sends or receives:
-the time between its messages of tick ``t0`` and those of the next such tick ``t1`` is the
-sum of its actions of ticks ``t0 + 1 .. t1`` (from the plan: idle, F, the last chunk's F
-with the loss, B, ...). Solving these sums by least squares, per stage, gives the measured
-cost of each action.
-
-Three figures to compare ``wait`` with:
+Figures to compare ``idle`` with:
 
 * ``theory``: ``Schedule.bubble_fraction``, idle cells of the table (every action one tick,
   an idle tick free);
@@ -27,7 +26,7 @@ Three figures to compare ``wait`` with:
   the tick's message ops in program order; a precv waits for its psend, a device with no
   message in a tick goes on to the next) with every action costing 1 and idle 0, messages
   free;
-* ``weighted sim``: the same simulation with the measured action costs and the measured time
+* ``weighted sim``: the same simulation with each tick's measured time and the measured time
   of each psend/precv outside its wait: the executor on this machine;
 * ``dataflow``: the schedule's table run as pure dataflow with those same costs (an action
   starts once its stage is free and the values it reads have arrived; no ticks at all):
@@ -47,7 +46,6 @@ Figures only, no assertion. ``--pictures DIR`` also draws one step of each sched
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import re
@@ -56,8 +54,6 @@ import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
-
-import numpy as np
 
 
 def parse_args() -> argparse.Namespace:
@@ -115,82 +111,47 @@ ACTION = {plan_mod.IDLE: "idle", plan_mod.FORWARD: "F", plan_mod.FORWARD_LAST: "
           plan_mod.BACKWARD_INPUT_FIRST: "B(first dx)"}
 
 
-def ticks_of(timeline, plan) -> dict[int, dict[int, list]]:
-    """Per stage and tick, that device's messages (a channel's n-th message in the step is
-    the plan's n-th on that channel).
-
-    The timeline numbers devices process by process, as ``example.stage_mesh`` orders the
-    stages (JAX's own device ids are not contiguous across processes)."""
+def tick_costs(timeline, plan) -> dict[tuple[int, int], float]:
+    """Each (stage, tick)'s time outside psend/precv (us), read off the executor's marks:
+    its action, and the tick's own bookkeeping. The timeline numbers devices process by
+    process, as ``example.stage_mesh`` orders the stages (JAX's own device ids are not
+    contiguous across processes); one recorded step holds each tick once per device."""
     stage_of = {d: s for s, d in enumerate(timeline.devices)}
-    channel_ticks: dict[tuple[int, int], list[int]] = defaultdict(list)
-    for t, ops in enumerate(plan.messages):
-        for _, pairs in ops:
-            for pair in pairs:
-                channel_ticks[pair].append(t)
-
-    def channel(m) -> tuple[int, int]:
-        a, b = stage_of[m.device], stage_of[m.peer]
-        return (a, b) if m.op == "psend" else (b, a)
-
-    first_seq: dict[tuple, int] = {}
-    for m in timeline.messages:
-        key = (m.op, m.device, m.peer)
-        first_seq[key] = min(first_seq.get(key, m.seq), m.seq)
-    out: dict[int, dict[int, list]] = defaultdict(lambda: defaultdict(list))
-    for m in timeline.messages:
-        n = m.seq - first_seq[(m.op, m.device, m.peer)]
-        out[stage_of[m.device]][channel_ticks[channel(m)][n]].append(m)
-    return out
+    costs = {(stage_of[t.device], t.tick): t.compute_us for t in timeline.ticks}
+    if len(costs) != plan.ticks * plan.schedule.stages:
+        raise SystemExit(f"pipeline_bubbles: the step's timeline has {len(costs)} ticks, the "
+                         f"plan {plan.ticks} x {plan.schedule.stages}")
+    return costs
 
 
-def action_costs(by_tick, plan) -> tuple[dict, dict]:
-    """Measured cost (us) of each (stage, branch), by least squares over the gaps between a
-    device's message ticks (each gap the sum of the actions in between); and the durations
-    of each stage's psend and precv outside their waits."""
-    costs: dict[tuple[int, int], float] = {}
+def op_costs(timeline) -> dict[tuple[int, str], float]:
+    """Median time (us) of each stage's psend and precv outside their waits."""
+    stage_of = {d: s for s, d in enumerate(timeline.devices)}
     ops: dict[tuple[int, str], list[float]] = defaultdict(list)
-    for s, ticks in by_tick.items():
-        order = sorted(ticks)
-        for t in order:
-            for m in ticks[t]:
-                ops[(s, m.op)].append(m.dur_us - m.wait_us)
-        branches = sorted({int(b) for b in plan.actions[:, s, 0]})
-        rows, gaps = [], []
-        for t0, t1 in itertools.pairwise(order):
-            row = np.zeros(len(branches))
-            for t in range(t0 + 1, t1 + 1):
-                row[branches.index(int(plan.actions[t, s, 0]))] += 1
-            rows.append(row)
-            gaps.append(min(m.start_us for m in ticks[t1]) - max(m.end_us for m in ticks[t0]))
-        if not rows:
-            continue
-        solved = np.linalg.lstsq(np.array(rows), np.array(gaps), rcond=None)[0]
-        for b, v in zip(branches, solved, strict=True):
-            if np.array(rows)[:, branches.index(b)].any():
-                costs[(s, b)] = max(0.0, float(v))
-    return costs, ops
+    for m in timeline.messages:
+        ops[(stage_of[m.device], m.op)].append(m.dur_us - m.wait_us)
+    return {k: statistics.median(v) for k, v in ops.items()}
 
 
-def measured_idle(by_tick, plan, cost) -> float:
-    """The step's bubble as the table counts it: the mean over devices of the share of the
-    step not spent computing an action. A device's actions before its first message and
-    after its last lie outside the timeline; their measured costs place the step's start
-    and end, and its computing between its first and last message is the time outside
-    psend/precv."""
-    T = plan.ticks
-    start, end, compute = [], [], []
-    for s, ticks in by_tick.items():
-        first, last = min(ticks), max(ticks)
-        a = min(m.start_us for m in ticks[first])
-        b = max(m.end_us for m in ticks[last])
-        in_ops = sum(m.dur_us for t in ticks for m in ticks[t])
-        before = sum(cost(s, t) for t in range(first + 1))
-        after = sum(cost(s, t) for t in range(last + 1, T))
-        start.append(a - before)
-        end.append(b + after)
-        compute.append(before + (b - a - in_ops) + after)
-    span = max(end) - min(start)
-    return sum(1 - c / span for c in compute) / len(compute)
+def measured_idle(timeline, plan) -> tuple[float, float, float]:
+    """The step's bubble as the table counts it, from the ticks' marks: the mean over
+    devices of the share of the step in which the device runs no action (idle ticks,
+    waits, messages).
+
+    Returns ``(idle, idle from the entry, skew)``: the step from the first device's first
+    tick, and from stage 0's (the pipeline's entry: no stage has anything to do before
+    stage 0's first forward), and how much later (us) stage 0 started than the first
+    device. In one process the runtime launches the devices' programs one after the other,
+    stage 0's (the first device's) last: the other stages wait for that too, which no
+    schedule can change."""
+    stage_of = {d: s for s, d in enumerate(timeline.devices)}
+    S = plan.schedule.stages
+    starts = {stage_of[t.device]: t.start_us for t in timeline.ticks if t.tick == 0}
+    end = max(t.end_us for t in timeline.ticks)
+    busy = sum(t.compute_us for t in timeline.ticks if t.action != "idle")
+    first = min(starts.values())
+    return (1 - busy / (S * (end - first)), 1 - busy / (S * (end - starts[0])),
+            starts[0] - first)
 
 
 def simulate(plan, cost, send_us, recv_us) -> float:
@@ -289,7 +250,7 @@ def measure(name: str, root: Path) -> dict[str, object] | None:
     params, loss = step(params, xs, ys)  # compilation
     jax.block_until_ready((params, loss))
     waits, outside, spans, units, weighted, flows, free = [], [], [], [], [], [], []
-    psend_waits, idles = [], []
+    psend_waits, idles, entry_idles, skews = [], [], [], []
     step_costs: list[dict] = []
     for i in range(ARGS.steps):
         directory = root / f"{name}-{i}"
@@ -305,30 +266,30 @@ def measure(name: str, root: Path) -> dict[str, object] | None:
         waits.append(timeline.bubble_fraction())
         outside.append(statistics.mean(1 - s.busy_us / s.span_us for s in summary))
         spans.append(timeline.span_us / 1e3)
-        by_tick = ticks_of(timeline, plan)
-        med, ops = action_costs(by_tick, plan)
-        by_branch = defaultdict(list)
-        for (_, b), v in med.items():
-            by_branch[b].append(v)
-        any_stage = {b: statistics.median(v) for b, v in by_branch.items()}
-        op_med = {k: statistics.median(v) for k, v in ops.items()}
+        per_tick = tick_costs(timeline, plan)
+        op_med = op_costs(timeline)
 
-        def cost(s: int, t: int, med=med, any_stage=any_stage) -> float:
-            b = int(plan.actions[t, s, 0])
-            return med.get((s, b), any_stage.get(b, 0.0))
+        def cost(s: int, t: int, per_tick=per_tick) -> float:
+            return per_tick[(s, t)]
 
         send_us = lambda s, o=op_med: o.get((s, "psend"), 0.0)  # noqa: E731
         recv_us = lambda s, o=op_med: o.get((s, "precv"), 0.0)  # noqa: E731
         weighted.append(simulate(plan, cost, send_us, recv_us)[1])
         flows.append(dataflow(plan, cost, send_us, recv_us))
         free.append(dataflow(plan, cost, lambda s: 0.0, lambda s: 0.0))
-        idles.append(measured_idle(by_tick, plan, cost))
+        idle, entry_idle, skew = measured_idle(timeline, plan)
+        idles.append(idle)
+        entry_idles.append(entry_idle)
+        skews.append(skew / 1e3)
         psend_waits.append(sum(m.wait_us for m in timeline.messages if m.op == "psend")
                            / (len(timeline.devices) * timeline.span_us))
         units.append(simulate(plan, lambda s, t: float(plan.actions[t, s, 0] != plan_mod.IDLE),
                               lambda s: 0.0, lambda s: 0.0)[1])
-        step_costs.append({f"{ACTION[b]}@{s}": round(v / 1e3, 3)
-                           for (s, b), v in sorted(med.items())})
+        by_action: dict[tuple[int, int], list[float]] = defaultdict(list)
+        for (s, t), v in per_tick.items():
+            by_action[(s, int(plan.actions[t, s, 0]))].append(v)
+        step_costs.append({f"{ACTION[b]}@{s}": round(statistics.median(v) / 1e3, 3)
+                           for (s, b), v in sorted(by_action.items())})
         if i == ARGS.steps - 1 and ARGS.pictures:
             trace_cli.draw(timeline, Path(ARGS.pictures) / f"timeline-{name}.png",
                            title=f"{name}: {S} stages, {M} microbatches, one step "
@@ -347,6 +308,8 @@ def measure(name: str, root: Path) -> dict[str, object] | None:
             "psend_wait": statistics.median(psend_waits),
             "wait": statistics.median(waits), "wait_all": waits,
             "idle": statistics.median(idles), "idle_all": idles,
+            "idle_from_entry": statistics.median(entry_idles), "idle_from_entry_all": entry_idles,
+            "entry_skew_ms": statistics.median(skews), "entry_skew_ms_all": skews,
             "not_computing": statistics.median(outside), "step_ms": statistics.median(spans),
             "action_ms": {k: statistics.median(v) for k, v in sorted(kinds.items())},
             "action_ms_by_stage": step_costs[-1]}
@@ -366,7 +329,9 @@ def main() -> int:
         rows.append(r)
         print(f"{name}: theory {r['theory']:.3f}  unit sim {r['unit_sim']:.3f}  weighted sim "
               f"{r['weighted_sim']:.3f}  dataflow {r['dataflow']:.3f}  idle {r['idle']:.3f} "
-              f"{[round(w, 3) for w in r['idle_all']]}  wait {r['wait']:.3f} "
+              f"{[round(w, 3) for w in r['idle_all']]}  from the entry "
+              f"{r['idle_from_entry']:.3f} (skew {r['entry_skew_ms']:.2f} ms)  "
+              f"wait {r['wait']:.3f} "
               f"(psend {r['psend_wait']:.3f}) "
               f"{[round(w, 3) for w in r['wait_all']]}  not computing "
               f"{r['not_computing']:.3f}  step {r['step_ms']:.1f} ms  actions (ms) "
@@ -383,15 +348,17 @@ def main() -> int:
              else ", no input gradient (the first stage's backward is lighter)"))
     print()
     print("| schedule | ticks | theory | unit sim | weighted sim | free msgs | dataflow | "
-          "measured idle | "
-          "idle / theory | idle / dataflow | measured wait | step ms | action ms |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+          "measured idle | idle / theory | from the entry | / theory | / dataflow | "
+          "entry skew ms | measured wait | step ms | action ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         acts = ", ".join(f"{k} {v:.2f}" for k, v in r["action_ms"].items())
         print(f"| {r['schedule']} | {r['ticks']} | {r['theory']:.3f} | {r['unit_sim']:.3f} | "
               f"{r['weighted_sim']:.3f} | {r['dataflow_free_messages']:.3f} | "
               f"{r['dataflow']:.3f} | {r['idle']:.3f} | "
-              f"{r['idle'] / r['theory']:.2f} | {r['idle'] / r['dataflow']:.2f} | "
+              f"{r['idle'] / r['theory']:.2f} | {r['idle_from_entry']:.3f} | "
+              f"{r['idle_from_entry'] / r['theory']:.2f} | "
+              f"{r['idle_from_entry'] / r['dataflow']:.2f} | {r['entry_skew_ms']:.2f} | "
               f"{r['wait']:.3f} | "
               f"{r['step_ms']:.1f} | {acts} |")
     if ARGS.json:

@@ -63,7 +63,11 @@ ThreadBuffer& ThisThreadBuffer() {
 
 void Log(const Event& e) {
   char line[256];
-  const int n = std::snprintf(
+  const int n = e.op == Op::kMark ? std::snprintf(
+      line, sizeof(line),
+      "jax_cpu_mpi: process %" PRId64 " device ordinal %" PRId64 " mark %" PRIu64
+      " (%" PRId64 " %" PRId64 " %" PRId64 ")\n",
+      e.process, e.device, e.seq, e.label[0], e.label[1], e.label[2]) : std::snprintf(
       line, sizeof(line),
       "jax_cpu_mpi: process %" PRId64 " device %" PRId64 " %s peer %" PRId64 " bytes %" PRIu64
       " path %s %.1f us (waited %.1f us) seq %" PRIu64 "%s\n",
@@ -133,7 +137,7 @@ Taken TakeEvents() {
                          {e.start_ns, e.dur_ns, e.wait_ns, e.process, e.device, e.peer,
                           static_cast<int64_t>(e.bytes), static_cast<int64_t>(e.seq),
                           static_cast<int64_t>(e.op), static_cast<int64_t>(e.path),
-                          e.ok ? 1 : 0});
+                          e.ok ? 1 : 0, e.label[0], e.label[1], e.label[2]});
     }
   }
   return taken;

@@ -27,7 +27,9 @@ inline constexpr uint32_t kLog = 2;     // one line per message on stderr
 extern std::atomic<uint32_t> g_mode;
 inline uint32_t Mode() { return g_mode.load(std::memory_order_relaxed); }
 
-enum class Op : uint8_t { kPsend = 0, kPrecv = 1 };
+// kMark: a point in a program's run that the program itself names (a pipeline tick's
+// start): no message; `seq` holds the tick, `label` what the program says of it.
+enum class Op : uint8_t { kPsend = 0, kPrecv = 1, kMark = 2 };
 // How the bytes travelled: an in-process copy, MPI through a copy (staged), MPI straight
 // from the operand (direct, the rendezvous of large messages), or a psend that returned
 // with its operand still being read, finished by a later precv (kept).
@@ -46,9 +48,12 @@ struct Event {
   Op op = Op::kPsend;
   Path path = Path::kUnknown;
   bool ok = true;        // the op returned no error
+  // A mark's words (what is done from here on: action, microbatch, virtual stage); -1
+  // for a psend/precv.
+  int64_t label[3] = {-1, -1, -1};
 };
 // Columns of the flat int64 table TakeEvents() returns, in this order.
-inline constexpr size_t kEventColumns = 11;
+inline constexpr size_t kEventColumns = 14;
 
 // What the transports tell the handler of the op running on this thread.
 struct OpNotes {

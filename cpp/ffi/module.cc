@@ -16,6 +16,7 @@
 #include "bench/core_probe.h"
 #include "common/trace.h"
 #include "ffi/device_thread_hint.h"
+#include "ffi/mark.h"
 #include "ffi/p2p_handlers.h"
 #include "ffi/runtime.h"
 #include "local/zero_fill.h"
@@ -78,6 +79,7 @@ NB_MODULE(_jax_cpu_mpi, m) {
     d["jax_cpu_mpi_psend"] = EncapsulateFfiHandler(JcmPsend);
     d["jax_cpu_mpi_precv"] = EncapsulateFfiHandler(JcmPrecv);
     d["jax_cpu_mpi_device_thread_hint"] = EncapsulateFfiHandler(JcmDeviceThreadHint);
+    d["jax_cpu_mpi_mark"] = EncapsulateFfiHandler(JcmMark);
     return d;
   }, "FFI handler capsules by target name.");
 
@@ -215,9 +217,10 @@ NB_MODULE(_jax_cpu_mpi, m) {
   }, "(events as native int64 rows of trace_columns(), events dropped) since the last take.");
   m.def("trace_columns", [] {
     return std::vector<std::string>{"start_ns", "dur_ns", "wait_ns", "process", "device",
-                                    "peer", "bytes", "seq", "op", "path", "ok"};
+                                    "peer", "bytes", "seq", "op", "path", "ok",
+                                    "label0", "label1", "label2"};
   });
-  static_assert(jcm::trace::kEventColumns == 11);
+  static_assert(jcm::trace::kEventColumns == 14);
   m.def("trace_path_names", [] {
     std::vector<std::string> names;
     for (int p = 0; p <= static_cast<int>(jcm::trace::Path::kKept); ++p) {

@@ -4,13 +4,17 @@ what each process says it executed and against the MPI transport's own counters.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections import Counter
 
 import pytest
 
+from jax_cpu_mpi import pipeline as pl
 from jax_cpu_mpi._src.cli import trace as timeline
+from jax_cpu_mpi._src.pipeline.executor import tick_labels
+from jax_cpu_mpi._src.pipeline.plan import make_plan
 from mpi_launcher import assert_mpi_ok, run_mpi
 
 pytestmark = pytest.mark.mpi
@@ -73,3 +77,28 @@ def test_trace_under_mpirun(tmp_path):
             assert m.end_us + tolerance >= send.start_us, (send, m)
     flows = [e for e in merged.chrome_trace()["traceEvents"] if e["ph"] == "s"]
     assert len(flows) == sum(m.op == "precv" for m in merged.messages)
+
+
+def test_pipeline_ticks_under_mpirun(tmp_path):
+    """Every device of both processes has every tick of the 1F1B step once, in order and
+    without a gap, labelled as the plan says, under the id its messages carry."""
+    directory = tmp_path / "trace"
+    run = run_mpi("pipeline_ticks.py", str(directory), nprocs=2, devices_per_process=2,
+                  timeout=180)
+    assert_mpi_ok(run, 2)
+    stage_devices = json.loads(_lines_starting(run.by_rank()[0], "STAGE-DEVICES"))
+    merged = timeline.merge(directory)
+    plan = make_plan(pl.OneFOneB(stages=4, microbatches=4))
+    labels = tick_labels(plan)
+    names = {0: "idle", 1: "F", 2: "B", 3: "W"}
+    assert {t.device for t in merged.ticks} == set(stage_devices) == \
+        {m.device for m in merged.messages}
+    assert {t.process for t in merged.ticks} == {0, 1}
+    for s, device in enumerate(stage_devices):
+        mine = sorted((t for t in merged.ticks if t.device == device), key=lambda t: t.start_us)
+        assert [t.tick for t in mine] == list(range(plan.ticks)), (s, mine)
+        for t in mine:
+            _, action, m, v = labels[t.tick, s]
+            assert (t.action, t.microbatch, t.virtual_stage) == (names[action], m, v), t
+        assert all(a.end_us == b.start_us for a, b in itertools.pairwise(mine))
+    assert 0 < merged.idle_fraction() < 1

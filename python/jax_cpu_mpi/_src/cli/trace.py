@@ -18,6 +18,7 @@ psend's at its end (the receiver had not taken it yet).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -54,6 +55,40 @@ class Message:
     @property
     def end_us(self) -> float:
         return self.start_us + self.dur_us
+
+
+#: The ``action`` word of a pipeline mark (:mod:`jax_cpu_mpi._src.ops.marks`).
+_ACTIONS = {0: "idle", 1: "F", 2: "B", 3: "W", -1: "end"}
+
+
+@dataclass(frozen=True)
+class Tick:
+    """One tick of a pipeline on one device: from the executor's mark at its start to the
+    next mark of that device (the next tick's, or the step's end), on the merged clock.
+    The tick runs its action, then its psend/precv (``messages_us`` of the span)."""
+
+    process: int
+    device: int         # global device id, as the messages'
+    tick: int
+    action: str         # "F", "B", "W" or "idle"
+    microbatch: int     # -1 where idle
+    virtual_stage: int  # -1 where idle
+    start_us: float
+    end_us: float
+    messages_us: float = 0.0  # inside this device's psend/precv during the tick
+
+    @property
+    def compute_us(self) -> float:
+        """The span outside psend/precv: the action, and the tick's own bookkeeping."""
+        return max(0.0, self.end_us - self.start_us - self.messages_us)
+
+    @property
+    def label(self) -> str:
+        """``F3`` (microbatch 3), ``B2.1`` (virtual stage 1), ``idle``."""
+        if self.action == "idle":
+            return "idle"
+        return f"{self.action}{self.microbatch}" + (
+            f".{self.virtual_stage}" if self.virtual_stage > 0 else "")
 
 
 @dataclass(frozen=True)
@@ -106,10 +141,12 @@ class Timeline:
     messages: list[Message]
     processes: list[ProcessInfo]
     span_us: float
+    #: The ticks of the pipelines run while recording (:class:`Tick`), by device and time.
+    ticks: list[Tick] = field(default_factory=list)
 
     @property
     def devices(self) -> list[int]:
-        return sorted({m.device for m in self.messages})
+        return sorted({m.device for m in self.messages} | {t.device for t in self.ticks})
 
     @property
     def dropped(self) -> int:
@@ -124,6 +161,13 @@ class Timeline:
         """Mean over devices of the share of the timeline spent blocked on a peer."""
         return bubble_fraction(self)
 
+    def idle_fraction(self) -> float:
+        """A pipeline's bubble as its schedule counts it: the mean over devices of the share
+        of the pipeline's span (its first tick's start to its last tick's end, on any
+        device) in which the device runs no action (idle ticks, waits and messages). 0 when
+        no pipeline ran (no ticks)."""
+        return idle_fraction(self)
+
     def chrome_trace(self) -> dict[str, object]:
         """The timeline as a Chrome trace (what ``timeline.json`` holds)."""
         events: list[dict[str, object]] = []
@@ -132,11 +176,17 @@ class Timeline:
                            "args": {"name": f"process {p.process} (rank {p.rank} on {p.host})"}})
             events.append({"name": "process_sort_index", "ph": "M", "pid": p.process,
                            "args": {"sort_index": p.process}})
-        for device, process in sorted({(m.device, m.process) for m in self.messages}):
+        for device, process in sorted({(m.device, m.process) for m in self.messages}
+                                      | {(t.device, t.process) for t in self.ticks}):
             events.append({"name": "thread_name", "ph": "M", "pid": process, "tid": device,
                            "args": {"name": f"device {device}"}})
             events.append({"name": "thread_sort_index", "ph": "M", "pid": process,
                            "tid": device, "args": {"sort_index": device}})
+        # A tick holds its psend/precv: Perfetto draws them nested in it.
+        for t in self.ticks:
+            events.append({"name": t.label, "cat": "pipeline", "ph": "X", "pid": t.process,
+                           "tid": t.device, "ts": t.start_us, "dur": t.end_us - t.start_us,
+                           "args": {"tick": t.tick, "compute_us": t.compute_us}})
         sends = {}
         for m in self.messages:
             events.append({"name": m.op, "cat": "p2p", "ph": "X", "pid": m.process,
@@ -187,7 +237,8 @@ def _read(path: Path) -> tuple[ProcessInfo, list[dict]]:
     try:
         data = json.loads(path.read_text())
         facts = data["otherData"]["jax_cpu_mpi"]
-        events = [e for e in data["traceEvents"] if e.get("ph") == "X"]
+        events = [e for e in data["traceEvents"] if e.get("ph") == "X"
+                  or (e.get("ph") == "i" and e.get("name") == "mark")]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise TraceError(f"{path} is not a jax_cpu_mpi trace file ({e})") from None
     pids = {int(e["pid"]) for e in events}
@@ -221,12 +272,39 @@ def merge(directory: str | os.PathLike[str]) -> Timeline:
                 bytes=int(e["args"]["bytes"]), path=str(e["args"]["path"]),
                 seq=int(e["args"]["seq"]), ok=bool(e["args"].get("ok", True)))
         for offset, e in raw if e.get("name") in _OPS]
-    origin = min((m.start_us for m in messages), default=0.0)
+    marks = [(int(e["pid"]), int(e["tid"]), float(e["ts"]) - offset, e["args"])
+             for offset, e in raw if e.get("name") == "mark"]
+    origin = min([*(m.start_us for m in messages), *(t for _, _, t, _ in marks)], default=0.0)
     messages = sorted((_shift(m, -origin) for m in messages),
                       key=lambda m: (m.start_us, m.device))
-    span = max((m.end_us for m in messages), default=0.0)
+    ticks = _ticks([(p, d, t - origin, a) for p, d, t, a in marks], messages)
+    span = max([*(m.end_us for m in messages), *(t.end_us for t in ticks)], default=0.0)
     infos.sort(key=lambda p: p.process)
-    return Timeline(messages, infos, span)
+    return Timeline(messages, infos, span, ticks)
+
+
+def _ticks(marks: list[tuple[int, int, float, dict]], messages: list[Message]) -> list[Tick]:
+    """Each device's marks in time order: a tick runs from its mark to the device's next
+    (the last of a step is an ``end`` mark, which starts nothing)."""
+    by_device: dict[int, list[tuple[int, float, dict]]] = {}
+    for process, device, time, args in marks:
+        by_device.setdefault(device, []).append((process, time, args))
+    ops: dict[int, list[Message]] = {}
+    for m in messages:
+        ops.setdefault(m.device, []).append(m)
+    ticks = []
+    for device, items in sorted(by_device.items()):
+        items.sort(key=lambda item: item[1])
+        for (process, start, args), (_, end, _) in itertools.pairwise(items):
+            action = _ACTIONS.get(int(args["action"]), "idle")
+            if action == "end":
+                continue
+            inside = sum(min(m.end_us, end) - max(m.start_us, start)
+                         for m in ops.get(device, ()) if m.start_us < end and m.end_us > start)
+            ticks.append(Tick(process, device, int(args["tick"]), action,
+                              int(args["microbatch"]), int(args["virtual_stage"]), start, end,
+                              inside))
+    return ticks
 
 
 def _shift(m: Message, by_us: float) -> Message:
@@ -260,6 +338,17 @@ def bubble_fraction(timeline: Timeline) -> float:
     return sum(s.wait_fraction for s in summary.values()) / len(summary)
 
 
+def idle_fraction(timeline: Timeline) -> float:
+    """:meth:`Timeline.idle_fraction`."""
+    if not timeline.ticks:
+        return 0.0
+    start = min(t.start_us for t in timeline.ticks)
+    span = max(t.end_us for t in timeline.ticks) - start
+    devices = {t.device for t in timeline.ticks}
+    busy = sum(t.compute_us for t in timeline.ticks if t.action != "idle")
+    return 1.0 - busy / (len(devices) * span) if span > 0 else 0.0
+
+
 def write_json(timeline: Timeline, path: str | os.PathLike[str]) -> Path:
     """Write the merged timeline as a Chrome trace; returns its path."""
     path = Path(path)
@@ -268,14 +357,17 @@ def write_json(timeline: Timeline, path: str | os.PathLike[str]) -> Path:
 
 
 #: Colours of the picture, by kind (colour-blind-safe Okabe-Ito hues).
-COLOURS = {"outside": "#BBBBBB", "psend": "#0072B2", "precv": "#009E73", "wait": "#D55E00"}
+COLOURS = {"outside": "#BBBBBB", "psend": "#0072B2", "precv": "#009E73", "wait": "#D55E00",
+           "F": "#56B4E9", "B": "#E69F00", "W": "#CC79A7"}
 
 
 def draw(timeline: Timeline, path: str | os.PathLike[str], title: str | None = None) -> Path:
     """Draw ``timeline`` into a PNG: one row per device, psend / precv / waits coloured by
     kind, and in grey the time between two of a device's messages, outside psend/precv
-    (where a pipeline stage computes; between recorded steps, the host's time too). Raises
-    ImportError naming the package when matplotlib is missing."""
+    (where a pipeline stage computes; between recorded steps, the host's time too). Where
+    a pipeline marked its ticks, each action (F, B, W, with its microbatch) in its colour
+    instead of the grey. Raises ImportError naming the package when matplotlib is
+    missing."""
     try:
         import matplotlib
 
@@ -294,7 +386,17 @@ def draw(timeline: Timeline, path: str | os.PathLike[str], title: str | None = N
     # shorter than a pixel of a pipeline step, but still a message to see.
     least = timeline.span_us / scale / 1500
     last_end: dict[int, float] = {}
+    marked = {t.device for t in timeline.ticks}
+    labels = []
+    for t in timeline.ticks:
+        if t.action in ("F", "B", "W"):
+            bars[t.action].append((row[t.device], (t.start_us / scale, t.compute_us / scale)))
+            if t.compute_us > timeline.span_us / 60:  # room for the label
+                labels.append((row[t.device], (t.start_us + t.compute_us / 2) / scale,
+                               t.label))
     for m in sorted(timeline.messages, key=lambda m: m.start_us):
+        if m.device in marked:
+            continue
         if m.device in last_end and m.start_us > last_end[m.device]:
             bars["outside"].append((row[m.device], (last_end[m.device] / scale,
                                                    (m.start_us - last_end[m.device]) / scale)))
@@ -313,6 +415,8 @@ def draw(timeline: Timeline, path: str | os.PathLike[str], title: str | None = N
         for y, spans in by_row.items():
             ax.broken_barh(spans, (y - height / 2, height), facecolors=COLOURS[kind],
                            linewidth=0)
+    for y, x, text in labels:
+        ax.text(x, y, text, ha="center", va="center", fontsize=6)
     ax.set_yticks(range(len(devices)))
     ax.set_yticklabels([f"device {d}" for d in devices])
     ax.set_ylim(len(devices) - 0.5, -0.5)  # device 0 on top
@@ -321,13 +425,17 @@ def draw(timeline: Timeline, path: str | os.PathLike[str], title: str | None = N
     ax.grid(axis="x", alpha=0.3)
     ax.set_title(title or f"psend/precv timeline: {len(timeline.messages)} messages, "
                  f"{len(timeline.processes)} process(es), {len(devices)} device(s)")
-    ax.legend(handles=[Patch(color=COLOURS["outside"],
-                             label="between messages (computing)"),
-                       Patch(color=COLOURS["psend"], label="psend"),
-                       Patch(color=COLOURS["precv"], label="precv"),
-                       Patch(color=COLOURS["wait"], label="waiting on the peer")],
+    handles = [Patch(color=COLOURS["outside"], label="between messages (computing)")] \
+        if set(devices) - marked else []
+    handles += [Patch(color=COLOURS[k], label=name) for k, name in (
+        ("F", "forward"), ("B", "backward"), ("W", "weight gradient"))
+        if any(t.action == k for t in timeline.ticks)]
+    handles += [Patch(color=COLOURS["psend"], label="psend"),
+                Patch(color=COLOURS["precv"], label="precv"),
+                Patch(color=COLOURS["wait"], label="waiting on the peer")]
+    ax.legend(handles=handles,
               loc="upper center", bbox_to_anchor=(0.5, -0.2 - 0.3 / max(1, len(devices))),
-              ncol=4, frameon=False)
+              ncol=min(len(handles), 6), frameon=False)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path)

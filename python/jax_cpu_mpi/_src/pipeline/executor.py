@@ -21,7 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_cpu_mpi._src.ops import marks
 from jax_cpu_mpi._src.ops.p2p import precv, psend
+from jax_cpu_mpi._src.ops.vma import vary, vma_of
 from jax_cpu_mpi._src.pipeline import plan as plan_mod
 from jax_cpu_mpi._src.pipeline import residuals
 from jax_cpu_mpi._src.pipeline.per_chunk import PerChunkStages
@@ -38,26 +40,6 @@ class PipelineError(ValueError):
 
 def _leaves_shapes(tree: PyTree) -> str:
     return str(jax.tree.map(lambda a: f"{jnp.dtype(a.dtype).name}{list(a.shape)}", tree))
-
-
-def _vma(x: Any) -> frozenset:
-    """The mesh axes ``x`` is typed as varying over (check_vma): ``aval.vma`` (newer JAX) or
-    ``aval.manual_axis_type.varying`` (JAX 0.10); empty where untracked."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
-    return frozenset(vma or ())
-
-
-def _vary(tree: PyTree, axes: frozenset) -> PyTree:
-    """Mark every leaf varying over ``axes`` (check_vma types; a no-op where untracked)."""
-
-    def one(x: Any) -> Any:
-        missing = tuple(sorted(axes - _vma(x), key=str))
-        return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(one, tree)
 
 
 def _axis_size(name: Hashable, what: str) -> int:
@@ -280,6 +262,22 @@ def _split(data: jax.Array, like: PyTree) -> PyTree:
 _SENDS_AT = len(plan_mod.COLUMNS)
 
 
+def tick_labels(plan: plan_mod.Plan) -> np.ndarray:
+    """``[ticks, P, 4]`` int32: what each tick's mark says of each stage (.ops.marks): the
+    tick, the action (idle where the executor computes nothing), its microbatch and virtual
+    stage (-1 where idle)."""
+    kinds = {"F": marks.FORWARD, "B": marks.BACKWARD, "W": marks.WEIGHT}
+    T, P = plan.actions.shape[:2]
+    labels = np.full((T, P, 4), -1, np.int32)
+    labels[..., 0] = np.arange(T)[:, None]
+    labels[..., 1] = marks.IDLE
+    for t, row in enumerate(plan.schedule.table):
+        for s, a in enumerate(row):
+            if a is not None and plan.actions[t, s, _BRANCH] != plan_mod.IDLE:
+                labels[t, s, 1:] = (kinds[a.kind], a.microbatch, a.virtual_stage)
+    return labels
+
+
 def _accumulator_dtype(dtype: Any) -> Any:
     return jnp.promote_types(dtype, jnp.float32) if jnp.issubdtype(dtype, jnp.inexact) \
         else dtype
@@ -300,21 +298,21 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
     else:
         def apply(p: PyTree, x: PyTree, c: Any) -> PyTree:
             return stage_fn(p, x)
-    varying = _vma(s) | frozenset().union(*map(_vma, jax.tree.leaves((xs, chunk_params))))
+    varying = vma_of(s) | frozenset().union(*map(vma_of, jax.tree.leaves((xs, chunk_params))))
     # Parameters typed as the data shards' own copies: otherwise the vjp of each tick would
     # sum their cotangents over the data axis (the transpose of the implicit broadcast), a
     # collective per tick; the data mean is taken once, after the scan. The microbatches
     # typed alike: a stage that scans over its layers with the activation as the carry
     # needs the carry's type to stay what the layers (varying parameters) make of it.
-    chunk_params = _vary(chunk_params, varying)
-    xs = _vary(xs, varying)
+    chunk_params = vary(chunk_params, varying)
+    xs = vary(xs, varying)
     chunk0 = jax.tree.map(lambda a: a[0], chunk_params)
     x0 = jax.tree.map(lambda a: a[0], xs)
     y_shape = _check_stage_shapes(stage_fn, chunk0, x0, C)
     buffer_shape = y_shape  # what a tick sends: an activation or a cotangent (same shape)
 
     def zeros(shape_tree: PyTree, lead: tuple[int, ...] = ()) -> PyTree:
-        return _vary(jax.tree.map(lambda a: jnp.zeros(lead + a.shape, a.dtype), shape_tree),
+        return vary(jax.tree.map(lambda a: jnp.zeros(lead + a.shape, a.dtype), shape_tree),
                      varying)
 
     def pick(tree: PyTree, i: Any) -> PyTree:
@@ -372,7 +370,7 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
     # part hands to its weight part, ``mid``) are kept per (microbatch, chunk) in ``kept``:
     # one stack of slots per leaf.
     vjp = None if plan.remat else residuals.chunk_vjp(
-        apply, params_of(jnp.int32(0)), _vary(x0, varying), s)
+        apply, params_of(jnp.int32(0)), vary(x0, varying), s)
     n_res = 0 if vjp is None else len(vjp.kept)
 
     def kept_at(kept, cell):
@@ -489,7 +487,7 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
     for (kinds, _), offset in zip(groups, offsets, strict=False):
         index_of[kinds] = offset + np.arange(len(kinds))
     # Every branch must return the same types (vma included): mark them varying alike.
-    live = [[lambda *a, f=functions[b]: _vary(f(*a), varying) for b in kinds]
+    live = [[lambda *a, f=functions[b]: vary(f(*a), varying) for b in kinds]
             for kinds, _ in groups]
 
     def run_group(g: int, stash, kept, grads, loss, cell):
@@ -524,10 +522,10 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
                 continue  # idle: no group ran
 
             def ran(buffer, rows, stash, kept, grads, loss, cell, g=g):
-                return _vary(run_group(g, stash, kept, grads, loss, cell), varying)
+                return vary(run_group(g, stash, kept, grads, loss, cell), varying)
 
             def passing(buffer, rows, stash, kept, grads, loss, cell, target=target):
-                return _vary((buffer, grads if target == "grads" else kept, loss, rows),
+                return vary((buffer, grads if target == "grads" else kept, loss, rows),
                              varying)
 
             buffer, written, loss, rows = jax.lax.cond(
@@ -574,13 +572,16 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
                 values = [pick(stash, cell[_SENDS_AT + e * depth + j]) for j in range(n)]
                 received = _exchange(values, axis, pairs)
                 for j in range(n):
-                    got[e * depth + j] = _vary(received[j], varying)
+                    got[e * depth + j] = vary(received[j], varying)
             return got
         return run
 
     def tick(carry, xs):
         stash, kept, state, results = carry
-        row, kind = xs
+        row, kind, label = xs
+        # The tick's start, in the timeline while tracing: everything of the tick reads the
+        # row through the mark, so runs after it (.ops.marks).
+        _, row = marks.mark(jax.lax.dynamic_index_in_dim(label, s, keepdims=False), row)
         cell = jax.lax.dynamic_index_in_dim(row, s, keepdims=False)
         buffer, kept, grads, loss, rows = act(stash, kept, *state, cell)
         state = (grads, loss)
@@ -596,16 +597,19 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
         return (stash, kept, state, results), None
 
     stash = zeros(buffer_shape, (plan.slots + 1,))
-    grads = _vary(jax.tree.map(lambda a, d: jnp.zeros(a.shape, d), chunk_params, acc_dtypes),
+    grads = vary(jax.tree.map(lambda a, d: jnp.zeros(a.shape, d), chunk_params, acc_dtypes),
                   varying)
     # The per-microbatch results asked for, each with a scratch row M (see kept_rows()).
     results = ((zeros(y_shape, (M + 1,)),) if return_outputs else ()) + \
         ((zeros(x0, (M + 1,)),) if plan.input_grads else ())
     kept = () if vjp is None else tuple(
         zeros(leaf, (plan.kept_slots + 1,)) for leaf in (*vjp.kept, *vjp.mid))
-    carry = (stash, kept, (grads, _vary(jnp.zeros((), jnp.float32), varying)), results)
+    carry = (stash, kept, (grads, vary(jnp.zeros((), jnp.float32), varying)), results)
     (_, _, (grads, loss), results), _ = jax.lax.scan(
-        tick, carry, (jnp.asarray(table, np.int32), jnp.asarray(message_kind)))
+        tick, carry, (jnp.asarray(table, np.int32), jnp.asarray(message_kind),
+                      jnp.asarray(tick_labels(plan))))
+    # The last tick's end: the loss, made by the scan, goes through the mark.
+    _, loss = marks.mark(jnp.asarray([T, marks.END, -1, -1], jnp.int32), loss)
     results = [jax.tree.map(lambda a: a[:M], r) for r in results]
 
     def shared_from(stage: int, tree: PyTree) -> PyTree:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import json
 import os
 import socket
@@ -185,8 +186,33 @@ def _take() -> tuple[np.ndarray, int]:
     return rows, int(dropped)
 
 
+_MARK = 2  # the op code of a mark (cpp/common/trace.h)
+
+
+@functools.cache
+def _devices_by_ordinal() -> dict[int, int]:
+    """This process's CPU devices: the device ordinal XLA gives a mark's handler (the JAX
+    device id; tested under mpirun, where process 1's ids start at 2048) -> the id that
+    psend/precv events give the device, its position among the job's CPU devices sorted by
+    id (as the lowering's tables number them, :mod:`jax_cpu_mpi._src.lowering.topology`)."""
+    import jax
+
+    position = {i: n for n, i in enumerate(sorted(d.id for d in jax.devices("cpu")))}
+    return {d.id: position[d.id] for d in jax.local_devices(backend="cpu")}
+
+
+def _global_device(ordinal: int) -> int:
+    return _devices_by_ordinal().get(ordinal, ordinal)
+
+
 def _event_json(row: np.ndarray) -> dict[str, object]:
     r = dict(zip(_COLUMNS, (int(v) for v in row), strict=True))
+    if r["op"] == _MARK:
+        return {"name": "mark", "cat": "pipeline", "ph": "i", "s": "t",
+                "pid": r["process"], "tid": _global_device(r["device"]),
+                "ts": r["start_ns"] / 1e3,
+                "args": {"tick": r["seq"], "action": r["label0"], "microbatch": r["label1"],
+                         "virtual_stage": r["label2"]}}
     return {
         "name": _OPS[r["op"]], "cat": "p2p", "ph": "X",
         "pid": r["process"], "tid": r["device"],
@@ -230,10 +256,10 @@ def _write(session: _Session) -> Path:
               "Call jax_cpu_mpi.trace_flush() more often or raise JAX_CPU_MPI_TRACE_EVENTS.",
               file=sys.stderr)
     items: list[dict] = []
-    pid_col, tid_col = _COLUMNS.index("process"), _COLUMNS.index("device")
     for row in rows:
-        items.extend(_names(session, int(row[pid_col]), int(row[tid_col]), facts))
-        items.append(_event_json(row))
+        event = _event_json(row)
+        items.extend(_names(session, int(event["pid"]), int(event["tid"]), facts))
+        items.append(event)
     other = {"jax_cpu_mpi": {"format": FORMAT, **facts, "events": session.events,
                              "dropped": session.dropped,
                              "events_per_thread": _events_per_thread}}

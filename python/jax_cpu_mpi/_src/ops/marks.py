@@ -1,0 +1,72 @@
+"""Marks: points in a program's run that the program names, recorded into the timeline.
+
+``mark(label, after)`` returns its two operands unchanged. On CPU it is a side-effecting
+custom call of ours (``jax_cpu_mpi_mark``, ``cpp/ffi/mark.cc``) that, while tracing
+(:func:`jax_cpu_mpi.trace`), records the time it ran, the device, and ``label``: int32
+``[tick, action, microbatch, virtual stage]``. Whatever reads a result runs after the mark,
+and the mark runs after whatever makes ``after``: the pipeline executor marks each tick's
+start so (its row of the plan goes through the mark), and its end after the last tick (the
+loss goes through), which gives every tick's span on every device
+(:meth:`jax_cpu_mpi.Timeline.ticks`). Its results alias its operands: nothing is copied.
+
+Elsewhere (GPU, or a CPU whose handlers could not be registered) the mark is the identity:
+the same program exports for GPU without a CPU-only call. Under ``jax.grad`` ``after``'s
+tangent passes through; under ``vmap`` the mark runs once per example.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from jax_cpu_mpi._src.ops.vma import vary, vma_of
+
+MARK_TARGET = "jax_cpu_mpi_mark"
+
+#: The ``action`` word of a tick's label.
+IDLE, FORWARD, BACKWARD, WEIGHT, END = 0, 1, 2, 3, -1
+ACTION_NAMES = {IDLE: "idle", FORWARD: "F", BACKWARD: "B", WEIGHT: "W", END: "end"}
+
+
+def _targets_registered() -> bool:
+    from jax_cpu_mpi._src.ffi import registration
+
+    try:
+        registration.register_targets()
+    except RuntimeError:  # a jaxlib too old for the extension: no handlers on CPU at all
+        return False
+    return True
+
+
+def _call(label: jax.Array, after: Any) -> tuple[jax.Array, Any]:
+    call = jax.ffi.ffi_call(
+        MARK_TARGET,
+        (jax.ShapeDtypeStruct(label.shape, label.dtype),
+         jax.ShapeDtypeStruct(after.shape, after.dtype)),
+        has_side_effect=True, vmap_method="sequential", input_output_aliases={0: 0, 1: 1})
+    out = call(label, after, process=np.int64(jax.process_index()))
+    # JAX cannot type a custom call's results inside shard_map: they vary as the operands.
+    return vary(out[0], vma_of(label)), vary(out[1], vma_of(after))
+
+
+@jax.custom_jvp
+def mark(label: jax.Array, after: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(label, after)`` unchanged, with the mark recorded on CPU while tracing (module
+    docstring). ``label``: int32 ``[4]``; ``after``: one array."""
+    if not _targets_registered():
+        return label, after
+    return jax.lax.platform_dependent(label, after, cpu=_call,
+                                      default=lambda label, after: (label, after))
+
+
+@mark.defjvp
+def _mark_jvp(primals: tuple, tangents: tuple) -> tuple:
+    label, after = primals
+    out = mark(label, after)
+    return out, (np.zeros(label.shape, jax.dtypes.float0), tangents[1])
+
+
+__all__ = ["ACTION_NAMES", "BACKWARD", "END", "FORWARD", "IDLE", "MARK_TARGET", "WEIGHT",
+           "mark"]
