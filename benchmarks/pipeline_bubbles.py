@@ -32,7 +32,9 @@ Figures to compare ``idle`` with:
   starts once its stage is free and the values it reads have arrived; no ticks at all):
   the least idle any executor of this table gets on this machine, the theory of the
   schedule with this model's action costs and this transport's message costs
-  (``free msgs``: the same with messages that cost nothing).
+  (``free msgs``: the same with messages that cost nothing; ``median costs``: the same with
+  each action at the median time of its kind on its stage, without the step-to-step and
+  tick-to-tick variation of the measured times: what a quiet machine would give).
 
 ``psend`` in the printed line is the part of ``wait`` spent in psend (the model counts none).
 
@@ -250,6 +252,8 @@ def measure(name: str, root: Path) -> dict[str, object] | None:
     params, loss = step(params, xs, ys)  # compilation
     jax.block_until_ready((params, loss))
     waits, outside, spans, units, weighted, flows, free = [], [], [], [], [], [], []
+    steady: list[float] = []
+    spread: dict[str, list[float]] = defaultdict(list)  # every tick's time, by action
     psend_waits, idles, entry_idles, skews = [], [], [], []
     step_costs: list[dict] = []
     for i in range(ARGS.steps):
@@ -277,6 +281,17 @@ def measure(name: str, root: Path) -> dict[str, object] | None:
         weighted.append(simulate(plan, cost, send_us, recv_us)[1])
         flows.append(dataflow(plan, cost, send_us, recv_us))
         free.append(dataflow(plan, cost, lambda s: 0.0, lambda s: 0.0))
+        by_kind: dict[tuple[int, int], list[float]] = defaultdict(list)
+        for (s, t), v in per_tick.items():
+            by_kind[(s, int(plan.actions[t, s, 0]))].append(v)
+        median = {k: statistics.median(v) for k, v in by_kind.items()}
+
+        def median_cost(s: int, t: int, median=median) -> float:
+            return median[(s, int(plan.actions[t, s, 0]))]
+
+        steady.append(dataflow(plan, median_cost, send_us, recv_us))
+        for (s, b), v in by_kind.items():
+            spread[f"{ACTION[b]}@{s}"].extend(v)
         idle, entry_idle, skew = measured_idle(timeline, plan)
         idles.append(idle)
         entry_idles.append(entry_idle)
@@ -304,6 +319,10 @@ def measure(name: str, root: Path) -> dict[str, object] | None:
             "unit_sim": statistics.median(units), "weighted_sim": statistics.median(weighted),
             "weighted_all": weighted, "dataflow": statistics.median(flows),
             "dataflow_all": flows, "dataflow_free_messages": statistics.median(free),
+            "dataflow_median_costs": statistics.median(steady), "dataflow_median_costs_all": steady,
+            # Coefficient of variation of each action's time over its ticks and the steps.
+            "action_cv": {k: statistics.pstdev(v) / statistics.mean(v)
+                          for k, v in sorted(spread.items()) if len(v) > 1 and statistics.mean(v)},
             "op_us": {f"{op}@{s}": v for (s, op), v in sorted(op_med.items())},
             "psend_wait": statistics.median(psend_waits),
             "wait": statistics.median(waits), "wait_all": waits,
@@ -328,7 +347,8 @@ def main() -> int:
             continue
         rows.append(r)
         print(f"{name}: theory {r['theory']:.3f}  unit sim {r['unit_sim']:.3f}  weighted sim "
-              f"{r['weighted_sim']:.3f}  dataflow {r['dataflow']:.3f}  idle {r['idle']:.3f} "
+              f"{r['weighted_sim']:.3f}  dataflow {r['dataflow']:.3f} (at median costs "
+              f"{r['dataflow_median_costs']:.3f})  idle {r['idle']:.3f} "
               f"{[round(w, 3) for w in r['idle_all']]}  from the entry "
               f"{r['idle_from_entry']:.3f} (skew {r['entry_skew_ms']:.2f} ms)  "
               f"wait {r['wait']:.3f} "
@@ -347,13 +367,15 @@ def main() -> int:
           + (", input gradients formed (every stage's backward alike)" if ARGS.input_grads
              else ", no input gradient (the first stage's backward is lighter)"))
     print()
-    print("| schedule | ticks | theory | unit sim | weighted sim | free msgs | dataflow | "
+    print("| schedule | ticks | theory | median costs | unit sim | weighted sim | free msgs | "
+          "dataflow | "
           "measured idle | idle / theory | from the entry | / theory | / dataflow | "
           "entry skew ms | measured wait | step ms | action ms |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         acts = ", ".join(f"{k} {v:.2f}" for k, v in r["action_ms"].items())
-        print(f"| {r['schedule']} | {r['ticks']} | {r['theory']:.3f} | {r['unit_sim']:.3f} | "
+        print(f"| {r['schedule']} | {r['ticks']} | {r['theory']:.3f} | "
+              f"{r['dataflow_median_costs']:.3f} | {r['unit_sim']:.3f} | "
               f"{r['weighted_sim']:.3f} | {r['dataflow_free_messages']:.3f} | "
               f"{r['dataflow']:.3f} | {r['idle']:.3f} | "
               f"{r['idle'] / r['theory']:.2f} | {r['idle_from_entry']:.3f} | "
