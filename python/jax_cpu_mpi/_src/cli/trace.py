@@ -9,7 +9,10 @@ each process measured when MPI was attached) and starts the timeline at 0. The r
   it and an arrow from each psend to the precv that took its message;
 * :func:`summarize`: per device, the time spent sending, receiving and waiting, bytes and
   messages, and the share of the timeline spent waiting on a peer (a pipeline's bubbles);
-* :func:`draw`: ``timeline.png``, one row per device (needs matplotlib).
+* :func:`draw`: ``timeline.png``, one row per device (needs matplotlib);
+* :attr:`Timeline.ticks` / :func:`idle_fraction`: a pipeline's ticks, from the marks its
+  executor records at each tick's start (:mod:`jax_cpu_mpi._src.ops.marks`), paired into
+  spans per device.
 
 Where a wait sits inside its op is not recorded, only how long it lasted: the picture and
 ``timeline.json`` put a precv's wait at its start (the message had not arrived) and a
@@ -258,7 +261,11 @@ def merge(directory: str | os.PathLike[str]) -> Timeline:
 
     Public as ``jax_cpu_mpi.read_timeline``: ``read_timeline(DIR).summary()`` gives each
     device's sending, receiving and waiting time, ``.bubble_fraction()`` the mean share
-    of the timeline the devices spent waiting on a peer.
+    of the timeline the devices spent waiting on a peer. Where a pipeline of
+    :mod:`jax_cpu_mpi.pipeline` ran, ``.ticks`` lists every tick of every device (its
+    action ``F``/``B``/``W``/``idle``, microbatch, virtual stage, span, and time inside
+    psend/precv), and ``.idle_fraction()`` is the share of the pipeline's span the devices
+    ran no action: the bubble as the schedule's table counts it.
     """
     infos, raw = [], []
     for path in _trace_files(Path(directory)):

@@ -1,13 +1,17 @@
 """Marks: points in a program's run that the program names, recorded into the timeline.
 
-``mark(label, after)`` returns its two operands unchanged. On CPU it is a side-effecting
-custom call of ours (``jax_cpu_mpi_mark``, ``cpp/ffi/mark.cc``) that, while tracing
+``mark(label, after)`` returns its two operands unchanged. On CPU it is a custom call of
+ours (``jax_cpu_mpi_mark``, ``cpp/ffi/mark.cc``) that, while tracing
 (:func:`jax_cpu_mpi.trace`), records the time it ran, the device, and ``label``: int32
 ``[tick, action, microbatch, virtual stage]``. Whatever reads a result runs after the mark,
-and the mark runs after whatever makes ``after``: the pipeline executor marks each tick's
-start so (its row of the plan goes through the mark), and its end after the last tick (the
-loss goes through), which gives every tick's span on every device
-(:meth:`jax_cpu_mpi.Timeline.ticks`). Its results alias its operands: nothing is copied.
+and the mark runs after whatever makes ``after``: data orders it, not a side effect (XLA
+CPU orders a side-effecting call against every other one, which made the tick marks cost
+a small model's step a few per cent; as a plain call whose results the program reads they
+cost nothing measurable: ``benchmarks/results/dev-2core-2026-12-03-ticks/``). A mark whose
+results nobody reads is dropped, like any unused value. The pipeline executor marks each
+tick's start (its row of the plan goes through the mark) and the step's end (the loss
+goes through), which gives every tick's span on every device
+(:attr:`jax_cpu_mpi.Timeline.ticks`). Its results alias its operands: nothing is copied.
 
 Elsewhere (GPU, or a CPU whose handlers could not be registered) the mark is the identity:
 the same program exports for GPU without a CPU-only call. Under ``jax.grad`` ``after``'s
@@ -45,7 +49,7 @@ def _call(label: jax.Array, after: Any) -> tuple[jax.Array, Any]:
         MARK_TARGET,
         (jax.ShapeDtypeStruct(label.shape, label.dtype),
          jax.ShapeDtypeStruct(after.shape, after.dtype)),
-        has_side_effect=True, vmap_method="sequential", input_output_aliases={0: 0, 1: 1})
+        vmap_method="sequential", input_output_aliases={0: 0, 1: 1})
     out = call(label, after, process=np.int64(jax.process_index()))
     # JAX cannot type a custom call's results inside shard_map: they vary as the operands.
     return vary(out[0], vma_of(label)), vary(out[1], vma_of(after))

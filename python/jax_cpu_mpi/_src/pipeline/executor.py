@@ -9,7 +9,8 @@ they receive in their stash slots. The plan picks the tick of each message betwe
 that makes it and the one that needs it. By default only the stage inputs (and
 cotangents) are stashed: the backward recomputes the stage's forward. With ``remat=False``
 the forward keeps its residuals (:mod:`.residuals`) in slots of their own until the
-backward, which starts from them.
+backward, which starts from them. Each tick starts with a mark (:mod:`..ops.marks`), and
+the step ends with one: while tracing, the timeline gets every tick's span and action.
 """
 
 from __future__ import annotations
@@ -313,7 +314,7 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
 
     def zeros(shape_tree: PyTree, lead: tuple[int, ...] = ()) -> PyTree:
         return vary(jax.tree.map(lambda a: jnp.zeros(lead + a.shape, a.dtype), shape_tree),
-                     varying)
+                    varying)
 
     def pick(tree: PyTree, i: Any) -> PyTree:
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
@@ -526,7 +527,7 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
 
             def passing(buffer, rows, stash, kept, grads, loss, cell, target=target):
                 return vary((buffer, grads if target == "grads" else kept, loss, rows),
-                             varying)
+                            varying)
 
             buffer, written, loss, rows = jax.lax.cond(
                 in_group(g, cell), ran, passing, buffer, rows, stash, kept, grads, loss, cell)
