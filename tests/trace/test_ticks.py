@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 
 import jax
 import jax.numpy as jnp
@@ -140,3 +141,33 @@ def test_gpu_programs_carry_no_mark():
     assert MARK_TARGET not in gpu
     cpu = f.lower(*shapes).as_text()
     assert cpu.count(f"@{MARK_TARGET}(") == 2, cpu.count(MARK_TARGET)
+
+
+def test_steps_recorded_together_are_told_apart(tmp_path, capsys):
+    """Two steps in one recording: each tick knows its step, the idle share is each step's
+    (the host's time between them counts in neither) averaged, and the command's summary
+    says so."""
+    schedule = pl.OneFOneB()
+    f, args = step(schedule, 2, 4)
+    jax.block_until_ready(f(*args))
+    with jax_cpu_mpi.trace(tmp_path):
+        jax.block_until_ready(f(*args))
+        time.sleep(0.05)  # the host between the steps: no stage's bubble
+        jax.block_until_ready(f(*args))
+    merged = timeline.merge(tmp_path)
+    T = make_plan(schedule.bind(2, 4)).ticks
+    assert sorted({t.step for t in merged.ticks}) == [0, 1]
+    for k in (0, 1):
+        for device in (0, 1):
+            assert [t.tick for t in merged.ticks if t.step == k and t.device == device] == \
+                list(range(T))
+    shares = []
+    for k in (0, 1):
+        ticks = [t for t in merged.ticks if t.step == k]
+        span = max(t.end_us for t in ticks) - min(t.start_us for t in ticks)
+        shares.append(1 - sum(t.compute_us for t in ticks if t.action != "idle") / (2 * span))
+    assert merged.idle_fraction() == pytest.approx(sum(shares) / 2)
+    assert merged.idle_fraction() < 1 - sum(
+        t.compute_us for t in merged.ticks if t.action != "idle") / (
+        2 * (max(t.end_us for t in merged.ticks) - min(t.start_us for t in merged.ticks)))
+    assert f"pipeline: 2 step(s) of {T} ticks per device" in timeline.format_summary(merged)

@@ -79,6 +79,7 @@ class Tick:
     start_us: float
     end_us: float
     messages_us: float = 0.0  # inside this device's psend/precv during the tick
+    step: int = 0             # which run of the pipeline on this device, from 0
 
     @property
     def compute_us(self) -> float:
@@ -166,9 +167,10 @@ class Timeline:
 
     def idle_fraction(self) -> float:
         """A pipeline's bubble as its schedule counts it: the mean over devices of the share
-        of the pipeline's span (its first tick's start to its last tick's end, on any
-        device) in which the device runs no action (idle ticks, waits and messages). 0 when
-        no pipeline ran (no ticks)."""
+        of a step (its first tick's start to its last tick's end, on any device) in which
+        the device runs no action (idle ticks, waits and messages), averaged over the steps
+        recorded (the host's time between steps is in none). 0 when no pipeline ran (no
+        ticks)."""
         return idle_fraction(self)
 
     def chrome_trace(self) -> dict[str, object]:
@@ -302,15 +304,17 @@ def _ticks(marks: list[tuple[int, int, float, dict]], messages: list[Message]) -
     ticks = []
     for device, items in sorted(by_device.items()):
         items.sort(key=lambda item: item[1])
+        step = -1
         for (process, start, args), (_, end, _) in itertools.pairwise(items):
             action = _ACTIONS.get(int(args["action"]), "idle")
             if action == "end":
                 continue
+            step += int(args["tick"]) == 0  # each run of the pipeline starts at tick 0
             inside = sum(min(m.end_us, end) - max(m.start_us, start)
                          for m in ops.get(device, ()) if m.start_us < end and m.end_us > start)
             ticks.append(Tick(process, device, int(args["tick"]), action,
                               int(args["microbatch"]), int(args["virtual_stage"]), start, end,
-                              inside))
+                              inside, max(step, 0)))
     return ticks
 
 
@@ -347,13 +351,16 @@ def bubble_fraction(timeline: Timeline) -> float:
 
 def idle_fraction(timeline: Timeline) -> float:
     """:meth:`Timeline.idle_fraction`."""
-    if not timeline.ticks:
-        return 0.0
-    start = min(t.start_us for t in timeline.ticks)
-    span = max(t.end_us for t in timeline.ticks) - start
-    devices = {t.device for t in timeline.ticks}
-    busy = sum(t.compute_us for t in timeline.ticks if t.action != "idle")
-    return 1.0 - busy / (len(devices) * span) if span > 0 else 0.0
+    steps: dict[int, list[Tick]] = {}
+    for t in timeline.ticks:
+        steps.setdefault(t.step, []).append(t)
+    shares = []
+    for ticks in steps.values():
+        span = max(t.end_us for t in ticks) - min(t.start_us for t in ticks)
+        busy = sum(t.compute_us for t in ticks if t.action != "idle")
+        if span > 0:
+            shares.append(1.0 - busy / (len({t.device for t in ticks}) * span))
+    return sum(shares) / len(shares) if shares else 0.0
 
 
 def write_json(timeline: Timeline, path: str | os.PathLike[str]) -> Path:
@@ -461,6 +468,12 @@ def format_summary(timeline: Timeline) -> str:
     if unsynced:
         lines.append("WARNING: process(es) " + ", ".join(str(p.process) for p in unsynced)
                      + " had no measured clock offset: their times are not aligned")
+    if timeline.ticks:
+        steps = len({t.step for t in timeline.ticks})
+        ticks = len(timeline.ticks) // max(1, steps * len({t.device for t in timeline.ticks}))
+        lines.append(f"pipeline: {steps} step(s) of {ticks} ticks per device; no action "
+                     f"running {100 * idle_fraction(timeline):.1f} % of a step on average "
+                     "(the bubble as the schedule's table counts it)")
     header = ("device", "process", "sent", "recvd", "bytes sent", "bytes recvd",
               "send ms", "recv ms", "wait ms", "wait %", "paths")
     rows = [header]
@@ -494,6 +507,7 @@ def run(directory: str, *, picture: bool = True, as_json: bool = False) -> int:
     if as_json:
         print(json.dumps({"files": [str(p) for p in written], "span_us": timeline.span_us,
                           "dropped": timeline.dropped, "bubble_fraction": bubble_fraction(timeline),
+                          "idle_fraction": idle_fraction(timeline),
                           "devices": [{**asdict(s), "wait_fraction": s.wait_fraction}
                                       for s in summarize(timeline).values()]}))
     else:
