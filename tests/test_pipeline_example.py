@@ -171,3 +171,7 @@ def test_trace_records_every_message_of_the_steps_after_compilation(tmp_path):
         got[(e["name"], e["tid"])] = got.get((e["name"], e["tid"]), 0) + 1
     assert got == want, merged.stdout
     assert 0.0 < jax_cpu_mpi.read_timeline(tmp_path).bubble_fraction() < 1.0
+    # The steps' ticks too: every stage's every tick, once per recorded step.
+    assert f"pipeline: {steps - 1} step(s) of {plan.ticks} ticks per device" in merged.stdout
+    ticks = [e for e in events if e.get("cat") == "pipeline"]
+    assert len(ticks) == (steps - 1) * plan.ticks * STAGES
