@@ -86,6 +86,13 @@ def test_every_tick_of_every_device_with_its_action(tmp_path, name, stages, micr
     # The bubble as the table counts it: between 0 and 1, and at least the idle cells'
     # share of the ticks where every action takes a tick.
     assert 0 < merged.idle_fraction() < 1
+    # Labels as the schedule's table writes its cells (a virtual stage where there are
+    # several).
+    written = {(t, s): a.label(schedule.virtual_stages)
+               for t, row in enumerate(plan.schedule.table) for s, a in enumerate(row) if a}
+    for t in merged.ticks:
+        if t.action != "idle":
+            assert t.label == written[(t.tick, t.device)], t
     # The Chrome trace holds the ticks, each named by its action.
     slices = [e for e in merged.chrome_trace()["traceEvents"] if e.get("cat") == "pipeline"]
     assert len(slices) == len(merged.ticks)

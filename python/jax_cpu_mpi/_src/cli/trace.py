@@ -21,6 +21,7 @@ psend's at its end (the receiver had not taken it yet).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -80,6 +81,7 @@ class Tick:
     end_us: float
     messages_us: float = 0.0  # inside this device's psend/precv during the tick
     step: int = 0             # which run of the pipeline on this device, from 0
+    virtual_stages: int = 1   # of the pipeline that ran it (as many as its ticks name)
 
     @property
     def compute_us(self) -> float:
@@ -88,11 +90,12 @@ class Tick:
 
     @property
     def label(self) -> str:
-        """``F3`` (microbatch 3), ``B2.1`` (virtual stage 1), ``idle``."""
+        """``F3`` (microbatch 3), ``B2.1`` (virtual stage 1 of an interleaved schedule),
+        ``idle``: as :meth:`jax_cpu_mpi.pipeline.Action.label` writes the schedule's cells."""
         if self.action == "idle":
             return "idle"
         return f"{self.action}{self.microbatch}" + (
-            f".{self.virtual_stage}" if self.virtual_stage > 0 else "")
+            f".{self.virtual_stage}" if self.virtual_stages > 1 else "")
 
 
 @dataclass(frozen=True)
@@ -315,7 +318,12 @@ def _ticks(marks: list[tuple[int, int, float, dict]], messages: list[Message]) -
             ticks.append(Tick(process, device, int(args["tick"]), action,
                               int(args["microbatch"]), int(args["virtual_stage"]), start, end,
                               inside, max(step, 0)))
-    return ticks
+    # Virtual stages per (device, step): those its ticks name (for the labels).
+    count: dict[tuple[int, int], int] = {}
+    for t in ticks:
+        key = (t.device, t.step)
+        count[key] = max(count.get(key, 1), t.virtual_stage + 1)
+    return [dataclasses.replace(t, virtual_stages=count[(t.device, t.step)]) for t in ticks]
 
 
 def _shift(m: Message, by_us: float) -> Message:
