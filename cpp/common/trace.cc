@@ -65,8 +65,8 @@ void Log(const Event& e) {
   char line[256];
   const int n = e.op == Op::kMark ? std::snprintf(
       line, sizeof(line),
-      "jax_cpu_mpi: process %" PRId64 " device ordinal %" PRId64 " mark %" PRIu64
-      " (%" PRId64 " %" PRId64 " %" PRId64 ")\n",
+      "jax_cpu_mpi: process %" PRId64 " device id %" PRId64 " tick %" PRIu64
+      " starts (action %" PRId64 ", microbatch %" PRId64 ", virtual stage %" PRId64 ")\n",
       e.process, e.device, e.seq, e.label[0], e.label[1], e.label[2]) : std::snprintf(
       line, sizeof(line),
       "jax_cpu_mpi: process %" PRId64 " device %" PRId64 " %s peer %" PRId64 " bytes %" PRIu64
