@@ -42,7 +42,8 @@ Figures only, no assertion. ``--pictures DIR`` also draws one step of each sched
 (``timeline-NAME.png``); ``--json FILE`` writes every number.
 
     python benchmarks/pipeline_bubbles.py --width 512 --batch 2048 --steps 5
-    mpirun -n 2 -bind-to core python benchmarks/pipeline_bubbles.py --stages 2 --devices 1
+    mpirun -n 2 -bind-to core -genv GLIBC_TUNABLES glibc.malloc.hugetlb=1 \
+        python benchmarks/pipeline_bubbles.py --stages 2 --devices 1
 """
 
 from __future__ import annotations
