@@ -301,11 +301,8 @@ def measure(name: str, root: Path) -> dict[str, object] | None:
                            / (len(timeline.devices) * timeline.span_us))
         units.append(simulate(plan, lambda s, t: float(plan.actions[t, s, 0] != plan_mod.IDLE),
                               lambda s: 0.0, lambda s: 0.0)[1])
-        by_action: dict[tuple[int, int], list[float]] = defaultdict(list)
-        for (s, t), v in per_tick.items():
-            by_action[(s, int(plan.actions[t, s, 0]))].append(v)
-        step_costs.append({f"{ACTION[b]}@{s}": round(statistics.median(v) / 1e3, 3)
-                           for (s, b), v in sorted(by_action.items())})
+        step_costs.append({f"{ACTION[b]}@{s}": round(v / 1e3, 3)
+                           for (s, b), v in sorted(median.items())})
         if i == ARGS.steps - 1 and ARGS.pictures:
             trace_cli.draw(timeline, Path(ARGS.pictures) / f"timeline-{name}.png",
                            title=f"{name}: {S} stages, {M} microbatches, one step "
