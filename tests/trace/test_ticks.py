@@ -19,7 +19,7 @@ import jax_cpu_mpi
 from conftest import make_mesh
 from jax_cpu_mpi import pipeline as pl
 from jax_cpu_mpi._src.cli import trace as timeline
-from jax_cpu_mpi._src.ops.marks import MARK_TARGET, mark
+from jax_cpu_mpi._src.ops.marks import ACTION_NAMES, MARK_TARGET, mark
 from jax_cpu_mpi._src.pipeline.executor import tick_labels
 from jax_cpu_mpi._src.pipeline.plan import make_plan
 
@@ -67,14 +67,13 @@ def test_every_tick_of_every_device_with_its_action(tmp_path, name, stages, micr
     plan = make_plan(schedule.bind(stages, microbatches),
                      kwargs.get("return_input_grads", False), kwargs.get("remat", True))
     labels = tick_labels(plan)
-    names = {0: "idle", 1: "F", 2: "B", 3: "W"}
     assert sorted({t.device for t in merged.ticks}) == list(range(stages))
     for s in range(stages):
         mine = sorted((t for t in merged.ticks if t.device == s), key=lambda t: t.start_us)
         assert [t.tick for t in mine] == list(range(plan.ticks)), s
         for t in mine:
             _, action, m, v = labels[t.tick, s]
-            assert (t.action, t.microbatch, t.virtual_stage) == (names[action], m, v), t
+            assert (t.action, t.microbatch, t.virtual_stage) == (ACTION_NAMES[action], m, v), t
             assert 0 <= t.messages_us <= t.end_us - t.start_us
         assert all(a.end_us == b.start_us for a, b in itertools.pairwise(mine))
         for m in (m for m in merged.messages if m.device == s):

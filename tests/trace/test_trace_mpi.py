@@ -13,6 +13,7 @@ import pytest
 
 from jax_cpu_mpi import pipeline as pl
 from jax_cpu_mpi._src.cli import trace as timeline
+from jax_cpu_mpi._src.ops.marks import ACTION_NAMES
 from jax_cpu_mpi._src.pipeline.executor import tick_labels
 from jax_cpu_mpi._src.pipeline.plan import make_plan
 from mpi_launcher import assert_mpi_ok, run_mpi
@@ -90,7 +91,6 @@ def test_pipeline_ticks_under_mpirun(tmp_path):
     merged = timeline.merge(directory)
     plan = make_plan(pl.OneFOneB(stages=4, microbatches=4))
     labels = tick_labels(plan)
-    names = {0: "idle", 1: "F", 2: "B", 3: "W"}
     assert {t.device for t in merged.ticks} == set(stage_devices) == \
         {m.device for m in merged.messages}
     assert {t.process for t in merged.ticks} == {0, 1}
@@ -99,6 +99,6 @@ def test_pipeline_ticks_under_mpirun(tmp_path):
         assert [t.tick for t in mine] == list(range(plan.ticks)), (s, mine)
         for t in mine:
             _, action, m, v = labels[t.tick, s]
-            assert (t.action, t.microbatch, t.virtual_stage) == (names[action], m, v), t
+            assert (t.action, t.microbatch, t.virtual_stage) == (ACTION_NAMES[action], m, v), t
         assert all(a.end_us == b.start_us for a, b in itertools.pairwise(mine))
     assert 0 < merged.idle_fraction() < 1

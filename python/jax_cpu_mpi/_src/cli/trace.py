@@ -21,6 +21,7 @@ psend's at its end (the receiver had not taken it yet).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import json
@@ -28,6 +29,8 @@ import os
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from jax_cpu_mpi._src.ops.marks import ACTION_NAMES
 
 #: What ``trace DIR`` writes into DIR.
 TIMELINE_JSON = "timeline.json"
@@ -59,10 +62,6 @@ class Message:
     @property
     def end_us(self) -> float:
         return self.start_us + self.dur_us
-
-
-#: The ``action`` word of a pipeline mark (:mod:`jax_cpu_mpi._src.ops.marks`).
-_ACTIONS = {0: "idle", 1: "F", 2: "B", 3: "W", -1: "end"}
 
 
 @dataclass(frozen=True)
@@ -302,19 +301,26 @@ def _ticks(marks: list[tuple[int, int, float, dict]], messages: list[Message]) -
     for process, device, time, args in marks:
         by_device.setdefault(device, []).append((process, time, args))
     ops: dict[int, list[Message]] = {}
-    for m in messages:
+    for m in messages:  # sorted by start
         ops.setdefault(m.device, []).append(m)
     ticks = []
     for device, items in sorted(by_device.items()):
         items.sort(key=lambda item: item[1])
+        mine = ops.get(device, [])
+        starts = [m.start_us for m in mine]
+        longest = max((m.dur_us for m in mine), default=0.0)
         step = -1
         for (process, start, args), (_, end, _) in itertools.pairwise(items):
-            action = _ACTIONS.get(int(args["action"]), "idle")
+            action = ACTION_NAMES.get(int(args["action"]), "idle")
             if action == "end":
                 continue
             step += int(args["tick"]) == 0  # each run of the pipeline starts at tick 0
+            # Only ops that start within the longest op's time before the tick can reach
+            # into it: a long recording holds many steps' messages per device.
+            near = mine[bisect.bisect_left(starts, start - longest):
+                        bisect.bisect_left(starts, end)]
             inside = sum(min(m.end_us, end) - max(m.start_us, start)
-                         for m in ops.get(device, ()) if m.start_us < end and m.end_us > start)
+                         for m in near if m.end_us > start)
             ticks.append(Tick(process, device, int(args["tick"]), action,
                               int(args["microbatch"]), int(args["virtual_stage"]), start, end,
                               inside, max(step, 0)))
