@@ -142,19 +142,18 @@ def measured_idle(timeline, plan) -> tuple[float, float, float]:
     waits, messages).
 
     Returns ``(idle, idle from the entry, skew)``: the step from the first device's first
-    tick, and from stage 0's (the pipeline's entry: no stage has anything to do before
-    stage 0's first forward), and how much later (us) stage 0 started than the first
-    device. In one process the runtime launches the devices' programs one after the other,
-    stage 0's (the first device's) last: the other stages wait for that too, which no
-    schedule can change."""
+    tick (``Timeline.idle_fraction()``), and from stage 0's (the pipeline's entry: no stage
+    has anything to do before stage 0's first forward), and how much later (us) stage 0
+    started than the first device. In one process the runtime launches the devices'
+    programs one after the other, stage 0's (the first device's) last: the other stages
+    wait for that too, which no schedule can change."""
     stage_of = {d: s for s, d in enumerate(timeline.devices)}
     S = plan.schedule.stages
     starts = {stage_of[t.device]: t.start_us for t in timeline.ticks if t.tick == 0}
     end = max(t.end_us for t in timeline.ticks)
     busy = sum(t.compute_us for t in timeline.ticks if t.action != "idle")
     first = min(starts.values())
-    return (1 - busy / (S * (end - first)), 1 - busy / (S * (end - starts[0])),
-            starts[0] - first)
+    return (timeline.idle_fraction(), 1 - busy / (S * (end - starts[0])), starts[0] - first)
 
 
 def simulate(plan, cost, send_us, recv_us) -> float:
