@@ -237,6 +237,11 @@ _SLURM = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_NTASKS
     ({**_SLURM, "SLURM_PROCID": "2", "PMIX_RANK": "2"}, "slurm", "slurm"),  # srun --mpi=pmix
     # mpirun inside an sbatch script: every rank inherits the batch step's SLURM_PROCID=0.
     ({**_SLURM, "SLURM_PROCID": "0", "PMI_RANK": "3", "PMI_SIZE": "4"}, "mpi", "mpi4py"),
+    # MPICH's mpirun in a batch job of 2 nodes starts its proxies with srun: every rank sees
+    # its node's proxy (SLURM_PROCID = node, SLURM_NTASKS = 2); rank 0's index matches, its
+    # count does not, so it decides like the others (tests/runtime/test_slurm.py runs it).
+    ({**_SLURM, "SLURM_NTASKS": "2", "SLURM_PROCID": "0", "PMI_RANK": "0", "PMI_SIZE": "4"},
+     "mpi", "mpi4py"),
     ({"PMI_RANK": "0", "PMI_SIZE": "1"}, "mpi", "none"),  # mpirun -n 1
 ])
 def test_launcher_detection(monkeypatch, env, launcher, method):

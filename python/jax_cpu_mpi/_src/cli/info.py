@@ -180,7 +180,8 @@ def local_report(mpi_module=None, mpi_error: str | None = None,
             "batching_rules": batching_rules_active(),
             "features": features(),
         },
-        "launch": {"launcher": detected.launcher, "mpi_rank_env": detected.mpi_rank,
+        "launch": {"launcher": detected.launcher, "pmi": detected.pmi,
+                   "described": detected.describe(), "mpi_rank_env": detected.mpi_rank,
                    "mpi_size_env": detected.mpi_size, "jax_distributed": jax_method},
         "process_index": jax.process_index(),
         "process_count": jax.process_count(),
@@ -262,7 +263,7 @@ def format_process(report: Report) -> str:
         shown = f["state"].upper() if f["state"] == compat.OFF else f["state"]
         lines.append(f"  {f['feature']:<34} {shown}{why}")
     la = report["launch"]
-    lines.append(f"launch:        {la['launcher']}; jax.distributed: "
+    lines.append(f"launch:        {la.get('described', la['launcher'])}; jax.distributed: "
                  f"{la['jax_distributed'] or 'not initialized'}")
     lines.append(f"local devices: {report['local_devices']}")
     return "\n".join(lines)

@@ -99,6 +99,13 @@ class Launch:
     orte: bool
     #: The variables that gave ``mpi_rank`` and ``mpi_size`` (for messages).
     rank_variables: tuple[str, ...] = ()
+    #: How MPI learns the job from the launcher (see :func:`detect_pmi`), ``None`` if unknown.
+    pmi: str | None = None
+
+    def describe(self) -> str:
+        """The launcher and its PMI in words, e.g. ``"srun (Slurm), PMI pmi2"``."""
+        name = "srun (Slurm)" if self.launcher == "slurm" else self.launcher
+        return f"{name}, PMI {self.pmi}" if self.pmi else name
 
     @property
     def multi_process(self) -> bool:
@@ -107,13 +114,18 @@ class Launch:
 
     @property
     def slurm_consistent(self) -> bool:
-        """Slurm's task index is this process's MPI rank (or MPI does not say).
+        """Slurm's task index and count are this process's MPI rank and job size (or MPI
+        does not say).
 
-        ``mpirun`` inside an ``sbatch`` script leaves the batch step's ``SLURM_PROCID`` in
-        every rank's environment: then JAX's Slurm detection would be wrong.
+        ``mpirun`` inside an ``sbatch`` script leaves Slurm variables of another step in
+        every rank's environment: the batch step's, or (MPICH's mpirun, which starts its
+        proxies with ``srun``) the proxies' step, one task per node. Then JAX's Slurm
+        detection would be wrong; the count is compared too, so that rank 0, whose index
+        happens to match, decides like the others.
         """
         return self.slurm_procid is not None and (
-            self.mpi_rank is None or self.mpi_rank == self.slurm_procid)
+            self.mpi_rank is None or self.mpi_rank == self.slurm_procid) and (
+            self.mpi_size is None or self.mpi_size == self.slurm_ntasks)
 
     def jax_method(self) -> str:
         """How :func:`initialize_distributed` starts JAX here: ``"slurm"`` / ``"ompi"``
@@ -138,6 +150,23 @@ def _int_env(name: str | None) -> int | None:
         return None
 
 
+def detect_pmi() -> str | None:
+    """How MPI learns its rank and job from the launcher (a process-management interface).
+
+    Under ``srun``: the ``--mpi`` plugin of the step (``SLURM_MPI_TYPE``: ``pmi2``,
+    ``pmix``, ``pmix_v4``..., or ``none``: the tasks' MPI gets nothing and sees singletons).
+    Elsewhere: ``"pmix"`` (``PMIX_RANK``: Open MPI 5, PMIx launchers) or ``"pmi"``
+    (``PMI_RANK``/``PMI_FD``: MPICH's Hydra). ``None``: no launcher variable.
+    """
+    if all(v in os.environ for v in _SLURM_VARS) and os.environ.get("SLURM_MPI_TYPE"):
+        return os.environ["SLURM_MPI_TYPE"]
+    if "PMIX_RANK" in os.environ:
+        return "pmix"
+    if "PMI_RANK" in os.environ or "PMI_FD" in os.environ:
+        return "pmi"
+    return None
+
+
 def detect() -> Launch:
     """Read the launcher's environment variables (nothing is initialized)."""
     mpi_rank = mpi_size = None
@@ -150,7 +179,9 @@ def detect() -> Launch:
             rank_variables = tuple(v for v in (rank_var, size_var) if v)
             break
     slurm = all(v in os.environ for v in _SLURM_VARS)
-    if slurm and (launcher == "none" or mpi_rank == _int_env("SLURM_PROCID")):
+    if slurm and (launcher == "none" or (
+            mpi_rank == _int_env("SLURM_PROCID")
+            and mpi_size in (None, _int_env("SLURM_NTASKS")))):
         launcher = "slurm"
     return Launch(
         launcher=launcher,
@@ -160,6 +191,7 @@ def detect() -> Launch:
         slurm_ntasks=_int_env("SLURM_NTASKS") if slurm else None,
         orte=_ORTE_URI in os.environ,
         rank_variables=rank_variables,
+        pmi=detect_pmi(),
     )
 
 
@@ -223,7 +255,8 @@ def initialize_distributed(**kwargs) -> str:
     return method
 
 
-__all__ = ["Launch", "detect", "initialize_distributed", "warn_if_jax_runs_alone"]
+__all__ = ["Launch", "detect", "detect_pmi", "initialize_distributed",
+           "warn_if_jax_runs_alone"]
 
 
 # ---- the cluster environment for MPICH's and Open MPI 5's mpirun
@@ -341,6 +374,7 @@ def registered() -> bool:
     return _registered is not None
 
 
-__all__ = ["NAME", "Launch", "coordinator_address", "detect", "initialize_distributed",
+__all__ = ["NAME", "Launch", "coordinator_address", "detect", "detect_pmi",
+           "initialize_distributed",
            "launcher", "local_process_id", "process_count", "process_id", "register",
            "registered"]

@@ -91,12 +91,23 @@ def ensure_attached(op_name: str, num_processes_in_mesh: int) -> None:
             raise MpiSetupError(f"{op_name}: {e}") from e
         world = MPI.COMM_WORLD
         if world.Get_size() != jax_processes:
-            launched = "PMI_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ
-            how = (
-                "this process was not started by mpirun/srun (MPI sees a singleton)"
-                if world.Get_size() == 1 and not launched
-                else f"the MPI job has {world.Get_size()} ranks"
-            )
+            launched = any(v in os.environ for v in ("PMI_RANK", "PMIX_RANK",
+                                                      "OMPI_COMM_WORLD_RANK"))
+            # srun without a PMI plugin (--mpi=none, or Slurm's MpiDefault=none) starts
+            # every task, but tells their MPI nothing: each one is a singleton.
+            under_srun = "SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ
+            if world.Get_size() == 1 and not launched and under_srun:
+                how = (
+                    "srun started this process without a PMI for MPI (--mpi="
+                    f"{os.environ.get('SLURM_MPI_TYPE', 'none')}: MPI sees a singleton). "
+                    "Launch with `srun --mpi=pmi2` for the mpich wheel's MPI (a site MPI: "
+                    "the --mpi plugin it was built for, e.g. --mpi=pmix; `srun --mpi=list` "
+                    "shows those Slurm has)"
+                )
+            elif world.Get_size() == 1 and not launched:
+                how = "this process was not started by mpirun/srun (MPI sees a singleton)"
+            else:
+                how = f"the MPI job has {world.Get_size()} ranks"
             raise MpiSetupError(
                 f"{op_name}: the mesh spans processes of a JAX job with {jax_processes} "
                 f"processes, but {how}. jax_cpu_mpi moves bytes between processes with MPI, "
