@@ -219,7 +219,7 @@ def test_mpi4py_abi_from_module_file():
 _ENV_VARS = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE",
              "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "PMIX_RANK", "SLURM_JOB_ID",
              "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID",
-             "OMPI_MCA_orte_hnp_uri")
+             "OMPI_MCA_orte_hnp_uri", "SLURM_MPI_TYPE", "PMI_FD")
 _SLURM = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_NTASKS": "4",
           "SLURM_LOCALID": "0"}
 
@@ -251,6 +251,29 @@ def test_launcher_detection(monkeypatch, env, launcher, method):
         monkeypatch.setenv(var, value)
     detected = launch.detect()
     assert (detected.launcher, detected.jax_method()) == (launcher, method)
+
+
+
+@pytest.mark.parametrize(("env", "pmi", "described"), [
+    ({}, None, "none"),
+    ({"PMI_RANK": "1", "PMI_SIZE": "4", "PMI_FD": "9"}, "pmi", "mpi, PMI pmi"),  # Hydra
+    ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4", "PMIX_RANK": "1"}, "pmix",
+     "openmpi, PMI pmix"),
+    # srun: the --mpi plugin of the step, whatever variables it sets.
+    ({**_SLURM, "SLURM_PROCID": "1", "PMI_RANK": "1", "PMI_SIZE": "4",
+      "SLURM_MPI_TYPE": "pmi2"}, "pmi2", "srun (Slurm), PMI pmi2"),
+    ({**_SLURM, "SLURM_PROCID": "1", "PMIX_RANK": "1", "SLURM_MPI_TYPE": "pmix_v4"}, "pmix_v4",
+     "srun (Slurm), PMI pmix_v4"),
+    ({**_SLURM, "SLURM_PROCID": "1", "SLURM_MPI_TYPE": "none"}, "none",
+     "srun (Slurm), PMI none"),
+])
+def test_launch_names_the_pmi(monkeypatch, env, pmi, described):
+    for var in _ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    detected = launch.detect()
+    assert (detected.pmi, detected.describe()) == (pmi, described)
 
 
 @pytest.mark.mpi
@@ -327,6 +350,7 @@ def test_info_under_mpirun_gathers_one_report_per_rank():
     assert [r["process_index"] for r in reports] == [0, 1]  # index = rank
     # MPICH's mpirun: jax_cpu_mpi's cluster environment (jax_cpu_mpi._src.runtime.launchers).
     assert all(r["launch"]["jax_distributed"] == "mpirun" for r in reports)
+    assert all(r["launch"]["pmi"] == "pmi" for r in reports)  # Hydra's PMI_RANK/PMI_FD
     assert all(r["mpi"]["same_library"] and r["mpi"]["mpi4py"]["initialized"] for r in reports)
     devices = doc["job"]["devices"]
     assert len(devices) == 4
