@@ -1,4 +1,4 @@
-"""A one-node Slurm cluster started by the tests: ``munged``, ``slurmctld`` and ``slurmd``.
+"""A Slurm cluster started by the tests: ``munged``, ``slurmctld`` and ``slurmd``.
 
 The test bed that ``tests/runtime/test_slurm.py`` runs ``srun`` and ``sbatch`` jobs on, with
 Debian's ``slurm-wlm`` and ``munge`` (``.ci/run`` installs them in CI). Each
@@ -16,6 +16,10 @@ Debian's ``slurm-wlm`` and ``munge`` (``.ci/run`` installs them in CI). Each
 * first stops the daemons a killed earlier run left behind (directories whose pytest process
   is gone; a daemon is only stopped if its command line names that directory).
 
+Given :class:`netns_hosts.TwoHosts`, the cluster has two nodes, one ``slurmd`` in each
+network namespace under that host's name (``slurmctld``, ``srun`` and ``sbatch`` on host a,
+one ``munged`` for both: its socket is a file), so ``srun -N 2`` crosses the veth link.
+
 Daemons need root (the tests, like CI, run as root); :func:`unavailable_reason` says why the
 cluster cannot be made here, for a clear skip.
 """
@@ -32,6 +36,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from netns_hosts import TwoHosts
 
 #: What installs the cluster's programs (Debian); quoted in skip messages and by .ci/run.
 INSTALL_COMMAND = "apt-get update && apt-get install -y --no-install-recommends slurm-wlm munge"
@@ -39,7 +47,13 @@ _PROGRAMS = {"munged": "munge", "slurmctld": "slurm-wlm", "slurmd": "slurm-wlm",
              "srun": "slurm-wlm", "sbatch": "slurm-wlm", "scontrol": "slurm-wlm",
              "sinfo": "slurm-wlm"}
 _PREFIX = "jcm-slurm-"
-_DAEMONS = ("munged", "slurmctld", "slurmd")
+#: cgroup v1 as slurmd looks for it (a tmpfs root with the ``systemd`` named hierarchy and
+#: the freezer), mounted in a network namespace's own mounts before its slurmd starts.
+_MOUNT_CGROUPS = (
+    "mountpoint -q /sys/fs/cgroup || { mount -t tmpfs cgroup_root /sys/fs/cgroup"
+    " && mkdir /sys/fs/cgroup/systemd /sys/fs/cgroup/freezer"
+    " && mount -t cgroup -o none,name=systemd cgroup /sys/fs/cgroup/systemd"
+    " && mount -t cgroup -o freezer cgroup /sys/fs/cgroup/freezer; }")
 
 
 def _which(program: str) -> str | None:
@@ -139,13 +153,18 @@ class Step:
 
 
 class SlurmCluster:
-    """A one-node Slurm cluster of this machine (see the module docstring)."""
+    """A Slurm cluster of this machine: one node, or two on network-namespace hosts."""
 
-    def __init__(self, start_timeout: float = 60.0) -> None:
+    def __init__(self, start_timeout: float = 60.0, hosts: TwoHosts | None = None) -> None:
         _remove_stale_clusters()
         self.dir = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-"))
         self.dir.chmod(0o755)  # munged refuses a socket directory others may write
-        self.host = socket.gethostname().split(".")[0]
+        self.hosts = hosts
+        if hosts is None:  # this machine, one node
+            self.nodes = {socket.gethostname().split(".")[0]: "127.0.0.1"}
+        else:  # a node in each namespace; the controller and the clients run on host a
+            self.nodes = {hosts.hostnames[h]: hosts.addresses[h] for h in ("a", "b")}
+        self.host = next(iter(self.nodes))
         self.conf = self.dir / "slurm.conf"
         self._procs: list[subprocess.Popen] = []
         try:
@@ -170,11 +189,17 @@ class SlurmCluster:
         # earlier run leaves its segments behind in /dev/shm, which a new job of the same id
         # would open. JAX's Slurm detection also derives the coordinator's port from it.
         first_job_id = random.SystemRandom().randrange(10_000, 50_000_000)
+        # slurmd initializes its cgroup plugin even when no plugin uses cgroups. In a network
+        # namespace (ip netns exec remounts /sys) nothing is mounted on /sys/fs/cgroup: the
+        # node's wrapper mounts a tmpfs there (cgroup v1's root), slurmd mounts the rest.
+        (self.dir / "cgroup.conf").write_text("CgroupAutomount=yes\n")
+        nodes = "\n".join(f"NodeName={name} NodeAddr={address} CPUs={_cpus()} State=UNKNOWN"
+                          for name, address in self.nodes.items())
         self.conf.write_text(f"""\
 # A one-node cluster for jax-cpu-mpi's tests (tests/slurm_cluster.py).
 ClusterName={name}
 FirstJobId={first_job_id}
-SlurmctldHost={self.host}(127.0.0.1)
+SlurmctldHost={self.host}({self.nodes[self.host]})
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
 SlurmUser=root
@@ -183,11 +208,11 @@ AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={d}/munge/munge.socket
 StateSaveLocation={d}/state
-SlurmdSpoolDir={d}/spool
+SlurmdSpoolDir={d}/spool/%n
 SlurmctldPidFile={d}/slurmctld.pid
-SlurmdPidFile={d}/slurmd.pid
+SlurmdPidFile={d}/slurmd-%n.pid
 SlurmctldLogFile={d}/slurmctld.log
-SlurmdLogFile={d}/slurmd.log
+SlurmdLogFile={d}/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 ProctrackType=proctrack/linuxproc
@@ -204,36 +229,49 @@ ReturnToService=2
 InactiveLimit=0
 KillWait=5
 MessageTimeout=30
-NodeName={self.host} NodeAddr=127.0.0.1 CPUs={_cpus()} State=UNKNOWN
+{nodes}
 PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """)
 
-    def _daemon(self, *command: str) -> None:
-        with open(self.dir / f"{Path(command[0]).name}.out", "w") as log:
+    def _on(self, host: str | None, command: list[str]) -> list[str]:
+        """``command`` as run on node ``host`` (its namespace and hostname, if two nodes)."""
+        if self.hosts is None or host is None:
+            return command
+        return self.hosts.in_host("a" if host == self.host else "b", command)
+
+    def _daemon(self, name: str, host: str | None, *command: str) -> None:
+        with open(self.dir / f"{name}.out", "w") as log:
             self._procs.append(subprocess.Popen(
-                list(command), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=self.env(), start_new_session=True))
+                self._on(host, list(command)), stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT, env=self.env(), start_new_session=True))
 
     def _start(self, timeout: float) -> None:
         d = self.dir
-        self._daemon(_which("munged") or "munged", "--foreground", "--force",
+        # One munged serves every node: its socket is a file, which namespaces share.
+        self._daemon("munged", None, _which("munged") or "munged", "--foreground", "--force",
                      f"--socket={d}/munge/munge.socket", f"--key-file={d}/munge/munge.key",
                      f"--pid-file={d}/munged.pid", f"--log-file={d}/munged.log",
                      f"--seed-file={d}/munge/munged.seed")
         self._wait(lambda: (d / "munge" / "munge.socket").exists(), timeout, "munged's socket")
         # -D: foreground (the test owns the process); -i: ignore state of earlier runs.
-        self._daemon(_which("slurmctld") or "slurmctld", "-D", "-i", "-f", str(self.conf))
-        self._daemon(_which("slurmd") or "slurmd", "-D", "-f", str(self.conf))
-        self._wait(self._node_idle, timeout, f"node {self.host} idle in sinfo")
+        self._daemon("slurmctld", self.host, _which("slurmctld") or "slurmctld", "-D", "-i",
+                     "-f", str(self.conf))
+        for node in self.nodes:
+            (d / "spool" / node).mkdir(mode=0o755)
+            command = [_which("slurmd") or "slurmd", "-D", "-N", node, "-f", str(self.conf)]
+            if self.hosts is not None:  # in the namespace's own mounts (ip netns exec)
+                command = ["sh", "-c", _MOUNT_CGROUPS + ' && exec "$@"', "slurmd", *command]
+            self._daemon(f"slurmd-{node}", node, *command)
+        self._wait(self._nodes_idle, timeout, f"nodes {', '.join(self.nodes)} idle in sinfo")
 
-    def _node_idle(self) -> bool:
+    def _nodes_idle(self) -> bool:
         for proc in self._procs:
             if proc.poll() is not None:
                 raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}\n"
                                    + self.logs())
-        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True,
-                             env=self.env(), timeout=30)
-        return out.returncode == 0 and out.stdout.strip() == "idle"
+        out = subprocess.run(self._on(self.host, ["sinfo", "-h", "-N", "-o", "%T"]),
+                             capture_output=True, text=True, env=self.env(), timeout=30)
+        return out.returncode == 0 and out.stdout.split() == ["idle"] * len(self.nodes)
 
     def _wait(self, ready, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
@@ -258,7 +296,8 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
             cwd: str | Path | None = None) -> Step:
         """Run a client command (``srun ...``); never hangs past ``timeout`` seconds."""
         start = time.monotonic()
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(self._on(self.host, command), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT,
                                 text=True, env=self.env(env), cwd=cwd, start_new_session=True)
         try:
             output, _ = proc.communicate(timeout=timeout)
@@ -283,8 +322,8 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                     f"{step.output}----- job output -----\n{text}", step.seconds)
 
     def _cancel_all(self) -> None:
-        subprocess.run(["scancel", "--full", "--user=root"], env=self.env(),
-                       capture_output=True, timeout=30)
+        subprocess.run(self._on(self.host, ["scancel", "--full", "--user=root"]),
+                       env=self.env(), capture_output=True, timeout=30)
 
     def logs(self, lines: int = 40) -> str:
         """The last lines of every daemon's log (for failure reports)."""
