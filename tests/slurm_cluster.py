@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 #: What installs the cluster's programs (Debian); quoted in skip messages and by .ci/run.
 INSTALL_COMMAND = "apt-get update && apt-get install -y --no-install-recommends slurm-wlm munge"
 _PROGRAMS = {"munged": "munge", "slurmctld": "slurm-wlm", "slurmd": "slurm-wlm",
-             "srun": "slurm-wlm", "sbatch": "slurm-wlm", "scontrol": "slurm-wlm",
+             "srun": "slurm-wlm", "sbatch": "slurm-wlm", "scancel": "slurm-wlm",
              "sinfo": "slurm-wlm"}
 _PREFIX = "jcm-slurm-"
 #: cgroup v1 as slurmd looks for it (a tmpfs root with the ``systemd`` named hierarchy and
