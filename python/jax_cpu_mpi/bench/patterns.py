@@ -82,9 +82,9 @@ def _step(transport: str, x: jax.Array, perm: list[tuple[int, int]]) -> jax.Arra
     else:  # psend2: one op per direction (a pair (s, d) goes with s < d or s > d)
         up = [(s, d) for s, d in perm if s < d]
         down = [(s, d) for s, d in perm if s > d]
-        tokens = [psend(x, AXIS, half) for half in (up, down) if half]
-        ys = [precv(t, shape, AXIS, half) for t, half in zip(tokens, [h for h in (up, down)
-                                                                        if h])]
+        halves = [half for half in (up, down) if half]
+        tokens = [psend(x, AXIS, half) for half in halves]
+        ys = [precv(t, shape, AXIS, half) for t, half in zip(tokens, halves, strict=True)]
         # A device receives in at most one of the two: the other precv gives zeros.
         y = ys[0] if len(ys) == 1 else ys[0] | ys[1]
     return jax.lax.pcast(y, AXIS, to="varying")

@@ -70,7 +70,7 @@ def osu_tables(results: Iterable[Measurement]) -> str:
             if kind == "multi-pair":  # osu_mbw_mr's second column
                 rates = [m.size and 1e6 * m.bandwidth_mbps()['median'] / m.size for m in ms]
                 lines.append("# Messages/s: " + "  ".join(
-                    f"{m.size}: {rate:.0f}" for m, rate in zip(ms, rates)))
+                    f"{m.size}: {rate:.0f}" for m, rate in zip(ms, rates, strict=True)))
         lines.append("")
     return "\n".join(lines)
 
