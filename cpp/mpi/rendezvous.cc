@@ -181,6 +181,7 @@ Status MpiTransport::SendLarge(ChannelState& ch, uint64_t seq, int dest_rank, in
     send->desc_text = std::string(desc.text);
     send->desc_hash = desc.hash;
     send->max_inflight_bytes = max_inflight_bytes;
+    send->deferred_at = std::chrono::steady_clock::now();
     ch.deferred = send;
     {
       std::lock_guard<std::mutex> lock(deferred_mu_);
@@ -298,11 +299,15 @@ Status MpiTransport::ProgressDeferred(std::chrono::steady_clock::time_point dead
     if (!channel_lock.owns_lock()) continue;  // its psend or precv is at it
     SendLockHeld held;
     const std::shared_ptr<DirectSend> d = ch->deferred;
+    if (!d) continue;
     bool posted = false;
     // A failure belongs to the send (its precv reports it), not to the op that polls.
-    if (Status s = PostDeferredLocked(*ch, /*complete=*/false, deadline, &posted); !s.ok()) {
-      if (d) FailDeferred(d, s);
+    Status s = PostDeferredLocked(*ch, /*complete=*/false, deadline, &posted);
+    if (s.ok() && !posted &&
+        std::chrono::steady_clock::now() - d->deferred_at > kDeferredPatience) {
+      s = PostDeferredLocked(*ch, /*complete=*/true, deadline, &posted);  // staged
     }
+    if (!s.ok()) FailDeferred(d, s);
   }
   return Status::Ok();
 }

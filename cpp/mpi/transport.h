@@ -146,6 +146,7 @@ class MpiTransport {
     std::string desc_text;
     uint64_t desc_hash = 0;
     uint64_t max_inflight_bytes = 0;
+    std::chrono::steady_clock::time_point deferred_at;
     Status failed;  // under mu_: why a deferred send could not be posted (with done)
   };
 
@@ -201,6 +202,10 @@ class MpiTransport {
   // A sender looks for the ready signal this long before it starts staging: a receiver
   // that has just finished the previous message signals within a few microseconds.
   static constexpr std::chrono::microseconds kReadySpin{5};
+  // How long a deferred send waits for its receiver's ready signal before the receive loops
+  // stage it (as its psend would have): a receiver that never signals (it expects a small
+  // message, another size) must still get the message, and its error, soon.
+  static constexpr std::chrono::milliseconds kDeferredPatience{2};
   // After cancelling at a deadline, how long requests are tested before those still open
   // are abandoned: a cancellable request completes at once, and a message already flowing
   // from a live peer finishes (a message matched just before the deadline is not failed).
