@@ -154,8 +154,12 @@ ffi::Error Psend(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
   }
   const Config& config = state.config;
   std::shared_ptr<MpiTransport::DirectSend> in_flight;
+  // This device also receives in this op (a cycle): its precv, which keeps the operand,
+  // runs next, so a large send may wait there for its receiver instead of being copied.
+  const bool receives_too = FindPeer(info, me, /*me_is_source=*/false) >= 0;
   Status r = mpi->Send(dest, *tag, x.untyped_data(), bytes, operand, config.max_inflight_bytes,
-                       DeadlineAfter(config.recv_timeout_s), kept ? &in_flight : nullptr);
+                       DeadlineAfter(config.recv_timeout_s), kept ? &in_flight : nullptr,
+                       kept && receives_too);
   if (in_flight) {
     trace::NotePath(trace::Path::kKept);
     // Finished by the precv that keeps the operand; its error names this psend.

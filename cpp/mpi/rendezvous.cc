@@ -166,9 +166,9 @@ Status MpiTransport::SendLarge(ChannelState& ch, uint64_t seq, int dest_rank, in
   if (Status s = poll(&go_direct); !s.ok()) return s;
   if (go_direct) return SendDirect(dest_rank, tag, data, bytes, deadline, kept, into);
   if (kept && may_defer && !mismatch) {
-    // The operand stays alive until the precv that keeps it: rather than copying it for a
-    // receiver that is not ready yet, leave the send to the receive loops that run until
-    // then (ProgressDeferred), which post it straight from the operand once the receiver
+    // The operand stays alive until the precv that keeps it, which receives too: rather
+    // than copying it for a receiver that is not ready yet, leave the send to the receive
+    // loops that run until then (ProgressDeferred), which post it straight from the operand once the receiver
     // signals; that precv completes it if it is still deferred (FinishDirect).
     auto send = std::make_shared<DirectSend>();
     send->deferred = true;

@@ -12,7 +12,7 @@ namespace jcm {
 Status MpiTransport::Send(int dest_rank, int tag, const void* data, size_t bytes,
                           std::string_view desc_text, uint64_t max_inflight_bytes,
                           std::chrono::steady_clock::time_point deadline,
-                          std::shared_ptr<DirectSend>* kept) {
+                          std::shared_ptr<DirectSend>* kept, bool may_defer) {
   ChannelState& ch = Channel(dest_rank, tag);
   std::lock_guard<std::mutex> channel_lock(ch.send_mu);
   SendLockHeld held;
@@ -31,7 +31,7 @@ Status MpiTransport::Send(int dest_rank, int tag, const void* data, size_t bytes
   const Desc desc{desc_text, DescriptionHash(desc_text)};
   if (bytes >= kRendezvousMinBytes) {
     return SendLarge(ch, seq, dest_rank, tag, data, bytes, desc, max_inflight_bytes, deadline,
-                     kept);
+                     kept, may_defer);
   }
   trace::NotePath(trace::Path::kStaged);
   return SendStaged(dest_rank, tag, data, bytes, desc, max_inflight_bytes, deadline);

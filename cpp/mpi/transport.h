@@ -153,9 +153,12 @@ class MpiTransport {
   // `desc` describes the operand ("float32[4]"); the receiver checks it against its own.
   // With `kept` (the operand stays alive and unchanged until FinishDirect(*kept)), a
   // direct send may be left in flight: *kept is then set, else left null.
+  // `may_defer` (with `kept`): the psend's own precv receives too (an exchange, a ring), so a
+  // large send whose receiver is not ready yet is deferred (see DirectSend) rather than
+  // staged. One-way sends are not: a staged copy lets the sender run ahead of a stream.
   Status Send(int dest_rank, int tag, const void* data, size_t bytes, std::string_view desc,
               uint64_t max_inflight_bytes, std::chrono::steady_clock::time_point deadline,
-              std::shared_ptr<DirectSend>* kept = nullptr);
+              std::shared_ptr<DirectSend>* kept = nullptr, bool may_defer = false);
   // Waits until a direct send left in flight completes (or the deadline: then cancels it).
   Status FinishDirect(const std::shared_ptr<DirectSend>& send,
                       std::chrono::steady_clock::time_point deadline);
@@ -311,7 +314,7 @@ class MpiTransport {
   Status SendLarge(ChannelState& ch, uint64_t seq, int dest_rank, int tag, const void* data,
                    size_t bytes, const Desc& desc, uint64_t max_inflight_bytes,
                    std::chrono::steady_clock::time_point deadline,
-                   std::shared_ptr<DirectSend>* kept, bool may_defer = true,
+                   std::shared_ptr<DirectSend>* kept, bool may_defer = false,
                    std::shared_ptr<DirectSend> into = nullptr);
   // Marks a deferred send that could not be sent as done with `failure` (its precv reports).
   void FailDeferred(const std::shared_ptr<DirectSend>& send, Status failure);

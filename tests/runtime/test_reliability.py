@@ -376,8 +376,8 @@ def test_rendezvous_direct_staged_and_mismatched_messages():
 @pytest.mark.mpi
 @pytest.mark.timeout(240)
 def test_rendezvous_exchanges_both_ways_at_once():
-    """Both ranks send before they receive (one op with a cycle, two ops): deferred sends,
-    posted by the receive loops; mismatches in a cycle still fail fast with their message."""
+    """Both ranks send before they receive (one op with a cycle: deferred sends, posted by
+    the receive loops; two ops); mismatches in a cycle still fail fast with their message."""
     run = run_mpi("rendezvous.py", "exchange", nprocs=2, timeout=220)
     assert_mpi_ok(run, 2)
     for rank in (0, 1):
