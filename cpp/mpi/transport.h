@@ -26,6 +26,10 @@
 // message arrives staged cancels its direct receives, which cannot have matched: the
 // sender takes exactly one of the two paths per message. A byte-count or description
 // mismatch is always sent staged, so the receiver reports it as on the plain path.
+// A psend of an op in which its device also receives (an exchange, a ring) does not stage
+// for a receiver that is not ready: it defers the send (DirectSend), and the receive loops
+// post it straight from the operand when the ready signal comes (ProgressDeferred), so both
+// directions move at once; the precv that keeps the operand stages what is still deferred.
 //
 // Every wait has a deadline, matched receives included: requests are tested in a loop
 // (never MPI_Wait/MPI_Mrecv/MPI_Recv), and at the deadline they are cancelled and tested
