@@ -161,8 +161,8 @@ def _jax(ctx: Any, method: str, transport: str) -> Measurement:
     wrong = count_wrong(shard_on(out[0], me), value) if session.rank in receivers else 0
     return Measurement(method=method, kind=kind, size=n, seconds=seconds,
                        warmup=plan.scan_warmup, messages_per_sample=steps, wrong=wrong,
-                       mode="mpi", description=_describe(method, kind),
-                       extra=dict(steps=steps, ranks=nranks))
+                       mode="gpu" if session.platform == "gpu" else "mpi",
+                       description=_describe(method, kind), extra=dict(steps=steps, ranks=nranks))
 
 
 def _mpi4py(ctx: Any) -> Measurement:
