@@ -6,7 +6,7 @@ Makes the two network-namespace hosts of the test suite (``tests/netns_hosts.py`
 link, MPI forced onto TCP with ``UCX_TLS=tcp,self``; needs root), runs
 ``python -m jax_cpu_mpi.bench`` with one rank per host, and deletes the hosts. Writes what
 ``--out`` writes (results.jsonl, osu.txt, nccl.txt, targets.txt, plot.png) and stdout.txt
-to OUT_DIR (default ``benchmarks/results/two-hosts-tcp``). Default methods: psend/precv
+to OUT_DIR (default ``benchmarks/results/p2p/two-hosts-tcp``). Default methods: psend/precv
 (one call per message and inside a scan), raw MPI (mpi4py) and JAX's ppermute over gloo;
 pass ``--methods`` to change them.
 
@@ -35,7 +35,7 @@ _PROGRESS = re.compile(r"^\[[#-]+\] ")
 
 def main(argv: list[str]) -> int:
     out = Path(argv[0] if argv and not argv[0].startswith("-") else
-               ROOT / "benchmarks" / "results" / "two-hosts-tcp").resolve()
+               ROOT / "benchmarks" / "results" / "p2p" / "two-hosts-tcp").resolve()
     options = argv[1:] if argv and not argv[0].startswith("-") else argv
     if not any(o.startswith("--methods") for o in options):
         options = ["--methods", DEFAULT_METHODS, *options]

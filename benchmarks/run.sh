@@ -37,7 +37,7 @@ else
   MPI_METHODS=mpi4py,psend/scan,hop-floor
   LOCAL_METHODS=memcpy,hop-floor-local,psend-local/scan,ppermute-local/scan
 fi
-OUT=${1:-benchmarks/results/$(hostname)}
+OUT=${1:-benchmarks/results/p2p/$(hostname)}
 shift || true
 mkdir -p "$OUT/one-process"
 

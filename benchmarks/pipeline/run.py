@@ -85,7 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a Python with torch for the torch side ('' skips it)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per launch")
     p.add_argument("--out", default=None,
-                   help="output folder (default benchmarks/results/dev-2core-<date>-pipeline)")
+                   help="output folder (default benchmarks/results/pipeline/<machine>)")
     p.add_argument("--note", default="", help="a line for the notes (e.g. machine shared)")
     p.add_argument("--from-json", default=None, metavar="PIPELINE_JSON",
                    help="measure nothing: write the table and plot again from a recorded "
@@ -343,8 +343,8 @@ def main(argv=None) -> int:
     if a.from_json:
         return rerender(Path(a.from_json))
     date = datetime.datetime.now(datetime.UTC)
-    out = Path(a.out or REPO / "benchmarks" / "results" /
-               f"dev-{os.cpu_count()}core-{date:%Y-%m-%d}-pipeline")
+    out = Path(a.out or REPO / "benchmarks" / "results" / "pipeline" /
+               f"dev-{os.cpu_count()}core")
     out.mkdir(parents=True, exist_ok=True)
     torch_ok, torch_note = torch_available(a.torch_python)
     notes = [torch_note]

@@ -33,6 +33,9 @@ using I64Span = ffi::Span<const int64_t>;
 
 // How long a send kept by a precv whose receive failed may still take (see Precv).
 constexpr std::chrono::milliseconds kKeptSendGraceAfterFailure{500};
+// Outputs from this size on are worth posting deferred sends before their zero-fill (the
+// smallest deferred send is the transport's rendezvous size, 256 KiB).
+constexpr size_t kPostBeforeZeroFillBytes = size_t{256} << 10;
 
 // Everything the lowering tells a handler about one psend/precv.
 struct OpInfo {
@@ -151,8 +154,12 @@ ffi::Error Psend(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
   }
   const Config& config = state.config;
   std::shared_ptr<MpiTransport::DirectSend> in_flight;
+  // This device also receives in this op (a cycle): its precv, which keeps the operand,
+  // runs next, so a large send may wait there for its receiver instead of being copied.
+  const bool receives_too = FindPeer(info, me, /*me_is_source=*/false) >= 0;
   Status r = mpi->Send(dest, *tag, x.untyped_data(), bytes, operand, config.max_inflight_bytes,
-                       DeadlineAfter(config.recv_timeout_s), kept ? &in_flight : nullptr);
+                       DeadlineAfter(config.recv_timeout_s), kept ? &in_flight : nullptr,
+                       kept && receives_too);
   if (in_flight) {
     trace::NotePath(trace::Path::kKept);
     // Finished by the precv that keeps the operand; its error names this psend.
@@ -238,6 +245,13 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
   const size_t bytes = out->size_bytes();
   const int64_t peer = FindPeer(info, me, /*me_is_source=*/false);
   if (peer < 0) {  // not a destination: zeros, like ppermute
+    // A large send that this precv keeps may be deferred (mpi/transport.h): post it first
+    // if its receiver is ready, so that the zero-fill overlaps its transfer.
+    if (bytes >= kPostBeforeZeroFillBytes) {
+      if (std::shared_ptr<MpiTransport> mpi = Runtime::Get().state().mpi) {
+        (void)mpi->ProgressDeferred(DeadlineAfter(Runtime::Get().config().recv_timeout_s));
+      }
+    }
     ZeroFill(out->untyped_data(), bytes);
     return ffi::Error::Success();
   }

@@ -29,6 +29,17 @@ inline constexpr const char* kMpiNotUsable = "MPI is not initialized or already 
 // MpiTransport::Create, read by every Backoff.
 inline std::atomic<bool> g_wait_sleeps_soon{false};
 
+// How many channel send locks this thread holds (MpiTransport::Send, and FinishDirect while
+// it completes a deferred send): ProgressDeferred does nothing then, as it would try-lock a
+// channel's send_mu that its own thread may hold.
+inline thread_local int t_send_locks = 0;
+struct SendLockHeld {
+  SendLockHeld() { ++t_send_locks; }
+  ~SendLockHeld() { --t_send_locks; }
+  SendLockHeld(const SendLockHeld&) = delete;
+  SendLockHeld& operator=(const SendLockHeld&) = delete;
+};
+
 // Adaptive wait used by every polling loop. Normally: spin first (lowest latency), then
 // yield the core, then sleep a little (long waits must not burn a core). When the node runs
 // more busy threads than it has cores, a spinning or yielding waiter takes the core its

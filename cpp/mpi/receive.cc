@@ -185,6 +185,7 @@ Status MpiTransport::RecvStaged(int source_rank, int tag, void* out, size_t byte
       if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Improbe", rc);
     }
     if (flag) break;
+    if (Status s = ProgressDeferred(deadline); !s.ok()) return s;
     if ((++polls & 63) == 0) {
       {
         std::lock_guard<std::mutex> lock(mu_);

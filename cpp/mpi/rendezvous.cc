@@ -53,9 +53,11 @@ Status MpiTransport::PollReady(ChannelState& ch, uint64_t seq, int dest_rank, in
 
 Status MpiTransport::SendDirect(int dest_rank, int tag, const void* data, size_t bytes,
                                 std::chrono::steady_clock::time_point deadline,
-                                std::shared_ptr<DirectSend>* kept) {
-  trace::NotePath(trace::Path::kDirect);
-  auto send = std::make_shared<DirectSend>();
+                                std::shared_ptr<DirectSend>* kept,
+                                std::shared_ptr<DirectSend> into) {
+  // A deferred send is posted on behalf of whatever op polls: not that op's path.
+  if (!into) trace::NotePath(trace::Path::kDirect);
+  std::shared_ptr<DirectSend> send = into ? std::move(into) : std::make_shared<DirectSend>();
   send->requests.reserve(bytes / kDirectChunkBytes + 1);
   const auto* src = static_cast<const std::byte*>(data);
   {
@@ -90,15 +92,27 @@ Status MpiTransport::SendDirect(int dest_rank, int tag, const void* data, size_t
 
 Status MpiTransport::FinishDirect(const std::shared_ptr<DirectSend>& send,
                                   std::chrono::steady_clock::time_point deadline) {
+  if (send->channel) {  // a deferred send: post it, or stage it, now if not done yet
+    auto& ch = *static_cast<ChannelState*>(send->channel);
+    std::lock_guard<std::mutex> channel_lock(ch.send_mu);
+    SendLockHeld held;
+    if (send->deferred) {
+      bool posted = false;
+      if (Status s = PostDeferredLocked(ch, /*complete=*/true, deadline, &posted); !s.ok()) {
+        FailDeferred(send, s);
+      }
+    }
+  }
   Backoff backoff;
   uint64_t polls = 0;
   while (true) {
+    if (Status s = ProgressDeferred(deadline); !s.ok()) return s;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (send->done) return Status::Ok();
+      if (send->done) return send->failed;
       if (!MpiIsUsable()) return Status::Invalid(kMpiNotUsable);
       if (Status s = ProgressLocked(); !s.ok()) return s;
-      if (send->done) return Status::Ok();
+      if (send->done) return send->failed;
       if ((++polls & 63) == 0 && std::chrono::steady_clock::now() > deadline) {
         // Ours alone from here: the progress of other threads no longer tests it.
         direct_in_flight_.erase(
@@ -131,7 +145,8 @@ Status MpiTransport::SendLarge(ChannelState& ch, uint64_t seq, int dest_rank, in
                                const void* data, size_t bytes, const Desc& desc,
                                uint64_t max_inflight_bytes,
                                std::chrono::steady_clock::time_point deadline,
-                               std::shared_ptr<DirectSend>* kept) {
+                               std::shared_ptr<DirectSend>* kept, bool may_defer,
+                               std::shared_ptr<DirectSend> into) {
   bool ready = false;
   // The receiver waits for another byte count, dtype or shape: send staged (its envelope
   // lets the receiver report the mismatch).
@@ -149,18 +164,45 @@ Status MpiTransport::SendLarge(ChannelState& ch, uint64_t seq, int dest_rank, in
   };
   bool go_direct = false;
   if (Status s = poll(&go_direct); !s.ok()) return s;
+  if (go_direct) return SendDirect(dest_rank, tag, data, bytes, deadline, kept, into);
+  if (kept && may_defer && !mismatch) {
+    // The operand stays alive until the precv that keeps it, which receives too: rather
+    // than copying it for a receiver that is not ready yet, leave the send to the receive
+    // loops that run until then (ProgressDeferred), which post it straight from the operand once the receiver
+    // signals; that precv completes it if it is still deferred (FinishDirect).
+    auto send = std::make_shared<DirectSend>();
+    send->deferred = true;
+    send->channel = &ch;
+    send->seq = seq;
+    send->dest_rank = dest_rank;
+    send->tag = tag;
+    send->data = data;
+    send->bytes = bytes;
+    send->desc_text = std::string(desc.text);
+    send->desc_hash = desc.hash;
+    send->max_inflight_bytes = max_inflight_bytes;
+    send->deferred_at = std::chrono::steady_clock::now();
+    ch.deferred = send;
+    {
+      std::lock_guard<std::mutex> lock(deferred_mu_);
+      deferred_channels_.push_back(&ch);
+      deferred_count_.store(deferred_channels_.size(), std::memory_order_release);
+    }
+    *kept = std::move(send);
+    return Status::Ok();
+  }
   const auto spin_until = std::chrono::steady_clock::now() + kReadySpin;
   while (!go_direct && !mismatch && std::chrono::steady_clock::now() < spin_until) {
     if (Status s = poll(&go_direct); !s.ok()) return s;
   }
-  if (go_direct) return SendDirect(dest_rank, tag, data, bytes, deadline, kept);
+  if (go_direct) return SendDirect(dest_rank, tag, data, bytes, deadline, kept, into);
 
   bool stopped = false;
   if (Status s = ReserveInflight(bytes, max_inflight_bytes, deadline, poll, &stopped);
       !s.ok()) {
     return s;
   }
-  if (stopped) return SendDirect(dest_rank, tag, data, bytes, deadline, kept);
+  if (stopped) return SendDirect(dest_rank, tag, data, bytes, deadline, kept, into);
 
   // Stage, looking for the receiver between steps: a receiver that gets ready within about
   // one copy's time still gets the message straight from the operand.
@@ -178,15 +220,96 @@ Status MpiTransport::SendLarge(ChannelState& ch, uint64_t seq, int dest_rank, in
         inflight_bytes_ -= bytes;  // the reservation is not needed
       }
       if (!s.ok()) return s;
-      return SendDirect(dest_rank, tag, data, bytes, deadline, kept);
+      return SendDirect(dest_rank, tag, data, bytes, deadline, kept, into);
     }
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
     ++staged_large_sends_;
   }
-  trace::NotePath(trace::Path::kStaged);
-  return IsendStaged(std::move(send), dest_rank, tag, desc);
+  if (!into) trace::NotePath(trace::Path::kStaged);
+  Status sent = IsendStaged(std::move(send), dest_rank, tag, desc);
+  if (into) {
+    // The staged copy carries the message from here: the operand is free.
+    std::lock_guard<std::mutex> lock(mu_);
+    into->done = true;
+    into->failed = sent;
+  }
+  return sent;
+}
+
+void MpiTransport::FailDeferred(const std::shared_ptr<DirectSend>& send, Status failure) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (send->done || !send->requests.empty()) return;  // posted or staged: reports its own
+  send->done = true;
+  send->failed = std::move(failure);
+}
+
+Status MpiTransport::PostDeferredLocked(ChannelState& ch, bool complete,
+                                        std::chrono::steady_clock::time_point deadline,
+                                        bool* posted) {
+  *posted = false;
+  std::shared_ptr<DirectSend> d = ch.deferred;
+  if (!d) return Status::Ok();
+  auto unlink = [&] {
+    ch.deferred.reset();
+    d->deferred = false;
+    std::lock_guard<std::mutex> lock(deferred_mu_);
+    deferred_channels_.erase(
+        std::remove(deferred_channels_.begin(), deferred_channels_.end(), &ch),
+        deferred_channels_.end());
+    deferred_count_.store(deferred_channels_.size(), std::memory_order_release);
+  };
+  std::shared_ptr<DirectSend> unused;  // a direct send is left in flight, for its precv
+  if (!complete) {
+    bool ready = false;
+    ReadySignal receiver;
+    if (Status s = PollReady(ch, d->seq, d->dest_rank, d->tag, &ready, &receiver, deadline);
+        !s.ok()) {
+      return s;
+    }
+    if (!ready) return Status::Ok();
+    unlink();
+    *posted = true;
+    if (receiver.bytes == d->bytes && receiver.desc_hash == d->desc_hash) {
+      return SendDirect(d->dest_rank, d->tag, d->data, d->bytes, deadline, &unused, d);
+    }
+    // Another byte count, dtype or shape: staged below (its signal is consumed, so
+    // SendLarge finds none and stages), for the receiver to report the mismatch.
+  } else {
+    unlink();
+    *posted = true;
+  }
+  const Desc desc{d->desc_text, d->desc_hash};
+  return SendLarge(ch, d->seq, d->dest_rank, d->tag, d->data, d->bytes, desc,
+                   d->max_inflight_bytes, deadline, &unused, /*may_defer=*/false, d);
+}
+
+Status MpiTransport::ProgressDeferred(std::chrono::steady_clock::time_point deadline) {
+  if (deferred_count_.load(std::memory_order_acquire) == 0 || t_send_locks > 0) {
+    return Status::Ok();
+  }
+  std::vector<ChannelState*> channels;
+  {
+    std::lock_guard<std::mutex> lock(deferred_mu_);
+    channels = deferred_channels_;
+  }
+  for (ChannelState* ch : channels) {
+    std::unique_lock<std::mutex> channel_lock(ch->send_mu, std::try_to_lock);
+    if (!channel_lock.owns_lock()) continue;  // its psend or precv is at it
+    SendLockHeld held;
+    const std::shared_ptr<DirectSend> d = ch->deferred;
+    if (!d) continue;
+    bool posted = false;
+    // A failure belongs to the send (its precv reports it), not to the op that polls.
+    Status s = PostDeferredLocked(*ch, /*complete=*/false, deadline, &posted);
+    if (s.ok() && !posted &&
+        std::chrono::steady_clock::now() - d->deferred_at > kDeferredPatience) {
+      s = PostDeferredLocked(*ch, /*complete=*/true, deadline, &posted);  // staged
+    }
+    if (!s.ok()) FailDeferred(d, s);
+  }
+  return Status::Ok();
 }
 
 Status MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out,
@@ -247,6 +370,8 @@ Status MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out
   Backoff backoff;
   uint64_t polls = 0;
   while (true) {
+    // Our own deferred sends, as their receivers get ready: both directions at once.
+    if (Status s = ProgressDeferred(deadline); !s.ok()) return s;
     int done = 0, staged = 0;
     {
       std::unique_lock<std::mutex> lock = MpiCallLock();

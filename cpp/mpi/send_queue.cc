@@ -12,15 +12,26 @@ namespace jcm {
 Status MpiTransport::Send(int dest_rank, int tag, const void* data, size_t bytes,
                           std::string_view desc_text, uint64_t max_inflight_bytes,
                           std::chrono::steady_clock::time_point deadline,
-                          std::shared_ptr<DirectSend>* kept) {
+                          std::shared_ptr<DirectSend>* kept, bool may_defer) {
   ChannelState& ch = Channel(dest_rank, tag);
   std::lock_guard<std::mutex> channel_lock(ch.send_mu);
+  SendLockHeld held;
+  if (ch.deferred) {
+    // The channel's previous message is still deferred: it goes first (the receiver takes
+    // the channel's messages in order).
+    const std::shared_ptr<DirectSend> previous = ch.deferred;
+    bool posted = false;
+    if (Status s = PostDeferredLocked(ch, /*complete=*/true, deadline, &posted); !s.ok()) {
+      FailDeferred(previous, s);
+      return s;
+    }
+  }
   const uint64_t seq = ch.next_send_seq++;  // every message counts, whatever its size
   trace::NoteSeq(seq);
   const Desc desc{desc_text, DescriptionHash(desc_text)};
   if (bytes >= kRendezvousMinBytes) {
     return SendLarge(ch, seq, dest_rank, tag, data, bytes, desc, max_inflight_bytes, deadline,
-                     kept);
+                     kept, may_defer);
   }
   trace::NotePath(trace::Path::kStaged);
   return SendStaged(dest_rank, tag, data, bytes, desc, max_inflight_bytes, deadline);
@@ -180,16 +191,20 @@ size_t MpiTransport::SendsInFlightLocked() const {
 }
 
 bool MpiTransport::has_pending_sends() const {
-  return has_pending_.load(std::memory_order_acquire);
+  return has_pending_.load(std::memory_order_acquire) ||
+         deferred_count_.load(std::memory_order_acquire) > 0;
 }
 
 // The statistics below test the sends first so that they count only what is really still
 // in flight. An MPI error there is not theirs to report: the next psend, precv or the exit
 // drain meets it again and reports it.
 size_t MpiTransport::inflight_sends() {
+  // Deferred sends count too: the progress thread then posts them for a sender that
+  // computes, or waits elsewhere, between its psend and its precv.
+  if (MpiIsUsable()) (void)ProgressDeferred(std::chrono::steady_clock::now() + kCancelGrace);
   std::lock_guard<std::mutex> lock(mu_);
   if (MpiIsUsable()) (void)ProgressLocked();
-  return SendsInFlightLocked();
+  return SendsInFlightLocked() + deferred_count_.load(std::memory_order_acquire);
 }
 
 uint64_t MpiTransport::inflight_bytes() {

@@ -26,6 +26,10 @@
 // message arrives staged cancels its direct receives, which cannot have matched: the
 // sender takes exactly one of the two paths per message. A byte-count or description
 // mismatch is always sent staged, so the receiver reports it as on the plain path.
+// A psend of an op in which its device also receives (an exchange, a ring) does not stage
+// for a receiver that is not ready: it defers the send (DirectSend), and the receive loops
+// post it straight from the operand when the ready signal comes (ProgressDeferred), so both
+// directions move at once; the precv that keeps the operand stages what is still deferred.
 //
 // Every wait has a deadline, matched receives included: requests are tested in a loop
 // (never MPI_Wait/MPI_Mrecv/MPI_Recv), and at the deadline they are cancelled and tested
@@ -125,21 +129,46 @@ class MpiTransport {
   int RankOfProcess(int64_t process_index) const;
 
   // A direct send (straight from the operand) in flight.
+  // A send whose receiver was not ready when its psend ran may also be *deferred*: nothing
+  // posted yet, the operand kept, the message's details below. The receive loops of the
+  // process post it straight from the operand as soon as the receiver's ready signal comes
+  // (ProgressDeferred), so that two ranks that both send before they receive exchange
+  // without a staging copy, both directions at once; the precv that keeps the operand
+  // posts or stages what is still deferred (FinishDirect), as the psend would have.
   struct DirectSend {
     std::vector<MPI_Request> requests;
     bool done = false;  // under mu_
     std::chrono::steady_clock::time_point posted_for_test;  // mpi/stop_for_test.h
+    // Deferred sends only (the fields are set once by Send, read under the channel's
+    // send_mu; `deferred` is cleared under it when the send is posted or staged).
+    bool deferred = false;
+    void* channel = nullptr;  // its ChannelState
+    uint64_t seq = 0;
+    int dest_rank = 0, tag = 0;
+    const void* data = nullptr;
+    size_t bytes = 0;
+    std::string desc_text;
+    uint64_t desc_hash = 0;
+    uint64_t max_inflight_bytes = 0;
+    std::chrono::steady_clock::time_point deferred_at;
+    Status failed;  // under mu_: why a deferred send could not be posted (with done)
   };
 
   // `desc` describes the operand ("float32[4]"); the receiver checks it against its own.
   // With `kept` (the operand stays alive and unchanged until FinishDirect(*kept)), a
   // direct send may be left in flight: *kept is then set, else left null.
+  // `may_defer` (with `kept`): the psend's own precv receives too (an exchange, a ring), so a
+  // large send whose receiver is not ready yet is deferred (see DirectSend) rather than
+  // staged. One-way sends are not: a staged copy lets the sender run ahead of a stream.
   Status Send(int dest_rank, int tag, const void* data, size_t bytes, std::string_view desc,
               uint64_t max_inflight_bytes, std::chrono::steady_clock::time_point deadline,
-              std::shared_ptr<DirectSend>* kept = nullptr);
+              std::shared_ptr<DirectSend>* kept = nullptr, bool may_defer = false);
   // Waits until a direct send left in flight completes (or the deadline: then cancels it).
   Status FinishDirect(const std::shared_ptr<DirectSend>& send,
                       std::chrono::steady_clock::time_point deadline);
+  // Posts the deferred sends whose receivers have signalled that they are ready (cheap when
+  // none is deferred). Called by every receive loop, and by a precv before it receives.
+  Status ProgressDeferred(std::chrono::steady_clock::time_point deadline);
   // kSizeMismatch or kTypeMismatch (with the sender's byte count and description) when the
   // message is not a `desc` ("int32[4]") of `bytes` bytes; the message is consumed anyway.
   Status Recv(int source_rank, int tag, void* out, size_t bytes, std::string_view desc,
@@ -180,6 +209,10 @@ class MpiTransport {
   // A sender looks for the ready signal this long before it starts staging: a receiver
   // that has just finished the previous message signals within a few microseconds.
   static constexpr std::chrono::microseconds kReadySpin{5};
+  // How long a deferred send waits for its receiver's ready signal before the receive loops
+  // stage it (as its psend would have): a receiver that never signals (it expects a small
+  // message, another size) must still get the message, and its error, soon.
+  static constexpr std::chrono::milliseconds kDeferredPatience{2};
   // After cancelling at a deadline, how long requests are tested before those still open
   // are abandoned: a cancellable request completes at once, and a message already flowing
   // from a live peer finishes (a message matched just before the deadline is not failed).
@@ -204,6 +237,7 @@ class MpiTransport {
     uint64_t next_recv_seq = 0;
     bool has_early_ready = false;  // a ready signal for a later message
     ReadySignal early_ready;
+    std::shared_ptr<DirectSend> deferred;  // a deferred send of this channel, if any
   };
   struct ControlSend {
     std::unique_ptr<ReadySignal> signal;
@@ -279,14 +313,26 @@ class MpiTransport {
   size_t SendsInFlightLocked() const;
 
   // mpi/rendezvous.cc
+  // `may_defer`: with `kept`, a receiver not ready yet defers the send (see DirectSend);
+  // `into`: the deferred send being completed.
   Status SendLarge(ChannelState& ch, uint64_t seq, int dest_rank, int tag, const void* data,
                    size_t bytes, const Desc& desc, uint64_t max_inflight_bytes,
                    std::chrono::steady_clock::time_point deadline,
-                   std::shared_ptr<DirectSend>* kept);
+                   std::shared_ptr<DirectSend>* kept, bool may_defer = false,
+                   std::shared_ptr<DirectSend> into = nullptr);
+  // Marks a deferred send that could not be sent as done with `failure` (its precv reports).
+  void FailDeferred(const std::shared_ptr<DirectSend>& send, Status failure);
   // Starts the direct send; finishes it too unless `kept` takes it.
+  // `into`: the deferred send to post (else a new one).
   Status SendDirect(int dest_rank, int tag, const void* data, size_t bytes,
                     std::chrono::steady_clock::time_point deadline,
-                    std::shared_ptr<DirectSend>* kept);
+                    std::shared_ptr<DirectSend>* kept,
+                    std::shared_ptr<DirectSend> into = nullptr);
+  // The channel's deferred send, if any: posted if its receiver is ready (*posted), else,
+  // with `complete`, sent as SendLarge would (direct once ready, or staged). Caller holds
+  // ch.send_mu.
+  Status PostDeferredLocked(ChannelState& ch, bool complete,
+                            std::chrono::steady_clock::time_point deadline, bool* posted);
   // Looks for the ready signal of message `seq`: sets *ready and *receiver (its signal).
   Status PollReady(ChannelState& ch, uint64_t seq, int dest_rank, int tag, bool* ready,
                    ReadySignal* receiver, std::chrono::steady_clock::time_point deadline);
@@ -320,6 +366,13 @@ class MpiTransport {
   uint64_t id_ = 0;  // unique per transport in the process (Channel()'s per-thread cache)
   std::mutex channels_mu_;
   std::map<std::pair<int, int>, std::unique_ptr<ChannelState>> channels_;
+
+  // Channels with a deferred send (deferred_mu_; order: a channel's send_mu before it, and
+  // ProgressDeferred only try-locks a send_mu while holding it). deferred_count_ mirrors
+  // its size for the lock-free check of the receive loops.
+  std::mutex deferred_mu_;
+  std::vector<ChannelState*> deferred_channels_;
+  std::atomic<size_t> deferred_count_{0};
 };
 
 }  // namespace jcm

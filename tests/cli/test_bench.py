@@ -18,7 +18,7 @@ import pytest
 
 from jax_cpu_mpi import _jax_cpu_mpi as ext
 from jax_cpu_mpi.bench import methods as bench_methods
-from jax_cpu_mpi.bench import options, report, runner, targets
+from jax_cpu_mpi.bench import options, patterns, report, runner, targets
 from jax_cpu_mpi.bench.stats import Measurement
 from mpi_launcher import run_mpi
 
@@ -123,11 +123,16 @@ def _read_outputs(out: Path) -> tuple[dict, list[dict], list[str]]:
     return lines[0], results, notes
 
 
-def _check_results(results: list[dict], methods: list[str], out: Path) -> None:
+def _check_results(results: list[dict], methods: list[str], out: Path,
+                   two_way: tuple[str, ...] = ()) -> None:
     got = {(r["method"], r["kind"], r["size"]) for r in results}
     for method in methods:
         kinds = (["latency"] if method in bench_methods.LATENCY_ONLY
                  else ["latency", "bandwidth"])
+        if method not in bench_methods.METHODS:
+            kinds = []
+        if method in patterns.CPU_METHODS:
+            kinds += list(two_way)
         for kind in kinds:
             for size in SIZES:
                 assert (method, kind, size) in got, f"missing {method} {kind} {size}"
@@ -151,6 +156,20 @@ def _check_results(results: list[dict], methods: list[str], out: Path) -> None:
     assert "Targets" in (out / "targets.txt").read_text()
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_pattern_option_and_pairs():
+    """--pattern names OSU's and nccl-tests' patterns; each pattern's pairs of ranks."""
+    kinds = options.parse(["--pattern", "pingpong,exchange,bibw", "--quick"]).kinds
+    assert kinds == ("latency", "exchange", "bibw")
+    with pytest.raises(SystemExit):
+        options.parse(["--pattern", "alltoall"])
+    assert patterns.pairs("exchange", 4) == [(0, 1), (1, 0), (2, 3), (3, 2)]
+    assert patterns.pairs("ring", 3) == [(0, 1), (1, 2), (2, 0)]
+    assert patterns.pairs("multi-pair", 4) == [(0, 2), (1, 3)]
+    assert patterns.pairs("bibw", 2) == [(0, 1), (1, 0)]
+    assert not patterns.available("psend/scan", "bibw", 4)
+    assert not patterns.available("psend/call", "exchange", 2)
 
 
 def test_core_to_core_round_trip_probe():
@@ -201,8 +220,11 @@ def test_gpu_platform_without_two_gpus_says_so():
 @pytest.mark.mpi
 @pytest.mark.timeout(300)
 def test_two_ranks_run_every_method(tmp_path):
+    # Every --pattern too: the two-way ones (bibw, exchange, ring, multi-pair) run psend/scan,
+    # psend2/scan, mpi4py and gloo/scan, and check every received byte.
     run = run_mpi("jax_cpu_mpi.bench", "--quick", "--sizes", "8,4K", "--out", str(tmp_path),
-                  "--no-progress", nprocs=2, timeout=270, module=True)
+                  "--pattern", ",".join(options.PATTERNS), "--no-progress", nprocs=2,
+                  timeout=270, module=True)
     assert run.returncode == 0, run.report()
     header, results, notes = _read_outputs(tmp_path)
     assert header["ranks"] == 2
@@ -214,7 +236,7 @@ def test_two_ranks_run_every_method(tmp_path):
         methods.append("mpi4jax/scan")
     else:
         assert any("mpi4jax skipped" in note for note in notes)
-    _check_results(results, methods, tmp_path)
+    _check_results(results, methods, tmp_path, two_way=patterns.KINDS)
 
 
 def test_gpu_methods_run_their_programs_on_any_two_devices():

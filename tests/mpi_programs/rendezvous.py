@@ -15,6 +15,15 @@
   device of rank 1 and back, all psends before the precvs (GPU parity off), 16 channels
   each way used from 4 device threads at once, some messages direct and some staged, 6
   rounds; every message carries (source, destination, round).
+* ``exchange`` (1 device per rank): both ranks send and receive in the same step, one op
+  with the cycle [(0, 1), (1, 0)] (GPU parity off) and two ops in opposite directions, in a
+  ``lax.scan`` of 4 steps, at 256 KiB, 1 MiB and 8 MiB + 4 KiB: a psend of the cycle that
+  finds its receiver not ready defers its send to the receive loops, which post it straight
+  from the operand once the ready signal comes (two ops: staged or direct, as one-way
+  sends); every byte checked, each step's bytes differ.
+  Then byte-count mismatches in a cycle (each side waits for another size than the other
+  sends, small or large): both precvs report the mismatch instead of waiting for a ready
+  signal that never comes, and the channel still delivers both ways afterwards.
 * ``never-received``: rank 0's psend of 8 MiB returns although rank 1 never posts the
   precv; rank 0's precv of a reply that never comes fails after the timeout; at exit rank 0
   meets rank 1 (waiting at its exit) in the exit barrier with its send undelivered, reports
@@ -229,12 +238,79 @@ def run_never_received() -> None:
     common.ok()
 
 
+def run_exchange() -> None:
+    mesh = jax.make_mesh((2,), ("x",))
+    cycle = [(0, 1), (1, 0)]
+
+    def step_one_op(v):
+        like = jax.ShapeDtypeStruct(v.shape, v.dtype)
+        return jax_cpu_mpi.precv(jax_cpu_mpi.psend(v, "x", cycle), like, "x", cycle)
+
+    def step_two_ops(v):
+        like = jax.ShapeDtypeStruct(v.shape, v.dtype)
+        t1, t2 = jax_cpu_mpi.psend(v, "x", FWD), jax_cpu_mpi.psend(v, "x", BWD)
+        # The device that is not a destination of a pair gets zeros from its precv.
+        return (jax_cpu_mpi.precv(t1, like, "x", FWD) | jax_cpu_mpi.precv(t2, like, "x", BWD))
+
+    def scanned(step):
+        def body(v):
+            def one(c, _):
+                got = jax.lax.pcast(step(c), "x", to="varying")
+                return got + jnp.uint8(1), None  # each step's message differs
+
+            return jax.lax.scan(one, v, None, length=4)[0]
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+
+    for name, step in (("one op", step_one_op), ("two ops", step_two_ops)):
+        with config.overrides(gpu_parity=False):
+            f = scanned(step)
+            for n in (256 << 10, 1 << 20, (8 << 20) + 4096):
+                x = common.global_array(mesh, P("x"),
+                                        np.concatenate([pattern(n, 5), pattern(n, 6)]))
+                for _ in range(2):
+                    got = local(jax.block_until_ready(f(x)))
+                    # Four swaps bring each device its own bytes back, each step adding 1.
+                    mine = pattern(n, 5 if me == 0 else 6)
+                    np.testing.assert_array_equal(got, mine + np.uint8(4), err_msg=(name, n))
+                print(f"ok   exchange {name} {n} bytes", flush=True)
+                barrier(f"exchange {name} {n}")
+
+    # Mismatches in a cycle: nobody may wait for a ready signal that never comes.
+    for send_n, recv_n in ((8 << 20, 8), (1 << 20, 2 << 20)):
+        def body(v, recv_n=recv_n):
+            like = jax.ShapeDtypeStruct((recv_n,), v.dtype)
+            return jax_cpu_mpi.precv(jax_cpu_mpi.psend(v, "x", cycle), like, "x", cycle)[:8]
+
+        with config.overrides(gpu_parity=False):
+            f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+            x = common.global_array(mesh, P("x"), np.ones(2 * send_n, np.uint8))
+            f.lower(x).compile()
+        barrier(f"cycle mismatch {send_n} {recv_n}")
+        try:
+            jax.block_until_ready(f(x))
+        except jax.errors.JaxRuntimeError as e:
+            for part in (f"({recv_n} bytes)", f"sent uint8[{send_n}] ({send_n} bytes)"):
+                assert part in str(e), (part, str(e))
+            print(f"ok   cycle mismatch {send_n} -> {recv_n}", flush=True)
+        else:
+            raise AssertionError("a precv of another size must fail")
+        barrier(f"cycle mismatch {send_n} {recv_n} done")
+    with config.overrides(gpu_parity=False):
+        f = scanned(step_one_op)
+        n = 1 << 20
+        x = common.global_array(mesh, P("x"), np.concatenate([pattern(n, 7), pattern(n, 8)]))
+        got = local(jax.block_until_ready(f(x)))
+    np.testing.assert_array_equal(got, pattern(n, 7 if me == 0 else 8) + np.uint8(4))
+    print("ok   exchange after mismatches", flush=True)
+
+
 def _send_only(v):
     jax_cpu_mpi.psend(v, "x", FWD)  # side-effecting: stays in the program
     return v
 
 
-{"paths": run_paths, "many-channels": run_many_channels,
+{"paths": run_paths, "many-channels": run_many_channels, "exchange": run_exchange,
  "never-received": run_never_received}[CASE]()
 if CASE != "never-received":
     common.ok()

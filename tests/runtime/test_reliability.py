@@ -375,6 +375,22 @@ def test_rendezvous_direct_staged_and_mismatched_messages():
 
 @pytest.mark.mpi
 @pytest.mark.timeout(240)
+def test_rendezvous_exchanges_both_ways_at_once():
+    """Both ranks send before they receive (one op with a cycle: deferred sends, posted by
+    the receive loops; two ops); mismatches in a cycle still fail fast with their message."""
+    run = run_mpi("rendezvous.py", "exchange", nprocs=2, timeout=220)
+    assert_mpi_ok(run, 2)
+    for rank in (0, 1):
+        out = run.rank_output[rank]
+        for name in ("one op", "two ops"):
+            for size in (256 << 10, 1 << 20, (8 << 20) + 4096):
+                assert f"ok   exchange {name} {size} bytes" in out, run.report()
+        assert out.count("ok   cycle mismatch") == 2, run.report()
+        assert "ok   exchange after mismatches" in out, run.report()
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
 def test_rendezvous_on_many_channels_at_once():
     run = run_mpi("rendezvous.py", "many-channels", nprocs=2, devices_per_process=4,
                   timeout=220)

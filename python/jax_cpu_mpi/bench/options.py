@@ -17,6 +17,7 @@ MPI_METHODS = (
     "mpi4py",
     "psend/call",
     "psend/scan",
+    "psend2/scan",
     "mpi4jax/call",
     "mpi4jax/scan",
     "gloo/call",
@@ -41,7 +42,11 @@ GPU_METHODS = (
     "jit-floor-gpu",
 )
 ALL_METHODS = MPI_METHODS + LOCAL_METHODS + GPU_METHODS
-KINDS = ("latency", "bandwidth")
+KINDS = ("latency", "bandwidth", "bibw", "exchange", "ring", "multi-pair")
+#: ``--pattern`` names: OSU's and nccl-tests' (pingpong and bw are the kinds latency and
+#: bandwidth; the others are measured by :mod:`.patterns`).
+PATTERNS = {"pingpong": "latency", "bw": "bandwidth", "bibw": "bibw", "exchange": "exchange",
+            "ring": "ring", "multi-pair": "multi-pair"}
 
 
 def format_size(size: int) -> str:
@@ -176,6 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kinds", default="latency,bandwidth",
                    help="latency (ping-pong, half the round trip), bandwidth (window of "
                         "one-way messages, then an acknowledgement)")
+    p.add_argument("--pattern", default=None,
+                   help="comma-separated subset of: pingpong (osu_latency), bw (osu_bw), bibw "
+                        "(osu_bibw), exchange (nccl-tests sendrecv_perf, 2 ranks: both ways in "
+                        "one step), ring (sendrecv_perf, P ranks), multi-pair (osu_mbw_mr); "
+                        "overrides --kinds")
     p.add_argument("--sizes", type=parse_sizes, default=None,
                    help="explicit sizes, e.g. 8,1K,16M (overrides --min-size/--max-size/--step)")
     p.add_argument("--min-size", type=_bytes_arg, default=8, help="smallest message (bytes)")
@@ -232,6 +242,13 @@ def parse(argv: list[str] | None = None) -> Options:
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
     if not kinds or any(k not in KINDS for k in kinds):
         raise SystemExit(f"--kinds: expected latency, bandwidth or both; got {args.kinds!r}")
+    if args.pattern is not None:
+        chosen = [w.strip() for w in args.pattern.split(",") if w.strip()]
+        bad = [w for w in chosen if w not in PATTERNS]
+        if bad or not chosen:
+            raise SystemExit(f"--pattern: unknown {', '.join(bad) or repr(args.pattern)}; "
+                             f"choose among {', '.join(PATTERNS)}")
+        kinds = tuple(dict.fromkeys(PATTERNS[w] for w in chosen))
     if args.local_devices < 1:
         raise SystemExit(f"--local-devices must be >= 1, got {args.local_devices}")
     extra: dict[str, int] = {}

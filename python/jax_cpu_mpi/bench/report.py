@@ -3,6 +3,9 @@
 * OSU (``osu_latency`` / ``osu_bw`` with ``-f`` and ``-c``): ``# Size  Latency (us)`` or
   ``# Size  Bandwidth (MB/s)``, then min/max/p99, the sample count and the Validation column.
   MB/s is 10^6 bytes per second, as OSU prints it.
+* Two-way patterns (:mod:`.patterns`): ``exchange`` and ``ring`` as a time per step (the
+  latency layout), ``bibw`` (``osu_bibw``) and ``multi-pair`` (``osu_mbw_mr``, with its
+  message rate) in the bandwidth layout.
 * nccl-tests (``sendrecv_perf``): ``size count type redop root time algbw busbw #wrong``;
   ``time`` is the median per message (one way) in microseconds, ``algbw = size / time`` in
   GB/s (10^9 bytes per second); for point to point ``busbw = algbw``.
@@ -28,8 +31,15 @@ def _groups(results: Iterable[Measurement]) -> list[tuple[str, str, list[Measure
             for (method, kind), ms in groups.items()]
 
 
+#: Kinds whose OSU table shows a time per step, and their title.
+_TIMED = {"latency": "one-way latency", "exchange": "exchange, time per step",
+          "ring": "ring, time per step"}
+_BANDWIDTH = {"bandwidth": "streaming bandwidth", "bibw": "bidirectional bandwidth",
+              "multi-pair": "multi-pair aggregate bandwidth"}
+
+
 def _title(method: str, kind: str, ms: list[Measurement]) -> str:
-    unit = "one-way latency" if kind == "latency" else "streaming bandwidth"
+    unit = _TIMED.get(kind) or _BANDWIDTH.get(kind, kind)
     if method.startswith("jit-floor"):
         unit = "time per call"
     return f"# {method} ({unit}): {ms[0].description}"
@@ -39,7 +49,7 @@ def osu_tables(results: Iterable[Measurement]) -> str:
     lines: list[str] = []
     for method, kind, ms in _groups(results):
         lines.append(_title(method, kind, ms))
-        if kind == "latency":
+        if kind in _TIMED:
             lines.append(f"{'# Size':<12}{'Latency (us)':>16}{'Min Latency (us)':>18}"
                          f"{'Max Latency (us)':>18}{'P99 Latency (us)':>18}"
                          f"{'Iterations':>12}{'Validation':>12}")
@@ -57,6 +67,10 @@ def osu_tables(results: Iterable[Measurement]) -> str:
                 lines.append(f"{m.size:<12d}{b['median']:>18.2f}{b['min']:>16.2f}"
                              f"{b['max']:>16.2f}{m.messages_per_sample:>8d}{m.samples:>12d}"
                              f"{'Pass' if m.valid else 'Fail':>12}")
+            if kind == "multi-pair":  # osu_mbw_mr's second column
+                rates = [m.size and 1e6 * m.bandwidth_mbps()['median'] / m.size for m in ms]
+                lines.append("# Messages/s: " + "  ".join(
+                    f"{m.size}: {rate:.0f}" for m, rate in zip(ms, rates, strict=True)))
         lines.append("")
     return "\n".join(lines)
 

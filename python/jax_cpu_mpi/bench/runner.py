@@ -15,7 +15,7 @@ import numpy as np
 
 from jax_cpu_mpi import _jax_cpu_mpi as ext
 
-from . import methods
+from . import methods, patterns
 from .options import GPU_METHODS, LOCAL_METHODS, MPI_METHODS, Options, format_size
 from .progress import Progress
 from .session import Session
@@ -68,10 +68,14 @@ def _runnable(options: Options, session: Session, notes: list[str]) -> tuple[lis
     return cross, local
 
 
-def _kinds(options: Options, method: str) -> list[str]:
+def _kinds(options: Options, method: str, nranks: int = 2) -> list[str]:
+    """The kinds (one-message kinds, then --pattern's two-way ones) ``method`` measures."""
+    kinds = [k for k in options.kinds if k in ("latency", "bandwidth")
+             and method in methods.METHODS]
     if method in methods.LATENCY_ONLY:
-        return [k for k in options.kinds if k == "latency"]
-    return list(options.kinds)
+        kinds = [k for k in kinds if k == "latency"]
+    return kinds + [k for k in options.kinds
+                    if k in patterns.KINDS and patterns.available(method, k, nranks)]
 
 
 def _better(a: Measurement | None, b: Measurement) -> Measurement:
@@ -123,7 +127,9 @@ def _measure(options: Options, session: Session, method: str, kind: str, size: i
     best: Measurement | None = None
     for _ in range(options.repeat):
         ctx = methods.Context(session, options.plan(size), kind)
-        if participant:
+        if kind in patterns.KINDS:  # every rank takes part
+            best = _better(best, patterns.measure(ctx, method))
+        elif participant:
             best = _better(best, methods.METHODS[method](ctx))
         else:
             session.barrier(sleep=True)  # the one meeting inside each measurement
@@ -143,8 +149,8 @@ def run(options: Options, session: Session,
     cross, local = _runnable(options, session, outcome.notes)
     if not session.is_root:
         local = []
-    cross_tasks = [(m, k) for m in cross for k in _kinds(options, m)]
-    local_tasks = [(m, k) for m in local for k in _kinds(options, m)]
+    cross_tasks = [(m, k) for m in cross for k in _kinds(options, m, session.nranks)]
+    local_tasks = [(m, k) for m in local for k in _kinds(options, m, session.nranks)]
     total = (len(cross_tasks) + len(local_tasks)) * len(options.sizes) * options.rounds
     progress = Progress(total, enabled=options.progress and session.is_root)
     participant = session.rank < 2

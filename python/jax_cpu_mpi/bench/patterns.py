@@ -1,0 +1,242 @@
+"""Two-way and many-peer patterns (``--pattern bibw,exchange,ring,multi-pair``).
+
+The patterns of :mod:`.methods` move one message at a time (``pingpong``: OSU's
+``osu_latency``; ``bw``: ``osu_bw``). These move messages both ways at once, between the
+first device of every rank (all ranks of the job take part):
+
+* ``exchange`` (nccl-tests' ``sendrecv_perf`` with 2 ranks): every rank sends ``size`` bytes to
+  its partner and receives as many from it in the same step (rank ``r`` with ``r ^ 1``); the
+  sample is the time of one step; ``algbw = busbw = size / time``;
+* ``ring`` (``sendrecv_perf`` with P ranks): every rank sends to the next rank and receives
+  from the previous one in the same step; the same sample and columns;
+* ``bibw`` (OSU's ``osu_bibw``): a window of messages each way between ranks 0 and 1; the
+  bandwidth counts both directions (``2 x window x size / time``);
+* ``multi-pair`` (OSU's ``osu_mbw_mr``): the first half of the ranks each stream a window to
+  their partner in the second half, then get an acknowledgement; the bandwidth and message
+  rate are the pairs' sum.
+
+Methods: ``psend/scan`` (one ``psend``/``precv`` with the pattern's pairs per step, steps in
+one jitted ``lax.scan``: what a CPU-only program writes), ``psend2/scan`` (the same step as
+two ops, one per direction: what a GPU-parity program and the pipeline executor write),
+``mpi4py`` (``Sendrecv`` per step, or windows of ``Isend``/``Irecv``), ``gloo/scan``
+(``jax.lax.ppermute`` with the same pairs) and, with ``--platform gpu``, ``psend-nccl/scan``
+and ``ppermute-nccl/scan``. The patterns live in this module alone (the runner asks
+:func:`measure`), so the one-message methods are unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_cpu_mpi._src.ops.p2p import precv, psend
+from jax_cpu_mpi._src.runtime.config import overrides
+
+from .programs import AXIS, count_wrong, pattern, shard_on
+from .stats import Measurement
+
+#: ``--pattern`` names measured here (pingpong and bw are the kinds latency/bandwidth).
+KINDS = ("bibw", "exchange", "ring", "multi-pair")
+#: Methods that measure these patterns, per platform.
+CPU_METHODS = ("mpi4py", "psend/scan", "psend2/scan", "gloo/scan")
+GPU_METHODS = ("psend-nccl/scan", "ppermute-nccl/scan")
+METHODS = CPU_METHODS + GPU_METHODS
+
+
+def pairs(kind: str, nranks: int) -> list[tuple[int, int]]:
+    """The (source, destination) ranks of one step of ``kind`` among ``nranks`` ranks."""
+    if kind == "ring":
+        return [(r, (r + 1) % nranks) for r in range(nranks)]
+    if kind == "exchange":
+        return [(r, r ^ 1) for r in range(nranks - nranks % 2)]
+    if kind == "bibw":
+        return [(0, 1), (1, 0)]
+    half = nranks // 2  # multi-pair: the first half streams to the second
+    return [(r, r + half) for r in range(half)]
+
+
+def _two_way(kind: str) -> bool:
+    return kind != "multi-pair"
+
+
+def _mesh(session: Any) -> Mesh:
+    """The first device of every process, in process order."""
+    first: dict[int, Any] = {}
+    for d in sorted(jax.devices(), key=lambda d: d.id):
+        first.setdefault(d.process_index, d)
+    return Mesh(np.array([first[p] for p in sorted(first)]), (AXIS,))
+
+
+def _step(transport: str, x: jax.Array, perm: list[tuple[int, int]]) -> jax.Array:
+    if transport == "ppermute":
+        return jax.lax.ppermute(x, AXIS, perm)
+    shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    if transport == "psend":
+        y = precv(psend(x, AXIS, perm), shape, AXIS, perm)
+    else:  # psend2: one op per direction (a pair (s, d) goes with s < d or s > d)
+        up = [(s, d) for s, d in perm if s < d]
+        down = [(s, d) for s, d in perm if s > d]
+        halves = [half for half in (up, down) if half]
+        tokens = [psend(x, AXIS, half) for half in halves]
+        ys = [precv(t, shape, AXIS, half) for t, half in zip(tokens, halves, strict=True)]
+        # A device receives in at most one of the two: the other precv gives zeros.
+        y = ys[0] if len(ys) == 1 else ys[0] | ys[1]
+    return jax.lax.pcast(y, AXIS, to="varying")
+
+
+def _scan_program(mesh: Mesh, transport: str, perm: list[tuple[int, int]],
+                  steps: int) -> Callable:
+    def body(x):
+        def one(carry, _):
+            # The barrier keeps XLA from hoisting a loop-invariant ppermute out of the loop.
+            source, _ = carry
+            source = jax.lax.optimization_barrier(source)
+            return (source, _step(transport, source, perm)), None
+
+        (_, y), _ = jax.lax.scan(one, (x, x), None, length=steps)
+        return y
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+
+
+def _expected_senders(perm: list[tuple[int, int]]) -> dict[int, int]:
+    return {d: s for s, d in perm}
+
+
+def _per_message(kind: str, steps: int, nranks: int) -> int:
+    """Messages one sample's time is divided by (so that size / seconds is the pattern's
+    bandwidth): both directions for bibw, every pair for multi-pair, one step otherwise."""
+    if kind == "bibw":
+        return 2 * steps
+    if kind == "multi-pair":
+        return steps * max(1, nranks // 2)
+    return steps
+
+
+def _timed(step: Callable[[], None], count: int, warmup: int, sync: Callable[[], None]
+           ) -> np.ndarray:
+    for _ in range(warmup):
+        step()
+    sync()
+    seconds = np.empty(count)
+    for i in range(count):
+        start = time.perf_counter()
+        step()
+        seconds[i] = time.perf_counter() - start
+    return seconds
+
+
+def _jax(ctx: Any, method: str, transport: str) -> Measurement:
+    session, plan, kind = ctx.session, ctx.plan, ctx.kind
+    n, nranks = plan.size, session.nranks
+    mesh = _mesh(session)
+    perm = pairs(kind, nranks)
+    steps = plan.hops if _two_way(kind) else plan.window
+    value = pattern(n)
+    x = jax.make_array_from_callback((nranks * n,), NamedSharding(mesh, P(AXIS)),
+                                     lambda index: value)
+    fn = _scan_program(mesh, transport, perm, steps)
+    if transport == "psend":
+        # One op with a cycle: fine on CPU (our transport), refused on GPU; lowered and
+        # compiled with the GPU-parity check off, as a CPU-only program does.
+        with overrides(gpu_parity=False):
+            fn = fn.lower(x).compile()
+    out: list[Any] = []
+
+    def step() -> None:
+        out[:] = [jax.block_until_ready(fn(x))]
+        if not _two_way(kind):
+            session.barrier()  # the acknowledgement: every pair's window has arrived
+
+    seconds = _timed(step, plan.scan_samples, plan.scan_warmup, session.barrier)
+    seconds /= _per_message(kind, steps, nranks)
+    receivers = _expected_senders(perm)
+    me = mesh.devices.reshape(-1)[session.rank]
+    wrong = count_wrong(shard_on(out[0], me), value) if session.rank in receivers else 0
+    return Measurement(method=method, kind=kind, size=n, seconds=seconds,
+                       warmup=plan.scan_warmup, messages_per_sample=steps, wrong=wrong,
+                       mode="gpu" if session.platform == "gpu" else "mpi",
+                       description=_describe(method, kind), extra=dict(steps=steps, ranks=nranks))
+
+
+def _mpi4py(ctx: Any) -> Measurement:
+    from mpi4py import MPI
+
+    session, plan, kind = ctx.session, ctx.plan, ctx.kind
+    comm, rank, n, nranks = session.comm, session.rank, plan.size, session.nranks
+    perm = pairs(kind, nranks)
+    dest = [d for s, d in perm if s == rank]
+    source = [s for s, d in perm if d == rank]
+    send, recv = pattern(n), np.zeros(n, np.uint8)
+    steps = plan.hops if kind in ("exchange", "ring") else plan.window
+    ack = np.zeros(8, np.uint8)
+
+    if kind in ("exchange", "ring"):
+        def step() -> None:
+            for _ in range(steps):
+                if dest and source:
+                    comm.Sendrecv(send, dest[0], 5, recv, source[0], 5)
+    else:  # windows of Isend/Irecv (osu_bibw both ways; osu_mbw_mr one way, then an ack)
+        def step() -> None:
+            reqs = [comm.Irecv(recv, s, 6) for s in source for _ in range(steps)]
+            reqs += [comm.Isend(send, d, 6) for d in dest for _ in range(steps)]
+            MPI.Request.Waitall(reqs)
+            if kind == "multi-pair":
+                if source:
+                    comm.Send(ack, source[0], 7)
+                if dest:
+                    comm.Recv(ack, dest[0], 7)
+
+    seconds = _timed(step, plan.scan_samples, plan.scan_warmup, session.barrier)
+    seconds /= _per_message(kind, steps, nranks)
+    wrong = count_wrong(recv, send) if source else 0
+    return Measurement(method="mpi4py", kind=kind, size=n, seconds=seconds,
+                       warmup=plan.scan_warmup, messages_per_sample=steps, wrong=wrong,
+                       mode="mpi", description=_describe("mpi4py", kind),
+                       extra=dict(steps=steps, ranks=nranks))
+
+
+def _describe(method: str, kind: str) -> str:
+    what = {
+        "exchange": "every rank sends to its partner and receives from it in one step "
+                    "(nccl-tests sendrecv_perf, 2 ranks); time per step",
+        "ring": "every rank sends to the next rank and receives from the previous one in "
+                "one step (nccl-tests sendrecv_perf); time per step",
+        "bibw": "a window of messages each way between ranks 0 and 1 (OSU osu_bibw); "
+                "bandwidth of both directions",
+        "multi-pair": "the first half of the ranks stream a window to the second half, then "
+                      "an acknowledgement (OSU osu_mbw_mr); aggregate bandwidth",
+    }[kind]
+    how = {
+        "mpi4py": "raw MPI (mpi4py Sendrecv, or windows of Isend/Irecv)",
+        "psend/scan": "one psend/precv with the pattern's pairs per step, in a jitted lax.scan",
+        "psend2/scan": "two psend/precv per step, one per direction (GPU-parity programs, "
+                       "the pipeline executor), in a jitted lax.scan",
+        "gloo/scan": "jax.lax.ppermute over gloo with the same pairs, in a jitted lax.scan",
+        "psend-nccl/scan": "psend/precv over NCCL, in a jitted lax.scan",
+        "ppermute-nccl/scan": "jax.lax.ppermute over NCCL, in a jitted lax.scan",
+    }[method]
+    return f"{how}: {what}"
+
+
+def available(method: str, kind: str, nranks: int) -> bool:
+    """Whether ``method`` measures ``kind`` with ``nranks`` ranks."""
+    if method not in METHODS or nranks < 2:
+        return False
+    return not (kind == "bibw" and nranks != 2)
+
+
+def measure(ctx: Any, method: str) -> Measurement:
+    """Measures ``method`` on the pattern ``ctx.kind`` (every rank calls it, in step)."""
+    if method == "mpi4py":
+        return _mpi4py(ctx)
+    # On GPU a psend may not hold a cycle: one op per direction.
+    transport = {"psend/scan": "psend", "psend2/scan": "psend2", "gloo/scan": "ppermute",
+                 "psend-nccl/scan": "psend2", "ppermute-nccl/scan": "ppermute"}[method]
+    return _jax(ctx, method, transport)
