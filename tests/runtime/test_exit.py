@@ -39,6 +39,10 @@ def test_dropped_output_ends_its_ops_at_exit_with_the_status_asked_for():
     assert run.returncode == 3 and oks == 2, run.report()
     out = run.rank_output[0]
     assert out.count("jax_cpu_mpi: at exit") == 1 and REPORT in out, run.report()
-    assert ("precv(axis_name=('x',), perm=[(7, 0)]) on partition 0 (process 0) was still "
-            "waiting for float32[1,8] from partition 7 (process 1)") in out, run.report()
-    assert "ended at exit after the grace period (JAX_CPU_MPI_EXIT_GRACE)" in out, run.report()
+    # Ended at exit when the program had not got there (JAX 0.12's C++ dispatch leaves it
+    # behind), or refused for its size when it had (JAX 0.10.2's dispatch keeps it alive).
+    assert "  - precv(axis_name=('x',), perm=[(7, 0)]) on partition 0 (process 0)" in out, \
+        run.report()
+    assert ("when the process exited: ended at exit after the grace period "
+            "(JAX_CPU_MPI_EXIT_GRACE)" in out
+            or "but the matching psend sent float32[8,8] (256 bytes)" in out), run.report()
