@@ -7,8 +7,9 @@ depends on the device), so both main threads reach the interpreter's exit long b
 program has finished: the exit must let it finish (``keep``), end what still waits after
 the grace (``drop``: the output was never kept), and report the refused message on stderr.
 
-Argument: ``keep`` (the output stays referenced, as in a script) or ``drop`` (it is
-dropped at once; the program then exits with ``sys.exit(3)``).
+Argument: ``keep`` (the output stays referenced, as in a script), ``drop`` (it is
+dropped at once; the program then exits with ``sys.exit(3)``) or ``shutdown`` (kept, then
+``jax.distributed.shutdown()`` before the end, which must close MPI as the exit does).
 """
 
 import sys
@@ -55,11 +56,14 @@ c = fwd(a)
 assert c.shape == a.shape
 print(f"process {jax.process_index()}: shape {c.shape} at {time.monotonic() - start:.2f} s",
       flush=True)
-if mode == "keep":
+if mode in ("keep", "shutdown"):
     # runpy (tests/mpi_programs/_rank_output.py) drops the program's globals before the
     # interpreter exits; a user's script keeps them alive until then.
     common.kept_outputs = [c]
     common.ok()
+    if mode == "shutdown":
+        jax.distributed.shutdown()
+        print("shut down", flush=True)
 else:
     del c
     common.ok()

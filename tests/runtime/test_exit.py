@@ -18,10 +18,13 @@ REPORT = "jax_cpu_mpi: at exit, process 0 had 1 failed psend/precv"
 
 @pytest.mark.mpi
 @pytest.mark.timeout(120)
-def test_unread_output_lets_the_program_finish_and_reports_the_refused_message():
-    run = run_mpi("exit_unread_outputs.py", "keep", nprocs=2, devices_per_process=4,
+@pytest.mark.parametrize("mode", ["keep", "shutdown"])
+def test_unread_output_lets_the_program_finish_and_reports_the_refused_message(mode):
+    run = run_mpi("exit_unread_outputs.py", mode, nprocs=2, devices_per_process=4,
                   timeout=45, env=ENV)
     assert_mpi_ok(run, 2)
+    if mode == "shutdown":
+        assert all("shut down" in out for out in run.rank_output.values()), run.report()
     out = run.rank_output[0]
     assert out.count("jax_cpu_mpi: at exit") == 1 and REPORT in out, run.report()
     assert ("precv(axis_name=('x',), perm=[(7, 0)]) on partition 0 (process 0) expected "
