@@ -114,10 +114,12 @@ def cases(tmp: Path) -> dict[str, list[Case]]:
 
 
 def oversubscribed(case: Case) -> Case:
-    """4 ranks on the 2 cores: the same number of devices in all (the meshes need it), or
-    2 devices per rank where the program takes any number."""
+    """4 ranks on the 2 cores: the same number of devices in all where the mesh needs it
+    (the pipeline example gives each rank 4 stages / 4 ranks = 1 device itself), else 2
+    devices per rank."""
     total = case.ranks * case.devices
-    devices = max(1, total // 4) if case.name in ("readme", "jax-cycle") else 2
+    fixed = ("readme", "jax-cycle", "pipeline", "timeline")
+    devices = max(1, total // 4) if case.name in fixed else 2
     return Case(case.name, case.args, case.expect, 4, devices, case.env, case.after)
 
 

@@ -172,7 +172,7 @@ ffi::Error Psend(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
       Runtime::MpiOpScope active;
       Status done = mpi->FinishDirect(in_flight, deadline);
       if (done.ok()) return done;
-      Runtime::Get().note_unreachable_peer(dest);
+      if (!Closing()) Runtime::Get().note_unreachable_peer(dest);
       return done.WithPrefix(what);
     });
   }
@@ -182,7 +182,7 @@ ffi::Error Psend(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
   // bytes may then move only once that precv runs, as when psend waited for them).
   if (r.ok() && mpi->has_pending_sends()) rt.mpi_send_in_flight();
   if (!r.ok()) {
-    rt.note_unreachable_peer(dest);
+    if (!Closing()) rt.note_unreachable_peer(dest);
     std::ostringstream s;
     s << op << " of " << operand << " from " << ProcessSuffix(info, me) << " to "
       << ProcessSuffix(info, peer) << MpiPeer(dest) << " failed: " << r.message();
@@ -306,7 +306,8 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
   if (r.code() == StatusCode::kTypeMismatch) {
     return ffi::Error::InvalidArgument(TypeMismatch(info, me, peer, bytes, r.sender_desc()));
   }
-  rt.note_unreachable_peer(source);
+  // An op ended at exit says nothing about its peer (it may just be slower to finish).
+  if (!Closing()) rt.note_unreachable_peer(source);
   if (r.code() == StatusCode::kTimeout) {
     return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
                       Timeout(info, me, peer, config.recv_timeout_s, MpiPeer(source)));

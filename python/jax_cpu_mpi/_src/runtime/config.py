@@ -195,10 +195,10 @@ VARIABLES: tuple[Variable, ...] = (
              "ranks, before MPI finalizes (at most 2 s once a peer failed to answer)",
              "exit_timeout", _seconds(positive=False, example="60")),
     Variable("JAX_CPU_MPI_EXIT_GRACE", "runtime", "1",
-             "seconds, once every rank has reached its exit (and its own programs' outputs "
-             "are ready), that a psend/precv still running (a program whose outputs nobody "
-             "waited for) gets to finish; then it ends with an error, reported on stderr, "
-             "and the process exits with the status its program asked for",
+             "seconds, at exit, once the outputs of every rank's live arrays are ready, that "
+             "a psend/precv still running (of a program whose outputs were dropped) gets "
+             "to finish; then it ends with an error, reported on stderr, and the process "
+             "exits with the status its program asked for",
              "exit_grace", _seconds(positive=False, example="1")),
     Variable("JAX_CPU_MPI_ABORT_ON_ERROR", "runtime", "1",
              "in an MPI job (once MPI is attached), an uncaught exception, or an exit after a "

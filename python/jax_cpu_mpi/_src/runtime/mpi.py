@@ -120,7 +120,7 @@ def ensure_attached(op_name: str, num_processes_in_mesh: int) -> None:
                        node_ranks=sum(host == my_host for _, host in process_and_host),
                        wait=config.BY_NAME["JAX_CPU_MPI_WAIT"].read() or "auto")
         ext.set_rank_hosts([host for _, host in process_and_host])
-        # A communicator of its own for the exit's "every rank is at exit" barrier.
+        # A communicator of its own for the exit's "my programs are done" messages.
         global _exit_comm
         _exit_comm = world.Dup()
         # Registered after mpi4py's own finalization hook, so it runs before MPI_Finalize.
@@ -179,7 +179,7 @@ def _detach_at_exit() -> None:
 #: Whether _detach_at_exit ran (at jax.distributed.shutdown() or at exit: once).
 _detached = False
 
-#: A duplicate of MPI_COMM_WORLD made at attach, for the exit's arrival barrier.
+#: A duplicate of MPI_COMM_WORLD made at attach, for the exit's "done" messages.
 _exit_comm = None
 
 #: How long a peer that failed to answer is waited for at exit (as the C++ drain does).
@@ -202,7 +202,7 @@ def _unready(arrays: list) -> list:
 
 
 def _finish_programs_and_close() -> None:
-    """Let this process's programs finish, then end every psend/precv still waiting.
+    """Let the programs of every rank finish, then end every psend/precv still waiting.
 
     Why an op could still wait at exit: JAX dispatches a program asynchronously, so a
     program whose outputs nobody waited for (the program read only their ``.shape``) may
@@ -211,38 +211,51 @@ def _finish_programs_and_close() -> None:
     its peer's precv waited its whole ``JAX_CPU_MPI_RECV_TIMEOUT`` in the interpreter's
     finalization (the CPU client joins its device threads there).
 
-    So every rank first announces its exit (a non-blocking barrier on a communicator of our
-    own) and waits, serving its peers, until the outputs of its live arrays are ready and no
-    psend/precv of its own uses MPI. Once every rank has announced its exit, an op still
-    running gets ``JAX_CPU_MPI_EXIT_GRACE`` seconds more; then every wait ends with an error
-    (reported at exit, :func:`_report_failed_ops`). At most ``JAX_CPU_MPI_EXIT_TIMEOUT``
-    seconds in all, at most a few once a peer failed to answer.
+    So every rank, serving its peers all along, waits until the outputs of its live arrays
+    are ready, then tells every other rank so (a message on a communicator of our own).
+    Once it is done and has heard the same from every other rank, no peer will send for a
+    program anyone kept: a psend/precv still running (of a program whose outputs were
+    dropped) gets ``JAX_CPU_MPI_EXIT_GRACE`` seconds more, then every wait ends with an
+    error (reported at exit, :func:`_report_failed_ops`). At most
+    ``JAX_CPU_MPI_EXIT_TIMEOUT`` seconds in all, at most a few once a peer failed to answer.
     """
     cfg = config.current()
     start = time.monotonic()
     limit = cfg.exit_timeout
     if ext.unreachable_peers():
         limit = min(limit, _SUSPECT_EXIT_WAIT_S)
-    arrival = _exit_comm.Ibarrier() if _exit_comm is not None else None
+    comm = _exit_comm
+    me = comm.Get_rank() if comm is not None else 0
+    peers = [r for r in range(comm.Get_size()) if r != me] if comm is not None else []
+    heard = {p: comm.irecv(source=p, tag=_DONE_TAG) for p in peers}
+    told: list = []
     try:
         pending = _unready(list(jax.live_arrays()))
     except Exception:  # no backend left: nothing of ours can run
         pending = []
-    all_arrived_at = None if arrival is not None else start
+    all_done_at = None
     while True:
         pending = _unready(pending)
-        busy = bool(pending) or ext.mpi_ops_active() > 0
+        if not pending and not told and comm is not None:
+            told = [comm.isend(None, dest=p, tag=_DONE_TAG) for p in peers]
+        for p in [p for p, req in heard.items() if req.Test()]:
+            del heard[p]
         now = time.monotonic()
-        if all_arrived_at is None and arrival.Test():
-            all_arrived_at = now
-        if all_arrived_at is not None and (not busy or now - all_arrived_at >= cfg.exit_grace):
+        if all_done_at is None and not pending and not heard:
+            all_done_at = now
+        if all_done_at is not None and (ext.mpi_ops_active() == 0
+                                        or now - all_done_at >= cfg.exit_grace):
             break
         if now - start >= limit:
             break
         time.sleep(0.001 if now - start < 0.1 else 0.01)
     ext.close(_CLOSE_WAIT_S)
-    if all_arrived_at is not None and _exit_comm is not None:
-        _exit_comm.Free()
+    if comm is not None and not heard and all(req.Test() for req in told):
+        comm.Free()
+
+
+#: The tag of the "my programs are done" message of the exit (on _exit_comm).
+_DONE_TAG = 1
 
 
 def _close_at_distributed_shutdown() -> None:
