@@ -226,7 +226,7 @@ def long_run(tmp: Path, steps: int, every: int, limit: float) -> dict:
     growth = {}
     for p, rows in samples.items():
         warm = rows[1:] if len(rows) > 2 else rows  # the first 10^4 steps warm up
-        span = (warm[-1][0] - warm[0][0]) / 1e4 or 1
+        span = (warm[-1][0] - warm[0][0]) / 1e4 or 1  # in units of 10^4 steps
         growth[p] = {"rss_kib_per_1e4_steps": round((warm[-1][1] - warm[0][1]) / span, 1),
                      "fd_growth": warm[-1][2] - warm[0][2],
                      "thread_growth": warm[-1][3] - warm[0][3]}
@@ -240,17 +240,20 @@ def main() -> int:
     ap.add_argument("--launches", type=int, default=20)
     ap.add_argument("--quiet-runs", type=int, default=3, help="launches for the quiet time")
     ap.add_argument("--only", nargs="*", default=None,
-                    help="programs: readme pipeline jax-tests timeline")
+                    help="programs: readme pipeline jax-tests timeline (or one case: "
+                    "jax-cycle, jax-two)")
     ap.add_argument("--conditions", nargs="*", default=["load", "oversub"])
     ap.add_argument("--long-steps", type=int, default=100_000, help="0: no long run")
+    ap.add_argument("--sample-every", type=int, default=10_000,
+                    help="steps between two samples of the long run")
     ap.add_argument("--limit", type=float, default=400.0, help="seconds before a launch "
                     "counts as stuck and is killed (above the 300 s receive timeout)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="jcm-stress-"))
     all_cases = cases(tmp)
-    chosen = [c for name, cs in all_cases.items() if args.only is None or name in args.only
-              for c in cs]
+    chosen = [c for name, cs in all_cases.items() for c in cs
+              if args.only is None or name in args.only or c.name in args.only]
     records: list[dict] = []
     quiet: dict[tuple[str, int], float] = {}
     for case in chosen:
@@ -273,7 +276,7 @@ def main() -> int:
                       f"{r['seconds']:6.2f} s (quiet {quiet[key]:.2f}) rc={r['rc']} "
                       f"ok={r['ok']}{' LATE' if r['late'] else ''}"
                       f"{' STUCK' if r['stuck'] else ''}", flush=True)
-    long = long_run(tmp, args.long_steps, 10_000, 3600) if args.long_steps else None
+    long = long_run(tmp, args.long_steps, args.sample_every, 3600) if args.long_steps else None
     if long:
         print("long run:", json.dumps({k: long[k] for k in ("steps", "rc", "ok", "seconds",
                                                            "growth")}), flush=True)
