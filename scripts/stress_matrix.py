@@ -113,10 +113,14 @@ def cases(tmp: Path) -> dict[str, list[Case]]:
     }
 
 
-def oversubscribed(case: Case) -> Case:
+def oversubscribed(case: Case) -> Case | None:
     """4 ranks on the 2 cores: the same number of devices in all where the mesh needs it
     (the pipeline example gives each rank 4 stages / 4 ranks = 1 device itself), else 2
-    devices per rank."""
+    devices per rank. None for JAX's two-device test: its mesh cannot span 4 processes, and
+    a mesh that leaves processes out waits forever when MPI is attached (the attach is
+    collective over every rank, and the ranks outside the mesh never lower the program)."""
+    if case.name == "jax-two":
+        return None
     total = case.ranks * case.devices
     fixed = ("readme", "jax-cycle", "pipeline", "timeline")
     devices = max(1, total // 4) if case.name in fixed else 2
@@ -259,6 +263,8 @@ def main() -> int:
     for case in chosen:
         for cond in args.conditions:
             c = oversubscribed(case) if cond == "oversub" else case
+            if c is None:
+                continue
             key = (c.name, c.ranks)
             if key not in quiet:
                 times = [launch(c, args.limit) for _ in range(args.quiet_runs)]
