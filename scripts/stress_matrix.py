@@ -222,11 +222,11 @@ def long_run(tmp: Path, steps: int, every: int, limit: float) -> dict:
         raw = e.stdout or ""
         out, rc = raw.decode() if isinstance(raw, bytes) else raw, None
     samples: dict[int, list[list[float]]] = {}
-    for line in out.splitlines():
-        if line.startswith("SAMPLE"):
-            _, proc_i, step, rss, fds, threads, t = line.split()
-            samples.setdefault(int(proc_i), []).append(
-                [int(step), int(rss), int(fds), int(threads), float(t)])
+    # The ranks' lines may be interleaved on mpirun's output: match the samples anywhere.
+    for proc_i, step, rss, fds, threads, t in re.findall(
+            r"SAMPLE (\d+) (\d+) (\d+) (\d+) (\d+) ([\d.]+)", out):
+        samples.setdefault(int(proc_i), []).append(
+            [int(step), int(rss), int(fds), int(threads), float(t)])
     growth = {}
     for p, rows in samples.items():
         warm = rows[1:] if len(rows) > 2 else rows  # the first 10^4 steps warm up
