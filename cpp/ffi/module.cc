@@ -182,6 +182,9 @@ NB_MODULE(_jax_cpu_mpi, m) {
         "At exit: end every psend/precv still waiting for a peer (with an error), wait up to "
         "wait_s for them to return, and return how many still run.");
   m.def("closing", [] { return jcm::Closing(); }, "Whether close() was called.");
+  m.def("reopen", [] { jcm::g_closing.store(false, std::memory_order_relaxed); },
+        "After jax.distributed.shutdown() closed MPI: waits for a peer in this process "
+        "(devices of one process) wait again until their deadline.");
   m.def("take_failed_ops", [] { return jcm::Runtime::Get().take_failed_ops(); },
         "The errors of failed psend/precv ops since the last call (distinct texts with "
         "their counts), for the report at exit; clears them.");

@@ -63,6 +63,21 @@ if mode in ("keep", "shutdown"):
     common.ok()
     if mode == "shutdown":
         jax.distributed.shutdown()
+        # Programs on this process's own devices still run, and their precv still waits
+        # for a late psend (the shutdown closed MPI, not the process).
+        own = jax.sharding.Mesh(np.array(jax.local_devices()[:2]), ("y",))
+
+        @jax.jit
+        @partial(jax.shard_map, mesh=own, in_specs=P("y"), out_specs=P("y"))
+        def hop(v):
+            m = lax.fori_loop(0, jnp.where(lax.axis_index("y") == 0, 100, 0),
+                              lambda i, m: jnp.tanh(m @ m), jnp.full((192, 192), 1e-3))
+            tok = jax_cpu_mpi.psend(v + m[0, :1] * 0 + 1, "y", [(0, 1)])
+            return jax_cpu_mpi.precv(tok, jax.ShapeDtypeStruct.like(v), "y", [(0, 1)])
+
+        v = jax.device_put(np.zeros(2, np.float32), jax.sharding.NamedSharding(own, P("y")))
+        got = np.asarray(hop(v))
+        assert got.tolist() == [0.0, 1.0], got
         print("shut down", flush=True)
 else:
     del c

@@ -271,6 +271,9 @@ def _close_at_distributed_shutdown() -> None:
         def shutdown(*args, **kwargs):
             try:
                 _detach_at_exit()
+                # The process may go on with programs on its own devices: their waits
+                # must not end at once as at exit.
+                ext.reopen()
             except Exception as e:  # never keep JAX's shutdown from running
                 print(f"jax_cpu_mpi: closing MPI before jax.distributed.shutdown() failed: "
                       f"{e}", file=sys.stderr)
