@@ -1,6 +1,7 @@
 // Runtime configuration shared by the handlers and the transports, and the deadline helper.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 
@@ -20,5 +21,16 @@ inline Clock::time_point DeadlineAfter(double seconds) {
   return Clock::now() + std::chrono::duration_cast<Clock::duration>(
                             std::chrono::duration<double>(seconds));
 }
+
+// Set once at exit (Runtime::Close), after the exit grace: from then on every wait for a
+// peer (a precv, a send waiting for its receiver) ends at its next look at the clock, as
+// at its deadline, and the handler says the op was ended at exit. Without it a program
+// whose outputs nobody waited for leaves an op waiting a whole JAX_CPU_MPI_RECV_TIMEOUT in
+// the interpreter's finalization (the CPU client joins its device threads there).
+inline std::atomic<bool> g_closing{false};
+inline bool Closing() { return g_closing.load(std::memory_order_relaxed); }
+
+// Whether a wait with `deadline` must end now: the deadline passed, or the process closed.
+inline bool Expired(Clock::time_point deadline) { return Closing() || Clock::now() > deadline; }
 
 }  // namespace jcm

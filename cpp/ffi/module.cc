@@ -171,6 +171,23 @@ NB_MODULE(_jax_cpu_mpi, m) {
   m.def("arm_exit_before_finalize", [](int status) { jcm::ArmExitBeforeFinalize(status); },
         nb::arg("status"),
         "End the process with this status just before MPI_Finalize, instead of finalizing.");
+  m.def("mpi_ops_active", [] { return jcm::Runtime::Get().mpi_ops_active(); },
+        "psend/precv handlers of this process using the MPI transport now.");
+  m.def("close",
+        [](double wait_s) {
+          nb::gil_scoped_release release;
+          return jcm::Runtime::Get().close(wait_s);
+        },
+        nb::arg("wait_s"),
+        "At exit: end every psend/precv still waiting for a peer (with an error), wait up to "
+        "wait_s for them to return, and return how many still run.");
+  m.def("closing", [] { return jcm::Closing(); }, "Whether close() was called.");
+  m.def("reopen", [] { jcm::g_closing.store(false, std::memory_order_relaxed); },
+        "After jax.distributed.shutdown() closed MPI: waits for a peer in this process "
+        "(devices of one process) wait again until their deadline.");
+  m.def("take_failed_ops", [] { return jcm::Runtime::Get().take_failed_ops(); },
+        "The errors of failed psend/precv ops since the last call (distinct texts with "
+        "their counts), for the report at exit; clears them.");
   m.def("detach_mpi",
         [](double timeout_s) {
           nb::gil_scoped_release release;

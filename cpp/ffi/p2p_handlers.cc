@@ -109,6 +109,13 @@ std::string MpiPeer(int rank) {
 
 std::string MpiMissing(const OpInfo& info, int64_t me, int64_t peer) {
   std::ostringstream s;
+  if (Closing()) {  // a program nobody waited for, still running at exit
+    s << info.op << " of " << info.operand << " on " << ProcessSuffix(info, me) << " with "
+      << ProcessSuffix(info, peer) << " ran after this process closed its MPI transport at "
+         "exit: ended without moving the message. Wait for the outputs of every program "
+         "before the program ends (jax.block_until_ready).";
+    return s.str();
+  }
   s << info.op << ": " << ProcessSuffix(info, me) << " and its peer " << ProcessSuffix(info, peer)
     << " live in different processes, but this process has no MPI communicator attached. "
        "Launch every process with mpirun/srun, call jax.distributed.initialize() before "
@@ -142,6 +149,7 @@ ffi::Error Psend(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
     }
     return ffi::Error::Success();
   }
+  Runtime::MpiOpScope active;  // the exit keeps the transport until this returns
   const Runtime::State state = rt.state();
   const std::shared_ptr<MpiTransport>& mpi = state.mpi;
   if (!mpi) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, MpiMissing(info, me, peer));
@@ -168,9 +176,10 @@ ffi::Error Psend(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
          << ProcessSuffix(info, peer) << MpiPeer(dest) << " failed: ";
     rt.kept_sends().Add(x.untyped_data(), [mpi, in_flight, dest, what = what.str()](
                                               std::chrono::steady_clock::time_point deadline) {
+      Runtime::MpiOpScope active;
       Status done = mpi->FinishDirect(in_flight, deadline);
       if (done.ok()) return done;
-      Runtime::Get().note_unreachable_peer(dest);
+      if (!Closing()) Runtime::Get().note_unreachable_peer(dest);
       return done.WithPrefix(what);
     });
   }
@@ -180,7 +189,7 @@ ffi::Error Psend(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
   // bytes may then move only once that precv runs, as when psend waited for them).
   if (r.ok() && mpi->has_pending_sends()) rt.mpi_send_in_flight();
   if (!r.ok()) {
-    rt.note_unreachable_peer(dest);
+    if (!Closing()) rt.note_unreachable_peer(dest);
     std::ostringstream s;
     s << op << " of " << operand << " from " << ProcessSuffix(info, me) << " to "
       << ProcessSuffix(info, peer) << MpiPeer(dest) << " failed: " << r.message();
@@ -222,6 +231,15 @@ std::string TypeMismatch(const OpInfo& info, int64_t me, int64_t peer, size_t by
 std::string Timeout(const OpInfo& info, int64_t me, int64_t peer, double seconds,
                     const std::string& mpi_peer = "") {
   std::ostringstream s;
+  if (Closing()) {  // ended by the exit (Runtime::close), not by its own deadline
+    s << info.op << " on " << ProcessSuffix(info, me) << " was still waiting for "
+      << info.operand << " from " << ProcessSuffix(info, peer) << mpi_peer
+      << " when the process exited: ended at exit after the grace period "
+         "(JAX_CPU_MPI_EXIT_GRACE). The pair (" << peer << ", " << me
+      << ") had no psend that ran before the exit, or the program ended without waiting "
+         "for its outputs (jax.block_until_ready).";
+    return s.str();
+  }
   s << info.op << " on " << ProcessSuffix(info, me) << " waited " << seconds
     << " s for " << info.operand << " from " << ProcessSuffix(info, peer) << mpi_peer
     << " and no message arrived: no psend with the pair (" << peer << ", " << me
@@ -285,6 +303,7 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
   }
   const std::shared_ptr<MpiTransport>& mpi = state.mpi;
   if (!mpi) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, MpiMissing(info, me, peer));
+  Runtime::MpiOpScope active;  // the exit keeps the transport until this returns
   ffi::ErrorOr<int> tag = MpiTag(info, *mpi, peer_dev, my_dev);
   if (tag.has_error()) return tag.error();
   const int source = mpi->RankOfProcess(device_process[peer]);
@@ -301,7 +320,8 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
   if (r.code() == StatusCode::kTypeMismatch) {
     return ffi::Error::InvalidArgument(TypeMismatch(info, me, peer, bytes, r.sender_desc()));
   }
-  rt.note_unreachable_peer(source);
+  // An op ended at exit says nothing about its peer (it may just be slower to finish).
+  if (!Closing()) rt.note_unreachable_peer(source);
   if (r.code() == StatusCode::kTimeout) {
     return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
                       Timeout(info, me, peer, config.recv_timeout_s, MpiPeer(source)));
@@ -387,6 +407,13 @@ template <typename Body>
   return result;
 }
 
+// A failed op is kept for the report at exit (Runtime::note_failed_op): JAX drops the error
+// of an output that nobody reads, and with it the only word of a refused or lost message.
+ffi::Error Noted(ffi::Error result) {
+  if (result.failure()) [[unlikely]] Runtime::Get().note_failed_op(result.message());
+  return result;
+}
+
 // The registered handlers: with tracing off (the usual case) one predictable branch.
 // A psend's second result, a u32 zero, exists only once the psend has run: XLA CPU orders
 // custom calls at run time by their buffers, not their tokens, so an op that must run
@@ -398,14 +425,14 @@ ffi::Error PsendImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
                      int64_t operand_kept) {
   done->typed_data()[0] = 0;
   if (trace::Mode() == 0) [[likely]] {
-    return Psend(x, partition, token, pairs, device_index, device_process, num_devices, op,
-                 operand, operand_kept);
+    return Noted(Psend(x, partition, token, pairs, device_index, device_process, num_devices,
+                       op, operand, operand_kept));
   }
   const OpInfo info{op, operand, pairs, device_index, device_process, num_devices};
-  return Traced(trace::Op::kPsend, info, partition, x.size_bytes(), [&] {
+  return Noted(Traced(trace::Op::kPsend, info, partition, x.size_bytes(), [&] {
     return Psend(x, partition, token, pairs, device_index, device_process, num_devices, op,
                  operand, operand_kept);
-  });
+  }));
 }
 
 ffi::Error PrecvImpl(ffi::Token token, ffi::Buffer<ffi::U32> partition,
@@ -413,14 +440,14 @@ ffi::Error PrecvImpl(ffi::Token token, ffi::Buffer<ffi::U32> partition,
                      I64Span device_index, I64Span device_process, int64_t num_devices,
                      std::string_view op, std::string_view operand, int64_t operand_kept) {
   if (trace::Mode() == 0) [[likely]] {
-    return Precv(token, partition, kept, out, pairs, device_index, device_process,
-                 num_devices, op, operand, operand_kept);
+    return Noted(Precv(token, partition, kept, out, pairs, device_index, device_process,
+                       num_devices, op, operand, operand_kept));
   }
   const OpInfo info{op, operand, pairs, device_index, device_process, num_devices};
-  return Traced(trace::Op::kPrecv, info, partition, out->size_bytes(), [&] {
+  return Noted(Traced(trace::Op::kPrecv, info, partition, out->size_bytes(), [&] {
     return Precv(token, partition, kept, out, pairs, device_index, device_process,
                  num_devices, op, operand, operand_kept);
-  });
+  }));
 }
 
 }  // namespace

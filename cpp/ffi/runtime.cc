@@ -153,4 +153,42 @@ std::string Runtime::host_of_rank(int rank) const {
   return rank_hosts_[rank];
 }
 
+int Runtime::close(double wait_s) {
+  g_closing.store(true, std::memory_order_relaxed);
+  const auto until = DeadlineAfter(wait_s);
+  while (mpi_ops_active() > 0 && Clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return mpi_ops_active();
+}
+
+void Runtime::note_failed_op(const std::string& error) {
+  std::lock_guard<std::mutex> lock(failed_mu_);
+  for (auto& [text, count] : failed_ops_) {
+    if (text == error) {
+      ++count;
+      return;
+    }
+  }
+  if (failed_ops_.size() >= kMaxFailedOps) {
+    ++failed_ops_dropped_;
+    return;
+  }
+  failed_ops_.emplace_back(error, 1);
+}
+
+std::vector<std::string> Runtime::take_failed_ops() {
+  std::lock_guard<std::mutex> lock(failed_mu_);
+  std::vector<std::string> lines;
+  for (const auto& [text, count] : failed_ops_) {
+    lines.push_back(count == 1 ? text : text + " (" + std::to_string(count) + " times)");
+  }
+  if (failed_ops_dropped_ > 0) {
+    lines.push_back(std::to_string(failed_ops_dropped_) + " other distinct error(s) not kept");
+  }
+  failed_ops_.clear();
+  failed_ops_dropped_ = 0;
+  return lines;
+}
+
 }  // namespace jcm

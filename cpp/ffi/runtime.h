@@ -9,8 +9,9 @@
 #include <memory>
 #include <mutex>
 #include <set>
-#include <thread>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "common/config.h"
@@ -25,6 +26,7 @@ namespace jcm {
 //   progress_mu_  progress_wanted_, progress_stop_, progress_thread_ (start and join);
 //                 progress_cv_ waits on it.
 //   Order: progress_mu_ before mu_ (ProgressLoop calls mpi() holding progress_mu_).
+//   failed_mu_    failed_ops_, failed_ops_dropped_ (never held with another).
 //   mailbox_ and kept_sends_ lock themselves.
 class Runtime {
  public:
@@ -70,6 +72,29 @@ class Runtime {
   std::vector<int> unreachable_peers() const;
   static constexpr double kSuspectExitWaitS = 2.0;
 
+  // psend/precv handlers of this process that use the MPI transport now. At exit the
+  // transport is kept until they are done (see close()).
+  class MpiOpScope {
+   public:
+    MpiOpScope() { Get().mpi_ops_active_.fetch_add(1, std::memory_order_acq_rel); }
+    ~MpiOpScope() { Get().mpi_ops_active_.fetch_sub(1, std::memory_order_acq_rel); }
+    MpiOpScope(const MpiOpScope&) = delete;
+    MpiOpScope& operator=(const MpiOpScope&) = delete;
+  };
+  int mpi_ops_active() const { return mpi_ops_active_.load(std::memory_order_acquire); }
+  // At exit, once every op had its grace: ends every wait for a peer (Closing()) and waits
+  // up to `wait_s` for the ops still running to return; returns how many are still running.
+  int close(double wait_s);
+
+  // A message refused (size or dtype mismatch) or lost (timed out, failed, ended at exit):
+  // the error text, kept for the report at exit (an error JAX drops with an output that
+  // nobody reads is seen there). The same text is counted, not kept twice.
+  void note_failed_op(const std::string& error);
+  // "error (N times)" lines, oldest first, and how many distinct errors were dropped beyond
+  // kMaxFailedOps; clears the list.
+  std::vector<std::string> take_failed_ops();
+  static constexpr size_t kMaxFailedOps = 20;
+
   // Hostname of each MPI rank (set when MPI is attached), for error messages.
   void set_rank_hosts(std::vector<std::string> hosts);
   std::string host_of_rank(int rank) const;
@@ -91,6 +116,11 @@ class Runtime {
   std::thread progress_thread_;
   bool exit_barrier_met_ = false;
   std::vector<std::string> rank_hosts_;
+  std::atomic<int> mpi_ops_active_{0};
+  // Under failed_mu_: distinct error texts with their counts, in order of first sight.
+  std::mutex failed_mu_;
+  std::vector<std::pair<std::string, uint64_t>> failed_ops_;
+  uint64_t failed_ops_dropped_ = 0;
 };
 
 }  // namespace jcm

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "common/config.h"
 #include "common/trace.h"
 
 namespace jcm {
@@ -55,7 +56,10 @@ Mailbox::PostState Mailbox::Await(Channel& ch, std::unique_lock<std::mutex>& loc
   if (deadline == Clock::time_point::max()) {
     ch.cv.wait(lock, satisfied);
   } else {
-    ch.cv.wait_until(lock, deadline, satisfied);
+    // In slices, so that a wait also ends once the process closes at exit (Closing()).
+    while (!satisfied() && !Expired(deadline)) {
+      ch.cv.wait_until(lock, std::min(deadline, Clock::now() + kClosingCheck), satisfied);
+    }
   }
   return state.load(std::memory_order_relaxed);
 }

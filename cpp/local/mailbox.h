@@ -114,6 +114,8 @@ class Mailbox {
   // only delays the copy it waits for (benchmarks/README.md has the measurements).
   static constexpr std::chrono::microseconds kSpin{5};
   static constexpr std::chrono::microseconds kYield{200};
+  // How often a sleeping receiver looks whether the process closed at exit.
+  static constexpr std::chrono::milliseconds kClosingCheck{50};
   struct PostedRecv {
     void* out = nullptr;
     size_t bytes = 0;

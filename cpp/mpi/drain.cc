@@ -29,7 +29,7 @@ MpiTransport::DrainResult MpiTransport::Drain(std::chrono::steady_clock::time_po
   // requests themselves are never waited on.
   const auto half_way =
       start + std::max(deadline - start, std::chrono::steady_clock::duration::zero()) / 2;
-  const auto join_anyway = broken() ? start : half_way;
+  const auto join_anyway = broken() || Closing() ? start : half_way;
   while (true) {
     {
       std::lock_guard<std::mutex> lock(mu_);

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <thread>
 
+#include "common/config.h"
 #include "common/trace.h"
 
 namespace jcm {

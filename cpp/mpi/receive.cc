@@ -50,7 +50,7 @@ Status MpiTransport::WaitAll(std::span<MPI_Request> requests,
       if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Testall", rc);
     }
     if (done) return Status::Ok();
-    if ((++polls & 63) == 0 && std::chrono::steady_clock::now() > deadline) {
+    if ((++polls & 63) == 0 && Expired(deadline)) {
       // Never leave a receive pointing into a buffer that XLA will reuse, unless MPI
       // cannot cancel it (then the transport is broken, see Abandon).
       size_t cancelled = 0;
@@ -191,7 +191,7 @@ Status MpiTransport::RecvStaged(int source_rank, int tag, void* out, size_t byte
         std::lock_guard<std::mutex> lock(mu_);
         if (Status s = ProgressLocked(); !s.ok()) return s;
       }
-      if (std::chrono::steady_clock::now() > deadline) return Status::Timeout();
+      if (Expired(deadline)) return Status::Timeout();
     }
     backoff.Pause();
   }

@@ -113,7 +113,7 @@ Status MpiTransport::FinishDirect(const std::shared_ptr<DirectSend>& send,
       if (!MpiIsUsable()) return Status::Invalid(kMpiNotUsable);
       if (Status s = ProgressLocked(); !s.ok()) return s;
       if (send->done) return send->failed;
-      if ((++polls & 63) == 0 && std::chrono::steady_clock::now() > deadline) {
+      if ((++polls & 63) == 0 && Expired(deadline)) {
         // Ours alone from here: the progress of other threads no longer tests it.
         direct_in_flight_.erase(
             std::remove(direct_in_flight_.begin(), direct_in_flight_.end(), send),
@@ -391,7 +391,7 @@ Status MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out
         std::lock_guard<std::mutex> lock(mu_);
         if (Status s = ProgressLocked(); !s.ok()) return s;
       }
-      timed_out = std::chrono::steady_clock::now() > deadline;
+      timed_out = Expired(deadline);
     }
     if (staged || timed_out) {
       // Either this message went staged (the sender did not see us in time; its direct

@@ -92,7 +92,7 @@ Status MpiTransport::ReserveInflight(size_t bytes, uint64_t max_inflight_bytes,
   // Bound the memory of undelivered sends: wait for older ones to complete first.
   Backoff backoff;
   while (!pending_.empty() && inflight_bytes_ + bytes > max_inflight_bytes) {
-    if (std::chrono::steady_clock::now() > deadline) {
+    if (Expired(deadline)) {
       return Status::SendTimeout(
           "gave up waiting for earlier sends to be received: " +
           std::to_string(inflight_bytes_) + " bytes in " + std::to_string(pending_.size()) +

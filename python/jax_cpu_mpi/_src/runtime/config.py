@@ -44,6 +44,9 @@ class Config:
     max_inflight_bytes: int = 1 << 30
     #: Seconds to wait at interpreter exit for undelivered MPI sends.
     exit_timeout: float = 60.0
+    #: Seconds, once every rank is at exit, that psend/precv still running get to finish
+    #: before they end with an error.
+    exit_grace: float = 1.0
     #: Reject, when a program is lowered, the psend/precv patterns XLA GPU rejects.
     gpu_parity: bool = True
     #: In an MPI job, abort the job on an uncaught Python exception.
@@ -59,6 +62,8 @@ class Config:
             raise ValueError(f"max_inflight_bytes must be > 0, got {self.max_inflight_bytes}")
         if not self.exit_timeout >= 0:
             raise ValueError(f"exit_timeout must be >= 0 seconds, got {self.exit_timeout}")
+        if not self.exit_grace >= 0:
+            raise ValueError(f"exit_grace must be >= 0 seconds, got {self.exit_grace}")
 
 
 class ConfigError(ValueError):
@@ -189,6 +194,12 @@ VARIABLES: tuple[Variable, ...] = (
              "seconds the process waits at exit for undelivered MPI sends and the other "
              "ranks, before MPI finalizes (at most 2 s once a peer failed to answer)",
              "exit_timeout", _seconds(positive=False, example="60")),
+    Variable("JAX_CPU_MPI_EXIT_GRACE", "runtime", "1",
+             "seconds, at exit, once the outputs of every rank's live arrays are ready, that "
+             "a psend/precv still running (of a program whose outputs were dropped) gets "
+             "to finish; then it ends with an error, reported on stderr, and the process "
+             "exits with the status its program asked for",
+             "exit_grace", _seconds(positive=False, example="1")),
     Variable("JAX_CPU_MPI_ABORT_ON_ERROR", "runtime", "1",
              "in an MPI job (once MPI is attached), an uncaught exception, or an exit after a "
              "peer stopped answering, aborts the whole launch (`MPI_Abort`) instead of "

@@ -27,6 +27,7 @@ import os
 import socket
 import sys
 import threading
+import time
 
 import jax
 
@@ -130,8 +131,12 @@ def ensure_attached(op_name: str, num_processes_in_mesh: int) -> None:
                        node_ranks=sum(host == my_host for _, host in process_and_host),
                        wait=config.BY_NAME["JAX_CPU_MPI_WAIT"].read() or "auto")
         ext.set_rank_hosts([host for _, host in process_and_host])
+        # A communicator of its own for the exit's "my programs are done" messages.
+        global _exit_comm
+        _exit_comm = world.Dup()
         # Registered after mpi4py's own finalization hook, so it runs before MPI_Finalize.
         atexit.register(_detach_at_exit)
+        _close_at_distributed_shutdown()
         ext.register_exit_before_finalize()  # after mpi4py's, so it runs just before it
         _record_exit_status_requests()
         if config.current().abort_on_error:
@@ -164,7 +169,12 @@ def _abort_job_on_uncaught_exception(MPI) -> None:
 
 
 def _detach_at_exit() -> None:
+    global _detached
+    if _detached:
+        return
+    _detached = True
     exit_timeout = config.current().exit_timeout
+    _finish_programs_and_close()
     report = ext.detach_mpi(exit_timeout)
     if report:
         print(f"jax_cpu_mpi: at exit, {report} within JAX_CPU_MPI_EXIT_TIMEOUT="
@@ -175,6 +185,136 @@ def _detach_at_exit() -> None:
     # may still complete those receives into buffers XLA has reused, or wait for them.
     if unreachable and (ext.job_broken() or not ext.exit_barrier_met()):
         _leave_broken_job(unreachable)
+
+
+#: Whether _detach_at_exit ran (at jax.distributed.shutdown() or at exit: once).
+_detached = False
+
+#: A duplicate of MPI_COMM_WORLD made at attach, for the exit's "done" messages.
+_exit_comm = None
+
+#: How long a peer that failed to answer is waited for at exit (as the C++ drain does).
+_SUSPECT_EXIT_WAIT_S = 2.0
+#: How long the ops ended at exit get to return (a receive that had matched gets a second
+#: to complete or be cancelled).
+_CLOSE_WAIT_S = 3.0
+
+
+def _unready(arrays: list) -> list:
+    """The arrays of ``arrays`` whose computation has not finished (errors count as done)."""
+    left = []
+    for a in arrays:
+        try:
+            if not a.is_ready():
+                left.append(a)
+        except Exception:  # deleted, or failed: nothing to wait for
+            pass
+    return left
+
+
+def _finish_programs_and_close() -> None:
+    """Let the programs of every rank finish, then end every psend/precv still waiting.
+
+    Why an op could still wait at exit: JAX dispatches a program asynchronously, so a
+    program whose outputs nobody waited for (the program read only their ``.shape``) may
+    not even have started when the interpreter exits. The exit barrier then met the other
+    ranks, the transport was detached, the psend that ran afterwards failed silently, and
+    its peer's precv waited its whole ``JAX_CPU_MPI_RECV_TIMEOUT`` in the interpreter's
+    finalization (the CPU client joins its device threads there).
+
+    So every rank, serving its peers all along, waits until the outputs of its live arrays
+    are ready, then tells every other rank so (a message on a communicator of our own).
+    Once it is done and has heard the same from every other rank, no peer will send for a
+    program anyone kept: a psend/precv still running (of a program whose outputs were
+    dropped) gets ``JAX_CPU_MPI_EXIT_GRACE`` seconds more, then every wait ends with an
+    error (reported at exit, :func:`_report_failed_ops`). At most
+    ``JAX_CPU_MPI_EXIT_TIMEOUT`` seconds in all, at most a few once a peer failed to answer.
+    """
+    cfg = config.current()
+    start = time.monotonic()
+    limit = cfg.exit_timeout
+    if ext.unreachable_peers():
+        limit = min(limit, _SUSPECT_EXIT_WAIT_S)
+    comm = _exit_comm
+    me = comm.Get_rank() if comm is not None else 0
+    peers = [r for r in range(comm.Get_size()) if r != me] if comm is not None else []
+    heard = {p: comm.irecv(source=p, tag=_DONE_TAG) for p in peers}
+    told: list = []
+    try:
+        pending = _unready(list(jax.live_arrays()))
+    except Exception:  # no backend left: nothing of ours can run
+        pending = []
+    all_done_at = None
+    while True:
+        pending = _unready(pending)
+        if not pending and not told and comm is not None:
+            told = [comm.isend(None, dest=p, tag=_DONE_TAG) for p in peers]
+        for p in [p for p, req in heard.items() if req.Test()]:
+            del heard[p]
+        now = time.monotonic()
+        if all_done_at is None and not pending and not heard:
+            all_done_at = now
+        if all_done_at is not None and (ext.mpi_ops_active() == 0
+                                        or now - all_done_at >= cfg.exit_grace):
+            break
+        if now - start >= limit:
+            break
+        time.sleep(0.001 if now - start < 0.1 else 0.01)
+    ext.close(_CLOSE_WAIT_S)
+    if comm is not None and not heard and all(req.Test() for req in told):
+        comm.Free()
+
+
+#: The tag of the "my programs are done" message of the exit (on _exit_comm).
+_DONE_TAG = 1
+
+
+def _close_at_distributed_shutdown() -> None:
+    """Make ``jax.distributed.shutdown()`` end our MPI traffic first, as the exit does:
+    after it no rank runs programs across processes, and its barrier must not wait for a
+    psend/precv still running."""
+    import functools
+
+    import jax.distributed
+
+    def closing_first(original):
+        @functools.wraps(original)
+        def shutdown(*args, **kwargs):
+            try:
+                _detach_at_exit()
+                # The process may go on with programs on its own devices: their waits
+                # must not end at once as at exit.
+                ext.reopen()
+            except Exception as e:  # never keep JAX's shutdown from running
+                print(f"jax_cpu_mpi: closing MPI before jax.distributed.shutdown() failed: "
+                      f"{e}", file=sys.stderr)
+            return original(*args, **kwargs)
+
+        return shutdown
+
+    compat.wrap_once(jax.distributed, "shutdown", "_jax_cpu_mpi_closes_first", closing_first)
+
+
+def _report_failed_ops() -> None:
+    """Say once, at exit, which psend/precv failed (refused for its size or dtype, timed
+    out, ended at exit): JAX drops the error of an output nobody reads. The exit status
+    stays the program's (on GPU the same program exits 0)."""
+    try:
+        failed = ext.take_failed_ops()
+    except Exception:  # the extension is gone: nothing to say
+        return
+    if not failed:
+        return
+    where = f"process {jax.process_index()}" if _detached else "this process"
+    lines = "\n".join(f"  - {text}" for text in failed)
+    print(f"jax_cpu_mpi: at exit, {where} had {len(failed)} failed psend/precv (refused or "
+          "lost messages; an error in an output the program never read is reported nowhere "
+          f"else):\n{lines}", file=sys.stderr, flush=True)
+
+
+# Registered at import, before the exit handler that detaches MPI, so it runs after it
+# (atexit runs handlers in reverse order) and sees the ops that the exit ended.
+atexit.register(_report_failed_ops)
 
 
 def _leave_broken_job(unreachable: list[int]) -> None:
