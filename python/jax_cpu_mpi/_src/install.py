@@ -11,6 +11,7 @@ from jax_cpu_mpi._src import compat
 from jax_cpu_mpi._src.batching import rules as batching
 from jax_cpu_mpi._src.dispatch import fast_path
 from jax_cpu_mpi._src.lowering import barrier_tokens
+from jax_cpu_mpi._src.lowering import collectives as collective_lowering
 from jax_cpu_mpi._src.lowering import rules as lowering
 from jax_cpu_mpi._src.passes import hook
 from jax_cpu_mpi._src.runtime import config, launchers
@@ -45,6 +46,7 @@ def install() -> None:
     except config.ConfigError:
         pass  # reported with the other bad values by the first lowering (config.current())
     compat.enable("lowerings", lowering.register)
+    compat.enable("collectives", collective_lowering.register)
     # The three module passes share one lowering hook (passes/hook.py runs them in order).
     compat.enable("gpu_parity", hook.install)
     compat.enable("kept_operands", hook.install)
