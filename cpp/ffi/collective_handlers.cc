@@ -167,9 +167,12 @@ ffi::Error Lead(const std::vector<const void*>& in, const std::vector<void*>& ou
   return ffi::Error::Success();
 }
 
+// `after`: the previous collective's result in the same block of the program (unread: it
+// only orders this call after that one, the same way on every process).
 ffi::Error AllReduce(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
-                     ffi::Result<ffi::AnyBuffer> out, I64Span groups, int64_t group_size,
-                     I64Span device_index, I64Span device_process, std::string_view reduction,
+                     ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> out,
+                     I64Span groups, int64_t group_size, I64Span device_index,
+                     I64Span device_process, int64_t site, std::string_view reduction,
                      std::string_view op, std::string_view operand) {
   const int64_t me = static_cast<int64_t>(partition.typed_data()[0]);
   const int64_t n = static_cast<int64_t>(device_index.size());
@@ -189,7 +192,11 @@ ffi::Error AllReduce(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
   }
   const size_t count = x.element_count();
   Group g;
-  if (!FindGroup(groups, group_size, device_index, device_process, me, &g) ||
+  const bool found = FindGroup(groups, group_size, device_index, device_process, me, &g);
+  // Each call site of a program has its own communicator and local round: collectives
+  // that XLA runs in another order on another device or process never meet.
+  g.key += "#" + std::to_string(site);
+  if (!found ||
       (g.local.size() == 1 && g.processes.size() == 1)) {
     if (out->untyped_data() != x.untyped_data()) std::memcpy(out->untyped_data(), x.untyped_data(), bytes);
     return ffi::Error::Success();
@@ -252,11 +259,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JcmAllReduce, jcm::AllReduce,
                               xla::ffi::Ffi::Bind()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .RemainingArgs()
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Attr<jcm::I64Span>("groups")
                                   .Attr<int64_t>("group_size")
                                   .Attr<jcm::I64Span>("device_index")
                                   .Attr<jcm::I64Span>("device_process")
+                                  .Attr<int64_t>("site")
                                   .Attr<std::string_view>("reduction")
                                   .Attr<std::string_view>("op")
                                   .Attr<std::string_view>("operand"));

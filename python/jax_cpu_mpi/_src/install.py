@@ -25,6 +25,11 @@ def _fast_dispatch() -> None:
     hook.install()  # the device-thread hint is the hook's last pass
 
 
+def _collectives() -> None:
+    collective_lowering.register()
+    hook.install()
+
+
 def install() -> None:
     """Register the CPU lowerings (done on import; calling again is harmless).
 
@@ -46,10 +51,11 @@ def install() -> None:
     except config.ConfigError:
         pass  # reported with the other bad values by the first lowering (config.current())
     compat.enable("lowerings", lowering.register)
-    compat.enable("collectives", collective_lowering.register)
     # The three module passes share one lowering hook (passes/hook.py runs them in order).
     compat.enable("gpu_parity", hook.install)
     compat.enable("kept_operands", hook.install)
+    # After the lowerings (it requires them); its ordering pass is one of the hook's.
+    compat.enable("collectives", _collectives)
     compat.enable("barrier_tokens", barrier_tokens.install)
     compat.enable("fast_dispatch", _fast_dispatch)
     batching.install()

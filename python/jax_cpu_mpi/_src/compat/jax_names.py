@@ -488,3 +488,7 @@ psum_invariant_p = COLLECTIVES.need("jax._src.lax.parallel:psum_invariant_p",
 default_lowerings = COLLECTIVES.need("jax._src.interpreters.mlir:_lowerings",
                                      check=is_instance_of("builtins:dict"))
 _need_all([COLLECTIVES], "jax._src.sharding_impls:SPMDAxisContext", check=is_type)
+# The ordering pass (passes/ordered_collectives.py) runs in the lowering hook.
+_need_all([COLLECTIVES], "jax._src.interpreters.mlir:lower_jaxpr_to_module",
+          check=has_params("module_name", "jaxpr", "platforms"))
+_need_all([COLLECTIVES], "jax._src.lib.mlir:ir", check=is_module)

@@ -121,6 +121,15 @@ def _plan(ctx: Any, name: str, axes: tuple, axis_index_groups: Any) -> Any:
     return groups, tables
 
 
+#: Call sites share a communicator (and a local round) when their numbers agree modulo
+#: this: a few communicators per group, however many collectives a program has. The
+#: ordering pass numbers a program's calls (``site``), 0 until then.
+SITES = 16
+#: Collectives lowered over MPI that the ordering pass has not seen yet
+#: (passes/ordered_collectives.py runs only when this is non-zero).
+pending_for_pass = 0
+
+
 def _describe(aval: ShapedArray) -> str:
     return f"{aval.dtype.name}[{','.join(map(str, aval.shape))}]"
 
@@ -139,16 +148,18 @@ def _make_rule(prim: Any) -> Any:
             return jax_rule(ctx, arg, **params)
         _decisions[(prim.name, dtype, "mpi")] += 1
         groups, tables = plan
+        global pending_for_pass
+        pending_for_pass += 1
         u32 = ShapedArray((), np.uint32)
         sub_ctx = ctx.replace(avals_in=[*ctx.avals_in, u32])
         padded = _padded(groups)
         call = jax.ffi.ffi_lowering(ALL_REDUCE_TARGET, has_side_effect=True)
         op = f"{prim.name}(axes={tuple(axes)!r})"
         return call(sub_ctx, arg, hlo.partition_id(),
-                    groups=padded.reshape(-1), group_size=np.int64(padded.shape[1]),
-                    device_index=tables.device_index, device_process=tables.device_process,
-                    reduction=_REDUCTIONS[prim.name], op=op,
-                    operand=_describe(ctx.avals_in[0]))
+                       groups=padded.reshape(-1), group_size=np.int64(padded.shape[1]),
+                       device_index=tables.device_index, device_process=tables.device_process,
+                       site=np.int64(0), reduction=_REDUCTIONS[prim.name], op=op,
+                       operand=_describe(ctx.avals_in[0]))
 
     rule.__name__ = f"_{prim.name}_lowering_cpu_mpi"
     return rule
