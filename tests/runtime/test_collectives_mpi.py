@@ -19,3 +19,10 @@ def test_collectives_over_mpi_equal_gloo_and_numpy(devices_per_process):
     lines = [line for lines in run.by_rank().values() for line in lines]
     assert not any(line.startswith("FAIL") for line in lines), run.report()
     assert sum(line.startswith("ok ") for line in lines) >= 2 * 100, run.report()
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_that_never_joins_fails_within_the_timeout():
+    run = run_mpi("collectives_fault.py", nprocs=2, timeout=100,
+                  env={"JAX_CPU_MPI_RECV_TIMEOUT": "3", "JAX_CPU_MPI_ABORT_ON_ERROR": "0"})
+    assert "raised as expected" in run.rank_output.get(0, ""), run.report()
