@@ -117,7 +117,9 @@ ffi::Error Lead(const std::vector<const void*>& in, const std::vector<void*>& ou
                 ffi::DataType type, Reduction reduction, size_t count, size_t bytes,
                 const Group& g, int64_t me, std::string_view op, std::string_view operand) {
   void* acc = out[0];
-  if (acc != in[0]) std::memcpy(acc, in[0], bytes);
+  // One device here: MPI reads the operand itself (no copy into the output first).
+  const bool mpi_reads_operand = in.size() == 1 && g.processes.size() > 1 && acc != in[0];
+  if (acc != in[0] && !mpi_reads_operand) std::memcpy(acc, in[0], bytes);
   for (size_t i = 1; i < in.size(); ++i) {
     if (!ReduceInto(type, reduction, acc, in[i], count)) {
       return ffi::Error::InvalidArgument(std::string(op) + ": no in-process reduction for " +
@@ -142,8 +144,9 @@ ffi::Error Lead(const std::vector<const void*>& in, const std::vector<void*>& ou
     std::vector<int> ranks;
     for (int64_t p : g.processes) ranks.push_back(state.mpi->RankOfProcess(p));
     std::sort(ranks.begin(), ranks.end());
-    Status s = state.mpi->Allreduce(g.key, ranks, acc, static_cast<int64_t>(count), mpi_type,
-                                    mpi_op, DeadlineAfter(state.config.recv_timeout_s));
+    Status s = state.mpi->Allreduce(g.key, ranks, mpi_reads_operand ? in[0] : nullptr, acc,
+                                    static_cast<int64_t>(count), mpi_type, mpi_op,
+                                    DeadlineAfter(state.config.recv_timeout_s));
     if (!s.ok()) {
       std::ostringstream m;
       m << op << " of " << operand << " on partition " << me << " (process "

@@ -47,7 +47,7 @@ Status MpiTransport::GroupComm(const std::string& key, const std::vector<int>& r
 }
 
 Status MpiTransport::Allreduce(const std::string& key, const std::vector<int>& ranks,
-                               void* buf, int64_t count, MPI_Datatype type, MPI_Op op,
+                               const void* send, void* buf, int64_t count, MPI_Datatype type, MPI_Op op,
                                std::chrono::steady_clock::time_point deadline) {
   if (!MpiIsUsable()) return Status::Invalid(kMpiNotUsable);
   if (count == 0) return Status::Ok();  // the same shape on every rank: none calls MPI
@@ -60,13 +60,14 @@ Status MpiTransport::Allreduce(const std::string& key, const std::vector<int>& r
   // MPI counts are ints: more elements go as several reductions of at most kMaxCount.
   constexpr int64_t kMaxCount = int64_t{1} << 30;
   auto* bytes = static_cast<std::byte*>(buf);
+  const auto* send_bytes = static_cast<const std::byte*>(send);
   for (int64_t done = 0; done < count;) {
     const int n = static_cast<int>(std::min(count - done, kMaxCount));
     MPI_Request request = MPI_REQUEST_NULL;
     {
       std::unique_lock<std::mutex> lock = MpiCallLock();
-      int rc = MPI_Iallreduce(MPI_IN_PLACE, bytes + done * type_size, n, type, op, comm,
-                              &request);
+      const void* from = send_bytes ? send_bytes + done * type_size : MPI_IN_PLACE;
+      int rc = MPI_Iallreduce(from, bytes + done * type_size, n, type, op, comm, &request);
       if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Iallreduce", rc);
     }
     Backoff backoff;

@@ -175,8 +175,9 @@ class MpiTransport {
   // communicator is split off at first use (MPI_Comm_create_group: collective over the
   // group only). Nonblocking and polled: at the deadline the request is abandoned (MPI
   // cannot cancel a collective; the transport is then broken) and a kTimeout returned.
-  Status Allreduce(const std::string& key, const std::vector<int>& ranks, void* buf,
-                   int64_t count, MPI_Datatype type, MPI_Op op,
+  // `send`: the operand when it is not `buf` (nullptr: in place, the operand in `buf`).
+  Status Allreduce(const std::string& key, const std::vector<int>& ranks, const void* send,
+                   void* buf, int64_t count, MPI_Datatype type, MPI_Op op,
                    std::chrono::steady_clock::time_point deadline);
 
  private:
