@@ -204,6 +204,40 @@ if n == 4:
         check(f"2-D psum over {axes} vs numpy", got[None], want.astype(np.int32), True)
         check(f"2-D psum over {axes} vs gloo", got[None], ref, True)
 
+# ---- ppermute between processes: precv(psend(x)) over MPI, against gloo, 8 B to 1 MiB
+
+
+def permuted(setting: str) -> dict:
+    config.configure(collectives=setting)
+    out = {}
+    for name, perm in (("ring", [(i, (i + 1) % n) for i in range(n)]),
+                       ("reverse pair", [(n - 1, 0)])):
+        for shape in ((2,), (1 << 18,)):
+            v = values("int32", shape, 5)
+            f = jax.jit(jax.shard_map(
+                functools.partial(jax.lax.ppermute, axis_name="x", perm=perm), mesh=mesh,
+                in_specs=P("x"), out_specs=P("x")))
+            out[f"ppermute {name} int32{list(shape)}"] = (
+                common.gather(f(common.global_array(mesh, P("x"), v))), v, perm)
+    return out
+
+
+p_mpi, p_gloo = permuted("mpi"), permuted("gloo")
+for k, (got, v, perm) in p_mpi.items():
+    want = np.zeros_like(v)
+    for src, dst in perm:
+        want[dst] = v[src]
+    try:
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(got, p_gloo[k][0])
+        print(f"ok   mpi  {k} vs numpy and gloo", flush=True)
+    except AssertionError as e:
+        failures.append(k)
+        print(f"FAIL {k}: {e}", flush=True)
+if not any(p == "ppermute" and how == "mpi" for (p, _, how) in lowering.decisions()):
+    failures.append("ppermute never went over MPI")
+    print("FAIL ppermute never went over MPI", flush=True)
+
 if failures:
     raise SystemExit(f"{len(failures)} failures: {failures}")
 common.ok()

@@ -282,7 +282,7 @@ def format_process(report: Report) -> str:
     if col:
         over = "MPI" if col["resolved"] == "mpi" and col["active"] else "gloo (JAX's path)"
         lines.append(f"collectives:   JAX_CPU_MPI_COLLECTIVES={col['setting']}: psum/pmean/"
-                     f"pmax/pmin between processes run over {over}")
+                     f"pmax/pmin/ppermute between processes run over {over}")
         if col["resolved"] == "mpi":
             lines.append("  still on gloo: " + "; ".join(
                 f"{f['what']} ({f['why']})" for f in col["fallbacks"]))

@@ -484,6 +484,9 @@ pmin_p = COLLECTIVES.need("jax._src.lax.parallel:pmin_p", check=is_primitive)
 #: psum under shard_map's check_vma binds this one (a variant -> invariant psum).
 psum_invariant_p = COLLECTIVES.need("jax._src.lax.parallel:psum_invariant_p",
                                     check=is_primitive)
+#: ppermute between processes goes as precv(psend(x)) (lowering/collectives.py).
+ppermute_p = COLLECTIVES.need("jax._src.lax.parallel:ppermute_p", check=is_primitive)
+_need_all([COLLECTIVES], "jax._src.core:abstract_token")
 #: JAX's platform-independent lowering rules: ours fall back to them (gloo on CPU).
 default_lowerings = COLLECTIVES.need("jax._src.interpreters.mlir:_lowerings",
                                      check=is_instance_of("builtins:dict"))

@@ -1,5 +1,6 @@
 """CPU lowerings of ``psum`` / ``pmax`` / ``pmin`` (and so ``pmean``) between processes over
-MPI (docs: "Collectives over MPI").
+MPI, and of ``ppermute`` between processes as our ``precv(psend(x))`` (docs: "Collectives
+over MPI").
 
 Each rule decides, when a program is lowered, between two lowerings:
 
@@ -29,7 +30,9 @@ import numpy as np
 
 from jax_cpu_mpi._src import compat
 from jax_cpu_mpi._src.compat import ShapedArray, SPMDAxisContext, hlo, register_lowering
+from jax_cpu_mpi._src.ffi.custom_calls import PRECV_TARGET, PSEND_TARGET
 from jax_cpu_mpi._src.ffi.registration import register_targets
+from jax_cpu_mpi._src.lowering import rules as p2p_rules
 from jax_cpu_mpi._src.lowering.topology import partition_tables
 from jax_cpu_mpi._src.runtime import config
 from jax_cpu_mpi._src.runtime import mpi as mpi_runtime
@@ -165,6 +168,45 @@ def _make_rule(prim: Any) -> Any:
     return rule
 
 
+def _ppermute_rule(ctx: Any, x: Any, *, axis_name: Any, perm: Any, **rest: Any) -> Any:
+    """ppermute between processes as our psend then precv (over MPI, ordered by the token);
+    JAX's lowering otherwise."""
+    jax_rule = compat.default_lowerings[compat.ppermute_p].rule
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    dtype = np.dtype(ctx.avals_in[0].dtype).name
+    why = _ppermute_plan(ctx, names, rest)
+    if why is not None:
+        _decisions[("ppermute", dtype, f"gloo: {why}")] += 1
+        return jax_rule(ctx, x, axis_name=axis_name, perm=perm, **rest)
+    _decisions[("ppermute", dtype, "mpi")] += 1
+    token = compat.abstract_token
+    sent = p2p_rules._emit(ctx.replace(avals_out=[token]), PSEND_TARGET, "psend", x,
+                           axis_name=names, perm=perm, data_aval=ctx.avals_in[0])
+    return p2p_rules._emit(ctx.replace(avals_in=[token]), PRECV_TARGET, "precv", sent[0],
+                           axis_name=names, perm=perm, data_aval=ctx.avals_out[0])
+
+
+def _ppermute_plan(ctx: Any, names: tuple, rest: dict) -> str | None:
+    """None to go over psend/precv, else why JAX's lowering stays."""
+    if resolved_setting() == "gloo":
+        return "JAX_CPU_MPI_COLLECTIVES selects gloo"
+    if rest.get("is_async"):
+        return "asynchronous ppermute"
+    axis_context = ctx.module_context.axis_context
+    if not isinstance(axis_context, SPMDAxisContext):
+        return "not in an SPMD (shard_map) context"
+    try:
+        tables = partition_tables(axis_context, "ppermute")
+    except (ValueError, NotImplementedError):
+        return "abstract mesh only"
+    if not tables.spans_processes:
+        return "inside one process"
+    groups = compat.replica_groups(axis_context, names, None)
+    if not any(np.unique(tables.device_process[list(g)]).size > 1 for g in groups if g):
+        return "inside one process"
+    return None
+
+
 _rules: dict[Any, Any] = {}
 
 
@@ -175,3 +217,4 @@ def register() -> None:
         if prim not in _rules:
             _rules[prim] = _make_rule(prim)
         register_lowering(prim, _rules[prim], platform="cpu")
+    register_lowering(compat.ppermute_p, _ppermute_rule, platform="cpu")

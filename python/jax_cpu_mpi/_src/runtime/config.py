@@ -219,7 +219,7 @@ VARIABLES: tuple[Variable, ...] = (
              "device-thread hint; chosen when a program is lowered and compiled",
              "fast_dispatch", _boolean("C++ dispatch", "JAX's Python dispatch")),
     Variable("JAX_CPU_MPI_COLLECTIVES", "runtime", "auto",
-             "how `psum`/`pmean`/`pmax`/`pmin` between processes run: `mpi` (one MPI "
+             "how `psum`/`pmean`/`pmax`/`pmin`/`ppermute` between processes run: `mpi` (one MPI "
              "collective per process, its devices reduced in process: docs \"Collectives "
              "over MPI\"), `gloo` (JAX's own path, untouched), `auto`: `mpi` in a job an MPI "
              "launcher started, `gloo` elsewhere; chosen when a program is lowered",
