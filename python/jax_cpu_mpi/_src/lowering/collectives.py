@@ -91,6 +91,18 @@ def _thread_multiple() -> bool:
     return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
 
 
+def _attach(name: str, tables: Any) -> str | None:
+    """Attach MPI (collective over the ranks, once). Under ``auto`` a job MPI cannot serve
+    (its ranks are not JAX's processes) keeps gloo, as it ran before; ``mpi`` raises."""
+    try:
+        mpi_runtime.ensure_attached(name, int(np.unique(tables.device_process).size))
+    except mpi_runtime.MpiSetupError:
+        if config.current().collectives == "mpi":
+            raise
+        return "MPI cannot serve this job (see JAX_CPU_MPI_COLLECTIVES=mpi for why)"
+    return None
+
+
 def _padded(groups: list[list[int]]) -> np.ndarray:
     rows = list(itertools.zip_longest(*groups, fillvalue=-1))
     return np.asarray(rows, dtype=np.int64).T.copy() if rows else np.zeros((0, 0), np.int64)
@@ -118,7 +130,8 @@ def _plan(ctx: Any, name: str, axes: tuple, axis_index_groups: Any) -> Any:
     spans = any(np.unique(tables.device_process[list(g)]).size > 1 for g in groups if g)
     if not spans:
         return "inside one process"
-    mpi_runtime.ensure_attached(name, int(np.unique(tables.device_process).size))
+    if (why := _attach(name, tables)) is not None:
+        return why
     if not _thread_multiple():
         return "MPI without MPI_THREAD_MULTIPLE"
     return groups, tables
@@ -204,7 +217,7 @@ def _ppermute_plan(ctx: Any, names: tuple, rest: dict) -> str | None:
     groups = compat.replica_groups(axis_context, names, None)
     if not any(np.unique(tables.device_process[list(g)]).size > 1 for g in groups if g):
         return "inside one process"
-    return None
+    return _attach("ppermute", tables)
 
 
 _rules: dict[Any, Any] = {}
