@@ -24,6 +24,7 @@
 
 #include "common/config.h"
 #include "common/immortal.h"
+#include "common/trace.h"
 #include "ffi/runtime.h"
 #include "local/reduce.h"
 #include "xla/ffi/api/ffi.h"
@@ -219,6 +220,8 @@ ffi::Error AllReduce(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
   if (++slot.arrived < static_cast<int>(g.local.size())) {
     // Wait for the other local devices until the deadline; once the leader has started,
     // for as long as it takes (its MPI wait has a deadline of its own).
+    trace::WaitTimer waited;  // the timeline's wait: until the leader has finished
+    waited.Waiting();
     const bool met = slot.cv.wait_until(lock, DeadlineAfter(timeout_s), [&] {
       return slot.generation != generation || slot.leading;
     });
@@ -255,10 +258,46 @@ ffi::Error AllReduce(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
   return result;
 }
 
+// The registered handler: with the timeline off (the usual case) one predictable branch;
+// on, one slice per device and collective, with its bytes and its wait.
+ffi::Error AllReduceImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
+                         ffi::RemainingArgs after, ffi::Result<ffi::AnyBuffer> out,
+                         I64Span groups, int64_t group_size, I64Span device_index,
+                         I64Span device_process, int64_t site, std::string_view reduction,
+                         std::string_view op, std::string_view operand) {
+  if (trace::Mode() == 0) [[likely]] {
+    return AllReduce(x, partition, after, out, groups, group_size, device_index,
+                     device_process, site, reduction, op, operand);
+  }
+  trace::Notes() = {};
+  const int64_t start = trace::NowNs();
+  ffi::Error result = AllReduce(x, partition, after, out, groups, group_size, device_index,
+                                device_process, site, reduction, op, operand);
+  const int64_t end = trace::NowNs();
+  const int64_t me = static_cast<int64_t>(partition.typed_data()[0]);
+  if (me < 0 || me >= static_cast<int64_t>(device_index.size()) ||
+      device_process.size() != device_index.size()) {
+    return result;
+  }
+  trace::Event e;
+  e.start_ns = start;
+  e.dur_ns = end - start;
+  e.wait_ns = std::min(trace::Notes().wait_ns, e.dur_ns);
+  e.process = device_process[me];
+  e.device = device_index[me];
+  e.peer = -1;
+  e.bytes = x.size_bytes();
+  e.seq = static_cast<uint64_t>(site);
+  e.op = trace::Op::kAllReduce;
+  e.ok = !result.failure();
+  trace::Record(e);
+  return result;
+}
+
 }  // namespace
 }  // namespace jcm
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JcmAllReduce, jcm::AllReduce,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JcmAllReduce, jcm::AllReduceImpl,
                               xla::ffi::Ffi::Bind()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::U32>>()

@@ -8,6 +8,10 @@ line per case, then JCM-OK.
 """
 
 import functools
+import glob
+import json
+import os
+import tempfile
 
 import _mpi_common as common
 import jax
@@ -16,6 +20,7 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+import jax_cpu_mpi
 from jax_cpu_mpi import config
 from jax_cpu_mpi._src.lowering import collectives as lowering
 
@@ -203,6 +208,26 @@ if n == 4:
         want = np.broadcast_to(v.sum(axis_ix, keepdims=True, dtype=np.int32), v.shape)
         check(f"2-D psum over {axes} vs numpy", got[None], want.astype(np.int32), True)
         check(f"2-D psum over {axes} vs gloo", got[None], ref, True)
+
+# ---- the timeline: each collective over MPI is a slice with its bytes and wait
+with tempfile.TemporaryDirectory() as tmp:
+    directory = os.path.join(tmp, "trace")
+    config.configure(collectives="mpi")
+    traced = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "x"), mesh=mesh,
+                                   in_specs=P("x"), out_specs=P("x"), check_vma=False))
+    xt = common.global_array(mesh, P("x"), np.ones((n, 6), np.float32))
+    traced(xt).block_until_ready()
+    with jax_cpu_mpi.trace(directory):
+        traced(xt).block_until_ready()
+    events = [e for f in glob.glob(os.path.join(directory, "*.json"))
+              for e in json.load(open(f))["traceEvents"] if e.get("name") == "all_reduce"]
+    mine = [e for e in events if e["pid"] == jax.process_index()]
+    if len(mine) != jax.local_device_count() or any(
+            e["args"]["bytes"] != 24 or e["args"]["wait_us"] < 0 for e in mine):
+        failures.append("timeline")
+        print(f"FAIL timeline: {mine}", flush=True)
+    else:
+        print(f"ok   timeline: {len(mine)} all_reduce slice(s) of 24 B", flush=True)
 
 # ---- ppermute between processes: precv(psend(x)) over MPI, against gloo, 8 B to 1 MiB
 
