@@ -29,7 +29,9 @@ inline uint32_t Mode() { return g_mode.load(std::memory_order_relaxed); }
 
 // kMark: a point in a program's run that the program itself names (a pipeline tick's
 // start): no message; `seq` holds the tick, `label` what the program says of it.
-enum class Op : uint8_t { kPsend = 0, kPrecv = 1, kMark = 2 };
+// kAllReduce: a collective between processes (ffi/collective_handlers.cc): peer -1, wait the
+// time spent for the group's other devices and processes.
+enum class Op : uint8_t { kPsend = 0, kPrecv = 1, kMark = 2, kAllReduce = 3 };
 // How the bytes travelled: an in-process copy, MPI through a copy (staged), MPI straight
 // from the operand (direct, the rendezvous of large messages), or a psend that returned
 // with its operand still being read, finished by a later precv (kept).

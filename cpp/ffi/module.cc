@@ -17,6 +17,7 @@
 #include "common/trace.h"
 #include "ffi/device_thread_hint.h"
 #include "ffi/mark.h"
+#include "ffi/collective_handlers.h"
 #include "ffi/p2p_handlers.h"
 #include "ffi/runtime.h"
 #include "local/zero_fill.h"
@@ -80,6 +81,7 @@ NB_MODULE(_jax_cpu_mpi, m) {
     d["jax_cpu_mpi_precv"] = EncapsulateFfiHandler(JcmPrecv);
     d["jax_cpu_mpi_device_thread_hint"] = EncapsulateFfiHandler(JcmDeviceThreadHint);
     d["jax_cpu_mpi_mark"] = EncapsulateFfiHandler(JcmMark);
+    d["jax_cpu_mpi_all_reduce"] = EncapsulateFfiHandler(JcmAllReduce);
     return d;
   }, "FFI handler capsules by target name.");
 

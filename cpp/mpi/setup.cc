@@ -92,7 +92,7 @@ Status MpiTransport::Create(MPI_Comm comm, std::vector<int> rank_of_process,
   // Errors on our communicator come back as codes, never abort the job behind our back.
   int rc = MPI_Comm_set_errhandler(t->comm_, MPI_ERRORS_RETURN);
   if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Comm_set_errhandler", rc);
-  for (MPI_Comm* extra : {&t->ctrl_comm_, &t->direct_comm_}) {
+  for (MPI_Comm* extra : {&t->ctrl_comm_, &t->direct_comm_, &t->coll_comm_}) {
     // Each inherits the error handler.
     if (Status s = DupWithDeadline(t->comm_, extra, deadline); !s.ok()) return s;
   }
@@ -127,7 +127,10 @@ Status MpiTransport::Create(MPI_Comm comm, std::vector<int> rank_of_process,
 
 MpiTransport::~MpiTransport() {
   if (!MpiIsUsable()) return;
-  for (MPI_Comm* comm : {&ctrl_comm_, &direct_comm_, &comm_}) {
+  for (auto& [key, comm] : group_comms_) {
+    if (comm != MPI_COMM_NULL) (void)MPI_Comm_free(&comm);
+  }
+  for (MPI_Comm* comm : {&ctrl_comm_, &direct_comm_, &coll_comm_, &comm_}) {
     // Local in practice (it marks the communicator for freeing, it waits for no peer). A
     // failure has nobody to report to (the transport is going away) and leaves nothing to
     // undo: the communicator is at worst leaked until MPI_Finalize.

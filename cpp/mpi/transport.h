@@ -196,6 +196,19 @@ class MpiTransport {
   uint64_t direct_sends() const;
   uint64_t staged_large_sends() const;
 
+  // mpi/collectives.cc. Allreduce of `count` elements of `type` with `op`, in place in
+  // `buf`, over the processes `ranks` (ranks of our communicator, ascending, this one
+  // among them), on a communicator of the group's own: `key` names the group (its
+  // devices), so two groups that device threads of this process reduce at the same time
+  // never share a communicator (MPI forbids interleaved collectives on one). The
+  // communicator is split off at first use (MPI_Comm_create_group: collective over the
+  // group only). Nonblocking and polled: at the deadline the request is abandoned (MPI
+  // cannot cancel a collective; the transport is then broken) and a kTimeout returned.
+  // `send`: the operand when it is not `buf` (nullptr: in place, the operand in `buf`).
+  Status Allreduce(const std::string& key, const std::vector<int>& ranks, const void* send,
+                   void* buf, int64_t count, MPI_Datatype type, MPI_Op op,
+                   std::chrono::steady_clock::time_point deadline);
+
  private:
   // Rendezvous (see the top of this file): smallest message, the largest count of one
   // direct MPI message (messages beyond it go as several, every count within an int), and
@@ -362,6 +375,14 @@ class MpiTransport {
   std::vector<std::shared_ptr<DirectSend>> direct_in_flight_;  // left in flight
   std::vector<Abandoned> abandoned_;  // never tested again, never freed
   std::atomic<bool> broken_{false};   // set once a request is abandoned
+
+  // mpi/collectives.cc: the parent of the groups' communicators (a duplicate made by
+  // Create), and the communicator of each group key. group_comms_mu_ guards the map only
+  // (never held while a communicator is created: two threads may create two at once).
+  Status GroupComm(const std::string& key, const std::vector<int>& ranks, MPI_Comm* out);
+  MPI_Comm coll_comm_ = MPI_COMM_NULL;
+  std::mutex group_comms_mu_;
+  std::map<std::string, MPI_Comm> group_comms_;
 
   uint64_t id_ = 0;  // unique per transport in the process (Channel()'s per-thread cache)
   std::mutex channels_mu_;

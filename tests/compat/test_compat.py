@@ -59,6 +59,10 @@ JAX_NEEDS_ITSELF = frozenset({
     "jax._src.interpreters.mlir:dense_int_array",
     "jax._src.interpreters.batching:fancy_primitive_batchers",
     "jax._src.interpreters.mlir:_platform_specific_lowerings",
+    "jax._src.interpreters.mlir:_lowerings",  # every lowering JAX does reads it
+    # collectives: what JAX's own psum binds and lowers with.
+    "jax._src.lax.parallel:_replica_groups",
+    "jax._src.lax.parallel:psum_invariant_p",
     "jax._src.lax.parallel:unreduced_pmax_p",  # registered by JAX 0.12 itself
     "jax._src.lax.parallel:unreduced_pmin_p",
     # own_primitives (issue 15): what jax_cpu_mpi's own psend/precv are built from.

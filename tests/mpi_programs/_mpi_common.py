@@ -16,6 +16,10 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_devices}"
 )
 
+# The programs compare psend/precv with JAX's ppermute: keep ppermute on JAX's own path
+# (under mpirun `auto` would lower it to psend/precv). collectives_cases.py sets it itself.
+os.environ.setdefault("JAX_CPU_MPI_COLLECTIVES", "gloo")
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 

@@ -11,6 +11,7 @@ from jax_cpu_mpi._src import compat
 from jax_cpu_mpi._src.batching import rules as batching
 from jax_cpu_mpi._src.dispatch import fast_path
 from jax_cpu_mpi._src.lowering import barrier_tokens
+from jax_cpu_mpi._src.lowering import collectives as collective_lowering
 from jax_cpu_mpi._src.lowering import rules as lowering
 from jax_cpu_mpi._src.passes import hook
 from jax_cpu_mpi._src.runtime import config, launchers
@@ -22,6 +23,11 @@ _installed = False
 def _fast_dispatch() -> None:
     fast_path.install()
     hook.install()  # the device-thread hint is the hook's last pass
+
+
+def _collectives() -> None:
+    collective_lowering.register()
+    hook.install()
 
 
 def install() -> None:
@@ -48,6 +54,8 @@ def install() -> None:
     # The three module passes share one lowering hook (passes/hook.py runs them in order).
     compat.enable("gpu_parity", hook.install)
     compat.enable("kept_operands", hook.install)
+    # After the lowerings (it requires them); its ordering pass is one of the hook's.
+    compat.enable("collectives", _collectives)
     compat.enable("barrier_tokens", barrier_tokens.install)
     compat.enable("fast_dispatch", _fast_dispatch)
     batching.install()

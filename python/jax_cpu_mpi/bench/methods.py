@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from jax_cpu_mpi import _jax_cpu_mpi as ext
+from jax_cpu_mpi import config
 
 from . import programs
 from .options import Plan
@@ -170,14 +171,17 @@ def psend_scan(ctx: Context) -> Measurement:
 
 
 def gloo_call(ctx: Context) -> Measurement:
-    return _jax_p2p(ctx, "gloo/call", ctx.session.pair, "ppermute", False, "mpi",
-                    "jax.lax.ppermute across processes (XLA CPU collectives over gloo), one "
-                    "jitted call per round trip / message")
+    # ppermute across processes would otherwise take our psend/precv (JAX_CPU_MPI_COLLECTIVES).
+    with config.overrides(collectives="gloo"):
+        return _jax_p2p(ctx, "gloo/call", ctx.session.pair, "ppermute", False, "mpi",
+                        "jax.lax.ppermute across processes (XLA CPU collectives over gloo), "
+                        "one jitted call per round trip / message")
 
 
 def gloo_scan(ctx: Context) -> Measurement:
-    return _jax_p2p(ctx, "gloo/scan", ctx.session.pair, "ppermute", True, "mpi",
-                    "jax.lax.ppermute over gloo, hops inside one jitted lax.scan")
+    with config.overrides(collectives="gloo"):
+        return _jax_p2p(ctx, "gloo/scan", ctx.session.pair, "ppermute", True, "mpi",
+                        "jax.lax.ppermute over gloo, hops inside one jitted lax.scan")
 
 
 def jit_floor(ctx: Context) -> Measurement:

@@ -25,6 +25,7 @@ import jax
 
 from jax_cpu_mpi import _jax_cpu_mpi as ext
 from jax_cpu_mpi._src import compat
+from jax_cpu_mpi._src.lowering import collectives as collective_lowering
 from jax_cpu_mpi._src.runtime import abi as mpi_abi
 from jax_cpu_mpi._src.runtime import config
 from jax_cpu_mpi._src.runtime import launchers as launch
@@ -187,7 +188,23 @@ def local_report(mpi_module=None, mpi_error: str | None = None,
         "process_count": jax.process_count(),
         "local_devices": [d.id for d in jax.local_devices()],
         "mpi": mpi,
+        "collectives": collectives_section(),
     }
+
+
+def collectives_section() -> Report:
+    """How psum/pmax/pmin between processes run here (JAX_CPU_MPI_COLLECTIVES), and what
+    keeps JAX's gloo path whatever the setting."""
+    try:
+        setting = config.current().collectives
+        resolved = collective_lowering.resolved_setting()
+    except config.ConfigError as e:
+        setting, resolved = "invalid", str(e)
+    return {"setting": setting, "resolved": resolved,
+            "active": compat.state("collectives") == compat.ACTIVE,
+            "mpi_dtypes": {k: list(v) for k, v in collective_lowering.MPI_DTYPES.items()},
+            "fallbacks": [{"what": what, "why": why}
+                          for what, why in collective_lowering.FALLBACKS]}
 
 
 def transport(src_process: int, dst_process: int) -> str:
@@ -262,6 +279,14 @@ def format_process(report: Report) -> str:
         why = f" ({f['why']})" if f["why"] and f["state"] != compat.ACTIVE else ""
         shown = f["state"].upper() if f["state"] == compat.OFF else f["state"]
         lines.append(f"  {f['feature']:<34} {shown}{why}")
+    col = report.get("collectives")
+    if col:
+        over = "MPI" if col["resolved"] == "mpi" and col["active"] else "gloo (JAX's path)"
+        lines.append(f"collectives:   JAX_CPU_MPI_COLLECTIVES={col['setting']}: psum/pmean/"
+                     f"pmax/pmin/ppermute between processes run over {over}")
+        if col["resolved"] == "mpi":
+            lines.append("  still on gloo: " + "; ".join(
+                f"{f['what']} ({f['why']})" for f in col["fallbacks"]))
     la = report["launch"]
     lines.append(f"launch:        {la.get('described', la['launcher'])}; jax.distributed: "
                  f"{la['jax_distributed'] or 'not initialized'}")

@@ -466,3 +466,32 @@ def scan_layout(params: dict[str, Any], n_inputs: int
     if consts + carry + xs != list(range(n_inputs)):
         return None
     return len(consts), len(carry), keywords
+
+# ------------------------------------------------------ collectives over MPI (CPU lowerings)
+
+COLLECTIVES = feature(
+    "collectives", "psum/pmean/pmax/pmin between processes over MPI (JAX_CPU_MPI_COLLECTIVES)",
+    requires=("lowerings",),
+    when_off="collectives between processes run on JAX's gloo path, as without jax_cpu_mpi")
+#: JAX's replica groups of a collective (partition ids, one list per group), with its
+#: handling of axis_index_groups: the groups JAX's own lowering gives XLA.
+replica_groups = COLLECTIVES.need(
+    "jax._src.lax.parallel:_replica_groups",
+    check=has_params("axis_ctx", "axis_name", "axis_index_groups"))
+psum_p = COLLECTIVES.need("jax._src.lax.parallel:psum_p", check=is_primitive)
+pmax_p = COLLECTIVES.need("jax._src.lax.parallel:pmax_p", check=is_primitive)
+pmin_p = COLLECTIVES.need("jax._src.lax.parallel:pmin_p", check=is_primitive)
+#: psum under shard_map's check_vma binds this one (a variant -> invariant psum).
+psum_invariant_p = COLLECTIVES.need("jax._src.lax.parallel:psum_invariant_p",
+                                    check=is_primitive)
+#: ppermute between processes goes as precv(psend(x)) (lowering/collectives.py).
+ppermute_p = COLLECTIVES.need("jax._src.lax.parallel:ppermute_p", check=is_primitive)
+_need_all([COLLECTIVES], "jax._src.core:abstract_token")
+#: JAX's platform-independent lowering rules: ours fall back to them (gloo on CPU).
+default_lowerings = COLLECTIVES.need("jax._src.interpreters.mlir:_lowerings",
+                                     check=is_instance_of("builtins:dict"))
+_need_all([COLLECTIVES], "jax._src.sharding_impls:SPMDAxisContext", check=is_type)
+# The ordering pass (passes/ordered_collectives.py) runs in the lowering hook.
+_need_all([COLLECTIVES], "jax._src.interpreters.mlir:lower_jaxpr_to_module",
+          check=has_params("module_name", "jaxpr", "platforms"))
+_need_all([COLLECTIVES], "jax._src.lib.mlir:ir", check=is_module)

@@ -28,7 +28,7 @@ from typing import Any
 from jax_cpu_mpi._src import compat
 from jax_cpu_mpi._src.dispatch import device_thread_hint
 from jax_cpu_mpi._src.parity import check as parity
-from jax_cpu_mpi._src.passes import kept_operands
+from jax_cpu_mpi._src.passes import kept_operands, ordered_collectives
 from jax_cpu_mpi._src.runtime import config
 
 
@@ -50,6 +50,8 @@ PASSES: tuple[ModulePass, ...] = (
     ModulePass(compat.GPU_PARITY, parity.wanted, parity.raise_on_violation,
                verdicts=(parity.GpuParityError,)),
     ModulePass(compat.KEPT_OPERANDS, kept_operands.wanted, kept_operands.keep_psend_operands),
+    ModulePass(compat.COLLECTIVES, ordered_collectives.wanted,
+               ordered_collectives.order_collectives),
     ModulePass(compat.FAST_DISPATCH, device_thread_hint.wanted,
                device_thread_hint.add_device_thread_hint),
 )

@@ -34,6 +34,10 @@ def parse_bytes(text: str) -> int:
     return int(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
 
 
+#: The values of ``collectives`` (``JAX_CPU_MPI_COLLECTIVES``).
+COLLECTIVES_CHOICES = ("auto", "mpi", "gloo")
+
+
 @dataclass(frozen=True)
 class Config:
     """The runtime settings of jax_cpu_mpi."""
@@ -54,6 +58,10 @@ class Config:
     #: Dispatch jitted CPU programs with psend/precv that XLA never runs inline (2+ devices of
     #: this process, or 1000+ flops) through JAX's C++ fast path (see dispatch/fast_path.py).
     fast_dispatch: bool = True
+    #: How collectives (psum, pmax, pmin...) between processes run: ``"mpi"``, ``"gloo"``
+    #: (JAX's own path) or ``"auto"`` (MPI in a job an MPI launcher started); chosen when a
+    #: program is lowered.
+    collectives: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.recv_timeout > 0:
@@ -64,6 +72,9 @@ class Config:
             raise ValueError(f"exit_timeout must be >= 0 seconds, got {self.exit_timeout}")
         if not self.exit_grace >= 0:
             raise ValueError(f"exit_grace must be >= 0 seconds, got {self.exit_grace}")
+        if self.collectives not in COLLECTIVES_CHOICES:
+            raise ValueError(f"collectives must be one of {', '.join(COLLECTIVES_CHOICES)}, "
+                             f"got {self.collectives!r}")
 
 
 class ConfigError(ValueError):
@@ -218,6 +229,13 @@ VARIABLES: tuple[Variable, ...] = (
              "JAX's Python dispatch of effectful programs, 100 to 200 us more per call, and no "
              "device-thread hint; chosen when a program is lowered and compiled",
              "fast_dispatch", _boolean("C++ dispatch", "JAX's Python dispatch")),
+    Variable("JAX_CPU_MPI_COLLECTIVES", "runtime", "auto",
+             "how `psum`/`pmean`/`pmax`/`pmin`/`ppermute` between processes run: `mpi` (one MPI "
+             "collective per process, its devices reduced in process: docs \"Collectives "
+             "over MPI\"), `gloo` (JAX's own path, untouched), `auto`: `mpi` in a job an MPI "
+             "launcher started, `gloo` elsewhere; chosen when a program is lowered",
+             "collectives", _choice(auto="mpi under an MPI launcher, else gloo",
+                                    mpi="MPI collectives", gloo="JAX's gloo path")),
     Variable("JAX_CPU_MPI_DISABLE", "runtime", "0",
              "`1`: `import jax_cpu_mpi` and JAX's plugin discovery register nothing (JAX "
              "behaves as without jax_cpu_mpi); `jax_cpu_mpi.install()` still registers "

@@ -42,7 +42,7 @@ DEFAULT_EVENTS_PER_THREAD = 1 << 16
 
 _COLUMNS = tuple(ext.trace_columns())
 _PATHS = tuple(ext.trace_path_names())
-_OPS = ("psend", "precv")
+_OPS = ("psend", "precv", "mark", "all_reduce")  # by op code (cpp/common/trace.h)
 
 
 @dataclass
@@ -187,6 +187,7 @@ def _take() -> tuple[np.ndarray, int]:
 
 
 _MARK = 2  # the op code of a mark (cpp/common/trace.h)
+_ALL_REDUCE = 3  # a collective between processes
 
 
 @functools.cache
@@ -213,6 +214,12 @@ def _event_json(row: np.ndarray) -> dict[str, object]:
                 "ts": r["start_ns"] / 1e3,
                 "args": {"tick": r["seq"], "action": r["label0"], "microbatch": r["label1"],
                          "virtual_stage": r["label2"]}}
+    if r["op"] == _ALL_REDUCE:
+        return {"name": "all_reduce", "cat": "collective", "ph": "X",
+                "pid": r["process"], "tid": r["device"],
+                "ts": r["start_ns"] / 1e3, "dur": r["dur_ns"] / 1e3,
+                "args": {"bytes": r["bytes"], "wait_us": r["wait_ns"] / 1e3,
+                         "site": r["seq"], "ok": bool(r["ok"])}}
     return {
         "name": _OPS[r["op"]], "cat": "p2p", "ph": "X",
         "pid": r["process"], "tid": r["device"],

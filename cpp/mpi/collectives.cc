@@ -1,0 +1,94 @@
+// Collectives between processes: one communicator per group of devices, nonblocking
+// MPI calls polled against a deadline (see MpiTransport::Allreduce in mpi/transport.h).
+#include <algorithm>
+#include <climits>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "common/config.h"
+#include "mpi/internal.h"
+#include "mpi/transport.h"
+
+namespace jcm {
+
+Status MpiTransport::GroupComm(const std::string& key, const std::vector<int>& ranks,
+                               MPI_Comm* out) {
+  {
+    std::lock_guard<std::mutex> lock(group_comms_mu_);
+    auto it = group_comms_.find(key);
+    if (it != group_comms_.end()) {
+      *out = it->second;
+      return Status::Ok();
+    }
+  }
+  // Only the device thread that leads this group's round gets here, and rounds of one
+  // group never overlap, so no other thread creates the same key meanwhile.
+  MPI_Group parent_group = MPI_GROUP_NULL, group = MPI_GROUP_NULL;
+  int rc = MPI_Comm_group(coll_comm_, &parent_group);
+  if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Comm_group", rc);
+  rc = MPI_Group_incl(parent_group, static_cast<int>(ranks.size()), ranks.data(), &group);
+  (void)MPI_Group_free(&parent_group);
+  if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Group_incl", rc);
+  // Concurrent creations by other threads of this process (other groups) are told apart
+  // by the group and the tag; the key is the same string on every process of the group.
+  const int tag = static_cast<int>(std::hash<std::string>{}(key) %
+                                   static_cast<size_t>(std::max<int64_t>(tag_ub_, 1)));
+  MPI_Comm comm = MPI_COMM_NULL;
+  rc = MPI_Comm_create_group(coll_comm_, group, tag, &comm);
+  (void)MPI_Group_free(&group);
+  if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Comm_create_group", rc);
+  {
+    std::lock_guard<std::mutex> lock(group_comms_mu_);
+    group_comms_[key] = comm;
+  }
+  *out = comm;
+  return Status::Ok();
+}
+
+Status MpiTransport::Allreduce(const std::string& key, const std::vector<int>& ranks,
+                               const void* send, void* buf, int64_t count, MPI_Datatype type, MPI_Op op,
+                               std::chrono::steady_clock::time_point deadline) {
+  if (!MpiIsUsable()) return Status::Invalid(kMpiNotUsable);
+  if (count == 0) return Status::Ok();  // the same shape on every rank: none calls MPI
+  MPI_Comm comm = MPI_COMM_NULL;
+  if (Status s = GroupComm(key, ranks, &comm); !s.ok()) return s;
+  int type_size = 0;
+  if (int rc = MPI_Type_size(type, &type_size); rc != MPI_SUCCESS) {
+    return Status::MpiError("MPI_Type_size", rc);
+  }
+  // MPI counts are ints: more elements go as several reductions of at most kMaxCount.
+  constexpr int64_t kMaxCount = int64_t{1} << 30;
+  auto* bytes = static_cast<std::byte*>(buf);
+  const auto* send_bytes = static_cast<const std::byte*>(send);
+  for (int64_t done = 0; done < count;) {
+    const int n = static_cast<int>(std::min(count - done, kMaxCount));
+    MPI_Request request = MPI_REQUEST_NULL;
+    {
+      std::unique_lock<std::mutex> lock = MpiCallLock();
+      const void* from = send_bytes ? send_bytes + done * type_size : MPI_IN_PLACE;
+      int rc = MPI_Iallreduce(from, bytes + done * type_size, n, type, op, comm, &request);
+      if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Iallreduce", rc);
+    }
+    Backoff backoff;
+    while (true) {
+      int finished = 0;
+      {
+        std::unique_lock<std::mutex> lock = MpiCallLock();
+        int rc = MPI_Test(&request, &finished, MPI_STATUS_IGNORE);
+        if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Iallreduce (test)", rc);
+      }
+      if (finished) break;
+      if (Clock::now() > deadline) {
+        // A collective cannot be cancelled: the request may still write into `buf`.
+        Abandon(std::span<MPI_Request>(&request, 1), nullptr);
+        return Status::Timeout("MPI_Iallreduce did not complete");
+      }
+      backoff.Pause();
+    }
+    done += n;
+  }
+  return Status::Ok();
+}
+
+}  // namespace jcm

@@ -1,0 +1,233 @@
+"""CPU lowerings of ``psum`` / ``pmax`` / ``pmin`` (and so ``pmean``) between processes over
+MPI, and of ``ppermute`` between processes as our ``precv(psend(x))`` (docs: "Collectives
+over MPI").
+
+Each rule decides, when a program is lowered, between two lowerings:
+
+* JAX's own (gloo between processes, XLA's in-process path within one), when the setting
+  says ``gloo`` (or ``auto`` outside an MPI launch), when every group of the collective
+  stays inside one process, or when MPI cannot reduce the combination exactly as XLA does
+  (:data:`FALLBACKS`);
+* otherwise the typed-FFI custom call ``jax_cpu_mpi_all_reduce(x, partition_id) -> out``
+  (``cpp/ffi/collective_handlers.cc``): the group's devices in one process reduce among
+  themselves, one MPI_Iallreduce per process on a communicator of the group's own, the
+  result is shared in process.
+
+The groups are JAX's own (``_replica_groups``: the mesh axes and ``axis_index_groups``), the
+same partition numbering as psend/precv (:mod:`.topology`). Programs lowered for another
+platform never see these rules (registered for ``cpu`` only).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+from jax_cpu_mpi._src import compat
+from jax_cpu_mpi._src.compat import ShapedArray, SPMDAxisContext, hlo, register_lowering
+from jax_cpu_mpi._src.ffi.custom_calls import PRECV_TARGET, PSEND_TARGET
+from jax_cpu_mpi._src.ffi.registration import register_targets
+from jax_cpu_mpi._src.lowering import rules as p2p_rules
+from jax_cpu_mpi._src.lowering.topology import partition_tables
+from jax_cpu_mpi._src.runtime import config
+from jax_cpu_mpi._src.runtime import mpi as mpi_runtime
+
+#: ``all_reduce(x, partition_id) -> out`` over the groups of the attributes.
+ALL_REDUCE_TARGET = "jax_cpu_mpi_all_reduce"
+
+_INTS = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+#: The dtypes each reduction runs over MPI (reduced exactly as XLA does: integers wrap, float
+#: max/min propagate NaN, bool max/min are or/and).
+MPI_DTYPES: dict[str, tuple[str, ...]] = {
+    "sum": ("float32", "float64", "complex64", "complex128", *_INTS),
+    "max": ("float32", "float64", "bool", *_INTS),
+    "min": ("float32", "float64", "bool", *_INTS),
+}
+
+#: What keeps JAX's own lowering, and why (``jax-cpu-mpi info`` shows it).
+FALLBACKS: tuple[tuple[str, str], ...] = (
+    ("float16, bfloat16, float8 and other narrow floats",
+     "MPI has no reduction of them (an MPI operation of ours would not reduce as XLA does)"),
+    ("psum of bool; pmax/pmin of complex", "MPI has no matching reduction"),
+    ("axes that stay inside one process", "XLA's in-process all-reduce is already direct"),
+    ("positional (integer) axes in the same psum", "JAX reduces those itself, first"),
+    ("a program traced with an abstract mesh only", "which process runs each device is unknown"),
+    ("an MPI without MPI_THREAD_MULTIPLE", "device threads would share MPI"),
+)
+
+_REDUCTIONS = {"psum": "sum", "psum_invariant": "sum", "pmax": "max", "pmin": "min"}
+
+#: ``{(primitive, dtype, how): count}`` of this process's lowerings ("mpi" or "gloo: why").
+_decisions: collections.Counter[tuple[str, str, str]] = collections.Counter()
+
+
+def decisions() -> dict[tuple[str, str, str], int]:
+    """How this process lowered each collective so far: ``{(primitive, dtype, "mpi" or
+    "gloo: reason"): count}``."""
+    return dict(_decisions)
+
+
+def mpi_launch() -> bool:
+    """Whether an MPI launcher (MPICH's Hydra, Open MPI, Slurm's srun with PMI) started this
+    process: what ``collectives="auto"`` means by MPI."""
+    return any(v in os.environ for v in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK"))
+
+
+def resolved_setting() -> str:
+    """``"mpi"`` or ``"gloo"``: what ``JAX_CPU_MPI_COLLECTIVES`` means in this process."""
+    setting = config.current().collectives
+    if setting == "auto":
+        return "mpi" if mpi_launch() else "gloo"
+    return setting
+
+
+def _thread_multiple() -> bool:
+    MPI = mpi_runtime.import_mpi4py()
+    return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+
+
+def _attach(name: str, tables: Any) -> str | None:
+    """Attach MPI (collective over the ranks, once). Under ``auto`` a job MPI cannot serve
+    (its ranks are not JAX's processes) keeps gloo, as it ran before; ``mpi`` raises."""
+    try:
+        mpi_runtime.ensure_attached(name, int(np.unique(tables.device_process).size))
+    except mpi_runtime.MpiSetupError:
+        if config.current().collectives == "mpi":
+            raise
+        return "MPI cannot serve this job (see JAX_CPU_MPI_COLLECTIVES=mpi for why)"
+    return None
+
+
+def _padded(groups: list[list[int]]) -> np.ndarray:
+    rows = list(itertools.zip_longest(*groups, fillvalue=-1))
+    return np.asarray(rows, dtype=np.int64).T.copy() if rows else np.zeros((0, 0), np.int64)
+
+
+def _plan(ctx: Any, name: str, axes: tuple, axis_index_groups: Any) -> Any:
+    """``(groups, tables)`` for our custom call, or the reason to keep JAX's lowering."""
+    reduction = _REDUCTIONS[name]
+    if resolved_setting() == "gloo":
+        return "JAX_CPU_MPI_COLLECTIVES selects gloo"
+    if any(isinstance(a, int) for a in axes):
+        return "positional axes"
+    dtype = np.dtype(ctx.avals_in[0].dtype).name
+    if dtype not in MPI_DTYPES[reduction]:
+        return f"no MPI reduction of {dtype} for {name}"
+    axis_context = ctx.module_context.axis_context
+    if not isinstance(axis_context, SPMDAxisContext):
+        return "not in an SPMD (shard_map) context"
+    try:
+        tables = partition_tables(axis_context, name)
+    except (ValueError, NotImplementedError):
+        return "abstract mesh only"
+    groups = [list(g) for g in compat.replica_groups(axis_context, tuple(axes),
+                                                     axis_index_groups)]
+    spans = any(np.unique(tables.device_process[list(g)]).size > 1 for g in groups if g)
+    if not spans:
+        return "inside one process"
+    if (why := _attach(name, tables)) is not None:
+        return why
+    if not _thread_multiple():
+        return "MPI without MPI_THREAD_MULTIPLE"
+    return groups, tables
+
+
+#: Call sites share a communicator (and a local round) when their numbers agree modulo
+#: this: a few communicators per group, however many collectives a program has. The
+#: ordering pass numbers a program's calls (``site``), 0 until then.
+SITES = 16
+#: Collectives lowered over MPI that the ordering pass has not seen yet
+#: (passes/ordered_collectives.py runs only when this is non-zero).
+pending_for_pass = 0
+
+
+def _describe(aval: ShapedArray) -> str:
+    return f"{aval.dtype.name}[{','.join(map(str, aval.shape))}]"
+
+
+def _make_rule(prim: Any) -> Any:
+    jax_rule = compat.default_lowerings[prim].rule
+
+    def rule(ctx: Any, arg: Any, *, axes: tuple, axis_index_groups: Any = None, **rest: Any):
+        params = dict(axes=axes, **rest)
+        if prim is not compat.psum_invariant_p:
+            params["axis_index_groups"] = axis_index_groups
+        dtype = np.dtype(ctx.avals_in[0].dtype).name
+        plan = _plan(ctx, prim.name, axes, axis_index_groups)
+        if isinstance(plan, str):
+            _decisions[(prim.name, dtype, f"gloo: {plan}")] += 1
+            return jax_rule(ctx, arg, **params)
+        _decisions[(prim.name, dtype, "mpi")] += 1
+        groups, tables = plan
+        global pending_for_pass
+        pending_for_pass += 1
+        u32 = ShapedArray((), np.uint32)
+        sub_ctx = ctx.replace(avals_in=[*ctx.avals_in, u32])
+        padded = _padded(groups)
+        call = jax.ffi.ffi_lowering(ALL_REDUCE_TARGET, has_side_effect=True)
+        op = f"{prim.name}(axes={tuple(axes)!r})"
+        return call(sub_ctx, arg, hlo.partition_id(),
+                       groups=padded.reshape(-1), group_size=np.int64(padded.shape[1]),
+                       device_index=tables.device_index, device_process=tables.device_process,
+                       site=np.int64(0), reduction=_REDUCTIONS[prim.name], op=op,
+                       operand=_describe(ctx.avals_in[0]))
+
+    rule.__name__ = f"_{prim.name}_lowering_cpu_mpi"
+    return rule
+
+
+def _ppermute_rule(ctx: Any, x: Any, *, axis_name: Any, perm: Any, **rest: Any) -> Any:
+    """ppermute between processes as our psend then precv (over MPI, ordered by the token);
+    JAX's lowering otherwise."""
+    jax_rule = compat.default_lowerings[compat.ppermute_p].rule
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    dtype = np.dtype(ctx.avals_in[0].dtype).name
+    why = _ppermute_plan(ctx, names, rest)
+    if why is not None:
+        _decisions[("ppermute", dtype, f"gloo: {why}")] += 1
+        return jax_rule(ctx, x, axis_name=axis_name, perm=perm, **rest)
+    _decisions[("ppermute", dtype, "mpi")] += 1
+    token = compat.abstract_token
+    sent = p2p_rules._emit(ctx.replace(avals_out=[token]), PSEND_TARGET, "psend", x,
+                           axis_name=names, perm=perm, data_aval=ctx.avals_in[0])
+    return p2p_rules._emit(ctx.replace(avals_in=[token]), PRECV_TARGET, "precv", sent[0],
+                           axis_name=names, perm=perm, data_aval=ctx.avals_out[0])
+
+
+def _ppermute_plan(ctx: Any, names: tuple, rest: dict) -> str | None:
+    """None to go over psend/precv, else why JAX's lowering stays."""
+    if resolved_setting() == "gloo":
+        return "JAX_CPU_MPI_COLLECTIVES selects gloo"
+    if rest.get("is_async"):
+        return "asynchronous ppermute"
+    axis_context = ctx.module_context.axis_context
+    if not isinstance(axis_context, SPMDAxisContext):
+        return "not in an SPMD (shard_map) context"
+    try:
+        tables = partition_tables(axis_context, "ppermute")
+    except (ValueError, NotImplementedError):
+        return "abstract mesh only"
+    if not tables.spans_processes:
+        return "inside one process"
+    groups = compat.replica_groups(axis_context, names, None)
+    if not any(np.unique(tables.device_process[list(g)]).size > 1 for g in groups if g):
+        return "inside one process"
+    return _attach("ppermute", tables)
+
+
+_rules: dict[Any, Any] = {}
+
+
+def register() -> None:
+    """Register the CPU lowerings of psum/pmax/pmin/psum_invariant (idempotent)."""
+    register_targets()
+    for prim in (compat.psum_p, compat.pmax_p, compat.pmin_p, compat.psum_invariant_p):
+        if prim not in _rules:
+            _rules[prim] = _make_rule(prim)
+        register_lowering(prim, _rules[prim], platform="cpu")
+    register_lowering(compat.ppermute_p, _ppermute_rule, platform="cpu")

@@ -1,0 +1,60 @@
+"""JAX_CPU_MPI_COLLECTIVES in one process: the setting, what `auto` means, `info`, and that
+collectives inside one process keep JAX's lowering whatever the setting."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jax_cpu_mpi import config
+from jax_cpu_mpi._src.cli import info
+from jax_cpu_mpi._src.lowering import collectives
+from jax_cpu_mpi._src.runtime import config as registry
+
+
+def test_bad_values_are_refused():
+    with pytest.raises(ValueError, match="collectives must be one of auto, mpi, gloo"):
+        config.configure(collectives="nccl")
+    var = registry.BY_NAME["JAX_CPU_MPI_COLLECTIVES"]
+    with pytest.raises(registry.ConfigError):
+        var.read({"JAX_CPU_MPI_COLLECTIVES": "nccl"})
+    assert var.read({"JAX_CPU_MPI_COLLECTIVES": "MPI"}) == "mpi"
+
+
+@pytest.mark.parametrize(("env", "want"), [({}, "gloo"), ({"PMI_RANK": "0"}, "mpi"),
+                                           ({"OMPI_COMM_WORLD_RANK": "1"}, "mpi")])
+def test_auto_means_mpi_under_an_mpi_launcher(monkeypatch, env, want):
+    for name in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with config.overrides(collectives="auto"):
+        assert collectives.resolved_setting() == want
+    with config.overrides(collectives="gloo"):
+        assert collectives.resolved_setting() == "gloo"
+
+
+def test_info_shows_the_setting_and_what_keeps_gloo():
+    with config.overrides(collectives="mpi"):
+        section = info.collectives_section()
+    assert section["setting"] == section["resolved"] == "mpi"
+    assert section["active"]
+    assert any("bfloat16" in f["what"] for f in section["fallbacks"])
+    assert "float16" not in section["mpi_dtypes"]["sum"]
+
+
+def test_axes_inside_one_process_keep_jax_lowering():
+    mesh = jax.make_mesh((4,), ("x",))
+    f = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "x"), mesh=mesh, in_specs=P("x"),
+                              out_specs=P()))
+    x = jax.device_put(np.arange(8, dtype=np.float32), jax.NamedSharding(mesh, P("x")))
+    with config.overrides(collectives="mpi"):
+        text = f.lower(x).as_text()
+        out = f(x)
+    assert collectives.ALL_REDUCE_TARGET not in text
+    assert "all_reduce" in text
+    np.testing.assert_array_equal(out, np.arange(8, dtype=np.float32).reshape(4, 2).sum(0))
+    assert any(how == "gloo: inside one process"
+               for (_, _, how) in collectives.decisions())

@@ -1,0 +1,268 @@
+"""psum/pmean/pmax/pmin between processes over MPI against gloo (JAX's path) and NumPy.
+
+Run by tests/runtime/test_collectives_mpi.py under ``mpirun -n 2`` with 1 or 2 devices per
+process. Every case is computed twice in this program, with ``collectives="mpi"`` and with
+``collectives="gloo"`` (each lowered afresh), and against a NumPy reference. Many cases share
+one jitted program (one dict of operands), so the matrix costs few compilations. Prints one
+line per case, then JCM-OK.
+"""
+
+import functools
+import glob
+import json
+import os
+import tempfile
+
+import _mpi_common as common
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+import jax_cpu_mpi
+from jax_cpu_mpi import config
+from jax_cpu_mpi._src.lowering import collectives as lowering
+
+jax.config.update("jax_enable_x64", True)
+n = jax.device_count()
+mesh = jax.make_mesh((n,), ("x",))
+failures: list[str] = []
+
+OPS = {"psum": jax.lax.psum, "pmax": jax.lax.pmax, "pmin": jax.lax.pmin,
+       "pmean": jax.lax.pmean}
+NUMPY = {"psum": lambda a: a.sum(0, dtype=a.dtype), "pmax": lambda a: a.max(0),
+         "pmin": lambda a: a.min(0), "pmean": lambda a: a.mean(0, dtype=a.dtype)}
+INTS = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
+FLOATS = ["float32", "float64"]
+
+
+def values(dtype: str, shape: tuple, seed: int) -> np.ndarray:
+    """One operand per device (leading axis n), deterministic, full range for integers (so
+    sums wrap), with a NaN in float cases named so."""
+    rng = np.random.default_rng(seed)
+    full = (n, *shape)
+    if dtype == "bool":
+        return rng.integers(0, 2, full).astype(bool)
+    if dtype in INTS:
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, full, dtype=dtype, endpoint=True)
+    if dtype.startswith("complex"):
+        return (rng.standard_normal(full) + 1j * rng.standard_normal(full)).astype(dtype)
+    return rng.standard_normal(full).astype(ml_dtypes.finfo(dtype).dtype)
+
+
+def run_all(setting: str, operands: dict, fn_of_key) -> dict:
+    """Every operand through its collective in ONE program, lowered with ``setting``."""
+    config.configure(collectives=setting)
+
+    def body(tree):
+        return {k: fn_of_key(k)(v[0])[None] for k, v in tree.items()}
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    arrays = {k: common.global_array(mesh, P("x"), v) for k, v in operands.items()}
+    return {k: common.gather(v) for k, v in f(arrays).items()}
+
+
+def check(name: str, got: np.ndarray, want: np.ndarray, exact: bool) -> None:
+    try:
+        assert got.dtype == want.dtype, (got.dtype, want.dtype)
+        # Every device holds the same bits.
+        for i in range(1, got.shape[0]):
+            np.testing.assert_array_equal(np.atleast_1d(got[i]).view(np.uint8),
+                                          np.atleast_1d(got[0]).view(np.uint8))
+        if exact:
+            np.testing.assert_array_equal(got[0], want)
+        else:
+            tol = 1e-2 if want.dtype.itemsize <= 2 else 1e-5
+            np.testing.assert_allclose(got[0].astype(np.float64 if want.dtype.kind == "f"
+                                                     else want.dtype),
+                                       want.astype(np.float64 if want.dtype.kind == "f"
+                                                   else want.dtype),
+                                       rtol=tol, atol=tol, equal_nan=True)
+        print(f"ok   {name}", flush=True)
+    except AssertionError as e:
+        failures.append(name)
+        print(f"FAIL {name}: {e}", flush=True)
+
+
+# ---- the dtype x reduction x shape matrix, in one program per setting
+operands, keys = {}, {}
+shapes = [(), (3, 5), (1 << 18,)]  # 0-d, small, 1-2 MiB (MPI's large-message algorithms)
+seed = 0
+for op in OPS:
+    dtypes = [*FLOATS, "float16", "bfloat16"]
+    if op != "pmean":
+        dtypes += INTS
+    if op == "psum":
+        dtypes += ["complex64", "complex128"]
+    if op in ("pmax", "pmin"):
+        dtypes += ["bool"]
+    for dtype in dtypes:
+        for shape in shapes:
+            if shape == (1 << 18,) and dtype not in ("float32", "int32", "float64"):
+                continue
+            seed += 1
+            key = f"{op}/{dtype}/{shape}"
+            operands[key] = values(dtype, shape, seed)
+            keys[key] = op
+for op in ("pmax", "pmin"):  # NaN propagates, as XLA's maximum/minimum
+    v = values("float32", (4,), 99)
+    v[n - 1, 1] = np.nan
+    operands[f"{op}/float32-nan/(4,)"] = v
+    keys[f"{op}/float32-nan/(4,)"] = op
+
+
+def fn_of(key):
+    return functools.partial(OPS[keys[key]], axis_name="x")
+
+
+mpi = run_all("mpi", operands, fn_of)
+gloo = run_all("gloo", operands, fn_of)
+for key, v in operands.items():
+    op, dtype, _ = key.split("/")
+    exact = v.dtype.kind in "iub"
+    want = NUMPY[op](v.astype(np.float64) if v.dtype.itemsize <= 2 and v.dtype.kind == "f"
+                     else v)
+    if v.dtype.kind == "f" and v.dtype.itemsize <= 2:
+        want = want.astype(v.dtype)
+    check(f"mpi  {key} vs numpy", mpi[key], want, exact)
+    if "nan" not in dtype:  # gloo's max/min need not propagate NaN
+        check(f"mpi  {key} vs gloo", mpi[key], gloo[key][0], exact or n <= 2)
+
+# ---- the lowerings that did not go over MPI say why
+decided = lowering.decisions()
+over_mpi = {(p, d) for (p, d, how) in decided if how == "mpi"}
+print("lowered over MPI:", sorted(over_mpi), flush=True)
+for p, d in [("psum_invariant", "float16"), ("psum_invariant", "bfloat16")]:
+    if (p, d) in over_mpi:
+        failures.append(f"{p}/{d} went over MPI")
+        print(f"FAIL {p}/{d} went over MPI (must fall back to gloo)", flush=True)
+if ("psum_invariant", "float32") not in over_mpi:
+    failures.append("psum float32 did not go over MPI")
+    print("FAIL psum float32 did not go over MPI", flush=True)
+
+# ---- under grad, vmap, scan, and without check_vma (psum_p itself)
+
+
+def transformed(setting: str) -> dict:
+    config.configure(collectives=setting)
+    x = common.global_array(mesh, P("x"), values("float32", (6,), 7))
+    out = {}
+
+    def loss(v):
+        return jnp.sum(jax.lax.psum(v * v, "x") * jnp.arange(6.0, dtype=jnp.float32))
+
+    g = jax.jit(jax.shard_map(jax.grad(loss), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    out["grad"] = common.gather(g(x))
+
+    def vmapped(v):  # a batch of 3 psums
+        return jax.vmap(lambda r: jax.lax.psum(r, "x"))(jnp.stack([v, 2 * v, v + 1]))
+
+    vm = jax.jit(jax.shard_map(vmapped, mesh=mesh, in_specs=P("x"), out_specs=P(None, "x")))
+    out["vmap"] = common.gather(vm(x))
+
+    def scanned(v):
+        def step(c, _):
+            return jax.lax.pmean(c, "x") * 0.5 + c, None
+        return jax.lax.scan(step, v, None, length=5)[0]
+
+    sc = jax.jit(jax.shard_map(scanned, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    out["scan"] = common.gather(sc(x))
+    nv = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "x"), mesh=mesh, in_specs=P("x"),
+                               out_specs=P("x"), check_vma=False))
+    out["psum_p (check_vma=False)"] = common.gather(nv(x))
+    mx = jax.jit(jax.shard_map(lambda v: jax.lax.pmax(v, "x") - jax.lax.pmin(v, "x"),
+                               mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+    out["pmax-pmin (check_vma=False)"] = common.gather(mx(x))
+    return out
+
+
+def close(name: str, got: np.ndarray, want: np.ndarray) -> None:
+    try:
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        print(f"ok   {name}", flush=True)
+    except AssertionError as e:
+        failures.append(name)
+        print(f"FAIL {name}: {e}", flush=True)
+
+
+t_mpi, t_gloo = transformed("mpi"), transformed("gloo")
+for k in t_mpi:
+    close(f"mpi  {k} vs gloo", t_mpi[k], t_gloo[k])
+
+# ---- 2-D meshes: each axis and both (2 devices per process: one axis inside processes)
+if n == 4:
+    mesh2 = jax.make_mesh((2, 2), ("p", "d"))
+    v = values("int32", (2, 3), 11).reshape(2, 2, 2, 3)
+
+    def two_d(setting, axes):
+        config.configure(collectives=setting)
+        f = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, axes), mesh=mesh2,
+                                  in_specs=P("p", "d"), out_specs=P("p", "d")))
+        return common.gather(f(common.global_array(mesh2, P("p", "d"), v)))
+
+    for axes in ("p", "d", ("p", "d")):
+        got, ref = two_d("mpi", axes), two_d("gloo", axes)
+        axis_ix = {"p": (0,), "d": (1,), ("p", "d"): (0, 1)}[axes]
+        want = np.broadcast_to(v.sum(axis_ix, keepdims=True, dtype=np.int32), v.shape)
+        check(f"2-D psum over {axes} vs numpy", got[None], want.astype(np.int32), True)
+        check(f"2-D psum over {axes} vs gloo", got[None], ref, True)
+
+# ---- the timeline: each collective over MPI is a slice with its bytes and wait
+with tempfile.TemporaryDirectory() as tmp:
+    directory = os.path.join(tmp, "trace")
+    config.configure(collectives="mpi")
+    traced = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "x"), mesh=mesh,
+                                   in_specs=P("x"), out_specs=P("x"), check_vma=False))
+    xt = common.global_array(mesh, P("x"), np.ones((n, 6), np.float32))
+    traced(xt).block_until_ready()
+    with jax_cpu_mpi.trace(directory):
+        traced(xt).block_until_ready()
+    events = [e for f in glob.glob(os.path.join(directory, "*.json"))
+              for e in json.load(open(f))["traceEvents"] if e.get("name") == "all_reduce"]
+    mine = [e for e in events if e["pid"] == jax.process_index()]
+    if len(mine) != jax.local_device_count() or any(
+            e["args"]["bytes"] != 24 or e["args"]["wait_us"] < 0 for e in mine):
+        failures.append("timeline")
+        print(f"FAIL timeline: {mine}", flush=True)
+    else:
+        print(f"ok   timeline: {len(mine)} all_reduce slice(s) of 24 B", flush=True)
+
+# ---- ppermute between processes: precv(psend(x)) over MPI, against gloo, 8 B to 1 MiB
+
+
+def permuted(setting: str) -> dict:
+    config.configure(collectives=setting)
+    out = {}
+    for name, perm in (("ring", [(i, (i + 1) % n) for i in range(n)]),
+                       ("reverse pair", [(n - 1, 0)])):
+        for shape in ((2,), (1 << 18,)):
+            v = values("int32", shape, 5)
+            f = jax.jit(jax.shard_map(
+                functools.partial(jax.lax.ppermute, axis_name="x", perm=perm), mesh=mesh,
+                in_specs=P("x"), out_specs=P("x")))
+            out[f"ppermute {name} int32{list(shape)}"] = (
+                common.gather(f(common.global_array(mesh, P("x"), v))), v, perm)
+    return out
+
+
+p_mpi, p_gloo = permuted("mpi"), permuted("gloo")
+for k, (got, v, perm) in p_mpi.items():
+    want = np.zeros_like(v)
+    for src, dst in perm:
+        want[dst] = v[src]
+    try:
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(got, p_gloo[k][0])
+        print(f"ok   mpi  {k} vs numpy and gloo", flush=True)
+    except AssertionError as e:
+        failures.append(k)
+        print(f"FAIL {k}: {e}", flush=True)
+if not any(p == "ppermute" and how == "mpi" for (p, _, how) in lowering.decisions()):
+    failures.append("ppermute never went over MPI")
+    print("FAIL ppermute never went over MPI", flush=True)
+
+if failures:
+    raise SystemExit(f"{len(failures)} failures: {failures}")
+common.ok()
