@@ -79,7 +79,7 @@ Status MpiTransport::Allreduce(const std::string& key, const std::vector<int>& r
         if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Iallreduce (test)", rc);
       }
       if (finished) break;
-      if (Clock::now() > deadline) {
+      if (Expired(deadline)) {  // the deadline, or the exit's close
         // A collective cannot be cancelled: the request may still write into `buf`.
         Abandon(std::span<MPI_Request>(&request, 1), nullptr);
         return Status::Timeout("MPI_Iallreduce did not complete");
