@@ -12,7 +12,7 @@ and MPI) and on GPU (NCCL). See ``docs/pipelines.md``.
 
 from __future__ import annotations
 
-from jax_cpu_mpi._src.pipeline.executor import PipelineError, value_and_grad
+from jax_cpu_mpi._src.pipeline.executor import PipelineError, microbatch_key, value_and_grad
 from jax_cpu_mpi._src.pipeline.reference import (
     chunk_list,
     reference_value_and_grad,
@@ -33,6 +33,7 @@ from jax_cpu_mpi._src.pipeline.schedules import (
 from jax_cpu_mpi._src.pipeline.sharded import shard_value_and_grad
 
 __all__ = ["Action", "FromTable", "GPipe", "Interleaved1F1B", "OneFOneB", "PipelineError",
-           "Schedule", "ScheduleError", "ZeroBubble", "chunk_list", "reference_value_and_grad",
+           "Schedule", "ScheduleError", "ZeroBubble", "chunk_list", "microbatch_key",
+           "reference_value_and_grad",
            "schedule_by_name", "shard_value_and_grad", "split_microbatches", "stack_stages",
            "value_and_grad"]

@@ -30,7 +30,7 @@ from jax_cpu_mpi._src.pipeline import residuals
 from jax_cpu_mpi._src.pipeline.per_chunk import PerChunkStages
 from jax_cpu_mpi._src.pipeline.schedules import Schedule
 
-__all__ = ["PipelineError", "value_and_grad"]
+__all__ = ["PipelineError", "microbatch_key", "value_and_grad"]
 
 PyTree = Any
 
@@ -90,6 +90,7 @@ def value_and_grad(
     return_outputs: bool = False,
     return_input_grads: bool = False,
     remat: bool = True,
+    key: jax.Array | None = None,
 ) -> tuple[Any, ...]:
     """Mean loss and parameter gradients of a pipelined model; call inside ``jax.shard_map``.
 
@@ -159,7 +160,18 @@ def value_and_grad(
         _check_differentiable(microbatches)
     plan = plan_mod.make_plan(schedule, return_input_grads, remat)  # builds, validates the table
     return _run(stage_fn, chunk_params, loss_fn, microbatches, targets, plan, axis_name,
-                data_axis_name, return_outputs, params)
+                data_axis_name, return_outputs, params, key)
+
+
+def microbatch_key(key: jax.Array, microbatch: Any, chunk: Any,
+                   data_shard: Any | None = None) -> jax.Array:
+    """The key a keyed stage function gets for one microbatch, chunk and data shard.
+
+    ``fold_in(fold_in(key, microbatch), chunk)``, folded with ``data_shard`` too where it is
+    not ``None``: a different stream for every (microbatch, chunk, shard), the same wherever
+    it is computed (a pipeline stage, :func:`reference_value_and_grad`)."""
+    k = jax.random.fold_in(jax.random.fold_in(key, microbatch), chunk)
+    return k if data_shard is None else jax.random.fold_in(k, data_shard)
 
 
 def _check_differentiable(microbatches: PyTree) -> None:
@@ -171,14 +183,16 @@ def _check_differentiable(microbatches: PyTree) -> None:
             f"before the pipeline and pass the embedded microbatches")
 
 
-def _check_stage_shapes(stage_fn: Callable, chunk: PyTree, x: PyTree, C: int) -> PyTree:
+def _check_stage_shapes(stage_fn: Callable, chunk: PyTree, x: PyTree, C: int,
+                        key: jax.Array | None = None) -> PyTree:
     if isinstance(stage_fn, PerChunkStages):  # every chunk's own function must fit
         y = x
         for c, f in enumerate(stage_fn.functions):
-            y = _check_stage_shapes(f, stage_fn.chunk(c, chunk), x, C)
+            y = _check_stage_shapes(f, stage_fn.chunk(c, chunk), x, C, key)
         return y
     try:
-        y = jax.eval_shape(stage_fn, chunk, x)
+        y = jax.eval_shape(stage_fn, chunk, x) if key is None else \
+            jax.eval_shape(stage_fn, chunk, x, key)
     except Exception as e:  # a shape error inside the user's stage: say where it happened
         raise PipelineError(
             f"jax_cpu_mpi.pipeline.value_and_grad: stage_fn(params of one chunk, one "
@@ -287,7 +301,7 @@ def _accumulator_dtype(dtype: Any) -> Any:
 def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
          loss_fn: Callable[[PyTree, PyTree], jax.Array], xs: PyTree, ys: PyTree,
          plan: plan_mod.Plan, axis: Hashable, data_axis: Hashable | None,
-         return_outputs: bool, params: PyTree) -> Any:
+         return_outputs: bool, params: PyTree, key: jax.Array | None) -> Any:
     """The scan over the plan's ticks (module docstring); ``chunk_params`` are this stage's
     ``[V, ...]`` leaves, ``params`` the caller's block (the gradients take its shapes)."""
     schedule = plan.schedule
@@ -295,10 +309,21 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
     C = P * V
     s = jax.lax.axis_index(axis)
     if isinstance(stage_fn, PerChunkStages):
-        apply = stage_fn.apply
+        chunk_apply = stage_fn.apply
     else:
-        def apply(p: PyTree, x: PyTree, c: Any) -> PyTree:
-            return stage_fn(p, x)
+        def chunk_apply(p: PyTree, x: PyTree, c: Any, *k: jax.Array) -> PyTree:
+            return stage_fn(p, x, *k)
+    if key is None:
+        apply = chunk_apply
+    else:
+        # A keyed chunk's index argument carries the microbatch too (m * C + c): the
+        # backward and the residuals' recomputation (.residuals, which forms again what
+        # depends on the parameters and the index only) then draw the forward's numbers.
+        shard = None if data_axis is None else jax.lax.axis_index(data_axis)
+
+        def apply(p: PyTree, x: PyTree, mc: Any) -> PyTree:
+            c = mc % C
+            return chunk_apply(p, x, c, microbatch_key(key, mc // C, c, shard))
     varying = vma_of(s) | frozenset().union(*map(vma_of, jax.tree.leaves((xs, chunk_params))))
     # Parameters typed as the data shards' own copies: otherwise the vjp of each tick would
     # sum their cotangents over the data axis (the transpose of the implicit broadcast), a
@@ -309,7 +334,7 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
     xs = vary(xs, varying)
     chunk0 = jax.tree.map(lambda a: a[0], chunk_params)
     x0 = jax.tree.map(lambda a: a[0], xs)
-    y_shape = _check_stage_shapes(stage_fn, chunk0, x0, C)
+    y_shape = _check_stage_shapes(stage_fn, chunk0, x0, C, key)
     buffer_shape = y_shape  # what a tick sends: an activation or a cotangent (same shape)
 
     def zeros(shape_tree: PyTree, lead: tuple[int, ...] = ()) -> PyTree:
@@ -365,7 +390,7 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
         x_in = pick(xs, m)
         x = x_in if C == 1 else jax.tree.map(
             lambda a, b: jnp.where(first == 1, a, b), x_in, pick(stash, x_slot))
-        return params_of(v), x, v * P + s
+        return params_of(v), x, v * P + s + (0 if key is None else m * C)
 
     # With remat=False the forward's residuals (and, for a split backward, what its input
     # part hands to its weight part, ``mid``) are kept per (microbatch, chunk) in ``kept``:
