@@ -91,6 +91,7 @@ def value_and_grad(
     return_input_grads: bool = False,
     remat: bool = True,
     key: jax.Array | None = None,
+    loss_params: PyTree | None = None,
 ) -> tuple[Any, ...]:
     """Mean loss and parameter gradients of a pipelined model; call inside ``jax.shard_map``.
 
@@ -125,9 +126,20 @@ def value_and_grad(
         (what ``jax.vjp`` saves, less what the parameters alone give) until the backward
         instead: a forward's work less per backward, for their memory. With a split
         backward (``ZeroBubble``) the weight part then reuses the input part's work.
+      key: a PRNG key (``jax.random.key`` or ``PRNGKey``, the same on every device) for a
+        stage function that draws random numbers (dropout): it is then called as
+        ``stage_fn(chunk_params, x, chunk_key)`` with
+        ``chunk_key = microbatch_key(key, m, c, d)`` for microbatch ``m``, chunk ``c`` and,
+        with ``data_axis_name``, data shard ``d`` (else ``None``): the keys
+        :func:`reference_value_and_grad` gives the same model on one device. A backward
+        that recomputes a forward draws the same numbers again.
+      loss_params: parameters of the loss (a language model's head, say: the same on every
+        device), or ``None``. ``loss_fn`` is then ``loss_fn(loss_params, y, target)``, run on
+        the last chunk's stage, and their gradient comes back after ``grads``.
 
     Returns:
-      ``(loss, grads)``, then ``outputs`` if asked for, then ``input_grads`` if asked for:
+      ``(loss, grads)``, then ``loss_param_grads`` if ``loss_params`` are given (shaped like
+      them, on every stage), ``outputs`` if asked for, then ``input_grads`` if asked for:
       the mean loss (float32 scalar, the same on every stage), and gradients shaped like
       ``params`` (this stage's block).
 
@@ -160,7 +172,7 @@ def value_and_grad(
         _check_differentiable(microbatches)
     plan = plan_mod.make_plan(schedule, return_input_grads, remat)  # builds, validates the table
     return _run(stage_fn, chunk_params, loss_fn, microbatches, targets, plan, axis_name,
-                data_axis_name, return_outputs, params, key)
+                data_axis_name, return_outputs, params, key, loss_params)
 
 
 def microbatch_key(key: jax.Array, microbatch: Any, chunk: Any,
@@ -301,7 +313,8 @@ def _accumulator_dtype(dtype: Any) -> Any:
 def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
          loss_fn: Callable[[PyTree, PyTree], jax.Array], xs: PyTree, ys: PyTree,
          plan: plan_mod.Plan, axis: Hashable, data_axis: Hashable | None,
-         return_outputs: bool, params: PyTree, key: jax.Array | None) -> Any:
+         return_outputs: bool, params: PyTree, key: jax.Array | None,
+         loss_params: PyTree | None) -> Any:
     """The scan over the plan's ticks (module docstring); ``chunk_params`` are this stage's
     ``[V, ...]`` leaves, ``params`` the caller's block (the gradients take its shapes)."""
     schedule = plan.schedule
@@ -349,6 +362,12 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
             lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, i, 0), tree, value)
 
     acc_dtypes = jax.tree.map(lambda a: _accumulator_dtype(a.dtype), chunk_params)
+    if loss_params is not None:
+        loss_params = vary(loss_params, varying)
+        loss_acc = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, _accumulator_dtype(a.dtype)), loss_params)
+        cast_loss = lambda tree: jax.tree.map(  # noqa: E731
+            lambda a, d: a.astype(d.dtype), tree, loss_acc)
     cast = lambda tree: jax.tree.map(lambda a, d: a.astype(d), tree, acc_dtypes)  # noqa: E731
     no_buffer = lambda: zeros(buffer_shape)  # noqa: E731
 
@@ -375,7 +394,7 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
     # parameter cotangent return it too. ``kept`` is what goes into the per-microbatch results
     # (outputs, input cotangents), written after the switch: passed through every branch,
     # those [M, ...] arrays would be copied whole every tick.
-    def kept_rows(m=None, y=None, dx=None):
+    def kept_rows(m=None, y=None, dx=None, dl=None):
         """``(row, value)`` per result asked for; row M, a scratch row, where the action
         leaves nothing."""
         out = ()
@@ -383,6 +402,8 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
             out += ((jnp.int32(M), zeros(y_shape)) if y is None else (m, y),)
         if plan.input_grads:
             out += ((jnp.int32(M), zeros(x0)) if dx is None else (m, dx),)
+        if loss_params is not None:  # each microbatch's gradient of the loss's parameters
+            out += ((jnp.int32(M), zeros(loss_acc)) if dl is None else (m, cast_loss(dl)),)
         return out
 
     def inputs(stash, cell):
@@ -427,8 +448,15 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
 
     def forward_last(stash, kept, loss, cell):
         y, res = run_forward(stash, cell)
-        step_loss, dy = jax.value_and_grad(lambda y: loss_fn(y, pick(ys, cell[_MICROBATCH])))(y)
-        return dy, loss + step_loss.astype(jnp.float32), kept_rows(cell[_MICROBATCH], y=y), res
+        target = pick(ys, cell[_MICROBATCH])
+        if loss_params is None:
+            step_loss, dy = jax.value_and_grad(lambda y: loss_fn(y, target))(y)
+            rows = kept_rows(cell[_MICROBATCH], y=y)
+        else:
+            step_loss, (dy, dl) = jax.value_and_grad(
+                lambda y, lp: loss_fn(lp, y, target), argnums=(0, 1))(y, loss_params)
+            rows = kept_rows(cell[_MICROBATCH], y=y, dl=dl)
+        return dy, loss + step_loss.astype(jnp.float32), rows, res
 
     def cotangent(stash, cell):
         return pick(stash, cell[_G_SLOT])
@@ -627,7 +655,8 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
                   varying)
     # The per-microbatch results asked for, each with a scratch row M (see kept_rows()).
     results = ((zeros(y_shape, (M + 1,)),) if return_outputs else ()) + \
-        ((zeros(x0, (M + 1,)),) if plan.input_grads else ())
+        ((zeros(x0, (M + 1,)),) if plan.input_grads else ()) + \
+        ((zeros(loss_acc, (M + 1,)),) if loss_params is not None else ())
     kept = () if vjp is None else tuple(
         zeros(leaf, (plan.kept_slots + 1,)) for leaf in (*vjp.kept, *vjp.mid))
     carry = (stash, kept, (grads, vary(jnp.zeros((), jnp.float32), varying)), results)
@@ -652,6 +681,10 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
         grads = jax.lax.pmean(grads, data_axis)
     grads = jax.tree.map(lambda g, a: g.reshape(a.shape), grads, params)
     result = [loss, grads]
+    if loss_params is not None:
+        dls = jax.tree.map(lambda d, a: (shared_from(last, d.sum(0)) / M).astype(a.dtype),
+                           results.pop(-1), loss_params)
+        result.append(dls if data_axis is None else jax.lax.pmean(dls, data_axis))
     if return_outputs:
         result.append(shared_from(last, results.pop(0)))
     if plan.input_grads:

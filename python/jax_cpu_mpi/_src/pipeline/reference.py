@@ -61,6 +61,7 @@ def reference_value_and_grad(
     return_input_grads: bool = False,
     key: jax.Array | None = None,
     data_shards: int | None = None,
+    loss_params: PyTree | None = None,
 ) -> tuple[Any, ...]:
     """``jax.value_and_grad`` of the model a pipeline runs, on one device, no pipeline.
 
@@ -73,11 +74,13 @@ def reference_value_and_grad(
     d))``; ``data_shards``: the size of the pipeline's data axis, if it has one: each
     microbatch's batch axis (its leaves' first) is then cut into that many equal shards, each
     with its own keys, as the data shards of a pipeline draw them. (Without a key the shards
-    change nothing: the chunks see the samples of a microbatch alike.)
+    change nothing: the chunks see the samples of a microbatch alike.) ``loss_params``:
+    as for :func:`value_and_grad`, ``loss_fn(loss_params, output, target)``; their gradient
+    then follows ``grads``.
     """
     V = virtual_stages
 
-    def loss(params: PyTree, microbatches: PyTree) -> jax.Array:
+    def loss(params: PyTree, microbatches: PyTree, loss_params: PyTree) -> jax.Array:
         chunks = chunk_list(params, V)
 
         def apply(x: PyTree, m: jax.Array, d: jax.Array | None) -> PyTree:
@@ -94,12 +97,13 @@ def reference_value_and_grad(
                 shards = jax.tree.map(lambda a: a.reshape(D, a.shape[0] // D, *a.shape[1:]), x)
                 out = jax.vmap(lambda x, d: apply(x, m, d))(shards, jnp.arange(D))
                 x = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), out)
-            return loss_fn(x, y).astype(jnp.float32)
+            value = loss_fn(x, y) if loss_params is None else loss_fn(loss_params, x, y)
+            return value.astype(jnp.float32)
 
         M = jax.tree.leaves(microbatches)[0].shape[0]
         return jnp.mean(jax.vmap(one)(microbatches, targets, jnp.arange(M)))
 
-    if not return_input_grads:
-        return jax.value_and_grad(loss)(params, microbatches)
-    value, (grads, input_grads) = jax.value_and_grad(loss, argnums=(0, 1))(params, microbatches)
-    return value, grads, input_grads
+    argnums = (0,) + ((2,) if loss_params is not None else ()) + \
+        ((1,) if return_input_grads else ())
+    value, grads = jax.value_and_grad(loss, argnums=argnums)(params, microbatches, loss_params)
+    return (value, *grads)
