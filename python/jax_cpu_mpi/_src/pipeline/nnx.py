@@ -1,12 +1,13 @@
 """Flax NNX modules as pipeline stages: blocks of one structure, stacked, and back.
 
 A model's repeated blocks (``L`` modules of one class and configuration) become the
-pipeline's stacked parameters: their ``nnx.Param`` states, ``L / (P V)`` consecutive blocks
-per chunk, in the ``[P, (V,) K, ...]`` layout of :func:`.reference.stack_stages` with the
-chunk's ``K`` blocks on the axis after it; the stage function merges each block again
+pipeline's stacked parameters: their ``nnx.Param`` states as plain nested dicts
+(``nnx.to_pure_dict``: what Optax and Orbax take as they are), ``L / (P V)`` consecutive
+blocks per chunk, in the ``[P, (V,) K, ...]`` layout of :func:`.reference.stack_stages` with
+the chunk's ``K`` blocks on the axis after it; the stage function merges each block again
 (``nnx.merge``) and calls it. :meth:`NnxStages.blocks` turns stacked parameters (or
-gradients, or an optimizer's moments, anything shaped like them) back into one
-``nnx.State`` per block, the model's own tree, which ``nnx.update`` writes into the modules.
+gradients, or an optimizer's moments, anything shaped like them) back into one dict per
+block, the model's own tree, which ``nnx.update`` writes into the modules.
 
 Flax is imported when an :class:`NnxStages` is made, not with the package (it is optional:
 the ``examples`` extra).
@@ -75,7 +76,7 @@ class NnxStages:
         self.stages, self.virtual_stages = stages, virtual_stages
         self.per_chunk = len(blocks) // chunks
         self.call = call or _default_call
-        self._block_params = [params for _, params, _ in splits]
+        self._block_params = [nnx.to_pure_dict(params) for _, params, _ in splits]
 
     @property
     def num_blocks(self) -> int:
@@ -83,12 +84,13 @@ class NnxStages:
         return self.per_chunk * self.stages * self.virtual_stages
 
     def params(self) -> PyTree:
-        """The blocks' parameters (as given when made) in the stacked layout."""
+        """The blocks' parameters (as given when made, plain dicts) in the stacked layout."""
         return self.stack(self._block_params)
 
     def stack(self, per_block: Sequence[PyTree]) -> PyTree:
-        """One pytree per block (their ``nnx.Param`` states, or anything shaped like them),
-        model order, to the pipeline's layout: leaves ``[P, K, ...]`` (``[P, V, K, ...]``)."""
+        """One pytree per block (``nnx.to_pure_dict(nnx.state(block, nnx.Param))``, or anything
+        shaped like it), model order, to the pipeline's layout: leaves ``[P, K, ...]``
+        (``[P, V, K, ...]``)."""
         if len(per_block) != self.num_blocks:
             raise ValueError(f"jax_cpu_mpi.pipeline.NnxStages.stack: {len(per_block)} "
                              f"pytrees for {self.num_blocks} blocks")
