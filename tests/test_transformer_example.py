@@ -122,7 +122,7 @@ def test_a_killed_run_resumes_to_the_same_parameters(tmp_path):
     step-2 checkpoint is saved and started again: both save the same step 4 (parameters,
     optimizer state), though the second did only steps 3 and 4 after its restart."""
     args = [*TINY, "--stages", "2", "--data", "1", "--steps", "4", "--checkpoint-every", "2",
-            "--dropout", "0.1"]
+            "--dropout", "0.1", "--layers", "2", "--eval-every", "0"]
     through, killed = tmp_path / "through", tmp_path / "killed"
     _run([*args, "--checkpoint", str(through)])
     _run([*args, "--checkpoint", str(killed)], kill_after="checkpoint: step 2 saved")

@@ -30,6 +30,7 @@ last one: a run killed and started again ends with the parameters of one that ra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import sys
@@ -73,7 +74,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     a("--warmup", type=int, default=30, help="linear warm-up steps (30)")
     a("--weight-decay", type=float, default=0.1, help="AdamW weight decay (0.1)")
     a("--clip", type=float, default=1.0, help="gradient clipping: global norm (1.0)")
-    a("--eval-every", type=int, default=50, help="validation loss every N steps (50)")
+    a("--eval-every", type=int, default=50,
+      help="validation loss every N steps and after the last (50; 0: never)")
     a("--eval-batches", type=int, default=4, help="validation batches (4)")
     a("--text-chars", type=int, default=2_000_000,
       help="characters of standard-library source to read (2000000)")
@@ -86,15 +88,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     a("--checkpoint", metavar="DIR", default=None,
       help="save with Orbax into DIR every --checkpoint-every steps; resume from the last")
     a("--checkpoint-every", type=int, default=50, help="steps between checkpoints (50)")
+    a("--trace", metavar="DIR", default=None,
+      help="record the psend/precv timeline of the steps after the first into DIR (one "
+           "file per process); 'python -m jax_cpu_mpi trace DIR' draws it")
     args = p.parse_args(argv)
     if args.virtual_stages is None:
         args.virtual_stages = 2 if args.schedule == "interleaved-1f1b" else 1
     if args.virtual_stages != 1 and args.schedule != "interleaved-1f1b":
         p.error(f"--virtual-stages {args.virtual_stages} needs --schedule interleaved-1f1b")
     if min(args.stages, args.data, args.microbatches, args.layers, args.width, args.heads,
-           args.seq_len, args.batch, args.virtual_stages, args.eval_every,
-           args.checkpoint_every) < 1 or args.steps < 0:
-        p.error("sizes must be >= 1 (--steps >= 0)")
+           args.seq_len, args.batch, args.virtual_stages,
+           args.checkpoint_every) < 1 or min(args.steps, args.eval_every) < 0:
+        p.error("sizes must be >= 1 (--steps and --eval-every >= 0)")
     chunks = args.stages * args.virtual_stages
     if args.layers % chunks:
         p.error(f"--layers {args.layers} does not split evenly over {args.stages} stages x "
@@ -133,6 +138,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+import jax_cpu_mpi  # noqa: E402
 from jax_cpu_mpi import pipeline  # noqa: E402
 
 STAGE, DATA = "stage", "data"
@@ -631,7 +637,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     evals: list[tuple[int, float]] = []
     tokens = B * T
     timed, counted = 0.0, 0
+    recording = contextlib.ExitStack()
     for i in range(step0, args.steps):
+        if i == step0 + 1 and args.trace:  # after the compiling step
+            recording.enter_context(jax_cpu_mpi.trace(args.trace))
         ids, targets = batch_at(text.train, args.seed, i, B, T)
         start = time.perf_counter()
         params, opt_state, loss = train_step(params, opt_state, microbatches(ids),
@@ -645,7 +654,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         line = (f"step {i + 1:>5}/{args.steps} {progress_bar(i + 1, args.steps)} "
                 f"loss {loss:.4f}  {tokens / seconds:>8.0f} tokens/s"
                 + (" (includes compilation)" if i == step0 else ""))
-        if (i + 1) % args.eval_every == 0 or i + 1 == args.steps:
+        if args.eval_every and ((i + 1) % args.eval_every == 0 or i + 1 == args.steps):
             # The same validation batches every time.
             val = np.mean([float(host(evaluate(params, *map(microbatches, batch_at(
                 text.val, args.seed, 10**6 + j, B, T))))) for j in range(args.eval_batches)])
@@ -654,6 +663,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         say(line)
         if checkpoints is not None and (i + 1) % args.checkpoint_every == 0:
             save(i + 1)
+    recording.close()
+    if args.trace and counted:
+        say(f"trace: steps {step0 + 2}..{args.steps} recorded into {args.trace}")
     if counted:
         say(f"throughput: {tokens * counted / timed:.0f} tokens/s (steps after the first "
             f"of this run, {counted} of them)")
