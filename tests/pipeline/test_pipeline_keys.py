@@ -83,7 +83,7 @@ def test_keyed_stages_match_the_reference(name, stages, data, remat, head):
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
     assert jax.tree.structure(got) == jax.tree.structure(want)
     for g, w in zip(jax.tree.leaves(got[1:]), jax.tree.leaves(want[1:]), strict=True):
-        np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-7)
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-6)
     want_loss = want[0]
     # Another key draws other masks: the key reaches the stages.
     other = pl.reference_value_and_grad(dropout_stage, loss_fn, params, xs, ys, V,

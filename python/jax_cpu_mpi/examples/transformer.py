@@ -416,7 +416,8 @@ def init_opt_state(optimizer: optax.GradientTransformation, params: PyTree,
 
 
 def host(tree: PyTree) -> PyTree:
-    """Every array of ``tree`` whole on every process, as NumPy."""
+    """Every array of ``tree`` (global arrays, on the mesh) whole on every process, as
+    NumPy."""
     from jax.experimental import multihost_utils
 
     if jax.process_count() == 1:
@@ -449,7 +450,8 @@ def run_check(parts: Parts, args: argparse.Namespace, params: PyTree, ids: np.nd
         put = lambda a: jax.device_put(a, device)  # noqa: E731
         want_loss, want_grads = reference_value_and_grad(parts, args)(
             jax.tree.map(put, params), put(ids), put(targets), put(key))
-        want = float(want_loss), host(want_grads)
+        # On this process's device only: fetched, not gathered from the processes.
+        want = float(want_loss), jax.tree.map(np.asarray, jax.device_get(want_grads))
     want_loss, want = want
     say(f"check: {args.schedule}, {args.stages} stages x {args.data} data shards vs one "
         f"device without a pipeline (float32, rtol {rtol:g})")
