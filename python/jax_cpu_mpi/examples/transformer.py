@@ -613,11 +613,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ok = run_check(parts, args, model_tree, ids_m, targets_m, key,
                        float(host(loss)), parts.model_tree(host(grads)), say)
 
-    like = {"params": model_tree,
-            "opt_state": map_params_like(host(opt_state), params, parts.model_tree),
-            "step": 0}
     step0 = 0
     if start_step is not None:
+        like = {"params": model_tree,
+                "opt_state": map_params_like(host(opt_state), params, parts.model_tree),
+                "step": 0}
         restored = checkpoints.restore(start_step, like)
         params = jax.device_put(parts.train_tree(restored["params"]), shardings)
         opt_state = map_params_like(restored["opt_state"], model_tree, parts.train_tree)
