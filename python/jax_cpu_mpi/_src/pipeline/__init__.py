@@ -6,6 +6,7 @@
 ``per_chunk``  chunks whose parameters differ in shape: flattened, padded, one function each
 ``sharded``    :func:`shard_value_and_grad`: the ``shard_map`` built for a mesh
 ``reference``  the same model on one device, and parameter / batch layout helpers
+``nnx``        Flax NNX blocks as stacked stage parameters and a stage function, and back
 
 Depends on ``ops`` (psend/precv) only; public as :mod:`jax_cpu_mpi.pipeline`.
 """

@@ -30,7 +30,7 @@ from jax_cpu_mpi._src.pipeline import residuals
 from jax_cpu_mpi._src.pipeline.per_chunk import PerChunkStages
 from jax_cpu_mpi._src.pipeline.schedules import Schedule
 
-__all__ = ["PipelineError", "value_and_grad"]
+__all__ = ["PipelineError", "microbatch_key", "value_and_grad"]
 
 PyTree = Any
 
@@ -90,6 +90,8 @@ def value_and_grad(
     return_outputs: bool = False,
     return_input_grads: bool = False,
     remat: bool = True,
+    key: jax.Array | None = None,
+    loss_params: PyTree | None = None,
 ) -> tuple[Any, ...]:
     """Mean loss and parameter gradients of a pipelined model; call inside ``jax.shard_map``.
 
@@ -124,9 +126,20 @@ def value_and_grad(
         (what ``jax.vjp`` saves, less what the parameters alone give) until the backward
         instead: a forward's work less per backward, for their memory. With a split
         backward (``ZeroBubble``) the weight part then reuses the input part's work.
+      key: a PRNG key (``jax.random.key`` or ``PRNGKey``, the same on every device) for a
+        stage function that draws random numbers (dropout): it is then called as
+        ``stage_fn(chunk_params, x, chunk_key)`` with
+        ``chunk_key = microbatch_key(key, m, c, d)`` for microbatch ``m``, chunk ``c`` and,
+        with ``data_axis_name``, data shard ``d`` (else ``None``): the keys
+        :func:`reference_value_and_grad` gives the same model on one device. A backward
+        that recomputes a forward draws the same numbers again.
+      loss_params: parameters of the loss (a language model's head, say: the same on every
+        device), or ``None``. ``loss_fn`` is then ``loss_fn(loss_params, y, target)``, run on
+        the last chunk's stage, and their gradient comes back after ``grads``.
 
     Returns:
-      ``(loss, grads)``, then ``outputs`` if asked for, then ``input_grads`` if asked for:
+      ``(loss, grads)``, then ``loss_param_grads`` if ``loss_params`` are given (shaped like
+      them, on every stage), ``outputs`` if asked for, then ``input_grads`` if asked for:
       the mean loss (float32 scalar, the same on every stage), and gradients shaped like
       ``params`` (this stage's block).
 
@@ -159,7 +172,18 @@ def value_and_grad(
         _check_differentiable(microbatches)
     plan = plan_mod.make_plan(schedule, return_input_grads, remat)  # builds, validates the table
     return _run(stage_fn, chunk_params, loss_fn, microbatches, targets, plan, axis_name,
-                data_axis_name, return_outputs, params)
+                data_axis_name, return_outputs, params, key, loss_params)
+
+
+def microbatch_key(key: jax.Array, microbatch: Any, chunk: Any,
+                   data_shard: Any | None = None) -> jax.Array:
+    """The key a keyed stage function gets for one microbatch, chunk and data shard.
+
+    ``fold_in(fold_in(key, microbatch), chunk)``, folded with ``data_shard`` too where it is
+    not ``None``: a different stream for every (microbatch, chunk, shard), the same wherever
+    it is computed (a pipeline stage, :func:`reference_value_and_grad`)."""
+    k = jax.random.fold_in(jax.random.fold_in(key, microbatch), chunk)
+    return k if data_shard is None else jax.random.fold_in(k, data_shard)
 
 
 def _check_differentiable(microbatches: PyTree) -> None:
@@ -171,14 +195,16 @@ def _check_differentiable(microbatches: PyTree) -> None:
             f"before the pipeline and pass the embedded microbatches")
 
 
-def _check_stage_shapes(stage_fn: Callable, chunk: PyTree, x: PyTree, C: int) -> PyTree:
+def _check_stage_shapes(stage_fn: Callable, chunk: PyTree, x: PyTree, C: int,
+                        key: jax.Array | None = None) -> PyTree:
     if isinstance(stage_fn, PerChunkStages):  # every chunk's own function must fit
         y = x
         for c, f in enumerate(stage_fn.functions):
-            y = _check_stage_shapes(f, stage_fn.chunk(c, chunk), x, C)
+            y = _check_stage_shapes(f, stage_fn.chunk(c, chunk), x, C, key)
         return y
     try:
-        y = jax.eval_shape(stage_fn, chunk, x)
+        y = jax.eval_shape(stage_fn, chunk, x) if key is None else \
+            jax.eval_shape(stage_fn, chunk, x, key)
     except Exception as e:  # a shape error inside the user's stage: say where it happened
         raise PipelineError(
             f"jax_cpu_mpi.pipeline.value_and_grad: stage_fn(params of one chunk, one "
@@ -287,7 +313,8 @@ def _accumulator_dtype(dtype: Any) -> Any:
 def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
          loss_fn: Callable[[PyTree, PyTree], jax.Array], xs: PyTree, ys: PyTree,
          plan: plan_mod.Plan, axis: Hashable, data_axis: Hashable | None,
-         return_outputs: bool, params: PyTree) -> Any:
+         return_outputs: bool, params: PyTree, key: jax.Array | None,
+         loss_params: PyTree | None) -> Any:
     """The scan over the plan's ticks (module docstring); ``chunk_params`` are this stage's
     ``[V, ...]`` leaves, ``params`` the caller's block (the gradients take its shapes)."""
     schedule = plan.schedule
@@ -295,10 +322,21 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
     C = P * V
     s = jax.lax.axis_index(axis)
     if isinstance(stage_fn, PerChunkStages):
-        apply = stage_fn.apply
+        chunk_apply = stage_fn.apply
     else:
-        def apply(p: PyTree, x: PyTree, c: Any) -> PyTree:
-            return stage_fn(p, x)
+        def chunk_apply(p: PyTree, x: PyTree, c: Any, *k: jax.Array) -> PyTree:
+            return stage_fn(p, x, *k)
+    if key is None:
+        apply = chunk_apply
+    else:
+        # A keyed chunk's index argument carries the microbatch too (m * C + c): the
+        # backward and the residuals' recomputation (.residuals, which forms again what
+        # depends on the parameters and the index only) then draw the forward's numbers.
+        shard = None if data_axis is None else jax.lax.axis_index(data_axis)
+
+        def apply(p: PyTree, x: PyTree, mc: Any) -> PyTree:
+            c = mc % C
+            return chunk_apply(p, x, c, microbatch_key(key, mc // C, c, shard))
     varying = vma_of(s) | frozenset().union(*map(vma_of, jax.tree.leaves((xs, chunk_params))))
     # Parameters typed as the data shards' own copies: otherwise the vjp of each tick would
     # sum their cotangents over the data axis (the transpose of the implicit broadcast), a
@@ -309,7 +347,7 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
     xs = vary(xs, varying)
     chunk0 = jax.tree.map(lambda a: a[0], chunk_params)
     x0 = jax.tree.map(lambda a: a[0], xs)
-    y_shape = _check_stage_shapes(stage_fn, chunk0, x0, C)
+    y_shape = _check_stage_shapes(stage_fn, chunk0, x0, C, key)
     buffer_shape = y_shape  # what a tick sends: an activation or a cotangent (same shape)
 
     def zeros(shape_tree: PyTree, lead: tuple[int, ...] = ()) -> PyTree:
@@ -324,6 +362,12 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
             lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, i, 0), tree, value)
 
     acc_dtypes = jax.tree.map(lambda a: _accumulator_dtype(a.dtype), chunk_params)
+    if loss_params is not None:
+        loss_params = vary(loss_params, varying)
+        loss_acc = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, _accumulator_dtype(a.dtype)), loss_params)
+        cast_loss = lambda tree: jax.tree.map(  # noqa: E731
+            lambda a, d: a.astype(d.dtype), tree, loss_acc)
     cast = lambda tree: jax.tree.map(lambda a, d: a.astype(d), tree, acc_dtypes)  # noqa: E731
     no_buffer = lambda: zeros(buffer_shape)  # noqa: E731
 
@@ -350,7 +394,7 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
     # parameter cotangent return it too. ``kept`` is what goes into the per-microbatch results
     # (outputs, input cotangents), written after the switch: passed through every branch,
     # those [M, ...] arrays would be copied whole every tick.
-    def kept_rows(m=None, y=None, dx=None):
+    def kept_rows(m=None, y=None, dx=None, dl=None):
         """``(row, value)`` per result asked for; row M, a scratch row, where the action
         leaves nothing."""
         out = ()
@@ -358,6 +402,8 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
             out += ((jnp.int32(M), zeros(y_shape)) if y is None else (m, y),)
         if plan.input_grads:
             out += ((jnp.int32(M), zeros(x0)) if dx is None else (m, dx),)
+        if loss_params is not None:  # each microbatch's gradient of the loss's parameters
+            out += ((jnp.int32(M), zeros(loss_acc)) if dl is None else (m, cast_loss(dl)),)
         return out
 
     def inputs(stash, cell):
@@ -365,7 +411,7 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
         x_in = pick(xs, m)
         x = x_in if C == 1 else jax.tree.map(
             lambda a, b: jnp.where(first == 1, a, b), x_in, pick(stash, x_slot))
-        return params_of(v), x, v * P + s
+        return params_of(v), x, v * P + s + (0 if key is None else m * C)
 
     # With remat=False the forward's residuals (and, for a split backward, what its input
     # part hands to its weight part, ``mid``) are kept per (microbatch, chunk) in ``kept``:
@@ -402,8 +448,15 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
 
     def forward_last(stash, kept, loss, cell):
         y, res = run_forward(stash, cell)
-        step_loss, dy = jax.value_and_grad(lambda y: loss_fn(y, pick(ys, cell[_MICROBATCH])))(y)
-        return dy, loss + step_loss.astype(jnp.float32), kept_rows(cell[_MICROBATCH], y=y), res
+        target = pick(ys, cell[_MICROBATCH])
+        if loss_params is None:
+            step_loss, dy = jax.value_and_grad(lambda y: loss_fn(y, target))(y)
+            rows = kept_rows(cell[_MICROBATCH], y=y)
+        else:
+            step_loss, (dy, dl) = jax.value_and_grad(
+                lambda y, lp: loss_fn(lp, y, target), argnums=(0, 1))(y, loss_params)
+            rows = kept_rows(cell[_MICROBATCH], y=y, dl=dl)
+        return dy, loss + step_loss.astype(jnp.float32), rows, res
 
     def cotangent(stash, cell):
         return pick(stash, cell[_G_SLOT])
@@ -602,7 +655,8 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
                   varying)
     # The per-microbatch results asked for, each with a scratch row M (see kept_rows()).
     results = ((zeros(y_shape, (M + 1,)),) if return_outputs else ()) + \
-        ((zeros(x0, (M + 1,)),) if plan.input_grads else ())
+        ((zeros(x0, (M + 1,)),) if plan.input_grads else ()) + \
+        ((zeros(loss_acc, (M + 1,)),) if loss_params is not None else ())
     kept = () if vjp is None else tuple(
         zeros(leaf, (plan.kept_slots + 1,)) for leaf in (*vjp.kept, *vjp.mid))
     carry = (stash, kept, (grads, vary(jnp.zeros((), jnp.float32), varying)), results)
@@ -627,6 +681,10 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
         grads = jax.lax.pmean(grads, data_axis)
     grads = jax.tree.map(lambda g, a: g.reshape(a.shape), grads, params)
     result = [loss, grads]
+    if loss_params is not None:
+        dls = jax.tree.map(lambda d, a: (shared_from(last, d.sum(0)) / M).astype(a.dtype),
+                           results.pop(-1), loss_params)
+        result.append(dls if data_axis is None else jax.lax.pmean(dls, data_axis))
     if return_outputs:
         result.append(shared_from(last, results.pop(0)))
     if plan.input_grads:

@@ -62,10 +62,10 @@ class PerChunkStages:
         """Chunk ``c``'s parameters from its padded vector."""
         return self.unravel[c](vector[:self.sizes[c]])
 
-    def apply(self, vector: jax.Array, x: PyTree, c: Any) -> PyTree:
-        """Chunk ``c`` (traced) on ``x``."""
-        branches = [lambda v, x, i=i: self.functions[i](self.chunk(i, v), x)
+    def apply(self, vector: jax.Array, x: PyTree, c: Any, *key: jax.Array) -> PyTree:
+        """Chunk ``c`` (traced) on ``x`` (with its PRNG key, where the pipeline has one)."""
+        branches = [lambda v, x, *k, i=i: self.functions[i](self.chunk(i, v), x, *k)
                     for i in range(len(self.functions))]
         if len(branches) == 1:
-            return branches[0](vector, x)
-        return jax.lax.switch(c, branches, vector, x)
+            return branches[0](vector, x, *key)
+        return jax.lax.switch(c, branches, vector, x, *key)

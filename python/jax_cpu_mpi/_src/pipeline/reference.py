@@ -9,6 +9,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jax_cpu_mpi._src.pipeline.executor import microbatch_key
+
 __all__ = ["reference_value_and_grad", "split_microbatches", "stack_stages"]
 
 PyTree = Any
@@ -57,6 +59,9 @@ def reference_value_and_grad(
     targets: PyTree,
     virtual_stages: int = 1,
     return_input_grads: bool = False,
+    key: jax.Array | None = None,
+    data_shards: int | None = None,
+    loss_params: PyTree | None = None,
 ) -> tuple[Any, ...]:
     """``jax.value_and_grad`` of the model a pipeline runs, on one device, no pipeline.
 
@@ -64,20 +69,41 @@ def reference_value_and_grad(
     applies chunk ``0, 1, ..., P V - 1`` (chunk ``c = v * P + s``) to each microbatch; the loss
     is the mean over microbatches of ``loss_fn(output, target)``. Returns ``(loss, grads)``,
     and the gradient with respect to ``microbatches`` after them if ``return_input_grads``.
+
+    ``key``: as for :func:`value_and_grad`, ``stage_fn(chunk, x, microbatch_key(key, m, c,
+    d))``; ``data_shards``: the size of the pipeline's data axis, if it has one: each
+    microbatch's batch axis (its leaves' first) is then cut into that many equal shards, each
+    with its own keys, as the data shards of a pipeline draw them. (Without a key the shards
+    change nothing: the chunks see the samples of a microbatch alike.) ``loss_params``:
+    as for :func:`value_and_grad`, ``loss_fn(loss_params, output, target)``; their gradient
+    then follows ``grads``.
     """
     V = virtual_stages
 
-    def loss(params: PyTree, microbatches: PyTree) -> jax.Array:
+    def loss(params: PyTree, microbatches: PyTree, loss_params: PyTree) -> jax.Array:
         chunks = chunk_list(params, V)
 
-        def one(x: PyTree, y: PyTree) -> jax.Array:
-            for chunk in chunks:
-                x = stage_fn(chunk, x)
-            return loss_fn(x, y).astype(jnp.float32)
+        def apply(x: PyTree, m: jax.Array, d: jax.Array | None) -> PyTree:
+            for c, chunk in enumerate(chunks):
+                x = stage_fn(chunk, x) if key is None else \
+                    stage_fn(chunk, x, microbatch_key(key, m, c, d))
+            return x
 
-        return jnp.mean(jax.vmap(one)(microbatches, targets))
+        def one(x: PyTree, y: PyTree, m: jax.Array) -> jax.Array:
+            if key is None or data_shards is None:
+                x = apply(x, m, None)
+            else:  # the shards of the batch axis, each with its keys, then joined again
+                D = data_shards
+                shards = jax.tree.map(lambda a: a.reshape(D, a.shape[0] // D, *a.shape[1:]), x)
+                out = jax.vmap(lambda x, d: apply(x, m, d))(shards, jnp.arange(D))
+                x = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), out)
+            value = loss_fn(x, y) if loss_params is None else loss_fn(loss_params, x, y)
+            return value.astype(jnp.float32)
 
-    if not return_input_grads:
-        return jax.value_and_grad(loss)(params, microbatches)
-    value, (grads, input_grads) = jax.value_and_grad(loss, argnums=(0, 1))(params, microbatches)
-    return value, grads, input_grads
+        M = jax.tree.leaves(microbatches)[0].shape[0]
+        return jnp.mean(jax.vmap(one)(microbatches, targets, jnp.arange(M)))
+
+    argnums = (0,) + ((2,) if loss_params is not None else ()) + \
+        ((1,) if return_input_grads else ())
+    value, grads = jax.value_and_grad(loss, argnums=argnums)(params, microbatches, loss_params)
+    return (value, *grads)

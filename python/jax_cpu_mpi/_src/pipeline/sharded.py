@@ -29,9 +29,15 @@ def shard_value_and_grad(
     return_input_grads: bool = False,
     remat: bool = True,
 ) -> Callable[..., Any]:
-    """A function ``(params, microbatches, targets) -> (loss, grads[, outputs][, input_grads])``
-    that runs :func:`value_and_grad` under ``jax.shard_map`` over ``mesh`` (wrap it in
-    ``jax.jit``).
+    """A function ``(params, microbatches, targets, key=None, loss_params=None) -> (loss,
+    grads[, loss_param_grads][, outputs][, input_grads])`` that runs :func:`value_and_grad`
+    under ``jax.shard_map`` over ``mesh`` (wrap it in ``jax.jit``).
+
+    ``key``: a PRNG key for stage functions that draw random numbers (dropout): they are then
+    called ``stage_fn(chunk_params, x, chunk_key)``, one key per microbatch, chunk and data
+    shard (:func:`microbatch_key`), as :func:`reference_value_and_grad` gives them.
+    ``loss_params``: parameters of the loss (replicated), which ``loss_fn(loss_params, y,
+    target)`` then takes; their gradient (replicated) follows ``grads``.
 
     ``params``: stacked leaves ``[P, ...]`` (``[P, V, ...]`` interleaved), sharded over
     ``axis_name``; ``microbatches`` / ``targets``: ``[M, batch, ...]`` leaves, the batch axis
@@ -70,18 +76,30 @@ def shard_value_and_grad(
         sharding = jax.sharding.NamedSharding(mesh, spec)
         return jax.tree.map(lambda a: jax.reshard(a, sharding), tree)
 
-    def body(params: PyTree, microbatches: PyTree, targets: PyTree) -> Any:
+    def body(params: PyTree, microbatches: PyTree, targets: PyTree, key: jax.Array | None,
+             loss_params: PyTree | None) -> Any:
         return value_and_grad(stage_fn, params, loss_fn, microbatches, targets, schedule,
                               axis_name=axis_name, data_axis_name=data_axis_name,
                               return_outputs=return_outputs,
-                              return_input_grads=return_input_grads, remat=remat)
+                              return_input_grads=return_input_grads, remat=remat,
+                              key=key, loss_params=loss_params)
 
-    out_specs = ((PartitionSpec(), stage) + ((data,) if return_outputs else ())
-                 + ((data,) if return_input_grads else ()))
-    mapped = jax.shard_map(body, mesh=mesh, in_specs=(stage, data, data), out_specs=out_specs)
+    def mapped(body: Callable[..., Any], key: jax.Array | None, loss_params: PyTree | None,
+               *args: Any) -> Any:
+        # The key and the loss's parameters, where given, replicated; None passes through
+        # shard_map as an empty pytree.
+        rep = PartitionSpec()
+        out_specs = ((rep, stage) + ((rep,) if loss_params is not None else ())
+                     + ((data,) if return_outputs else ())
+                     + ((data,) if return_input_grads else ()))
+        return jax.shard_map(body, mesh=mesh, in_specs=(stage, data, data, rep, rep),
+                             out_specs=out_specs)(*args, place(key, rep),
+                                                  place(loss_params, rep))
 
-    def run(params: PyTree, microbatches: PyTree, targets: PyTree) -> Any:
-        return mapped(place(params, stage), place(microbatches, data), place(targets, data))
+    def run(params: PyTree, microbatches: PyTree, targets: PyTree,
+            key: jax.Array | None = None, loss_params: PyTree | None = None) -> Any:
+        return mapped(body, key, loss_params, place(params, stage), place(microbatches, data),
+                      place(targets, data))
 
     if callable(stage_fn):
         return run
@@ -91,20 +109,21 @@ def shard_value_and_grad(
             f"jax_cpu_mpi.pipeline.shard_value_and_grad: {len(functions)} stage functions "
             f"for {P} stages x {V} virtual stages; give one per chunk (P x V = {P * V})")
 
-    def run_per_chunk(params: Sequence[PyTree], microbatches: PyTree, targets: PyTree) -> Any:
+    def run_per_chunk(params: Sequence[PyTree], microbatches: PyTree, targets: PyTree,
+                      key: jax.Array | None = None, loss_params: PyTree | None = None) -> Any:
         per_chunk = PerChunkStages(functions, params)
 
-        def body(vectors: jax.Array, microbatches: PyTree, targets: PyTree) -> Any:
+        def body(vectors: jax.Array, microbatches: PyTree, targets: PyTree,
+                 key: jax.Array | None, loss_params: PyTree | None) -> Any:
             return value_and_grad(per_chunk, vectors, loss_fn, microbatches, targets,
                                   schedule, axis_name=axis_name,
                                   data_axis_name=data_axis_name,
                                   return_outputs=return_outputs,
-                                  return_input_grads=return_input_grads, remat=remat)
+                                  return_input_grads=return_input_grads, remat=remat,
+                                  key=key, loss_params=loss_params)
 
-        mapped = jax.shard_map(body, mesh=mesh, in_specs=(stage, data, data),
-                               out_specs=out_specs)
-        result = mapped(place(per_chunk.stacked(P, V), stage), place(microbatches, data),
-                        place(targets, data))
+        result = mapped(body, key, loss_params, place(per_chunk.stacked(P, V), stage),
+                        place(microbatches, data), place(targets, data))
         # Gathered before it is cut into chunks (a cut across the sharded stage axis would
         # not type on a mesh with Explicit axes).
         grads = place(result[1], PartitionSpec())

@@ -1,0 +1,153 @@
+"""The transformer example (``python -m jax_cpu_mpi.examples.transformer``): its check, its
+checkpoints, and the same job under mpirun.
+
+Tiny models (2 blocks of width 16, 16 characters) keep each run to a compilation or two:
+``--check`` for every schedule in this process (4 of pytest's devices), a check that can
+fail, one ``mpirun -n 2`` x 2 devices run (check, training, an Orbax checkpoint written by
+both ranks), and a run killed after its first checkpoint and started again, which must end
+with the parameters of a run that went through.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import numpy as np
+import pytest
+from jax_p2p_removal import python_prefix
+
+from mpi_launcher import run_mpi
+
+pytest.importorskip("flax")
+pytest.importorskip("optax")
+pytest.importorskip("orbax.checkpoint")
+
+MODULE = "jax_cpu_mpi.examples.transformer"
+TINY = ["--layers", "4", "--width", "16", "--heads", "2", "--seq-len", "16", "--batch", "8",
+        "--microbatches", "2", "--text-chars", "40000", "--eval-every", "2",
+        "--eval-batches", "1"]
+
+
+# Interleaved needs 2 x 2 chunks (4 blocks); the others run 2 blocks, one per stage, to keep
+# the one-device reference (unrolled over microbatches, shards and blocks) quick to compile.
+CHECKS = [("gpipe", 2, 2, ""), ("1f1b", 2, 1, "--no-remat"), ("interleaved-1f1b", 4, 2, ""),
+          ("zero-bubble", 2, 1, "--no-remat")]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("schedule,layers,data,remat", CHECKS, ids=[c[0] for c in CHECKS])
+def test_check_passes_for_every_schedule(schedule, layers, data, remat, capsys):
+    from jax_cpu_mpi.examples import transformer
+
+    args = [*TINY, "--stages", "2", "--data", str(data), "--schedule", schedule, "--steps",
+            "0", "--check", "--dropout", "0.2", "--layers", str(layers)]
+    assert transformer.main(args + ([remat] if remat else [])) == 0
+    out = capsys.readouterr().out
+    assert "check: PASS" in out, out
+    # Every block's gradients were compared.
+    assert all(f"block {b} gradients" in out for b in range(layers)), out
+
+
+def test_the_check_tells_pass_from_fail(capsys):
+    """run_check fails gradients off by 1e-3 in one block, and a loss off as much."""
+    import jax
+
+    from jax_cpu_mpi.examples import transformer
+
+    args = transformer.parse_args([*TINY, "--stages", "2", "--data", "1", "--layers", "2"])
+    text = transformer.load_text(args.text_chars)
+    _, parts, tree = transformer.make_model(len(text.vocab), args)
+    ids, targets = transformer.batch_at(text.train, 0, 0, args.batch, args.seq_len)
+    ids, targets = ids.reshape(2, 4, -1), targets.reshape(2, 4, -1)
+    key = jax.random.key(0)
+    loss, grads = transformer.reference_value_and_grad(parts, args)(tree, ids, targets, key)
+    grads = transformer.host(grads)
+
+    def check(loss, grads, want=(float(loss), grads)):
+        return transformer.run_check(parts, args, tree, ids, targets, key, loss, grads, print,
+                                     want=want)
+
+    # The reference against itself, computed again by run_check: PASS.
+    assert transformer.run_check(parts, args, tree, ids, targets, key, float(loss), grads,
+                                 print)
+    off = jax.tree.map(np.copy, grads)
+    off["blocks"][1]["up"]["kernel"] *= 1 + 1e-3
+    assert not check(float(loss), off)
+    assert not check(float(loss) * (1 + 1e-3), grads)
+    verdicts = [line.split()[1] for line in capsys.readouterr().out.splitlines()
+                if line.startswith("check: ") and line.split()[1] in ("PASS", "FAIL")]
+    assert verdicts == ["PASS", "FAIL", "FAIL"]
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(600)
+def test_mpirun_n2x2devices_checks_trains_and_checkpoints(tmp_path):
+    run = run_mpi(MODULE, *TINY, "--stages", "2", "--data", "2", "--schedule",
+                  "interleaved-1f1b", "--layers", "4", "--check", "--steps", "2",
+                  "--checkpoint", str(tmp_path), "--checkpoint-every", "2",
+                  nprocs=2, module=True, timeout=560)
+    assert run.returncode == 0, run.report()
+    out = "\n".join(run.by_rank()[0])
+    assert "2 stages x 2 data shards on 2 process(es) x 2 CPU device(s)" in out, out
+    assert "check: PASS" in out, run.report()
+    assert "step     2/2" in out and "val " in out, out
+    assert f"checkpoint: step 2 saved in {tmp_path}" in out, out
+    assert (tmp_path / "2").is_dir()
+    assert not any("step " in line for line in run.by_rank()[1]), run.report()
+
+
+def _run(args: list[str], kill_after: str | None = None) -> str:
+    """The example in a subprocess (2 devices); killed (SIGKILL) once it prints a line
+    starting with ``kill_after``."""
+    env = dict(os.environ, JAX_CPU_MPI_RECV_TIMEOUT="60")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.Popen([*python_prefix(), "-u", "-m", MODULE, *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if kill_after and line.startswith(kill_after):
+                proc.kill()
+                break
+        proc.wait(timeout=280)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = "".join(lines)
+    assert proc.returncode == (-9 if kill_after else 0), out
+    return out
+
+
+def _saved(directory, step: int) -> dict:
+    import orbax.checkpoint as ocp
+
+    return ocp.StandardCheckpointer().restore((directory / str(step) / "state").absolute())
+
+
+@pytest.mark.timeout(900)
+def test_a_killed_run_resumes_to_the_same_parameters(tmp_path):
+    """Checkpoints every 2 steps of 4; one run goes through, the other is killed once its
+    step-2 checkpoint is saved and started again: both save the same step 4 (parameters,
+    optimizer state), though the second did only steps 3 and 4 after its restart."""
+    args = [*TINY, "--stages", "2", "--data", "1", "--steps", "4", "--checkpoint-every", "2",
+            "--dropout", "0.1", "--layers", "2", "--eval-every", "0"]
+    through, killed = tmp_path / "through", tmp_path / "killed"
+    _run([*args, "--checkpoint", str(through)])
+    _run([*args, "--checkpoint", str(killed)], kill_after="checkpoint: step 2 saved")
+    assert not (killed / "4").exists()
+    out = _run([*args, "--checkpoint", str(killed)])
+    assert "checkpoint: resumed from step 2" in out, out
+    assert "step     3/4" in out and "step     2/4" not in out, out
+    want, got = _saved(through, 4), _saved(killed, 4)
+    assert int(got["step"]) == 4
+    import jax
+
+    leaves = jax.tree_util.tree_leaves_with_path(want)
+    assert jax.tree.structure(got) == jax.tree.structure(want) and len(leaves) > 20
+    for (path, a), b in zip(leaves, jax.tree.leaves(got), strict=True):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=str(path))
+    # Training moved the parameters from step 2's.
+    before = _saved(killed, 2)["params"]["head"]["out"]["kernel"]
+    assert not np.array_equal(before, got["params"]["head"]["out"]["kernel"])
