@@ -262,7 +262,7 @@ def test_lowering_hook_is_installed_once_and_runs_the_check_first():
     assert compat.mlir.lower_jaxpr_to_module is wrapped
     assert wrapped._jax_cpu_mpi_passes
     assert [p.feature.name for p in hook.PASSES] == [
-        "gpu_parity", "kept_operands", "fast_dispatch"]
+        "gpu_parity", "kept_operands", "collectives", "fast_dispatch"]
 
 
 def test_public_check_runs_on_a_lowered_program(mesh2):
