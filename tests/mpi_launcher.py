@@ -66,6 +66,22 @@ class MpiRun:
         return "\n".join(parts)
 
 
+def communicate_or_kill(command: list[str], timeout: float,
+                        **popen_kwargs: object) -> tuple[str, int | None]:
+    """Run ``command`` in a session of its own: its output (stderr folded into stdout) and
+    exit status, or None as the status once ``timeout`` seconds passed and its whole process
+    group was killed (mpirun's and srun's children too, so nothing outlives the test)."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, **popen_kwargs)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        return output, proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        return output, None
+
+
 def run_mpi(
     program: str,
     *args: str,
@@ -92,15 +108,7 @@ def run_mpi(
         "PYTHONUNBUFFERED": "1",
     })
     full_env.update(env or {})
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=full_env, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-        returncode: int | None = proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        returncode = None
+    output, returncode = communicate_or_kill(command, timeout, env=full_env)
     ranks = {}
     for path in sorted(Path(outdir).glob("rank-*.log")):
         ranks[int(path.stem.split("-")[1])] = path.read_text(errors="replace")

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mpi_launcher import communicate_or_kill
+
 if TYPE_CHECKING:
     from netns_hosts import TwoHosts
 
@@ -296,16 +298,9 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
             cwd: str | Path | None = None) -> Step:
         """Run a client command (``srun ...``); never hangs past ``timeout`` seconds."""
         start = time.monotonic()
-        proc = subprocess.Popen(self._on(self.host, command), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT,
-                                text=True, env=self.env(env), cwd=cwd, start_new_session=True)
-        try:
-            output, _ = proc.communicate(timeout=timeout)
-            returncode: int | None = proc.returncode
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-            returncode = None
+        output, returncode = communicate_or_kill(self._on(self.host, command), timeout,
+                                                 env=self.env(env), cwd=cwd)
+        if returncode is None:
             self._cancel_all()
         return Step(command, returncode, output, time.monotonic() - start)
 
