@@ -190,6 +190,14 @@ NB_MODULE(_jax_cpu_mpi, m) {
   m.def("take_failed_ops", [] { return jcm::Runtime::Get().take_failed_ops(); },
         "The errors of failed psend/precv ops since the last call (distinct texts with "
         "their counts), for the report at exit; clears them.");
+  m.def("report_failed_ops_at_process_exit",
+        [](const std::string& where) {
+          jcm::Runtime::Get().report_failed_ops_at_process_exit(where);
+        },
+        nb::arg("where"),
+        "Print the failed ops on stderr when the process exits, after the interpreter's "
+        "finalization (where the CPU client joins its device threads), naming the process "
+        "`where`.");
   m.def("detach_mpi",
         [](double timeout_s) {
           nb::gil_scoped_release release;

@@ -1,6 +1,8 @@
 #include "ffi/runtime.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 
 #include "common/immortal.h"
 
@@ -189,6 +191,45 @@ std::vector<std::string> Runtime::take_failed_ops() {
   failed_ops_.clear();
   failed_ops_dropped_ = 0;
   return lines;
+}
+
+namespace {
+
+std::mutex& ExitReportMutex() {
+  static Immortal<std::mutex> mu;
+  return mu.get();
+}
+
+std::string& ExitReportWhere() {
+  static Immortal<std::string> where;
+  return where.get();
+}
+
+void PrintFailedOpsAtProcessExit() {
+  const std::vector<std::string> failed = Runtime::Get().take_failed_ops();
+  if (failed.empty()) return;
+  std::string text;
+  {
+    std::lock_guard<std::mutex> lock(ExitReportMutex());
+    text = "jax_cpu_mpi: at exit, " + ExitReportWhere() + " had " +
+           std::to_string(failed.size()) +
+           " failed psend/precv (refused or lost messages; an error in an output the "
+           "program never read is reported nowhere else):\n";
+  }
+  for (const std::string& line : failed) text += "  - " + line + "\n";
+  std::fwrite(text.data(), 1, text.size(), stderr);
+  std::fflush(stderr);
+}
+
+}  // namespace
+
+void Runtime::report_failed_ops_at_process_exit(const std::string& where) {
+  {
+    std::lock_guard<std::mutex> lock(ExitReportMutex());
+    ExitReportWhere() = where;
+  }
+  static std::once_flag registered;
+  std::call_once(registered, [] { std::atexit(PrintFailedOpsAtProcessExit); });
 }
 
 }  // namespace jcm

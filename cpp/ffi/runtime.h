@@ -93,6 +93,12 @@ class Runtime {
   // "error (N times)" lines, oldest first, and how many distinct errors were dropped beyond
   // kMaxFailedOps; clears the list.
   std::vector<std::string> take_failed_ops();
+  // Prints the failed ops (take_failed_ops) on stderr when the process exits, after the
+  // interpreter's finalization: the CPU client joins its device threads there, so an op of a
+  // program whose outputs were dropped, which may start only then, is reported too.
+  // `where` names the process ("process 1"); the last call's name is used. Once registered,
+  // it stays (a C atexit handler).
+  void report_failed_ops_at_process_exit(const std::string& where);
   static constexpr size_t kMaxFailedOps = 20;
 
   // Hostname of each MPI rank (set when MPI is attached), for error messages.

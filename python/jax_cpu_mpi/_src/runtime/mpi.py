@@ -300,16 +300,17 @@ def _report_failed_ops() -> None:
     out, ended at exit): JAX drops the error of an output nobody reads. The exit status
     stays the program's (on GPU the same program exits 0)."""
     try:
-        failed = ext.take_failed_ops()
+        where = f"process {jax.process_index()}" if _detached else "this process"
+    except Exception:  # no backend left
+        where = "this process"
+    try:
+        # Printed by the extension after the interpreter's finalization, not here: a
+        # program whose outputs were dropped may run only when the CPU client joins its
+        # device threads, after every atexit handler, and its ops must be in the report.
+        sys.stderr.flush()
+        ext.report_failed_ops_at_process_exit(where)
     except Exception:  # the extension is gone: nothing to say
         return
-    if not failed:
-        return
-    where = f"process {jax.process_index()}" if _detached else "this process"
-    lines = "\n".join(f"  - {text}" for text in failed)
-    print(f"jax_cpu_mpi: at exit, {where} had {len(failed)} failed psend/precv (refused or "
-          "lost messages; an error in an output the program never read is reported nowhere "
-          f"else):\n{lines}", file=sys.stderr, flush=True)
 
 
 # Registered at import, before the exit handler that detaches MPI, so it runs after it
