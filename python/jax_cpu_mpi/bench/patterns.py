@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 from jax_cpu_mpi._src.ops.p2p import precv, psend
 from jax_cpu_mpi._src.runtime.config import overrides
 
-from .programs import AXIS, count_wrong, pattern, shard_on
+from .programs import AXIS, count_wrong, pattern, repeated_in_scan, shard_on
 from .stats import Measurement
 
 #: ``--pattern`` names measured here (pingpong and bw are the kinds latency/bandwidth).
@@ -93,14 +93,7 @@ def _step(transport: str, x: jax.Array, perm: list[tuple[int, int]]) -> jax.Arra
 def _scan_program(mesh: Mesh, transport: str, perm: list[tuple[int, int]],
                   steps: int) -> Callable:
     def body(x):
-        def one(carry, _):
-            # The barrier keeps XLA from hoisting a loop-invariant ppermute out of the loop.
-            source, _ = carry
-            source = jax.lax.optimization_barrier(source)
-            return (source, _step(transport, source, perm)), None
-
-        (_, y), _ = jax.lax.scan(one, (x, x), None, length=steps)
-        return y
+        return repeated_in_scan(lambda v: _step(transport, v, perm), x, steps)
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
 

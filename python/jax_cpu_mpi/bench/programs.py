@@ -113,15 +113,22 @@ def ack(mesh: Mesh, transport: str) -> Callable:
     return _spmd(mesh, lambda y: _hop(transport, y[:ACK_BYTES], BACKWARD), 1)
 
 
+def repeated_in_scan(step: Callable[[jax.Array], jax.Array], x: jax.Array,
+                     steps: int) -> jax.Array:
+    """``step(x)`` run ``steps`` times in a ``lax.scan`` (the last result): each one on the
+    same ``x``, which a barrier keeps XLA from hoisting out of the loop as invariant."""
+    def one(carry, _):
+        source, _ = carry
+        source = jax.lax.optimization_barrier(source)
+        return (source, step(source)), None
+
+    (_, y), _ = jax.lax.scan(one, (x, x), None, length=steps)
+    return y
+
+
 def stream_scan(mesh: Mesh, transport: str, window: int) -> Callable:
     def body(x):
-        def send(carry, _):
-            source, _ = carry
-            # Keeps XLA from hoisting a loop-invariant ppermute out of the loop.
-            source = jax.lax.optimization_barrier(source)
-            return (source, _hop(transport, source, FORWARD)), None
-
-        (_, y), _ = jax.lax.scan(send, (x, x), None, length=window)
+        y = repeated_in_scan(lambda v: _hop(transport, v, FORWARD), x, window)
         return y, _hop(transport, y[:ACK_BYTES], BACKWARD)
 
     return _spmd(mesh, body, 2)
