@@ -45,6 +45,15 @@ _MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WOR
 _MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_NTASKS")
 
 
+def resolve_virtual_stages(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--virtual-stages``: 2 by default for interleaved 1F1B, 1 otherwise; other values
+    only with interleaved 1F1B (the other schedules run one chunk per stage)."""
+    if args.virtual_stages is None:
+        args.virtual_stages = 2 if args.schedule == "interleaved-1f1b" else 1
+    if args.virtual_stages != 1 and args.schedule != "interleaved-1f1b":
+        parser.error(f"--virtual-stages {args.virtual_stages} needs --schedule interleaved-1f1b")
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line of the example."""
     p = argparse.ArgumentParser(
@@ -75,10 +84,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "'python -m jax_cpu_mpi trace DIR' for timeline.json/.png and a "
                         "per-device summary")
     args = p.parse_args(argv)
-    if args.virtual_stages is None:
-        args.virtual_stages = 2 if args.schedule == "interleaved-1f1b" else 1
-    if args.virtual_stages != 1 and args.schedule != "interleaved-1f1b":
-        p.error(f"--virtual-stages {args.virtual_stages} needs --schedule interleaved-1f1b")
+    resolve_virtual_stages(p, args)
     if min(args.stages, args.microbatches, args.steps, args.width, args.virtual_stages) < 1:
         p.error("--stages, --microbatches, --steps, --width and --virtual-stages must be >= 1")
     if args.batch % args.microbatches:

@@ -42,7 +42,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from jax_cpu_mpi.examples.pipeline import SCHEDULES, mpi_world_size, progress_bar
+from jax_cpu_mpi.examples.pipeline import (
+    SCHEDULES,
+    mpi_world_size,
+    progress_bar,
+    resolve_virtual_stages,
+)
 
 #: Characters kept as they are; any other becomes "?" (the vocabulary: those that occur).
 _KEPT = frozenset(chr(c) for c in range(32, 127)) | {"\n"}
@@ -92,10 +97,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
       help="record the psend/precv timeline of the steps after the first into DIR (one "
            "file per process); 'python -m jax_cpu_mpi trace DIR' draws it")
     args = p.parse_args(argv)
-    if args.virtual_stages is None:
-        args.virtual_stages = 2 if args.schedule == "interleaved-1f1b" else 1
-    if args.virtual_stages != 1 and args.schedule != "interleaved-1f1b":
-        p.error(f"--virtual-stages {args.virtual_stages} needs --schedule interleaved-1f1b")
+    resolve_virtual_stages(p, args)
     if min(args.stages, args.data, args.microbatches, args.layers, args.width, args.heads,
            args.seq_len, args.batch, args.virtual_stages,
            args.checkpoint_every) < 1 or min(args.steps, args.eval_every) < 0:
