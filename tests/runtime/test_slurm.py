@@ -53,13 +53,19 @@ SRUN_NONE = ("XLA_FLAGS=--xla_force_host_platform_device_count=2 "
 LAUNCH_TIMEOUT = 180
 
 
+def _skip_or_fail_in_ci(what: str, reason: str | None) -> None:
+    """Skip where ``what`` cannot be had (``reason``), but fail in CI, where .ci/run installs
+    Slurm: a failed install must not hide as skipped tests."""
+    if reason is None:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"{what} unavailable in CI: {reason}")
+    pytest.skip(f"{what} unavailable: {reason}")
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    reason = unavailable_reason()
-    if reason is not None:
-        if os.environ.get("CI"):
-            pytest.fail(f"Slurm test cluster unavailable in CI: {reason}")
-        pytest.skip(f"Slurm test cluster unavailable: {reason}")
+    _skip_or_fail_in_ci("Slurm test cluster", unavailable_reason())
     bed = SlurmCluster()
     try:
         yield bed
@@ -170,11 +176,8 @@ def test_docs_mpirun_in_batch_script(cluster, workdir):
 @pytest.fixture
 def two_node_cluster():
     """Two nodes: a ``slurmd`` on each network-namespace host of ``tests/netns_hosts.py``."""
-    reason = unavailable_reason() or hosts_unavailable_reason()
-    if reason is not None:
-        if os.environ.get("CI"):
-            pytest.fail(f"two-node Slurm test cluster unavailable in CI: {reason}")
-        pytest.skip(f"two-node Slurm test cluster unavailable: {reason}")
+    _skip_or_fail_in_ci("two-node Slurm test cluster",
+                        unavailable_reason() or hosts_unavailable_reason())
     hosts = TwoHosts()
     try:
         bed = SlurmCluster(hosts=hosts)
