@@ -61,6 +61,19 @@ ThreadBuffer& ThisThreadBuffer() {
   return *mine;
 }
 
+const char* OpName(Op op) {
+  switch (op) {
+    case Op::kPsend: return "psend";
+    case Op::kPrecv: return "precv";
+    case Op::kMark: return "mark";
+    case Op::kAllReduce: return "all_reduce";
+    case Op::kAllGather: return "all_gather";
+    case Op::kReduceScatter: return "reduce_scatter";
+    case Op::kAllToAll: return "all_to_all";
+  }
+  return "?";
+}
+
 void Log(const Event& e) {
   char line[256];
   const int n = e.op == Op::kMark ? std::snprintf(
@@ -71,7 +84,7 @@ void Log(const Event& e) {
       line, sizeof(line),
       "jax_cpu_mpi: process %" PRId64 " device %" PRId64 " %s peer %" PRId64 " bytes %" PRIu64
       " path %s %.1f us (waited %.1f us) seq %" PRIu64 "%s\n",
-      e.process, e.device, e.op == Op::kPsend ? "psend" : "precv", e.peer, e.bytes,
+      e.process, e.device, OpName(e.op), e.peer, e.bytes,
       PathName(e.path), static_cast<double>(e.dur_ns) / 1e3,
       static_cast<double>(e.wait_ns) / 1e3, e.seq, e.ok ? "" : " FAILED");
   // One write per line: lines of concurrent device threads do not interleave.

@@ -31,7 +31,11 @@ inline uint32_t Mode() { return g_mode.load(std::memory_order_relaxed); }
 // start): no message; `seq` holds the tick, `label` what the program says of it.
 // kAllReduce: a collective between processes (ffi/collective_handlers.cc): peer -1, wait the
 // time spent for the group's other devices and processes.
-enum class Op : uint8_t { kPsend = 0, kPrecv = 1, kMark = 2, kAllReduce = 3 };
+// kAllGather, kReduceScatter, kAllToAll: the other collectives, as kAllReduce.
+enum class Op : uint8_t {
+  kPsend = 0, kPrecv = 1, kMark = 2, kAllReduce = 3, kAllGather = 4, kReduceScatter = 5,
+  kAllToAll = 6
+};
 // How the bytes travelled: an in-process copy, MPI through a copy (staged), MPI straight
 // from the operand (direct, the rendezvous of large messages), or a psend that returned
 // with its operand still being read, finished by a later precv (kept).

@@ -12,6 +12,9 @@
 #include "ffi/collective_handlers.h"
 
 #include <algorithm>
+#include <climits>
+#include <cstddef>
+#include <functional>
 #include <condition_variable>
 #include <cstring>
 #include <map>
@@ -113,6 +116,28 @@ std::string Peers(const MpiTransport& mpi, const std::vector<int>& ranks) {
   return s.str();
 }
 
+// The error of a collective between processes that did not complete.
+ffi::Error Failure(const Status& s, std::string_view op, std::string_view operand, int64_t me,
+                   const Runtime::State& state, const std::vector<int>& ranks) {
+  std::ostringstream m;
+  m << op << " of " << operand << " on partition " << me << " (process "
+    << state.mpi->rank() << ") between processes";
+  for (int r : ranks) m << ' ' << r;
+  if (s.code() == StatusCode::kTimeout) {
+    // A collective ended at exit says nothing about its peers (they may be slower).
+    for (int r : ranks) {
+      if (r != state.mpi->rank() && !Closing()) Runtime::Get().note_unreachable_peer(r);
+    }
+    m << " waited " << state.config.recv_timeout_s << " s and the collective did not "
+      << "complete: a peer (" << Peers(*state.mpi, ranks) << ") did not take part, is "
+      << "stuck, has died, or cannot be reached (set JAX_CPU_MPI_RECV_TIMEOUT to wait "
+      << "longer).";
+  } else {
+    m << " failed: " << s.message();
+  }
+  return ffi::Error::Internal(m.str());
+}
+
 // Steps 1-3 above, as the leader: every local operand is in `in`, every output in `out`.
 ffi::Error Lead(const std::vector<const void*>& in, const std::vector<void*>& out,
                 ffi::DataType type, Reduction reduction, size_t count, size_t bytes,
@@ -149,25 +174,7 @@ ffi::Error Lead(const std::vector<const void*>& in, const std::vector<void*>& ou
     Status s = state.mpi->Allreduce(g.key, ranks, mpi_reads_operand ? in[0] : nullptr, acc,
                                     static_cast<int64_t>(count), mpi_type, mpi_op,
                                     DeadlineAfter(state.config.recv_timeout_s));
-    if (!s.ok()) {
-      std::ostringstream m;
-      m << op << " of " << operand << " on partition " << me << " (process "
-        << state.mpi->rank() << ") between processes";
-      for (int r : ranks) m << ' ' << r;
-      if (s.code() == StatusCode::kTimeout) {
-        // A collective ended at exit says nothing about its peers (they may be slower).
-        for (int r : ranks) {
-          if (r != state.mpi->rank() && !Closing()) rt.note_unreachable_peer(r);
-        }
-        m << " waited " << state.config.recv_timeout_s << " s and the collective did not "
-          << "complete: a peer (" << Peers(*state.mpi, ranks) << ") did not take part, is "
-          << "stuck, has died, or cannot be reached (set JAX_CPU_MPI_RECV_TIMEOUT to wait "
-          << "longer).";
-      } else {
-        m << " failed: " << s.message();
-      }
-      return ffi::Error::Internal(m.str());
-    }
+    if (!s.ok()) return Failure(s, op, operand, me, state, ranks);
   }
   for (size_t i = 1; i < out.size(); ++i) std::memcpy(out[i], acc, bytes);
   return ffi::Error::Success();
@@ -296,6 +303,434 @@ ffi::Error AllReduceImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
   return result;
 }
 
+// ---- all_gather, reduce_scatter (psum_scatter) and all_to_all between processes.
+//
+// The lowering (lowering/collectives.py) moves the collective's dimension to the front, so
+// that each of the group's n members holds, or receives, n contiguous blocks of B bytes:
+//   all_gather:     in 1 block,  out n blocks: out block j = member j's block;
+//   reduce_scatter: in n blocks, out 1 block:  out = sum over members j of j's block (my
+//                   position in the group);
+//   all_to_all:     in n blocks, out n blocks: out block j = member j's block (my position).
+// As for the all-reduce, the group's devices in this process meet, and the last to arrive
+// does the work of all of them with one MPI call per process (MPI_Iallgather(v),
+// MPI_Ireduce_scatter(_block), MPI_Ialltoall(v)), on the group's communicator, whose ranks
+// are the group's processes in ascending MPI rank. Each process sends its members' blocks
+// as one contiguous piece: where the group's order is not process by process (or a process
+// has several members), blocks are packed into and unpacked from a staging buffer.
+
+enum class Exchange { kAllGather, kReduceScatter, kAllToAll };
+
+bool ParseExchange(std::string_view name, Exchange* out) {
+  if (name == "all_gather") *out = Exchange::kAllGather;
+  else if (name == "reduce_scatter") *out = Exchange::kReduceScatter;
+  else if (name == "all_to_all") *out = Exchange::kAllToAll;
+  else return false;
+  return true;
+}
+
+// Where the group's members live: for each communicator rank q (the group's processes in
+// ascending MPI rank), the group positions of its members, ascending.
+struct Layout {
+  std::vector<int> ranks;                      // MPI ranks of the group's processes
+  std::vector<std::vector<int64_t>> positions;  // by communicator rank
+  std::vector<int64_t> first;                  // blocks before communicator rank q's
+  int mine = 0;                                // this process's communicator rank
+  bool identity = true;                        // positions in order, process after process
+};
+
+// `row`: the group's partitions in group order; `rank_of`: the MPI rank of a process.
+template <typename RankOf>
+Layout MakeLayout(const std::vector<int64_t>& row, I64Span device_process, int64_t me,
+                  RankOf rank_of) {
+  Layout l;
+  std::vector<int> rank_of_pos(row.size());
+  for (size_t i = 0; i < row.size(); ++i) {
+    rank_of_pos[i] = rank_of(device_process[row[i]]);
+    l.ranks.push_back(rank_of_pos[i]);
+  }
+  std::sort(l.ranks.begin(), l.ranks.end());
+  l.ranks.erase(std::unique(l.ranks.begin(), l.ranks.end()), l.ranks.end());
+  l.positions.resize(l.ranks.size());
+  for (size_t i = 0; i < row.size(); ++i) {
+    const size_t q = std::lower_bound(l.ranks.begin(), l.ranks.end(), rank_of_pos[i]) -
+                     l.ranks.begin();
+    l.positions[q].push_back(static_cast<int64_t>(i));
+  }
+  int64_t next = 0;
+  for (size_t q = 0; q < l.positions.size(); ++q) {
+    l.first.push_back(next);
+    for (int64_t p : l.positions[q]) l.identity = l.identity && p == next++;
+  }
+  l.mine = static_cast<int>(std::lower_bound(l.ranks.begin(), l.ranks.end(),
+                                             rank_of(device_process[me])) - l.ranks.begin());
+  return l;
+}
+
+struct ExchangeCall {
+  Exchange kind;
+  ffi::DataType type;
+  Reduction reduction;
+  size_t block;  // bytes of one block
+  std::vector<int64_t> row;
+  std::string key;
+  std::string_view op, operand;
+  int64_t me;
+};
+
+// The leader's work. `in`/`out`: the local members' buffers, by ascending partition;
+// `local_pos`: their group positions.
+ffi::Error LeadExchange(const ExchangeCall& c, const std::vector<const void*>& in,
+                        const std::vector<void*>& out, const std::vector<int64_t>& local_pos,
+                        I64Span device_process) {
+  const size_t n = c.row.size(), B = c.block;
+  Runtime& rt = Runtime::Get();
+  const Runtime::State state = rt.state();
+  int64_t my_process = device_process[c.me];
+  bool spans = false;
+  for (int64_t p : c.row) spans = spans || device_process[p] != my_process;
+  if (spans && !state.mpi) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      std::string(c.op) + ": the group spans processes, but this process has "
+                      "no MPI communicator attached. Launch every process with mpirun/srun "
+                      "and import jax_cpu_mpi before lowering the program.");
+  }
+  const Layout l = MakeLayout(c.row, device_process, c.me, [&](int64_t process) {
+    return spans ? state.mpi->RankOfProcess(process) : 0;
+  });
+  const std::vector<int64_t>& mine = l.positions[l.mine];
+  auto local_of = [&](int64_t position) {  // index into in/out of a local member
+    return static_cast<size_t>(std::find(local_pos.begin(), local_pos.end(), position) -
+                               local_pos.begin());
+  };
+  const size_t m = mine.size();
+  const size_t Q = l.ranks.size();
+  // Every MPI count and displacement is an int (the lowering keeps larger ones on gloo).
+  if (n * n * B > static_cast<size_t>(INT_MAX)) {
+    return ffi::Error::InvalidArgument(std::string(c.op) + " of " + std::string(c.operand) +
+                                       ": more than 2 GiB in one collective over MPI");
+  }
+  auto bytes = [](const void* p) { return static_cast<const std::byte*>(p); };
+  auto wbytes = [](void* p) { return static_cast<std::byte*>(p); };
+  std::vector<std::byte> send_stage, recv_stage;
+  std::function<int(MPI_Comm, MPI_Request*)> start;
+  const void* send = nullptr;
+  void* recv = nullptr;
+  size_t local_copy = 0;  // one process: bytes to copy from send to recv instead of MPI
+  std::vector<int> counts(Q), displs(Q), rcounts(Q), rdispls(Q);
+  bool equal = true;
+  for (size_t q = 0; q < Q; ++q) equal = equal && l.positions[q].size() == m;
+  const char* name = "";
+  switch (c.kind) {
+    case Exchange::kAllGather: {
+      name = equal ? "MPI_Iallgather" : "MPI_Iallgatherv";
+      if (l.identity) {
+        recv = out[0];
+      } else {
+        recv_stage.resize(n * B);
+        recv = recv_stage.data();
+      }
+      for (size_t q = 0; q < Q; ++q) {
+        counts[q] = static_cast<int>(l.positions[q].size() * B);
+        displs[q] = static_cast<int>(l.first[q] * B);
+      }
+      if (m == 1 && spans && l.identity) {
+        send = in[0];  // MPI reads the operand itself
+      } else {
+        for (size_t i = 0; i < m; ++i) {
+          std::memcpy(wbytes(recv) + (l.first[l.mine] + i) * B, in[local_of(mine[i])], B);
+        }
+        send = MPI_IN_PLACE;
+      }
+      start = [&](MPI_Comm comm, MPI_Request* r) {
+        const int sc = send == MPI_IN_PLACE ? 0 : counts[l.mine];
+        if (equal) {
+          return MPI_Iallgather(send, sc, MPI_BYTE, recv, counts[0], MPI_BYTE, comm, r);
+        }
+        return MPI_Iallgatherv(send, sc, MPI_BYTE, recv, counts.data(), displs.data(),
+                               MPI_BYTE, comm, r);
+      };
+      break;
+    }
+    case Exchange::kReduceScatter: {
+      name = equal ? "MPI_Ireduce_scatter_block" : "MPI_Ireduce_scatter";
+      const size_t per = B / ffi::ByteWidth(c.type);  // elements of one block
+      if (in.size() == 1 && l.identity) {
+        send = in[0];
+      } else {
+        // The local members reduce first, in ascending partition order, into the blocks'
+        // order on the wire.
+        send_stage.resize(n * B);
+        for (size_t q = 0; q < Q; ++q) {
+          for (size_t i = 0; i < l.positions[q].size(); ++i) {
+            std::byte* acc = send_stage.data() + (l.first[q] + i) * B;
+            const size_t at = static_cast<size_t>(l.positions[q][i]) * B;
+            std::memcpy(acc, bytes(in[0]) + at, B);
+            for (size_t k = 1; k < in.size(); ++k) {
+              if (!ReduceInto(c.type, c.reduction, acc, bytes(in[k]) + at, per)) {
+                return ffi::Error::InvalidArgument(std::string(c.op) +
+                                                   ": no in-process reduction for " +
+                                                   std::string(c.operand));
+              }
+            }
+          }
+        }
+        send = send_stage.data();
+      }
+      if (m == 1) {
+        recv = out[local_of(mine[0])];
+      } else {
+        recv_stage.resize(m * B);
+        recv = recv_stage.data();
+      }
+      MPI_Datatype mpi_type = MPI_DATATYPE_NULL;
+      MPI_Op mpi_op = MPI_OP_NULL;
+      if (spans && !MpiReduction(c.type, c.reduction, &mpi_type, &mpi_op)) {
+        return ffi::Error::InvalidArgument(std::string(c.op) + ": no MPI reduction for " +
+                                           std::string(c.operand));
+      }
+      for (size_t q = 0; q < Q; ++q) counts[q] = static_cast<int>(l.positions[q].size() * per);
+      if (!spans) {
+        local_copy = m * B;
+      }
+      start = [&, mpi_type, mpi_op](MPI_Comm comm, MPI_Request* r) {
+        if (equal) {
+          return MPI_Ireduce_scatter_block(send, recv, counts[0], mpi_type, mpi_op, comm, r);
+        }
+        return MPI_Ireduce_scatter(send, recv, counts.data(), mpi_type, mpi_op, comm, r);
+      };
+      break;
+    }
+    case Exchange::kAllToAll: {
+      name = equal ? "MPI_Ialltoall" : "MPI_Ialltoallv";
+      if (m == 1 && l.identity) {
+        send = in[0];
+        recv = out[0];
+      } else {
+        // To communicator rank q: for each of q's positions i, my members' blocks i (my
+        // positions ascending); from q the same, so block (i, j) lands in member i's output
+        // as block j.
+        send_stage.resize(n * m * B);
+        recv_stage.resize(n * m * B);
+        std::byte* cursor = send_stage.data();
+        for (size_t q = 0; q < Q; ++q) {
+          for (int64_t i : l.positions[q]) {
+            for (int64_t j : mine) {
+              std::memcpy(cursor, bytes(in[local_of(j)]) + static_cast<size_t>(i) * B, B);
+              cursor += B;
+            }
+          }
+        }
+        send = send_stage.data();
+        recv = recv_stage.data();
+      }
+      for (size_t q = 0; q < Q; ++q) {
+        counts[q] = static_cast<int>(l.positions[q].size() * m * B);
+        displs[q] = static_cast<int>(l.first[q] * m * B);
+      }
+      start = [&](MPI_Comm comm, MPI_Request* r) {
+        if (equal) {
+          return MPI_Ialltoall(send, counts[0], MPI_BYTE, recv, counts[0], MPI_BYTE, comm, r);
+        }
+        return MPI_Ialltoallv(send, counts.data(), displs.data(), MPI_BYTE, recv,
+                              counts.data(), displs.data(), MPI_BYTE, comm, r);
+      };
+      break;
+    }
+  }
+  if (!spans) {
+    // One process: the wire is a copy (all_gather already packed in place).
+    if (c.kind == Exchange::kAllToAll) local_copy = n * m * B;
+    if (local_copy && send != recv && send != MPI_IN_PLACE) {
+      std::memcpy(recv, send, local_copy);
+    }
+  } else if (n * B > 0) {  // the same shapes on every rank: none calls MPI for 0 bytes
+    Runtime::MpiOpScope active;  // the exit keeps the transport until this returns
+    Status s = state.mpi->Collective(c.key, l.ranks, name, start,
+                                     DeadlineAfter(state.config.recv_timeout_s));
+    if (!s.ok()) return Failure(s, c.op, c.operand, c.me, state, l.ranks);
+  }
+  // Unpack into the outputs.
+  switch (c.kind) {
+    case Exchange::kAllGather:
+      if (!l.identity) {
+        for (size_t q = 0; q < Q; ++q) {
+          for (size_t i = 0; i < l.positions[q].size(); ++i) {
+            std::memcpy(wbytes(out[0]) + static_cast<size_t>(l.positions[q][i]) * B,
+                        recv_stage.data() + (l.first[q] + i) * B, B);
+          }
+        }
+      }
+      for (size_t k = 1; k < out.size(); ++k) std::memcpy(out[k], out[0], n * B);
+      break;
+    case Exchange::kReduceScatter:
+      if (recv != out[local_of(mine[0])] || m > 1) {
+        for (size_t i = 0; i < m; ++i) {
+          std::memcpy(out[local_of(mine[i])], wbytes(recv) + i * B, B);
+        }
+      }
+      break;
+    case Exchange::kAllToAll:
+      if (!(m == 1 && l.identity)) {
+        for (size_t q = 0; q < Q; ++q) {
+          const auto& theirs = l.positions[q];
+          for (size_t ii = 0; ii < m; ++ii) {
+            for (size_t jj = 0; jj < theirs.size(); ++jj) {
+              std::memcpy(wbytes(out[local_of(mine[ii])]) + static_cast<size_t>(theirs[jj]) * B,
+                          recv_stage.data() + displs[q] + (ii * theirs.size() + jj) * B, B);
+            }
+          }
+        }
+      }
+      break;
+  }
+  return ffi::Error::Success();
+}
+
+// The local meeting of an exchange: as AllReduce's, the last to arrive leads.
+ffi::Error ExchangeCollective(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
+                              ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> out,
+                              I64Span groups, int64_t group_size, I64Span device_index,
+                              I64Span device_process, int64_t site, std::string_view kind,
+                              std::string_view reduction, std::string_view op,
+                              std::string_view operand) {
+  const int64_t me = static_cast<int64_t>(partition.typed_data()[0]);
+  const int64_t n_dev = static_cast<int64_t>(device_index.size());
+  if (me < 0 || me >= n_dev || static_cast<int64_t>(device_process.size()) != n_dev) {
+    return ffi::Error::Internal(std::string(op) + ": malformed attributes");
+  }
+  for (int64_t p : groups) {
+    if (p >= n_dev) return ffi::Error::Internal(std::string(op) + ": malformed groups");
+  }
+  ExchangeCall c;
+  if (!ParseExchange(kind, &c.kind) || !ParseReduction(reduction, &c.reduction)) {
+    return ffi::Error::Internal(std::string(op) + ": unknown collective");
+  }
+  c.type = x.element_type();
+  c.op = op;
+  c.operand = operand;
+  c.me = me;
+  // The row of `me`, in group order.
+  const size_t rows = group_size > 0 ? groups.size() / group_size : 0;
+  for (size_t r = 0; r < rows && c.row.empty(); ++r) {
+    const int64_t* row = groups.begin() + r * group_size;
+    if (std::find(row, row + group_size, me) == row + group_size) continue;
+    for (int64_t i = 0; i < group_size; ++i) {
+      if (row[i] >= 0) c.row.push_back(row[i]);
+    }
+  }
+  const size_t n = c.row.size();
+  const size_t in_bytes = x.size_bytes(), out_bytes = out->size_bytes();
+  const size_t expect_out = c.kind == Exchange::kAllGather ? in_bytes * n
+                            : c.kind == Exchange::kReduceScatter ? (n ? in_bytes / n : 0)
+                                                                  : in_bytes;
+  if (n == 0 || out_bytes != expect_out ||
+      (c.kind != Exchange::kAllGather && in_bytes % n != 0)) {
+    return ffi::Error::Internal(std::string(op) + ": operand and result sizes do not match "
+                                "the group");
+  }
+  c.block = c.kind == Exchange::kAllGather ? in_bytes : in_bytes / n;
+  std::vector<int64_t> local;  // ascending partitions of the group in this process
+  for (int64_t p : c.row) {
+    if (device_process[p] == device_process[me]) local.push_back(p);
+  }
+  std::sort(local.begin(), local.end());
+  std::vector<int64_t> local_pos;
+  for (int64_t p : local) {
+    local_pos.push_back(std::find(c.row.begin(), c.row.end(), p) - c.row.begin());
+  }
+  std::ostringstream key;
+  key << kind << ':';
+  for (int64_t p : c.row) key << device_index[p] << ',';
+  key << '#' << site;
+  c.key = key.str();
+  if (local.size() == 1) {
+    return LeadExchange(c, {x.untyped_data()}, {out->untyped_data()}, local_pos,
+                        device_process);
+  }
+  const size_t pos = std::find(local.begin(), local.end(), me) - local.begin();
+  LocalRound::Slot& slot = Rounds().Get(c.key, local.size());
+  const double timeout_s = Runtime::Get().config().recv_timeout_s;
+  std::unique_lock<std::mutex> lock(slot.mu);
+  const uint64_t generation = slot.generation;
+  slot.in[pos] = x.untyped_data();
+  slot.out[pos] = out->untyped_data();
+  if (++slot.arrived < static_cast<int>(local.size())) {
+    trace::WaitTimer waited;
+    waited.Waiting();
+    const bool met = slot.cv.wait_until(lock, DeadlineAfter(timeout_s), [&] {
+      return slot.generation != generation || slot.leading;
+    });
+    if (!met) {
+      --slot.arrived;
+      std::ostringstream m;
+      m << op << " of " << operand << " on partition " << me << " waited " << timeout_s
+        << " s for the other devices of its group in this process (partitions";
+      for (int64_t p : local) m << ' ' << p;
+      m << "), and not all of them got there: every device of the mesh must run the same "
+           "collectives in the same order (set JAX_CPU_MPI_RECV_TIMEOUT to wait longer).";
+      return ffi::Error::Internal(m.str());
+    }
+    slot.cv.wait(lock, [&] { return slot.generation != generation; });
+    if (slot.error.empty()) return ffi::Error::Success();
+    return ffi::Error::Internal(slot.error);
+  }
+  slot.leading = true;
+  slot.arrived = 0;
+  std::vector<const void*> in = slot.in;
+  std::vector<void*> outs = slot.out;
+  lock.unlock();
+  ffi::Error result = LeadExchange(c, in, outs, local_pos, device_process);
+  lock.lock();
+  slot.error = result.failure() ? std::string(result.message()) : std::string();
+  slot.leading = false;
+  ++slot.generation;
+  lock.unlock();
+  slot.cv.notify_all();
+  return result;
+}
+
+trace::Op TraceOp(std::string_view kind) {
+  if (kind == "all_gather") return trace::Op::kAllGather;
+  if (kind == "reduce_scatter") return trace::Op::kReduceScatter;
+  return trace::Op::kAllToAll;
+}
+
+ffi::Error ExchangeImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
+                        ffi::RemainingArgs after, ffi::Result<ffi::AnyBuffer> out,
+                        I64Span groups, int64_t group_size, I64Span device_index,
+                        I64Span device_process, int64_t site, std::string_view kind,
+                        std::string_view reduction, std::string_view op,
+                        std::string_view operand) {
+  if (trace::Mode() == 0) [[likely]] {
+    return ExchangeCollective(x, partition, after, out, groups, group_size, device_index,
+                              device_process, site, kind, reduction, op, operand);
+  }
+  trace::Notes() = {};
+  const int64_t start = trace::NowNs();
+  ffi::Error result = ExchangeCollective(x, partition, after, out, groups, group_size,
+                                         device_index, device_process, site, kind, reduction,
+                                         op, operand);
+  const int64_t end = trace::NowNs();
+  const int64_t me = static_cast<int64_t>(partition.typed_data()[0]);
+  if (me < 0 || me >= static_cast<int64_t>(device_index.size()) ||
+      device_process.size() != device_index.size()) {
+    return result;
+  }
+  trace::Event e;
+  e.start_ns = start;
+  e.dur_ns = end - start;
+  e.wait_ns = std::min(trace::Notes().wait_ns, e.dur_ns);
+  e.process = device_process[me];
+  e.device = device_index[me];
+  e.peer = -1;
+  e.bytes = std::max(x.size_bytes(), out->size_bytes());
+  e.seq = static_cast<uint64_t>(site);
+  e.op = TraceOp(kind);
+  e.ok = !result.failure();
+  trace::Record(e);
+  return result;
+}
+
 }  // namespace
 }  // namespace jcm
 
@@ -310,6 +745,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JcmAllReduce, jcm::AllReduceImpl,
                                   .Attr<jcm::I64Span>("device_index")
                                   .Attr<jcm::I64Span>("device_process")
                                   .Attr<int64_t>("site")
+                                  .Attr<std::string_view>("reduction")
+                                  .Attr<std::string_view>("op")
+                                  .Attr<std::string_view>("operand"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JcmExchange, jcm::ExchangeImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .RemainingArgs()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Attr<jcm::I64Span>("groups")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<jcm::I64Span>("device_index")
+                                  .Attr<jcm::I64Span>("device_process")
+                                  .Attr<int64_t>("site")
+                                  .Attr<std::string_view>("kind")
                                   .Attr<std::string_view>("reduction")
                                   .Attr<std::string_view>("op")
                                   .Attr<std::string_view>("operand"));

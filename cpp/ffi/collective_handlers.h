@@ -5,3 +5,5 @@
 #include "xla/ffi/api/api.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JcmAllReduce);
+// all_gather / reduce_scatter / all_to_all between processes (attribute "kind").
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JcmExchange);

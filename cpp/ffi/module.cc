@@ -82,6 +82,7 @@ NB_MODULE(_jax_cpu_mpi, m) {
     d["jax_cpu_mpi_device_thread_hint"] = EncapsulateFfiHandler(JcmDeviceThreadHint);
     d["jax_cpu_mpi_mark"] = EncapsulateFfiHandler(JcmMark);
     d["jax_cpu_mpi_all_reduce"] = EncapsulateFfiHandler(JcmAllReduce);
+    d["jax_cpu_mpi_exchange"] = EncapsulateFfiHandler(JcmExchange);
     return d;
   }, "FFI handler capsules by target name.");
 

@@ -91,4 +91,34 @@ Status MpiTransport::Allreduce(const std::string& key, const std::vector<int>& r
   return Status::Ok();
 }
 
+Status MpiTransport::Collective(const std::string& key, const std::vector<int>& ranks,
+                                const char* name,
+                                const std::function<int(MPI_Comm, MPI_Request*)>& start,
+                                std::chrono::steady_clock::time_point deadline) {
+  if (!MpiIsUsable()) return Status::Invalid(kMpiNotUsable);
+  MPI_Comm comm = MPI_COMM_NULL;
+  if (Status s = GroupComm(key, ranks, &comm); !s.ok()) return s;
+  MPI_Request request = MPI_REQUEST_NULL;
+  {
+    std::unique_lock<std::mutex> lock = MpiCallLock();
+    if (int rc = start(comm, &request); rc != MPI_SUCCESS) return Status::MpiError(name, rc);
+  }
+  Backoff backoff;
+  while (true) {
+    int finished = 0;
+    {
+      std::unique_lock<std::mutex> lock = MpiCallLock();
+      int rc = MPI_Test(&request, &finished, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS) return Status::MpiError(std::string(name) + " (test)", rc);
+    }
+    if (finished) return Status::Ok();
+    if (Expired(deadline)) {  // the deadline, or the exit's close
+      // A collective cannot be cancelled: the request may still write into its buffers.
+      Abandon(std::span<MPI_Request>(&request, 1), nullptr);
+      return Status::Timeout(std::string(name) + " did not complete");
+    }
+    backoff.Pause();
+  }
+}
+
 }  // namespace jcm

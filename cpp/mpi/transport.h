@@ -208,6 +208,13 @@ class MpiTransport {
   Status Allreduce(const std::string& key, const std::vector<int>& ranks, const void* send,
                    void* buf, int64_t count, MPI_Datatype type, MPI_Op op,
                    std::chrono::steady_clock::time_point deadline);
+  // Any other collective over the group `ranks` (as Allreduce: the group's own
+  // communicator `key`, polled against the deadline, abandoned at it): `start` posts the
+  // nonblocking MPI call on the communicator (MPI_Iallgatherv, MPI_Ireduce_scatter, ...)
+  // and returns its MPI error code; `name` names it in errors.
+  Status Collective(const std::string& key, const std::vector<int>& ranks, const char* name,
+                    const std::function<int(MPI_Comm, MPI_Request*)>& start,
+                    std::chrono::steady_clock::time_point deadline);
 
  private:
   // Rendezvous (see the top of this file): smallest message, the largest count of one

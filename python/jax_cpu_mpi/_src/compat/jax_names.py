@@ -484,9 +484,24 @@ pmin_p = COLLECTIVES.need("jax._src.lax.parallel:pmin_p", check=is_primitive)
 #: psum under shard_map's check_vma binds this one (a variant -> invariant psum).
 psum_invariant_p = COLLECTIVES.need("jax._src.lax.parallel:psum_invariant_p",
                                     check=is_primitive)
+#: all_gather (and its invariant / reduced forms), psum_scatter (and its unreduced form) and
+#: all_to_all between processes over MPI (lowering/collectives.py).
+all_gather_p = COLLECTIVES.need("jax._src.lax.parallel:all_gather_p", check=is_primitive)
+all_gather_invariant_p = COLLECTIVES.need("jax._src.lax.parallel:all_gather_invariant_p",
+                                          check=is_primitive)
+all_gather_reduced_p = COLLECTIVES.need("jax._src.lax.parallel:all_gather_reduced_p",
+                                        check=is_primitive)
+reduce_scatter_p = COLLECTIVES.need("jax._src.lax.parallel:reduce_scatter_p",
+                                    check=is_primitive)
+unreduced_reduce_scatter_p = COLLECTIVES.need(
+    "jax._src.lax.parallel:unreduced_reduce_scatter_p", check=is_primitive)
+all_to_all_p = COLLECTIVES.need("jax._src.lax.parallel:all_to_all_p", check=is_primitive)
 #: ppermute between processes goes as precv(psend(x)) (lowering/collectives.py).
 ppermute_p = COLLECTIVES.need("jax._src.lax.parallel:ppermute_p", check=is_primitive)
 _need_all([COLLECTIVES], "jax._src.core:abstract_token")
+# all_gather / psum_scatter / all_to_all move their dimension to the front and back.
+_need_all([COLLECTIVES], "jax._src.interpreters.mlir:aval_to_ir_type", check=is_callable)
+_need_all([COLLECTIVES], "jax._src.interpreters.mlir:dense_int_array", check=is_callable)
 #: JAX's platform-independent lowering rules: ours fall back to them (gloo on CPU).
 default_lowerings = COLLECTIVES.need("jax._src.interpreters.mlir:_lowerings",
                                      check=is_instance_of("builtins:dict"))

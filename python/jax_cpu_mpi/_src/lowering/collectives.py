@@ -1,6 +1,6 @@
-"""CPU lowerings of ``psum`` / ``pmax`` / ``pmin`` (and so ``pmean``) between processes over
-MPI, and of ``ppermute`` between processes as our ``precv(psend(x))`` (docs: "Collectives
-over MPI").
+"""CPU lowerings of ``psum`` / ``pmax`` / ``pmin`` (and so ``pmean``), ``all_gather``,
+``psum_scatter`` and ``all_to_all`` between processes over MPI, and of ``ppermute`` between
+processes as our ``precv(psend(x))`` (docs: "Collectives over MPI").
 
 Each rule decides, when a program is lowered, between two lowerings:
 
@@ -11,7 +11,9 @@ Each rule decides, when a program is lowered, between two lowerings:
 * otherwise the typed-FFI custom call ``jax_cpu_mpi_all_reduce(x, partition_id) -> out``
   (``cpp/ffi/collective_handlers.cc``): the group's devices in one process reduce among
   themselves, one MPI_Iallreduce per process on a communicator of the group's own, the
-  result is shared in process.
+  result is shared in process; for all_gather / psum_scatter / all_to_all the custom call
+  ``jax_cpu_mpi_exchange`` does the same with MPI_Iallgather(v) / MPI_Ireduce_scatter(_block)
+  / MPI_Ialltoall(v), on the operand with the collective's dimension moved to the front.
 
 The groups are JAX's own (``_replica_groups``: the mesh axes and ``axis_index_groups``), the
 same partition numbering as psend/precv (:mod:`.topology`). Programs lowered for another
@@ -39,6 +41,10 @@ from jax_cpu_mpi._src.runtime import mpi as mpi_runtime
 
 #: ``all_reduce(x, partition_id) -> out`` over the groups of the attributes.
 ALL_REDUCE_TARGET = "jax_cpu_mpi_all_reduce"
+#: ``exchange(x, partition_id) -> out``: all_gather, reduce_scatter or all_to_all ("kind").
+EXCHANGE_TARGET = "jax_cpu_mpi_exchange"
+#: Every custom call of ours that the ordering pass chains.
+TARGETS = (ALL_REDUCE_TARGET, EXCHANGE_TARGET)
 
 _INTS = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
 #: The dtypes each reduction runs over MPI (reduced exactly as XLA does: integers wrap, float
@@ -54,13 +60,21 @@ FALLBACKS: tuple[tuple[str, str], ...] = (
     ("float16, bfloat16, float8 and other narrow floats",
      "MPI has no reduction of them (an MPI operation of ours would not reduce as XLA does)"),
     ("psum of bool; pmax/pmin of complex", "MPI has no matching reduction"),
+    ("psum_scatter of float16, bfloat16, bool and other dtypes psum keeps on gloo",
+     "the same reductions as psum"),
+    ("all_gather / all_to_all of sub-byte dtypes (int4, float4...)",
+     "their bytes are packed differently"),
+    ("all_gather / psum_scatter / all_to_all of more than 2 GiB in one group",
+     "MPI counts and displacements are ints"),
+    ("asynchronous collectives (is_async)", "XLA's asynchronous pair of ops"),
     ("axes that stay inside one process", "XLA's in-process all-reduce is already direct"),
     ("positional (integer) axes in the same psum", "JAX reduces those itself, first"),
     ("a program traced with an abstract mesh only", "which process runs each device is unknown"),
     ("an MPI without MPI_THREAD_MULTIPLE", "device threads would share MPI"),
 )
 
-_REDUCTIONS = {"psum": "sum", "psum_invariant": "sum", "pmax": "max", "pmin": "min"}
+_REDUCTIONS = {"psum": "sum", "psum_invariant": "sum", "pmax": "max", "pmin": "min",
+               "reduce_scatter": "sum", "unreduced_reduce_scatter": "sum"}
 
 #: ``{(primitive, dtype, how): count}`` of this process's lowerings ("mpi" or "gloo: why").
 _decisions: collections.Counter[tuple[str, str, str]] = collections.Counter()
@@ -110,14 +124,16 @@ def _padded(groups: list[list[int]]) -> np.ndarray:
 
 def _plan(ctx: Any, name: str, axes: tuple, axis_index_groups: Any) -> Any:
     """``(groups, tables)`` for our custom call, or the reason to keep JAX's lowering."""
-    reduction = _REDUCTIONS[name]
+    reduction = _REDUCTIONS.get(name)
     if resolved_setting() == "gloo":
         return "JAX_CPU_MPI_COLLECTIVES selects gloo"
     if any(isinstance(a, int) for a in axes):
         return "positional axes"
     dtype = np.dtype(ctx.avals_in[0].dtype).name
-    if dtype not in MPI_DTYPES[reduction]:
+    if reduction is not None and dtype not in MPI_DTYPES[reduction]:
         return f"no MPI reduction of {dtype} for {name}"
+    if reduction is None and (dtype in _SUB_BYTE or np.dtype(ctx.avals_in[0].dtype).itemsize < 1):
+        return f"sub-byte dtype {dtype}"
     axis_context = ctx.module_context.axis_context
     if not isinstance(axis_context, SPMDAxisContext):
         return "not in an SPMD (shard_map) context"
@@ -144,6 +160,11 @@ SITES = 16
 #: Collectives lowered over MPI that the ordering pass has not seen yet
 #: (passes/ordered_collectives.py runs only when this is non-zero).
 pending_for_pass = 0
+
+
+_SUB_BYTE = ("int4", "uint4", "int2", "uint2", "float4_e2m1fn")
+#: The most bytes one exchange's group may move (MPI's int counts and displacements).
+_MAX_BYTES = (1 << 31) - 1
 
 
 def _describe(aval: ShapedArray) -> str:
@@ -220,14 +241,127 @@ def _ppermute_plan(ctx: Any, names: tuple, rest: dict) -> str | None:
     return _attach("ppermute", tables)
 
 
+def _transpose(ctx: Any, x: Any, aval: Any, perm: list[int]) -> tuple[Any, Any]:
+    """``x`` (of ``aval``) with its axes in the order ``perm`` (no op for the identity)."""
+    if perm == sorted(perm):
+        return x, aval
+    new = aval.update(shape=tuple(aval.shape[i] for i in perm))
+    return hlo.transpose(x, compat.dense_int_array(perm)), new
+
+
+def _reshape(ctx: Any, x: Any, aval: Any, shape: tuple) -> tuple[Any, Any]:
+    if tuple(aval.shape) == tuple(shape):
+        return x, aval
+    new = aval.update(shape=tuple(shape))
+    return hlo.reshape(compat.aval_to_ir_type(ctx.module_context, new), x), new
+
+
+def _exchange_call(ctx: Any, kind: str, name: str, x: Any, in_aval: Any, out_aval: Any,
+                   plan: Any, axes: tuple) -> Any:
+    groups, tables = plan
+    global pending_for_pass
+    pending_for_pass += 1
+    u32 = ShapedArray((), np.uint32)
+    sub_ctx = ctx.replace(avals_in=[in_aval, u32], avals_out=[out_aval])
+    padded = _padded(groups)
+    call = jax.ffi.ffi_lowering(EXCHANGE_TARGET, has_side_effect=True)
+    return call(sub_ctx, x, hlo.partition_id(),
+                groups=padded.reshape(-1), group_size=np.int64(padded.shape[1]),
+                device_index=tables.device_index, device_process=tables.device_process,
+                site=np.int64(0), kind=kind, reduction="sum",
+                op=f"{name}(axes={tuple(axes)!r})",
+                operand=_describe(ctx.avals_in[0]))[0]
+
+
+def _exchange_plan(ctx: Any, name: str, axes: tuple, params: dict) -> Any:
+    if params.get("is_async"):
+        return "asynchronous collective"
+    plan = _plan(ctx, name, axes, params.get("axis_index_groups"))
+    if isinstance(plan, str):
+        return plan
+    groups = plan[0]
+    n = len(groups[0])
+    if any(len(g) != n for g in groups):
+        return "groups of different sizes"
+    biggest = max(ctx.avals_in[0].size, ctx.avals_out[0].size) * ctx.avals_in[0].dtype.itemsize
+    if n * biggest > _MAX_BYTES:
+        return "more than 2 GiB in one group"
+    return plan
+
+
+def _make_exchange_rule(prim: Any, kind: str) -> Any:
+    jax_rule = compat.default_lowerings[prim].rule
+
+    def rule(ctx: Any, x: Any, **params: Any) -> Any:
+        names = params["axis_name"]
+        axes = names if isinstance(names, tuple) else (names,)
+        dtype = np.dtype(ctx.avals_in[0].dtype).name
+        plan = _exchange_plan(ctx, prim.name, axes, params)
+        if isinstance(plan, str):
+            _decisions[(prim.name, dtype, f"gloo: {plan}")] += 1
+            return jax_rule(ctx, x, **params)
+        _decisions[(prim.name, dtype, "mpi")] += 1
+        n = len(plan[0][0])
+        aval, out_aval = ctx.avals_in[0], ctx.avals_out[0]
+        shape = list(aval.shape)
+        if kind == "all_gather":
+            d = params["all_gather_dimension"]
+            if not params["tiled"]:
+                shape.insert(d, 1)
+            perm = [d, *(i for i in range(len(shape)) if i != d)]
+            moved = tuple(shape[i] for i in perm)
+            if params["tiled"]:
+                x, aval = _transpose(ctx, x, aval, perm)
+            else:  # the new axis of size 1 goes first: only a reshape
+                x, aval = _reshape(ctx, x, aval, moved)
+            mid = aval.update(shape=(n * moved[0], *moved[1:]))
+            y = _exchange_call(ctx, kind, prim.name, x, aval, mid, plan, axes)
+            y, mid = _transpose(ctx, y, mid, [perm.index(i) for i in range(len(perm))])
+        elif kind == "reduce_scatter":
+            d = params["scatter_dimension"]
+            perm = [d, *(i for i in range(len(shape)) if i != d)]
+            x, aval = _transpose(ctx, x, aval, perm)
+            mid = aval.update(shape=(aval.shape[0] // n, *aval.shape[1:]))
+            y = _exchange_call(ctx, kind, prim.name, x, aval, mid, plan, axes)
+            y, mid = _transpose(ctx, y, mid, [perm.index(i) for i in range(len(perm))])
+        else:  # all_to_all: block j of the result is member j's block of my position
+            s, c = params["split_axis"], params["concat_axis"]
+            others = [i for i in range(len(shape)) if i != s]
+            x, aval = _transpose(ctx, x, aval, [s, *others])
+            x, aval = _reshape(ctx, x, aval, (n, shape[s] // n, *(shape[i] for i in others)))
+            y = _exchange_call(ctx, kind, prim.name, x, aval, aval, plan, axes)
+            # Axes of y: 0 the sender j, 1 the split axis, 2.. the others; j goes right
+            # before the concat axis and merges with it.
+            order: list[int] = []
+            for i in range(len(shape)):
+                if i == c:
+                    order.append(0)
+                order.append(1 if i == s else 2 + others.index(i))
+            y, mid = _transpose(ctx, y, aval, order)
+        y, _ = _reshape(ctx, y, mid, out_aval.shape)
+        return [y]
+
+    rule.__name__ = f"_{prim.name}_lowering_cpu_mpi"
+    return rule
+
+
 _rules: dict[Any, Any] = {}
 
 
 def register() -> None:
-    """Register the CPU lowerings of psum/pmax/pmin/psum_invariant (idempotent)."""
+    """Register the CPU lowerings of the collectives over MPI (idempotent)."""
     register_targets()
     for prim in (compat.psum_p, compat.pmax_p, compat.pmin_p, compat.psum_invariant_p):
         if prim not in _rules:
             _rules[prim] = _make_rule(prim)
+        register_lowering(prim, _rules[prim], platform="cpu")
+    for prim, kind in ((compat.all_gather_p, "all_gather"),
+                       (compat.all_gather_invariant_p, "all_gather"),
+                       (compat.all_gather_reduced_p, "all_gather"),
+                       (compat.reduce_scatter_p, "reduce_scatter"),
+                       (compat.unreduced_reduce_scatter_p, "reduce_scatter"),
+                       (compat.all_to_all_p, "all_to_all")):
+        if prim not in _rules:
+            _rules[prim] = _make_exchange_rule(prim, kind)
         register_lowering(prim, _rules[prim], platform="cpu")
     register_lowering(compat.ppermute_p, _ppermute_rule, platform="cpu")

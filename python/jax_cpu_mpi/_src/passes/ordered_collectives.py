@@ -55,7 +55,7 @@ def order_collectives(module: Any) -> int:
     chained = 0
     with module.context:
         calls = [op for op in operations(module.operation)
-                 if call_target(op) == collectives.ALL_REDUCE_TARGET]
+                 if call_target(op) in collectives.TARGETS]
         last_in_block: list[tuple[Any, Any]] = []  # (block, the last call there)
         for site, op in enumerate(calls):
             block = op.block

@@ -42,7 +42,8 @@ DEFAULT_EVENTS_PER_THREAD = 1 << 16
 
 _COLUMNS = tuple(ext.trace_columns())
 _PATHS = tuple(ext.trace_path_names())
-_OPS = ("psend", "precv", "mark", "all_reduce")  # by op code (cpp/common/trace.h)
+_OPS = ("psend", "precv", "mark", "all_reduce", "all_gather", "reduce_scatter",
+        "all_to_all")  # by op code (cpp/common/trace.h)
 
 
 @dataclass
@@ -214,8 +215,8 @@ def _event_json(row: np.ndarray) -> dict[str, object]:
                 "ts": r["start_ns"] / 1e3,
                 "args": {"tick": r["seq"], "action": r["label0"], "microbatch": r["label1"],
                          "virtual_stage": r["label2"]}}
-    if r["op"] == _ALL_REDUCE:
-        return {"name": "all_reduce", "cat": "collective", "ph": "X",
+    if r["op"] >= _ALL_REDUCE:  # the collectives
+        return {"name": _OPS[r["op"]], "cat": "collective", "ph": "X",
                 "pid": r["process"], "tid": r["device"],
                 "ts": r["start_ns"] / 1e3, "dur": r["dur_ns"] / 1e3,
                 "args": {"bytes": r["bytes"], "wait_us": r["wait_ns"] / 1e3,
