@@ -52,16 +52,43 @@ def values(dtype: str, shape: tuple, seed: int) -> np.ndarray:
     return rng.standard_normal(full).astype(ml_dtypes.finfo(dtype).dtype)
 
 
-def run_all(setting: str, operands: dict, fn_of_key) -> dict:
-    """Every operand through its collective in ONE program, lowered with ``setting``."""
+def _as_bytes(o):
+    if o.dtype == jnp.bool_:
+        return o.astype(jnp.uint8).reshape(-1)
+    if jnp.issubdtype(o.dtype, jnp.complexfloating):
+        o = jnp.stack([o.real, o.imag], axis=-1)
+    return jax.lax.bitcast_convert_type(o, jnp.uint8).reshape(-1)
+
+
+def run_packed(setting: str, m, operands: dict, fn_of_key) -> dict:
+    """Every operand through its collective in ONE program over the 1-D mesh ``m``, lowered
+    with ``setting``; the results go back as one byte array per device (one gather: a
+    gather per result would cost a compilation each)."""
     config.configure(collectives=setting)
+    axis = m.axis_names[0]
+    layout = {}
 
     def body(tree):
-        return {k: fn_of_key(k)(v[0])[None] for k, v in tree.items()}
+        outs = {k: fn_of_key(k)(v[0]) for k, v in sorted(tree.items())}
+        for k, o in outs.items():
+            layout[k] = (o.shape, np.dtype(o.dtype))
+        return jnp.concatenate([_as_bytes(o) for o in outs.values()])[None]
 
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-    arrays = {k: common.global_array(mesh, P("x"), v) for k, v in operands.items()}
-    return {k: common.gather(v) for k, v in f(arrays).items()}
+    f = jax.jit(jax.shard_map(body, mesh=m, in_specs=P(axis), out_specs=P(axis)))
+    arrays = {k: common.global_array(m, P(axis), v) for k, v in operands.items()}
+    flat = common.gather(f(arrays))
+    out, at = {}, 0
+    for k, (shape, dtype) in layout.items():
+        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        out[k] = np.ascontiguousarray(flat[:, at:at + size]).view(dtype).reshape(
+            (flat.shape[0], *shape))
+        at += size
+    return out
+
+
+def run_all(setting: str, operands: dict, fn_of_key) -> dict:
+    """Every operand through its collective in ONE program, lowered with ``setting``."""
+    return run_packed(setting, mesh, operands, fn_of_key)
 
 
 def check(name: str, got: np.ndarray, want: np.ndarray, exact: bool) -> None:
@@ -130,6 +157,116 @@ for key, v in operands.items():
     if "nan" not in dtype:  # gloo's max/min need not propagate NaN
         check(f"mpi  {key} vs gloo", mpi[key], gloo[key][0], exact or n <= 2)
 
+# ---- all_gather, psum_scatter, all_to_all: dtypes x shapes x dimensions, one program per
+# setting. Data movement (all_gather, all_to_all) is bit for bit against gloo for every dtype.
+
+
+def split(a: np.ndarray, axis: int) -> list:
+    return np.split(a, n, axis=axis)
+
+
+EXCHANGES: dict[str, tuple] = {}  # key -> (operand, function of the shard, NumPy per device)
+
+
+def exchange_case(key, v, fn, ref):
+    EXCHANGES[key] = (v, fn, ref)
+
+
+for dtype in ["int8", "float32", "bfloat16", "bool", "complex64"]:
+    for shape, axis, tiled in [((), 0, False), ((3, 5), 1, False), ((3, 5), 1, True)]:
+        if shape == () and dtype != "int8":
+            continue
+        seed += 1
+        exchange_case(f"all_gather/{dtype}/{shape}/axis={axis}/tiled={tiled}",
+                      values(dtype, shape, seed),
+                      functools.partial(jax.lax.all_gather, axis=axis, tiled=tiled),
+                      lambda v, i, axis=axis, tiled=tiled:
+                          (np.concatenate if tiled else np.stack)(list(v), axis=axis))
+    for shape, s_ax, c_ax in [((n * 2, 3), 0, 1), ((2, n, 3), 1, 2)]:
+        seed += 1
+        exchange_case(f"all_to_all/{dtype}/{shape}/split={s_ax}/concat={c_ax}",
+                      values(dtype, shape, seed),
+                      functools.partial(jax.lax.all_to_all, split_axis=s_ax,
+                                        concat_axis=c_ax, tiled=True),
+                      lambda v, i, s_ax=s_ax, c_ax=c_ax: np.concatenate(
+                          [split(v[j], s_ax)[i] for j in range(n)], axis=c_ax))
+for dtype in ["int8", "uint64", "float32", "float16"]:
+    for shape, d, tiled in [((n * 3, 5), 0, True), ((4, n * 2), 1, True), ((2, n), 1, False)]:
+        if dtype == "float16" and d == 1:  # on gloo (no MPI reduction of it): one case
+            continue
+        seed += 1
+        exchange_case(f"psum_scatter/{dtype}/{shape}/dim={d}/tiled={tiled}",
+                      values(dtype, shape, seed),
+                      functools.partial(jax.lax.psum_scatter, scatter_dimension=d,
+                                        tiled=tiled),
+                      lambda v, i, d=d, tiled=tiled: (
+                          split(NUMPY["psum"](v.astype(np.float64) if v.dtype.itemsize <= 2
+                                              and v.dtype.kind == "f" else v), d)[i]
+                          if tiled else np.take(NUMPY["psum"](v), i, axis=d)
+                      ).astype(v.dtype))
+# >= 256 KiB per device: MPI's large-message algorithms
+seed += 1
+exchange_case("all_gather/float32/(65536,)/axis=0/tiled=True", values("float32", (1 << 16,), seed),
+              functools.partial(jax.lax.all_gather, axis=0, tiled=True),
+              lambda v, i: np.concatenate(list(v)))
+exchange_case("psum_scatter/int32/big/dim=0/tiled=True", values("int32", (n << 16,), seed),
+              functools.partial(jax.lax.psum_scatter, scatter_dimension=0, tiled=True),
+              lambda v, i: split(v.sum(0, dtype=v.dtype), 0)[i])
+exchange_case("all_to_all/float64/big/split=0/concat=1", values("float64", (n << 14, 4), seed),
+              functools.partial(jax.lax.all_to_all, split_axis=0, concat_axis=1, tiled=True),
+              lambda v, i: np.concatenate([split(v[j], 0)[i] for j in range(n)], axis=1))
+
+
+def run_exchanges(setting: str, m, cases: dict) -> dict:
+    axis = m.axis_names[0]
+    return run_packed(setting, m, {k: e[0] for k, e in cases.items()},
+                      lambda k: functools.partial(cases[k][1], axis_name=axis))
+
+
+# The mesh in device order, and (2 devices per process) with the processes interleaved:
+# group positions that are not process after process go through the staging buffers.
+meshes = {"": mesh}
+if n == 4:
+    devs = np.array(jax.devices())
+    order = sorted(range(n), key=lambda i: (i % 2, i))  # positions 0, 2 / 1, 3 per process
+    meshes[" interleaved"] = jax.sharding.Mesh(devs[np.argsort(order)], ("x",))
+for label, m in meshes.items():
+    # NumPy checks every case; gloo (a compilation of its own, slow) the float32 and large
+    # ones; the interleaved mesh runs the int8 and large ones.
+    cases = EXCHANGES if not label else {
+        k: e for k, e in EXCHANGES.items() if "/int8/" in k or "big" in k or "65536" in k}
+    ex_mpi = run_exchanges("mpi", m, cases)
+    ex_gloo = {} if label else run_exchanges("gloo", m, {
+        k: e for k, e in cases.items() if "/float32/" in k or "big" in k or "65536" in k})
+    for key, (v, _, ref) in cases.items():
+        op, dtype = key.split("/")[:2]
+        reduces = op == "psum_scatter"
+        exact = not reduces or v.dtype.kind in "iub"
+        name = f"{key}{label}"
+        try:
+            for i in range(n):
+                want = np.asarray(ref(v, i))
+                got = ex_mpi[key][i]
+                assert got.dtype == v.dtype and got.shape == want.shape, (got.shape, want.shape)
+                if exact:
+                    np.testing.assert_array_equal(np.atleast_1d(got).view(np.uint8),
+                                                  np.atleast_1d(want).view(np.uint8))
+                else:
+                    tol = 1e-2 if v.dtype.itemsize <= 2 else 1e-5
+                    np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64),
+                                               rtol=tol, atol=tol)
+            if key in ex_gloo and exact:
+                np.testing.assert_array_equal(ex_mpi[key], ex_gloo[key])
+            elif key in ex_gloo:
+                np.testing.assert_allclose(ex_mpi[key].astype(np.float64),
+                                           ex_gloo[key].astype(np.float64), rtol=1e-5,
+                                           atol=1e-5)
+            against = "numpy and gloo" if key in ex_gloo else "numpy"
+            print(f"ok   mpi  {name} vs {against}", flush=True)
+        except AssertionError as e:
+            failures.append(name)
+            print(f"FAIL {name}: {e}", flush=True)
+
 # ---- the lowerings that did not go over MPI say why
 decided = lowering.decisions()
 over_mpi = {(p, d) for (p, d, how) in decided if how == "mpi"}
@@ -138,6 +275,18 @@ for p, d in [("psum_invariant", "float16"), ("psum_invariant", "bfloat16")]:
     if (p, d) in over_mpi:
         failures.append(f"{p}/{d} went over MPI")
         print(f"FAIL {p}/{d} went over MPI (must fall back to gloo)", flush=True)
+for p, d in [("reduce_scatter", "float16")]:
+    if (p, d) in over_mpi:
+        failures.append(f"{p}/{d} went over MPI")
+        print(f"FAIL {p}/{d} went over MPI (must fall back to gloo)", flush=True)
+for p, d in [("all_to_all", "bfloat16"), ("reduce_scatter", "int8"), ("all_to_all", "bool"),
+             ("all_to_all", "float64"), ("reduce_scatter", "uint64")]:
+    if (p, d) not in over_mpi:
+        failures.append(f"{p}/{d} did not go over MPI")
+        print(f"FAIL {p}/{d} did not go over MPI", flush=True)
+if not any(p.startswith("all_gather") and d == "float32" for p, d in over_mpi):
+    failures.append("all_gather float32 did not go over MPI")
+    print("FAIL all_gather float32 did not go over MPI", flush=True)
 if ("psum_invariant", "float32") not in over_mpi:
     failures.append("psum float32 did not go over MPI")
     print("FAIL psum float32 did not go over MPI", flush=True)
