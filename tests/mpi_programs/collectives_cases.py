@@ -324,6 +324,21 @@ def transformed(setting: str) -> dict:
     mx = jax.jit(jax.shard_map(lambda v: jax.lax.pmax(v, "x") - jax.lax.pmin(v, "x"),
                                mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
     out["pmax-pmin (check_vma=False)"] = common.gather(mx(x))
+
+    # all_gather's transpose is psum_scatter; all_to_all under vmap (a batch of 2).
+    w = jnp.arange(6.0 * n, dtype=jnp.float32).reshape(n, 6)
+
+    def gather_loss(v):
+        return jnp.sum(jax.lax.all_gather(v, "x", tiled=True) * w)
+
+    gg = jax.jit(jax.shard_map(jax.grad(gather_loss), mesh=mesh, in_specs=P("x"),
+                               out_specs=P("x")))
+    out["grad of all_gather"] = common.gather(gg(x))
+    xa = common.global_array(mesh, P("x"), values("float32", (2 * n,), 8))
+    va = jax.jit(jax.shard_map(
+        lambda v: jax.vmap(lambda r: jax.lax.all_to_all(r, "x", 1, 1, tiled=True))(
+            jnp.stack([v, 3 * v])), mesh=mesh, in_specs=P("x"), out_specs=P(None, "x")))
+    out["vmap of all_to_all"] = common.gather(va(xa))
     return out
 
 
@@ -357,6 +372,35 @@ if n == 4:
         want = np.broadcast_to(v.sum(axis_ix, keepdims=True, dtype=np.int32), v.shape)
         check(f"2-D psum over {axes} vs numpy", got[None], want.astype(np.int32), True)
         check(f"2-D psum over {axes} vs gloo", got[None], ref, True)
+
+    # all_gather / psum_scatter / all_to_all over one axis and both, in one program each.
+    def two_d_exchanges(setting):
+        config.configure(collectives=setting)
+
+        def body(a):
+            a = a[0, 0]  # (2, 3) int32 per device
+            return (jax.lax.all_gather(a, "p", axis=0)[None, None],
+                    jax.lax.all_gather(a, ("p", "d"), axis=1, tiled=True)[None, None],
+                    jax.lax.psum_scatter(a, "p", scatter_dimension=0, tiled=True)[None, None],
+                    jax.lax.psum_scatter(jnp.tile(a, (2, 1)), ("p", "d"),
+                                         scatter_dimension=0, tiled=True)[None, None],
+                    jax.lax.all_to_all(a, "p", 0, 1, tiled=True)[None, None],
+                    jax.lax.all_to_all(jnp.tile(a, (2, 1)), ("p", "d"), 0, 0,
+                                       tiled=True)[None, None])
+
+        f = jax.jit(jax.shard_map(body, mesh=mesh2, in_specs=P("p", "d"),
+                                  out_specs=P("p", "d")))
+        return [common.gather(r) for r in f(common.global_array(mesh2, P("p", "d"), v))]
+
+    names = ["all_gather p", "all_gather (p, d) tiled", "psum_scatter p",
+             "psum_scatter (p, d)", "all_to_all p", "all_to_all (p, d)"]
+    for name, got, ref in zip(names, two_d_exchanges("mpi"), two_d_exchanges("gloo"),
+                              strict=True):
+        check(f"2-D {name} vs gloo", got[None], ref, True)
+    # NumPy: the gather over p of device (p, d) is v[:, d] stacked.
+    got = two_d_exchanges("mpi")[0]
+    check("2-D all_gather p vs numpy", got[None, 0, 1],
+          np.stack([v[0, 1], v[1, 1]]), True)
 
 # ---- the timeline: each collective over MPI is a slice with its bytes and wait
 with tempfile.TemporaryDirectory() as tmp:
