@@ -58,3 +58,28 @@ def test_axes_inside_one_process_keep_jax_lowering():
     np.testing.assert_array_equal(out, np.arange(8, dtype=np.float32).reshape(4, 2).sum(0))
     assert any(how == "gloo: inside one process"
                for (_, _, how) in collectives.decisions())
+
+
+def test_gpu_lowering_is_unchanged_by_the_setting():
+    """Programs exported for GPU keep JAX's collectives whatever the setting (our rules are
+    CPU-only): the same module text with ``mpi`` and ``gloo``, none of our custom calls."""
+    mesh = jax.make_mesh((4,), ("x",))
+
+    def body(v):
+        return (jax.lax.psum(v, "x"), jax.lax.all_gather(v, "x", tiled=True),
+                jax.lax.psum_scatter(v, "x", tiled=True),
+                jax.lax.all_to_all(v, "x", 0, 0, tiled=True),
+                jax.lax.ppermute(v, "x", [(i, (i + 1) % 4) for i in range(4)]))
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    arg = jax.ShapeDtypeStruct((32,), np.float32,
+                               sharding=jax.NamedSharding(mesh, P("x")))
+    texts = {}
+    for setting in ("mpi", "gloo"):
+        with config.overrides(collectives=setting):
+            texts[setting] = jax.export.export(f, platforms=["cuda"])(arg).mlir_module()
+    assert texts["mpi"] == texts["gloo"]
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+               "collective_permute"):
+        assert op in texts["mpi"], op
+    assert "@jax_cpu_mpi" not in texts["mpi"]  # custom_call @target
