@@ -3,7 +3,7 @@
 XLA CPU runs independent custom calls in whatever order its thunk executor picks (it orders
 them at run time by their buffers alone), and not necessarily the same order on every
 process: two all-reduces of one group would then meet the wrong partner (MPI matches
-collectives by order). After JAX has lowered a CPU program, this pass gives each all-reduce
+collectives by order). After JAX has lowered a CPU program, this pass gives each collective
 call of ``lowering/collectives.py`` the result of the previous one in its block as an extra
 operand (unread by the handler: a buffer dependency XLA keeps), and numbers the calls of the
 program (``site``, modulo ``SITES``): calls with different numbers use different
