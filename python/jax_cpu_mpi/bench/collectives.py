@@ -1,14 +1,18 @@
-"""nccl-tests-style ``all_reduce_perf`` for CPU jobs: ``psum`` over gloo (JAX's path), over
-MPI (jax_cpu_mpi), and raw ``MPI_Allreduce`` (mpi4py) of the same bytes, side by side.
+"""nccl-tests-style ``all_reduce_perf``, ``all_gather_perf``, ``reduce_scatter_perf`` and
+``alltoall_perf`` for CPU jobs: ``psum`` / ``all_gather`` / ``psum_scatter`` / ``all_to_all``
+over gloo (JAX's path), over MPI (jax_cpu_mpi), and raw MPI (mpi4py's ``Allreduce``,
+``Allgather``, ``Reduce_scatter_block``, ``Alltoall``) of the same bytes, side by side.
 
 Run under an MPI launcher, e.g.
 ``mpirun -n 2 python -m jax_cpu_mpi.bench.collectives --devices 1 --out DIR``.
 
 Each size runs ``--rounds`` interleaved rounds (gloo, mpi, mpi4py, then again), each round
 timing ``--iters`` collectives: a jitted ``lax.scan`` of psums for JAX (one dispatch per
-round, the per-op time is the round's time over ``--iters``), a loop of ``Allreduce`` for
+round, the per-op time is the round's time over ``--iters``), a loop of the MPI call for
 mpi4py. Reported: the median per-op time over rounds, nccl-tests' ``algbw`` (bytes / time)
-and ``busbw`` (``algbw * 2 (n - 1) / n``, n the devices of the reduction).
+and ``busbw`` (``algbw * 2 (P - 1) / P`` for all_reduce, ``algbw * (P - 1) / P`` for the
+others, P ranks). The size is nccl-tests': all_reduce the buffer, all_gather the gathered
+output, reduce_scatter the input, alltoall the buffer (per device; all_reduce per process).
 
 ``--devices k`` runs k CPU devices per process; the psum then spans all P x k devices and
 is compared with mpi4py's Allreduce of the same bytes per process.
@@ -22,6 +26,14 @@ import os
 import sys
 import time
 
+#: Benchmark -> (JAX collective, mpi4py call, busbw factor of P ranks).
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "alltoall")
+
+
+def _busbw_factor(op: str, ranks: int) -> float:
+    """nccl-tests' factor from algbw to busbw."""
+    return (2 if op == "all_reduce" else 1) * (ranks - 1) / ranks
+
 
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m jax_cpu_mpi.bench.collectives",
@@ -32,6 +44,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--factor", type=int, default=8, help="size step (multiplicative)")
     p.add_argument("--iters", type=int, default=20, help="collectives per timed round")
     p.add_argument("--rounds", type=int, default=7, help="interleaved rounds per size")
+    p.add_argument("--ops", default=",".join(OPS),
+                   help=f"comma-separated, of {', '.join(OPS)}")
     p.add_argument("--out", default=None, help="directory for the JSON and the table")
     return p.parse_args()
 
@@ -57,15 +71,28 @@ def main() -> int:
     mesh = jax.make_mesh((n,), ("x",))
     rank0 = comm.Get_rank() == 0
 
-    def program(setting: str, elements: int):
+    def program(op: str, setting: str, elements: int):
+        """``iters`` of ``op`` in a scan; ``elements`` per device of the op's larger buffer
+        (the carry: the next op's operand is the last result, at most a slice of it)."""
         config.configure(collectives=setting)
+        block = elements // n if op != "all_reduce" else elements
 
-        def body(v):
-            def step(c, _):
+        def one(c):
+            if op == "all_reduce":
                 # Nothing but the psum (a rescale would add a pass over the buffer that
                 # MPI_Allreduce does not pay): ones grow to n ** iters, far below float32's
                 # range for the default 20.
-                return jax.lax.psum(c, "x"), None
+                return jax.lax.psum(c, "x")
+            if op == "all_gather":
+                return jax.lax.all_gather(c[:block], "x", tiled=True)
+            if op == "reduce_scatter":
+                part = jax.lax.psum_scatter(c, "x", tiled=True)
+                return jax.lax.dynamic_update_slice(c, part, (0,))
+            return jax.lax.all_to_all(c, "x", 0, 0, tiled=True)
+
+        def body(v):
+            def step(c, _):
+                return one(c), None
             return jax.lax.scan(step, v, None, length=args.iters)[0]
 
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
@@ -82,53 +109,78 @@ def main() -> int:
         f(x).block_until_ready()
         return (time.perf_counter() - t) / args.iters
 
-    def time_mpi4py(buf, out) -> float:
+    def mpi4py_call(op: str, elements: int):
+        """The MPI call of one process, on the bytes our collective gives MPI: the process's
+        devices meet first, so one rank sends what its k devices hold together."""
+        k = args.devices
+        if op == "all_reduce":
+            buf = np.ones(elements * k, np.float32)
+            out = np.empty_like(buf)
+            return lambda: comm.Allreduce(buf, out, op=MPI.SUM)
+        block = elements // n
+        if op == "all_gather":
+            buf, out = np.ones(block * k, np.float32), np.empty(elements, np.float32)
+            return lambda: comm.Allgather(buf, out)
+        if op == "reduce_scatter":
+            buf, out = np.ones(elements, np.float32), np.empty(block * k, np.float32)
+            return lambda: comm.Reduce_scatter_block(buf, out, op=MPI.SUM)
+        buf = np.ones(elements * k, np.float32)
+        out = np.empty_like(buf)
+        return lambda: comm.Alltoall(buf, out)
+
+    def time_mpi4py(call) -> float:
         comm.Barrier()
         t = time.perf_counter()
         for _ in range(args.iters):
-            comm.Allreduce(buf, out, op=MPI.SUM)
+            call()
         return (time.perf_counter() - t) / args.iters
 
-    rows = []
-    size = args.min_bytes
-    while size <= args.max_bytes:
-        elements = max(size // 4 // args.devices, 1)  # per device; bytes per process = size
-        per_process = elements * 4 * args.devices
-        gloo, ours = program("gloo", elements), program("mpi", elements)
-        buf = np.ones(elements * args.devices, np.float32)
-        out = np.empty_like(buf)
-        comm.Allreduce(buf, out, op=MPI.SUM)
-        times: dict[str, list[float]] = {"gloo": [], "mpi": [], "mpi4py": []}
-        for _ in range(args.rounds):
-            times["gloo"].append(time_jax(*gloo))
-            times["mpi"].append(time_jax(*ours))
-            times["mpi4py"].append(time_mpi4py(buf, out))
-        medians = {k: float(np.median(v)) for k, v in times.items()}
-        # Reduction over n devices of per_process / devices bytes each; the per-process bytes
-        # are what one MPI rank moves (nccl-tests' "size" is the bytes of one buffer).
-        row = {"bytes": per_process, "devices": n,
-               **{f"{k}_us": v * 1e6 for k, v in medians.items()},
-               **{f"{k}_algbw_GBps": per_process / v / 1e9 for k, v in medians.items()},
-               **{f"{k}_busbw_GBps": per_process / v / 1e9 * 2 * (comm.Get_size() - 1)
-                  / comm.Get_size() for k, v in medians.items()},
-               "mpi_vs_mpi4py": medians["mpi4py"] / medians["mpi"],
-               "gloo_vs_mpi": medians["gloo"] / medians["mpi"]}
-        rows.append(row)
+    ranks = comm.Get_size()
+    for op in [o.strip() for o in args.ops.split(",") if o.strip()]:
+        if op not in OPS:
+            raise SystemExit(f"--ops: unknown {op!r} (of {', '.join(OPS)})")
+        rows = []
+        size = args.min_bytes
+        while size <= args.max_bytes:
+            if op == "all_reduce":
+                elements = max(size // 4 // args.devices, 1)  # per device
+                nbytes = elements * 4 * args.devices  # per process, as MPI_Allreduce's
+            else:
+                elements = max(size // 4 // n, 1) * n  # per device, n blocks
+                nbytes = elements * 4
+            gloo, ours = program(op, "gloo", elements), program(op, "mpi", elements)
+            call = mpi4py_call(op, elements)
+            call()
+            times: dict[str, list[float]] = {"gloo": [], "mpi": [], "mpi4py": []}
+            for _ in range(args.rounds):
+                times["gloo"].append(time_jax(*gloo))
+                times["mpi"].append(time_jax(*ours))
+                times["mpi4py"].append(time_mpi4py(call))
+            medians = {k: float(np.median(v)) for k, v in times.items()}
+            factor = _busbw_factor(op, ranks)
+            row = {"bytes": nbytes, "count": nbytes // 4, "type": "float32", "devices": n,
+                   **{f"{k}_us": v * 1e6 for k, v in medians.items()},
+                   **{f"{k}_algbw_GBps": nbytes / v / 1e9 for k, v in medians.items()},
+                   **{f"{k}_busbw_GBps": nbytes / v / 1e9 * factor
+                      for k, v in medians.items()},
+                   "mpi_vs_mpi4py": medians["mpi4py"] / medians["mpi"],
+                   "gloo_vs_mpi": medians["gloo"] / medians["mpi"]}
+            rows.append(row)
+            if rank0:
+                print(op, _line(row), flush=True)
+            size *= args.factor
         if rank0:
-            print(_line(row), flush=True)
-        size *= args.factor
-    if rank0:
-        table = _table(rows, comm.Get_size(), args.devices)
-        print(table)
-        if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            stem = f"all_reduce_perf-{comm.Get_size()}x{args.devices}"
-            with open(os.path.join(args.out, stem + ".json"), "w") as fh:
-                json.dump({"ranks": comm.Get_size(), "devices_per_rank": args.devices,
-                           "iters": args.iters, "rounds": args.rounds, "rows": rows}, fh,
-                          indent=1)
-            with open(os.path.join(args.out, stem + ".md"), "w") as fh:
-                fh.write(table + "\n")
+            table = _table(op, rows, ranks, args.devices)
+            print(table)
+            if args.out:
+                os.makedirs(args.out, exist_ok=True)
+                stem = f"{op}_perf-{ranks}x{args.devices}"
+                with open(os.path.join(args.out, stem + ".json"), "w") as fh:
+                    json.dump({"op": op, "ranks": ranks, "devices_per_rank": args.devices,
+                               "iters": args.iters, "rounds": args.rounds, "rows": rows},
+                              fh, indent=1)
+                with open(os.path.join(args.out, stem + ".md"), "w") as fh:
+                    fh.write(table + "\n")
     return 0
 
 
@@ -137,15 +189,25 @@ def _line(r: dict) -> str:
             f"mpi4py {r['mpi4py_us']:10.1f} us  ours/mpi4py speed {r['mpi_vs_mpi4py']:.2f}")
 
 
-def _table(rows: list[dict], ranks: int, devices: int) -> str:
-    head = (f"all_reduce_perf: psum of float32, {ranks} ranks x {devices} device(s); time per "
-            "op (median of rounds), algbw and busbw (busbw = algbw * 2(P-1)/P, P ranks) in "
-            "GB/s\n\n| bytes/rank | gloo us | gloo busbw | MPI (ours) us | ours busbw | "
+_WHAT = {"all_reduce": ("psum", "MPI_Allreduce", "2(P-1)/P"),
+         "all_gather": ("all_gather (tiled)", "MPI_Allgather", "(P-1)/P"),
+         "reduce_scatter": ("psum_scatter (tiled)", "MPI_Reduce_scatter_block", "(P-1)/P"),
+         "alltoall": ("all_to_all", "MPI_Alltoall", "(P-1)/P")}
+
+
+def _table(op: str, rows: list[dict], ranks: int, devices: int) -> str:
+    jax_op, mpi_op, factor = _WHAT[op]
+    head = (f"{op}_perf: {jax_op} of float32 against {mpi_op} (mpi4py), {ranks} ranks x "
+            f"{devices} device(s); time per op (median of rounds), algbw and busbw (busbw = "
+            f"algbw * {factor}, P ranks) in GB/s\n\n"
+            "| size (B) | count | type | gloo us | gloo busbw | MPI (ours) us | ours busbw | "
             "mpi4py us | mpi4py busbw | ours / mpi4py speed | gloo / ours time |\n"
-            "|---|---|---|---|---|---|---|---|---|")
+            "|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
-        lines.append(f"| {r['bytes']} | {r['gloo_us']:.1f} | {r['gloo_busbw_GBps']:.3f} | "
+        lines.append(f"| {r['bytes']} | {r.get('count', r['bytes'] // 4)} | "
+                     f"{r.get('type', 'float32')} | {r['gloo_us']:.1f} | "
+                     f"{r['gloo_busbw_GBps']:.3f} | "
                      f"{r['mpi_us']:.1f} | {r['mpi_busbw_GBps']:.3f} | {r['mpi4py_us']:.1f} | "
                      f"{r['mpi4py_busbw_GBps']:.3f} | {r['mpi_vs_mpi4py']:.2f} | "
                      f"{r['gloo_vs_mpi']:.1f} |")
