@@ -129,7 +129,7 @@ ffi::Error Failure(const Status& s, std::string_view op, std::string_view operan
       if (r != state.mpi->rank() && !Closing()) Runtime::Get().note_unreachable_peer(r);
     }
     m << " waited " << state.config.recv_timeout_s << " s and the collective did not "
-      << "complete: a peer (" << Peers(*state.mpi, ranks) << ") did not take part, is "
+      << "complete (" << s.message() << "): a peer (" << Peers(*state.mpi, ranks) << ") did not take part, is "
       << "stuck, has died, or cannot be reached (set JAX_CPU_MPI_RECV_TIMEOUT to wait "
       << "longer).";
   } else {

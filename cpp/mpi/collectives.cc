@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <climits>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -13,7 +14,7 @@
 namespace jcm {
 
 Status MpiTransport::GroupComm(const std::string& key, const std::vector<int>& ranks,
-                               MPI_Comm* out) {
+                               MPI_Comm* out, std::chrono::steady_clock::time_point deadline) {
   {
     std::lock_guard<std::mutex> lock(group_comms_mu_);
     auto it = group_comms_.find(key);
@@ -24,16 +25,64 @@ Status MpiTransport::GroupComm(const std::string& key, const std::vector<int>& r
   }
   // Only the device thread that leads this group's round gets here, and rounds of one
   // group never overlap, so no other thread creates the same key meanwhile.
+  // Concurrent creations by other threads of this process (other groups) are told apart
+  // by the group and the tag; the key is the same string on every process of the group.
+  const int tag = static_cast<int>(std::hash<std::string>{}(key) %
+                                   static_cast<size_t>(std::max<int64_t>(tag_ub_, 1)));
+  // MPI_Comm_create_group blocks until every process of the group calls it, with no
+  // deadline: first a token from and to every other process of the group, polled against
+  // the collective's deadline, so that a peer that never comes fails here, in time.
+  {
+    int me = -1;
+    if (int rc = MPI_Comm_rank(coll_comm_, &me); rc != MPI_SUCCESS) {
+      return Status::MpiError("MPI_Comm_rank", rc);
+    }
+    auto tokens = std::make_shared<std::vector<char>>(ranks.size() + 1, 0);
+    std::vector<MPI_Request> requests;
+    {
+      std::unique_lock<std::mutex> lock = MpiCallLock();
+      for (size_t i = 0; i < ranks.size(); ++i) {
+        if (ranks[i] == me) continue;
+        MPI_Request r = MPI_REQUEST_NULL;
+        int rc = MPI_Irecv(tokens->data() + i, 1, MPI_CHAR, ranks[i], tag, coll_comm_, &r);
+        if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Irecv", rc);
+        requests.push_back(r);
+        rc = MPI_Isend(tokens->data() + ranks.size(), 1, MPI_CHAR, ranks[i], tag, coll_comm_,
+                       &r);
+        if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Isend", rc);
+        requests.push_back(r);
+      }
+    }
+    Backoff backoff;
+    while (!requests.empty()) {
+      int done = 0;
+      {
+        std::unique_lock<std::mutex> lock = MpiCallLock();
+        int rc = MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
+                             MPI_STATUSES_IGNORE);
+        if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Testall", rc);
+      }
+      if (done) break;
+      if (Expired(deadline)) {
+        size_t cancelled = 0;
+        bool abandoned = false;
+        Status s = CancelWithGrace(requests, &cancelled, &abandoned, tokens);
+        if (!s.ok() && !abandoned) return s;
+        if (cancelled != 0 || abandoned) {
+          return Status::Timeout("its group's communicator, created at the group's first "
+                                 "collective, was not created in time");
+        }
+        break;  // every token arrived, just in time
+      }
+      backoff.Pause();
+    }
+  }
   MPI_Group parent_group = MPI_GROUP_NULL, group = MPI_GROUP_NULL;
   int rc = MPI_Comm_group(coll_comm_, &parent_group);
   if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Comm_group", rc);
   rc = MPI_Group_incl(parent_group, static_cast<int>(ranks.size()), ranks.data(), &group);
   (void)MPI_Group_free(&parent_group);
   if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Group_incl", rc);
-  // Concurrent creations by other threads of this process (other groups) are told apart
-  // by the group and the tag; the key is the same string on every process of the group.
-  const int tag = static_cast<int>(std::hash<std::string>{}(key) %
-                                   static_cast<size_t>(std::max<int64_t>(tag_ub_, 1)));
   MPI_Comm comm = MPI_COMM_NULL;
   rc = MPI_Comm_create_group(coll_comm_, group, tag, &comm);
   (void)MPI_Group_free(&group);
@@ -52,7 +101,7 @@ Status MpiTransport::Allreduce(const std::string& key, const std::vector<int>& r
   if (!MpiIsUsable()) return Status::Invalid(kMpiNotUsable);
   if (count == 0) return Status::Ok();  // the same shape on every rank: none calls MPI
   MPI_Comm comm = MPI_COMM_NULL;
-  if (Status s = GroupComm(key, ranks, &comm); !s.ok()) return s;
+  if (Status s = GroupComm(key, ranks, &comm, deadline); !s.ok()) return s;
   int type_size = 0;
   if (int rc = MPI_Type_size(type, &type_size); rc != MPI_SUCCESS) {
     return Status::MpiError("MPI_Type_size", rc);
@@ -97,7 +146,7 @@ Status MpiTransport::Collective(const std::string& key, const std::vector<int>& 
                                 std::chrono::steady_clock::time_point deadline) {
   if (!MpiIsUsable()) return Status::Invalid(kMpiNotUsable);
   MPI_Comm comm = MPI_COMM_NULL;
-  if (Status s = GroupComm(key, ranks, &comm); !s.ok()) return s;
+  if (Status s = GroupComm(key, ranks, &comm, deadline); !s.ok()) return s;
   MPI_Request request = MPI_REQUEST_NULL;
   {
     std::unique_lock<std::mutex> lock = MpiCallLock();

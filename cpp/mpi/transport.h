@@ -386,7 +386,8 @@ class MpiTransport {
   // mpi/collectives.cc: the parent of the groups' communicators (a duplicate made by
   // Create), and the communicator of each group key. group_comms_mu_ guards the map only
   // (never held while a communicator is created: two threads may create two at once).
-  Status GroupComm(const std::string& key, const std::vector<int>& ranks, MPI_Comm* out);
+  Status GroupComm(const std::string& key, const std::vector<int>& ranks, MPI_Comm* out,
+                   std::chrono::steady_clock::time_point deadline);
   MPI_Comm coll_comm_ = MPI_COMM_NULL;
   std::mutex group_comms_mu_;
   std::map<std::string, MPI_Comm> group_comms_;
