@@ -54,6 +54,9 @@ def main() -> int:
     args = _parse()
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={args.devices}")
+    # CPU collectives: on a machine with a GPU plugin too, JAX's default devices would be
+    # the GPU's.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
     import numpy as np
     from jax.sharding import NamedSharding
