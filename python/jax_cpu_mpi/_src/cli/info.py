@@ -193,8 +193,8 @@ def local_report(mpi_module=None, mpi_error: str | None = None,
 
 
 def collectives_section() -> Report:
-    """How psum/pmax/pmin between processes run here (JAX_CPU_MPI_COLLECTIVES), and what
-    keeps JAX's gloo path whatever the setting."""
+    """How psum/pmax/pmin/all_gather/psum_scatter/all_to_all between processes run here
+    (JAX_CPU_MPI_COLLECTIVES), and what keeps JAX's gloo path whatever the setting."""
     try:
         setting = config.current().collectives
         resolved = collective_lowering.resolved_setting()
@@ -283,7 +283,8 @@ def format_process(report: Report) -> str:
     if col:
         over = "MPI" if col["resolved"] == "mpi" and col["active"] else "gloo (JAX's path)"
         lines.append(f"collectives:   JAX_CPU_MPI_COLLECTIVES={col['setting']}: psum/pmean/"
-                     f"pmax/pmin/ppermute between processes run over {over}")
+                     f"pmax/pmin/all_gather/psum_scatter/all_to_all/ppermute between "
+                     f"processes run over {over}")
         if col["resolved"] == "mpi":
             lines.append("  still on gloo: " + "; ".join(
                 f"{f['what']} ({f['why']})" for f in col["fallbacks"]))

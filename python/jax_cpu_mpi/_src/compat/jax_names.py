@@ -470,7 +470,8 @@ def scan_layout(params: dict[str, Any], n_inputs: int
 # ------------------------------------------------------ collectives over MPI (CPU lowerings)
 
 COLLECTIVES = feature(
-    "collectives", "psum/pmean/pmax/pmin between processes over MPI (JAX_CPU_MPI_COLLECTIVES)",
+    "collectives", "psum/pmean/pmax/pmin/all_gather/psum_scatter/all_to_all between processes "
+    "over MPI (JAX_CPU_MPI_COLLECTIVES)",
     requires=("lowerings",),
     when_off="collectives between processes run on JAX's gloo path, as without jax_cpu_mpi")
 #: JAX's replica groups of a collective (partition ids, one list per group), with its
