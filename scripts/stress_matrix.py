@@ -53,8 +53,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 def run(devices, fwd_perm, bwd_perm):
     n = len(devices)
     mesh = Mesh(np.array(devices), ("x",))
+    # dtype given: a process outside the mesh (the two-device test under mpirun -n 4) has no
+    # shard to take it from.
     a = jax.make_array_from_callback((n, n), NamedSharding(mesh, P("x", None)),
-        lambda i: np.arange(n * n, dtype=np.float32).reshape(n, n)[i])
+        lambda i: np.arange(n * n, dtype=np.float32).reshape(n, n)[i], dtype=np.float32)
     weights = jax.random.uniform(key=jax.random.key(0), shape=(n, 1), dtype=jnp.float32)
 
     @jax.jit
@@ -113,14 +115,12 @@ def cases(tmp: Path) -> dict[str, list[Case]]:
     }
 
 
-def oversubscribed(case: Case) -> Case | None:
+def oversubscribed(case: Case) -> Case:
     """4 ranks on the 2 cores: the same number of devices in all where the mesh needs it
     (the pipeline example gives each rank 4 stages / 4 ranks = 1 device itself), else 2
-    devices per rank. None for JAX's two-device test: its mesh cannot span 4 processes, and
-    a mesh that leaves processes out waits forever when MPI is attached (the attach is
-    collective over every rank, and the ranks outside the mesh never lower the program)."""
-    if case.name == "jax-two":
-        return None
+    devices per rank. JAX's two-device test keeps its mesh of one device of the first and
+    one of the last process: processes 1 and 2 are outside it (they never lower its
+    program), as in JAX's own multi-process run of that test."""
     total = case.ranks * case.devices
     fixed = ("readme", "jax-cycle", "pipeline", "timeline")
     devices = max(1, total // 4) if case.name in fixed else 2
@@ -137,6 +137,7 @@ def launch(case: Case, limit: float) -> dict:
     if "JAX_CPU_MPI_TRACE" in case.env:
         shutil.rmtree(case.env["JAX_CPU_MPI_TRACE"], ignore_errors=True)
     cmd = [MPIRUN, "-n", str(case.ranks), PY, *case.args]
+    load_before = round(os.getloadavg()[0], 2)
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, cwd=ROOT, start_new_session=True)
@@ -156,7 +157,8 @@ def launch(case: Case, limit: float) -> dict:
         out += merged.stdout + merged.stderr
     return {"case": case.name, "ranks": case.ranks, "devices": case.devices, "rc": rc,
             "stuck": rc is None, "ok": ok, "seconds": round(seconds, 3),
-            "reported_at_exit": "at exit" in out, "tail": out[-1500:] if not ok else ""}
+            "loadavg_1min": load_before, "reported_at_exit": "at exit" in out,
+            "tail": out[-1500:] if not ok else ""}
 
 
 class Load:
@@ -255,6 +257,12 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="jcm-stress-"))
+    import jax  # the version only (no backend)
+
+    meta = {"jax": jax.__version__, "python": sys.version.split()[0],
+            "started_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+            "cores": os.cpu_count(), "loadavg_1min_at_start": round(os.getloadavg()[0], 2),
+            "args": sys.argv[1:]}
     all_cases = cases(tmp)
     chosen = [c for name, cs in all_cases.items() for c in cs
               if args.only is None or name in args.only or c.name in args.only]
@@ -263,8 +271,6 @@ def main() -> int:
     for case in chosen:
         for cond in args.conditions:
             c = oversubscribed(case) if cond == "oversub" else case
-            if c is None:
-                continue
             key = (c.name, c.ranks)
             if key not in quiet:
                 times = [launch(c, args.limit) for _ in range(args.quiet_runs)]
@@ -290,6 +296,9 @@ def main() -> int:
     print(table)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
+        meta["loadavg_1min_at_end"] = round(os.getloadavg()[0], 2)
+        meta["ended_utc"] = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+        (args.out / "meta.json").write_text(json.dumps(meta, indent=1))
         (args.out / "matrix.json").write_text(json.dumps(records, indent=1))
         if long:
             (args.out / "long_run.json").write_text(json.dumps(long, indent=1))
