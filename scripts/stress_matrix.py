@@ -255,7 +255,12 @@ def main() -> int:
     ap.add_argument("--limit", type=float, default=400.0, help="seconds before a launch "
                     "counts as stuck and is killed (above the 300 s receive timeout)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--report", type=Path, default=None, metavar="DIR",
+                    help="no launches: write DIR/README.md and the table of "
+                    "docs/reliability.md from the runs in DIR/jax-*/ (one per JAX version)")
     args = ap.parse_args()
+    if args.report:
+        return report(args.report)
     tmp = Path(tempfile.mkdtemp(prefix="jcm-stress-"))
     import jax  # the version only (no backend)
 
@@ -334,6 +339,111 @@ def summarize(records: list[dict], quiet: dict, long: dict | None) -> str:
                          f"10^4 steps after the first 10^4, file descriptors "
                          f"{g['fd_growth']:+d}, threads {g['thread_growth']:+d}")
     return "\n".join(lines)
+
+
+def _from_log(sub: Path) -> tuple[dict, list[dict]]:
+    """The launches of a run stopped before it wrote matrix.json, from its printed lines
+    (``launches.log``; no load averages, the quiet medians as printed)."""
+    records = []
+    line_re = (r"^(\S+)\s+(\S+)\s+n=(\d+)x(\d+) #\d+:\s+([\d.]+) s \(quiet ([\d.]+)\) "
+               r"rc=(\S+) ok=(\S+)( LATE)?( STUCK)?")
+    for m in re.finditer(line_re, (sub / "launches.log").read_text(), re.M):
+        name, cond, ranks, devices, secs, quiet, rc, ok, late, stuck = m.groups()
+        common = {"case": name, "ranks": int(ranks), "devices": int(devices)}
+        records.append({**common, "condition": cond, "seconds": float(secs),
+                        "rc": None if rc == "None" else int(rc), "ok": ok == "True",
+                        "late": bool(late), "stuck": bool(stuck)})
+        if not any(r["condition"] == "quiet" and r["case"] == name and
+                   r["ranks"] == int(ranks) for r in records):
+            records.append({**common, "condition": "quiet", "seconds": float(quiet),
+                            "ok": True, "stuck": False})
+    meta = {"jax": sub.name.removeprefix("jax-"), "python": "?", "started_utc": "?",
+            "args": ["(stopped before its end: from launches.log)"]}
+    return meta, records
+
+
+DOCS = ROOT / "docs" / "reliability.md"
+BEGIN, END = "<!-- stress-matrix: begin -->", "<!-- stress-matrix: end -->"
+
+
+def report(folder: Path) -> int:
+    """The tables of every run in ``folder/jax-*/`` (matrix.json, meta.json,
+    long_run.json): ``folder/README.md`` and the generated part of docs/reliability.md."""
+    runs = []
+    for sub in sorted(folder.glob("jax-*"), key=lambda d: d.name, reverse=True):
+        if (sub / "matrix.json").exists():
+            meta = json.loads((sub / "meta.json").read_text())
+            records = json.loads((sub / "matrix.json").read_text())
+        elif (sub / "launches.log").exists():  # a run stopped before its end
+            meta, records = _from_log(sub)
+        else:
+            continue
+        long_path = sub / "long_run.json"
+        long = json.loads(long_path.read_text()) if long_path.exists() else None
+        runs.append((sub, meta, records, long))
+    head = ["| JAX | program | condition | ranks x devices | launches | stuck | wrong | "
+            "late (> 2x quiet) | quiet median s | median s | max s | load avg (median) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows, longs, notes, total, bad = [], [], [], 0, 0
+    counts = {"stuck": 0, "wrong": 0, "late": 0}
+    for sub, meta, records, long in runs:
+        quiet: dict[tuple[str, int], list[float]] = {}
+        for r in records:
+            if r["condition"] == "quiet":
+                quiet.setdefault((r["case"], r["ranks"]), []).append(r["seconds"])
+        groups: dict[tuple, list[dict]] = {}
+        for r in records:
+            if r["condition"] != "quiet":
+                groups.setdefault((r["case"], r["condition"], r["ranks"], r["devices"]),
+                                  []).append(r)
+        for (name, cond, ranks, devices), rs in groups.items():
+            t = [r["seconds"] for r in rs]
+            loads = [r["loadavg_1min"] for r in rs if "loadavg_1min" in r]
+            load_text = f"{statistics.median(loads):.1f}" if loads else ""
+            failed = sum(r["stuck"] or not r["ok"] or bool(r.get("late")) for r in rs)
+            total, bad = total + len(rs), bad + failed
+            counts["stuck"] += sum(r["stuck"] for r in rs)
+            counts["wrong"] += sum(not r["ok"] for r in rs)
+            counts["late"] += sum(bool(r.get("late")) for r in rs)
+            rows.append(f"| {meta['jax']} | {name} | {cond} | {ranks} x {devices} | {len(rs)} | "
+                        f"{sum(r['stuck'] for r in rs)} | {sum(not r['ok'] for r in rs)} | "
+                        f"{sum(bool(r.get('late')) for r in rs)} | "
+                        f"{statistics.median(quiet[(name, ranks)]):.2f} | "
+                        f"{statistics.median(t):.2f} | {max(t):.2f} | {load_text} |")
+        quiet_runs = [r for r in records if r["condition"] == "quiet"]
+        quiet_bad = sum(not r["ok"] or r["stuck"] for r in quiet_runs)
+        notes.append(f"- JAX {meta['jax']} (Python {meta['python']}, `{sub.name}/`): "
+                     f"{meta['started_utc']} to {meta.get('ended_utc', '?')} UTC, "
+                     f"`stress_matrix.py {' '.join(meta['args'])}`; "
+                     f"{len(quiet_runs)} quiet launches, "
+                     f"{quiet_bad} of them stuck or wrong.")
+        if long:
+            for proc, g in sorted(long["growth"].items()):
+                longs.append(f"| {meta['jax']} | {proc} | {long['steps']} | {long['seconds']} | "
+                             f"{long['ok']} | {g['rss_kib_per_1e4_steps']} | "
+                             f"{g['fd_growth']:+d} | {g['thread_growth']:+d} |")
+    table = "\n".join(head + rows)
+    long_table = "\n".join(
+        ["| JAX | process | steps | seconds | ok | resident memory KiB per 10^4 steps (after "
+         "the first 10^4) | file descriptors | threads |", "|---|---|---|---|---|---|---|---|",
+         *longs]) if longs else "(no long run)"
+    summary = (f"{total} launches: {counts['stuck']} stuck, {counts['wrong']} wrong, "
+               f"{counts['late']} late ({sum(len(r[2]) for r in runs) - total} quiet "
+               "launches besides).")
+    generated = "\n".join([BEGIN, "", table, "", summary, "", "Long run (`mpirun -n 2` x 1 "
+                           "device, one jitted round trip 0 -> 1 -> 0 per step):", "",
+                           long_table, "", *notes, "", END])
+    readme = folder / "README.md"
+    text = (readme.read_text() if readme.exists()
+            else f"# Stress matrix, {folder.name}\n\n{BEGIN}\n{END}\n")
+    for path, old in ((readme, text), (DOCS, DOCS.read_text())):
+        if BEGIN not in old or END not in old:
+            print(f"{path}: no {BEGIN} ... {END} to replace", file=sys.stderr)
+            return 1
+        before, rest = old.split(BEGIN, 1)
+        path.write_text(before + generated + rest.split(END, 1)[1])
+    print(generated)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
