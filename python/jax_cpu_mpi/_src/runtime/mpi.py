@@ -227,9 +227,10 @@ def _local_cpu_devices() -> int:
         n = -1
     if n > 0:
         return n
-    match = re.search(r"--xla_force_host_platform_device_count=(\d+)",
-                      os.environ.get("XLA_FLAGS", ""))
-    return max(1, int(match.group(1))) if match else 1
+    # The last occurrence counts, as in XLA's flag parsing (tools append to XLA_FLAGS).
+    found = re.findall(r"--xla_force_host_platform_device_count=(\d+)",
+                       os.environ.get("XLA_FLAGS", ""))
+    return max(1, int(found[-1])) if found else 1
 
 
 def install_attach_at_initialize() -> None:
