@@ -119,8 +119,9 @@ def oversubscribed(case: Case) -> Case:
     """4 ranks on the 2 cores: the same number of devices in all where the mesh needs it
     (the pipeline example gives each rank 4 stages / 4 ranks = 1 device itself), else 2
     devices per rank. JAX's two-device test keeps its mesh of one device of the first and
-    one of the last process: processes 1 and 2 are outside it (they never lower its
-    program), as in JAX's own multi-process run of that test."""
+    one of the last process: processes 1 and 2 hold none of its devices (they compile its
+    program and run nothing). A mesh whose other processes never lower its program at all
+    is tests/runtime/test_exit.py's case."""
     total = case.ranks * case.devices
     fixed = ("readme", "jax-cycle", "pipeline", "timeline")
     devices = max(1, total // 4) if case.name in fixed else 2

@@ -13,8 +13,8 @@ whose mesh spans processes. The attach, collective over every rank,
    a communicator with the user's.
 
 Not at the first lowering under a launcher: a mesh may hold only some of the processes
-(JAX's two-device psend/precv test under ``mpirun -n 4``), and the processes outside it,
-which never lower its program, would never join the attach.
+(JAX's two-device psend/precv test under ``mpirun -n 4``), and the processes outside it
+need not lower its program: they would never join the attach.
 
 At interpreter exit, before mpi4py finalizes MPI, outstanding sends are completed and every
 rank meets the others in a polled barrier (up to ``JAX_CPU_MPI_EXIT_TIMEOUT`` seconds), then
