@@ -53,8 +53,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 def run(devices, fwd_perm, bwd_perm):
     n = len(devices)
     mesh = Mesh(np.array(devices), ("x",))
+    # dtype given: a process outside the mesh (the two-device test under mpirun -n 4) has no
+    # shard to take it from.
     a = jax.make_array_from_callback((n, n), NamedSharding(mesh, P("x", None)),
-        lambda i: np.arange(n * n, dtype=np.float32).reshape(n, n)[i])
+        lambda i: np.arange(n * n, dtype=np.float32).reshape(n, n)[i], dtype=np.float32)
     weights = jax.random.uniform(key=jax.random.key(0), shape=(n, 1), dtype=jnp.float32)
 
     @jax.jit
@@ -113,14 +115,13 @@ def cases(tmp: Path) -> dict[str, list[Case]]:
     }
 
 
-def oversubscribed(case: Case) -> Case | None:
+def oversubscribed(case: Case) -> Case:
     """4 ranks on the 2 cores: the same number of devices in all where the mesh needs it
     (the pipeline example gives each rank 4 stages / 4 ranks = 1 device itself), else 2
-    devices per rank. None for JAX's two-device test: its mesh cannot span 4 processes, and
-    a mesh that leaves processes out waits forever when MPI is attached (the attach is
-    collective over every rank, and the ranks outside the mesh never lower the program)."""
-    if case.name == "jax-two":
-        return None
+    devices per rank. JAX's two-device test keeps its mesh of one device of the first and
+    one of the last process: processes 1 and 2 hold none of its devices (they compile its
+    program and run nothing). A mesh whose other processes never lower its program at all
+    is tests/runtime/test_exit.py's case."""
     total = case.ranks * case.devices
     fixed = ("readme", "jax-cycle", "pipeline", "timeline")
     devices = max(1, total // 4) if case.name in fixed else 2
@@ -137,6 +138,7 @@ def launch(case: Case, limit: float) -> dict:
     if "JAX_CPU_MPI_TRACE" in case.env:
         shutil.rmtree(case.env["JAX_CPU_MPI_TRACE"], ignore_errors=True)
     cmd = [MPIRUN, "-n", str(case.ranks), PY, *case.args]
+    load_before = round(os.getloadavg()[0], 2)
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, cwd=ROOT, start_new_session=True)
@@ -156,7 +158,8 @@ def launch(case: Case, limit: float) -> dict:
         out += merged.stdout + merged.stderr
     return {"case": case.name, "ranks": case.ranks, "devices": case.devices, "rc": rc,
             "stuck": rc is None, "ok": ok, "seconds": round(seconds, 3),
-            "reported_at_exit": "at exit" in out, "tail": out[-1500:] if not ok else ""}
+            "loadavg_1min": load_before, "reported_at_exit": "at exit" in out,
+            "tail": out[-1500:] if not ok else ""}
 
 
 class Load:
@@ -253,8 +256,19 @@ def main() -> int:
     ap.add_argument("--limit", type=float, default=400.0, help="seconds before a launch "
                     "counts as stuck and is killed (above the 300 s receive timeout)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--report", type=Path, default=None, metavar="DIR",
+                    help="no launches: write DIR/README.md and the table of "
+                    "docs/reliability.md from the runs in DIR/jax-*/ (one per JAX version)")
     args = ap.parse_args()
+    if args.report:
+        return report(args.report)
     tmp = Path(tempfile.mkdtemp(prefix="jcm-stress-"))
+    import jax  # the version only (no backend)
+
+    meta = {"jax": jax.__version__, "python": sys.version.split()[0],
+            "started_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+            "cores": os.cpu_count(), "loadavg_1min_at_start": round(os.getloadavg()[0], 2),
+            "args": sys.argv[1:]}
     all_cases = cases(tmp)
     chosen = [c for name, cs in all_cases.items() for c in cs
               if args.only is None or name in args.only or c.name in args.only]
@@ -263,8 +277,6 @@ def main() -> int:
     for case in chosen:
         for cond in args.conditions:
             c = oversubscribed(case) if cond == "oversub" else case
-            if c is None:
-                continue
             key = (c.name, c.ranks)
             if key not in quiet:
                 times = [launch(c, args.limit) for _ in range(args.quiet_runs)]
@@ -290,6 +302,9 @@ def main() -> int:
     print(table)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
+        meta["loadavg_1min_at_end"] = round(os.getloadavg()[0], 2)
+        meta["ended_utc"] = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+        (args.out / "meta.json").write_text(json.dumps(meta, indent=1))
         (args.out / "matrix.json").write_text(json.dumps(records, indent=1))
         if long:
             (args.out / "long_run.json").write_text(json.dumps(long, indent=1))
@@ -325,6 +340,111 @@ def summarize(records: list[dict], quiet: dict, long: dict | None) -> str:
                          f"10^4 steps after the first 10^4, file descriptors "
                          f"{g['fd_growth']:+d}, threads {g['thread_growth']:+d}")
     return "\n".join(lines)
+
+
+def _from_log(sub: Path) -> tuple[dict, list[dict]]:
+    """The launches of a run stopped before it wrote matrix.json, from its printed lines
+    (``launches.log``; no load averages, the quiet medians as printed)."""
+    records = []
+    line_re = (r"^(\S+)\s+(\S+)\s+n=(\d+)x(\d+) #\d+:\s+([\d.]+) s \(quiet ([\d.]+)\) "
+               r"rc=(\S+) ok=(\S+)( LATE)?( STUCK)?")
+    for m in re.finditer(line_re, (sub / "launches.log").read_text(), re.M):
+        name, cond, ranks, devices, secs, quiet, rc, ok, late, stuck = m.groups()
+        common = {"case": name, "ranks": int(ranks), "devices": int(devices)}
+        records.append({**common, "condition": cond, "seconds": float(secs),
+                        "rc": None if rc == "None" else int(rc), "ok": ok == "True",
+                        "late": bool(late), "stuck": bool(stuck)})
+        if not any(r["condition"] == "quiet" and r["case"] == name and
+                   r["ranks"] == int(ranks) for r in records):
+            records.append({**common, "condition": "quiet", "seconds": float(quiet),
+                            "ok": True, "stuck": False})
+    meta = {"jax": sub.name.removeprefix("jax-"), "python": "?", "started_utc": "?",
+            "args": ["(stopped before its end: from launches.log)"]}
+    return meta, records
+
+
+DOCS = ROOT / "docs" / "reliability.md"
+BEGIN, END = "<!-- stress-matrix: begin -->", "<!-- stress-matrix: end -->"
+
+
+def report(folder: Path) -> int:
+    """The tables of every run in ``folder/jax-*/`` (matrix.json, meta.json,
+    long_run.json): ``folder/README.md`` and the generated part of docs/reliability.md."""
+    runs = []
+    for sub in sorted(folder.glob("jax-*"), key=lambda d: d.name, reverse=True):
+        if (sub / "matrix.json").exists():
+            meta = json.loads((sub / "meta.json").read_text())
+            records = json.loads((sub / "matrix.json").read_text())
+        elif (sub / "launches.log").exists():  # a run stopped before its end
+            meta, records = _from_log(sub)
+        else:
+            continue
+        long_path = sub / "long_run.json"
+        long = json.loads(long_path.read_text()) if long_path.exists() else None
+        runs.append((sub, meta, records, long))
+    head = ["| JAX | program | condition | ranks x devices | launches | stuck | wrong | "
+            "late (> 2x quiet) | quiet median s | median s | max s | load avg (median) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows, longs, notes, total, bad = [], [], [], 0, 0
+    counts = {"stuck": 0, "wrong": 0, "late": 0}
+    for sub, meta, records, long in runs:
+        quiet: dict[tuple[str, int], list[float]] = {}
+        for r in records:
+            if r["condition"] == "quiet":
+                quiet.setdefault((r["case"], r["ranks"]), []).append(r["seconds"])
+        groups: dict[tuple, list[dict]] = {}
+        for r in records:
+            if r["condition"] != "quiet":
+                groups.setdefault((r["case"], r["condition"], r["ranks"], r["devices"]),
+                                  []).append(r)
+        for (name, cond, ranks, devices), rs in groups.items():
+            t = [r["seconds"] for r in rs]
+            loads = [r["loadavg_1min"] for r in rs if "loadavg_1min" in r]
+            load_text = f"{statistics.median(loads):.1f}" if loads else ""
+            failed = sum(r["stuck"] or not r["ok"] or bool(r.get("late")) for r in rs)
+            total, bad = total + len(rs), bad + failed
+            counts["stuck"] += sum(r["stuck"] for r in rs)
+            counts["wrong"] += sum(not r["ok"] for r in rs)
+            counts["late"] += sum(bool(r.get("late")) for r in rs)
+            rows.append(f"| {meta['jax']} | {name} | {cond} | {ranks} x {devices} | {len(rs)} | "
+                        f"{sum(r['stuck'] for r in rs)} | {sum(not r['ok'] for r in rs)} | "
+                        f"{sum(bool(r.get('late')) for r in rs)} | "
+                        f"{statistics.median(quiet[(name, ranks)]):.2f} | "
+                        f"{statistics.median(t):.2f} | {max(t):.2f} | {load_text} |")
+        quiet_runs = [r for r in records if r["condition"] == "quiet"]
+        quiet_bad = sum(not r["ok"] or r["stuck"] for r in quiet_runs)
+        notes.append(f"- JAX {meta['jax']} (Python {meta['python']}, `{sub.name}/`): "
+                     f"{meta['started_utc']} to {meta.get('ended_utc', '?')} UTC, "
+                     f"`stress_matrix.py {' '.join(meta['args'])}`; "
+                     f"{len(quiet_runs)} quiet launches, "
+                     f"{quiet_bad} of them stuck or wrong.")
+        if long:
+            for proc, g in sorted(long["growth"].items()):
+                longs.append(f"| {meta['jax']} | {proc} | {long['steps']} | {long['seconds']} | "
+                             f"{long['ok']} | {g['rss_kib_per_1e4_steps']} | "
+                             f"{g['fd_growth']:+d} | {g['thread_growth']:+d} |")
+    table = "\n".join(head + rows)
+    long_table = "\n".join(
+        ["| JAX | process | steps | seconds | ok | resident memory KiB per 10^4 steps (after "
+         "the first 10^4) | file descriptors | threads |", "|---|---|---|---|---|---|---|---|",
+         *longs]) if longs else "(no long run)"
+    summary = (f"{total} launches: {counts['stuck']} stuck, {counts['wrong']} wrong, "
+               f"{counts['late']} late ({sum(len(r[2]) for r in runs) - total} quiet "
+               "launches besides).")
+    generated = "\n".join([BEGIN, "", table, "", summary, "", "Long run (`mpirun -n 2` x 1 "
+                           "device, one jitted round trip 0 -> 1 -> 0 per step):", "",
+                           long_table, "", *notes, "", END])
+    readme = folder / "README.md"
+    text = (readme.read_text() if readme.exists()
+            else f"# Stress matrix, {folder.name}\n\n{BEGIN}\n{END}\n")
+    for path, old in ((readme, text), (DOCS, DOCS.read_text())):
+        if BEGIN not in old or END not in old:
+            print(f"{path}: no {BEGIN} ... {END} to replace", file=sys.stderr)
+            return 1
+        before, rest = old.split(BEGIN, 1)
+        path.write_text(before + generated + rest.split(END, 1)[1])
+    print(generated)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@
   ``import jax_cpu_mpi``: jax_cpu_mpi's cluster environment reads the PMIx variables.
 
 Except in ``ompi-plain``, jax_cpu_mpi is never imported by hand: the jax_plugins entry point
-activates it. Checks that mpi4py is imported only by the first cross-process lowering (in
-``ompi-plain``: by the initialization, not before), then that a chain of psend/precv in both
+activates it. Checks that mpi4py is imported only once jax_cpu_mpi is loaded (in
+``ompi-plain``: by the initialization, not before) and that MPI is attached before any
+cross-process lowering, then that a chain of psend/precv in both
 directions equals lax.ppermute.
 """
 
@@ -68,29 +69,33 @@ else:
         num_processes=int(os.environ["OMPI_COMM_WORLD_SIZE"]),
         process_id=int(os.environ["OMPI_COMM_WORLD_RANK"]),
     )
+# JAX >= 0.12 recognises Open MPI 5 (PRRTE) itself and asks mpi4py for the local rank (to
+# pick local_device_ids) even when every other argument is given: then JAX initialized MPI
+# (with mpi4py's default thread level, "multiple"), and jax_cpu_mpi must attach to it.
+# ompi-plain: the initialization broadcast the coordinator's address over MPI (jax_cpu_mpi's
+# cluster environment, or JAX >= 0.12's own Open MPI 5 detection).
+# Otherwise jax_cpu_mpi, loaded by the plugin entry point when JAX creates its backend (not
+# yet here), is the first to import mpi4py.MPI.
+jax_initialized_mpi = "mpi4py.MPI" in sys.modules
+if mode == "ompi-plain" or (mode == "ompi-env" and jax_detects_open_mpi_5()):
+    assert jax_initialized_mpi, "jax.distributed.initialize() did not go through mpi4py"
+else:
+    assert not jax_initialized_mpi, "mpi4py.MPI imported before jax_cpu_mpi was loaded"
+
 assert jax.process_index() == expected_index, (jax.process_index(), expected_index)
 assert jax.process_count() == size
 
 n = len(jax.devices())
 mesh = jax.make_mesh((n,), ("x",), devices=jax.devices())
 assert "jax_cpu_mpi" in sys.modules, "the jax_plugins entry point did not load jax_cpu_mpi"
-# JAX >= 0.12 recognises Open MPI 5 (PRRTE) itself and asks mpi4py for the local rank (to
-# pick local_device_ids) even when every other argument is given: then JAX initialized MPI
-# (with mpi4py's default thread level, "multiple"), and jax_cpu_mpi must attach to it.
-# ompi-plain: the initialization broadcast the coordinator's address over MPI (jax_cpu_mpi's
-# cluster environment, or JAX >= 0.12's own Open MPI 5 detection).
-# Otherwise jax_cpu_mpi is the first to import mpi4py.MPI, at the first cross-process psend.
-jax_initialized_mpi = "mpi4py.MPI" in sys.modules
-if mode == "ompi-plain" or (mode == "ompi-env" and jax_detects_open_mpi_5()):
-    assert jax_initialized_mpi, "jax.distributed.initialize() did not go through mpi4py"
-else:
-    assert not jax_initialized_mpi, "mpi4py.MPI imported before any cross-process psend"
-
-assert_chain_matches_ppermute(mesh)
-assert "mpi4py.MPI" in sys.modules, "a cross-process psend ran without attaching MPI"
 
 from jax_cpu_mpi import _jax_cpu_mpi as ext  # noqa: E402
 
+# Under an MPI launcher, MPI is attached once JAX's distributed runtime is up and jax_cpu_mpi
+# is loaded, while every process is there: before any cross-process lowering, which the
+# processes outside a mesh would never join.
+assert ext.mpi_attached(), "MPI not attached when the plugin loaded"
+assert_chain_matches_ppermute(mesh)
 assert ext.mpi_attached()
 initialized_by = "JAX" if jax_initialized_mpi else "jax_cpu_mpi"
 print(f"process {jax.process_index()} (MPI rank {rank}): MPI initialized by {initialized_by}, "

@@ -49,3 +49,17 @@ def test_dropped_output_ends_its_ops_at_exit_with_the_status_asked_for():
     assert ("when the process exited: ended at exit after the grace period "
             "(JAX_CPU_MPI_EXIT_GRACE)" in out
             or "but the matching psend sent float32[8,8] (256 bytes)" in out), run.report()
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_a_mesh_on_some_processes_runs_and_every_process_exits():
+    # JAX's test_psend_precv_basic_two_gpus under mpirun -n 4: processes 1 and 2 are
+    # outside the mesh, never lower its program, and exit at once (MPI's attach waited for
+    # them forever at the lowering).
+    run = run_mpi("subset_mesh.py", nprocs=4, devices_per_process=1, timeout=60, env=ENV)
+    assert_mpi_ok(run, 4)
+    for rank in (0, 3):
+        assert "round trips over processes 0 and 3 right" in run.rank_output[rank], run.report()
+    assert not any("jax_cpu_mpi: at exit" in out for out in run.rank_output.values()), \
+        run.report()

@@ -15,6 +15,7 @@ from jax_cpu_mpi._src.lowering import collectives as collective_lowering
 from jax_cpu_mpi._src.lowering import rules as lowering
 from jax_cpu_mpi._src.passes import hook
 from jax_cpu_mpi._src.runtime import config, launchers
+from jax_cpu_mpi._src.runtime import mpi as mpi_runtime
 from jax_cpu_mpi._src.runtime import trace as message_trace
 
 _installed = False
@@ -64,6 +65,9 @@ def install() -> None:
     # `import jax_cpu_mpi` gets there in time.
     compat.enable("clusters", launchers.register)
     compat.enable("exit_from_broken_job", lambda: None)  # used at exit (runtime.mpi)
+    # Under mpirun, MPI is attached when jax.distributed.initialize() returns, while every
+    # process is there (not at the first lowering, which processes outside a mesh skip).
+    mpi_runtime.install_attach_at_initialize()
     compat.enable("pipeline:split_backward", lambda: None)  # used when pipelines trace
     _installed = True
 

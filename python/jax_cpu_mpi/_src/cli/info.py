@@ -255,7 +255,8 @@ def format_process(report: Report) -> str:
     else:
         lines.append(f"MPI (mpi4py):  not loaded (would use ABI {m4.get('abi') or 'unknown'})")
     attached = ("yes" if mpi["attached"]
-                else "not yet (on the first psend/precv between processes)")
+                else "not yet (when jax.distributed.initialize() returns under "
+                "an MPI launcher, else on the first psend/precv between processes)")
     lines.append(f"same MPI:      {_flag(mpi['same_library'])}; MPI attached: {attached}")
     if mpi["problem"]:
         lines.append("PROBLEM:       " + mpi["problem"].replace("\n", "\n               "))

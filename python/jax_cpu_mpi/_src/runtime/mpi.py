@@ -1,14 +1,20 @@
-"""MPI for cross-process psend/precv: our own communicator, attached on first need.
+"""MPI for cross-process psend/precv: our own communicator, attached once per job.
 
-MPI is touched only when a program whose mesh spans processes is lowered. Then, on every
-process (the same SPMD program is lowered everywhere), this module
+Under an MPI launcher, MPI is attached when ``jax.distributed.initialize()`` returns (or
+when jax_cpu_mpi is imported, if JAX's distributed runtime is up already): then every
+process of the job is there. Elsewhere it is attached at the first lowering of a program
+whose mesh spans processes. The attach, collective over every rank,
 
 1. imports ``mpi4py.MPI`` (which calls ``MPI_Init_thread``, asking for
    ``MPI_THREAD_MULTIPLE``: several device threads of a process may communicate at once),
 2. checks that the MPI job and the JAX job agree (same number of processes),
-3. gathers ``jax.process_index()`` of every rank, and
+3. gathers the JAX process index of every rank, and
 4. hands ``MPI_COMM_WORLD`` to the extension, which duplicates it: our traffic never shares
    a communicator with the user's.
+
+Not at the first lowering under a launcher: a mesh may hold only some of the processes
+(JAX's two-device psend/precv test under ``mpirun -n 4``), and the processes outside it
+need not lower its program: they would never join the attach.
 
 At interpreter exit, before mpi4py finalizes MPI, outstanding sends are completed and every
 rank meets the others in a polled barrier (up to ``JAX_CPU_MPI_EXIT_TIMEOUT`` seconds), then
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import socket
 import sys
 import threading
@@ -71,8 +78,23 @@ def import_mpi4py():  # -> module mpi4py.MPI
     return MPI
 
 
+#: Variables an MPI launcher (MPICH's Hydra, Open MPI, srun with PMI) gives its ranks.
+MPI_LAUNCH_VARIABLES = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK")
+
+
+def launched_by_mpi() -> bool:
+    """Whether an MPI launcher started this process (its variables, no MPI call)."""
+    return any(v in os.environ for v in MPI_LAUNCH_VARIABLES)
+
+
 def ensure_attached(op_name: str, num_processes_in_mesh: int) -> None:
-    """Attach MPI to the extension if it is not attached yet (collective over all ranks)."""
+    """Attach MPI to the extension if it is not attached yet.
+
+    Under an MPI launcher it is attached already, by :func:`attach_at_initialize` when
+    ``jax.distributed.initialize()`` returned. Otherwise (a launcher not recognised, or JAX
+    initialized in a way that skipped the hook) it is attached here, at the first lowering
+    of a program whose mesh spans processes: collective over every rank, so every process
+    must lower such a program."""
     if ext.mpi_attached():
         return
     with _lock:
@@ -92,8 +114,7 @@ def ensure_attached(op_name: str, num_processes_in_mesh: int) -> None:
             raise MpiSetupError(f"{op_name}: {e}") from e
         world = MPI.COMM_WORLD
         if world.Get_size() != jax_processes:
-            launched = any(v in os.environ for v in ("PMI_RANK", "PMIX_RANK",
-                                                      "OMPI_COMM_WORLD_RANK"))
+            launched = launched_by_mpi()
             # srun without a PMI plugin (--mpi=none, or Slurm's MpiDefault=none) starts
             # every task, but tells their MPI nothing: each one is a singleton.
             under_srun = "SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ
@@ -114,33 +135,125 @@ def ensure_attached(op_name: str, num_processes_in_mesh: int) -> None:
                 f"processes, but {how}. jax_cpu_mpi moves bytes between processes with MPI, "
                 f"so every JAX process must be one rank of the same MPI job. {_LAUNCH_HINT}"
             )
-        process_and_host = world.allgather((jax.process_index(), socket.gethostname()))
-        process_of_rank = [process for process, _ in process_and_host]
-        if sorted(process_of_rank) != list(range(jax_processes)):
-            raise MpiSetupError(
-                f"{op_name}: MPI ranks report JAX process indices {process_of_rank}; expected "
-                f"each of 0..{jax_processes - 1} once. {_LAUNCH_HINT}"
-            )
-        rank_of_process = [0] * jax_processes
-        for rank, process in enumerate(process_of_rank):
-            rank_of_process[process] = rank
+        _attach(op_name, MPI, jax.process_index(), jax_processes, jax.local_device_count())
+
+
+def _attach(op_name: str, MPI, process_index: int, jax_processes: int,
+            local_devices: int) -> None:
+    """The attach proper: collective over every rank of ``MPI_COMM_WORLD`` (an allgather,
+    the communicators' duplications, the clock sync). Called with ``_lock`` held."""
+    world = MPI.COMM_WORLD
+    process_and_host = world.allgather((process_index, socket.gethostname()))
+    process_of_rank = [process for process, _ in process_and_host]
+    if sorted(process_of_rank) != list(range(jax_processes)):
+        raise MpiSetupError(
+            f"{op_name}: MPI ranks report JAX process indices {process_of_rank}; expected "
+            f"each of 0..{jax_processes - 1} once. {_LAUNCH_HINT}"
+        )
+    rank_of_process = [0] * jax_processes
+    for rank, process in enumerate(process_of_rank):
+        rank_of_process[process] = rank
+    config.apply()
+    my_host = process_and_host[world.Get_rank()][1]
+    ext.attach_mpi(world.py2f(), rank_of_process,
+                   local_devices=local_devices,
+                   node_ranks=sum(host == my_host for _, host in process_and_host),
+                   wait=config.BY_NAME["JAX_CPU_MPI_WAIT"].read() or "auto")
+    ext.set_rank_hosts([host for _, host in process_and_host])
+    # A communicator of its own for the exit's "my programs are done" messages.
+    global _exit_comm
+    _exit_comm = world.Dup()
+    # Registered after mpi4py's own finalization hook, so it runs before MPI_Finalize.
+    atexit.register(_detach_at_exit)
+    _close_at_distributed_shutdown()
+    ext.register_exit_before_finalize()  # after mpi4py's, so it runs just before it
+    _record_exit_status_requests()
+    if config.current().abort_on_error:
+        _abort_job_on_uncaught_exception(MPI)
+
+
+def attach_at_initialize() -> None:
+    """Attach MPI right after ``jax.distributed.initialize()``, under an MPI launcher.
+
+    The attach is collective over every rank. At the first lowering of a program that
+    spans processes (where it was done before), only the processes of that program's mesh
+    get there: a mesh on some of the processes (JAX's two-device psend/precv test under
+    ``mpirun -n 4``) waited forever for ranks that never lower it. Here every process of
+    the job is known to be present (JAX's initialization waits for all of them), and none
+    is inside another collective of ours yet.
+
+    Never raises: where the job is not one MPI job of JAX's processes, or anything fails,
+    the first cross-process lowering attaches or raises the error that belongs to it."""
+    if _detached or ext.mpi_attached() or not launched_by_mpi():
+        return
+    state = compat.distributed_state
+    try:
+        process_index, jax_processes = int(state.process_id), int(state.num_processes)
+    except Exception:  # JAX's state moved (the exit_from_broken_job feature is off)
+        return
+    if jax_processes < 2:
+        return
+    try:
         config.apply()
-        my_host = process_and_host[world.Get_rank()][1]
-        ext.attach_mpi(world.py2f(), rank_of_process,
-                       local_devices=jax.local_device_count(),
-                       node_ranks=sum(host == my_host for _, host in process_and_host),
-                       wait=config.BY_NAME["JAX_CPU_MPI_WAIT"].read() or "auto")
-        ext.set_rank_hosts([host for _, host in process_and_host])
-        # A communicator of its own for the exit's "my programs are done" messages.
-        global _exit_comm
-        _exit_comm = world.Dup()
-        # Registered after mpi4py's own finalization hook, so it runs before MPI_Finalize.
-        atexit.register(_detach_at_exit)
-        _close_at_distributed_shutdown()
-        ext.register_exit_before_finalize()  # after mpi4py's, so it runs just before it
-        _record_exit_status_requests()
-        if config.current().abort_on_error:
-            _abort_job_on_uncaught_exception(MPI)
+        MPI = import_mpi4py()
+    except Exception:  # bad settings, no or another MPI: said at the first lowering
+        return
+    if MPI.COMM_WORLD.Get_size() != jax_processes:
+        return
+    with _lock:
+        if ext.mpi_attached():
+            return
+        try:
+            _attach("jax.distributed.initialize()", MPI, process_index, jax_processes,
+                    _local_cpu_devices())
+        except Exception as e:
+            import warnings
+
+            warnings.warn(
+                f"jax_cpu_mpi: attaching MPI after jax.distributed.initialize() failed "
+                f"({type(e).__name__}: {e}); the first program whose mesh spans processes "
+                "attaches it instead, and every process must then lower such a program.",
+                MpiSetupWarning, stacklevel=3)
+
+
+def _local_cpu_devices() -> int:
+    """This process's CPU devices as JAX will create them, read from JAX's setting and
+    XLA_FLAGS without creating the backend (``jax_num_cpu_devices`` may still be set after
+    ``jax.distributed.initialize()``). Only the transport's choice to spin or sleep while
+    waiting depends on it."""
+    try:
+        n = int(jax.config.jax_num_cpu_devices)
+    except Exception:
+        n = -1
+    if n > 0:
+        return n
+    # The last occurrence counts, as in XLA's flag parsing (tools append to XLA_FLAGS).
+    found = re.findall(r"--xla_force_host_platform_device_count=(\d+)",
+                       os.environ.get("XLA_FLAGS", ""))
+    return max(1, int(found[-1])) if found else 1
+
+
+def install_attach_at_initialize() -> None:
+    """Make ``jax.distributed.initialize()`` attach MPI when it returns
+    (:func:`attach_at_initialize`), and attach now if JAX's distributed runtime is up
+    already (``jax.distributed.initialize()`` ran before ``import jax_cpu_mpi``)."""
+    import functools
+
+    import jax.distributed
+
+    def attaching_after(original):
+        @functools.wraps(original)
+        def initialize(*args, **kwargs):
+            result = original(*args, **kwargs)
+            attach_at_initialize()
+            return result
+
+        return initialize
+
+    compat.wrap_once(jax.distributed, "initialize", "_jax_cpu_mpi_attaches_after",
+                     attaching_after)
+    if jax.distributed.is_initialized():
+        attach_at_initialize()
 
 
 def _abort_job_on_uncaught_exception(MPI) -> None:
