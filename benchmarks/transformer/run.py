@@ -40,6 +40,7 @@ import importlib.util
 import json
 import os
 import platform
+import shlex
 import sys
 import tempfile
 import time
@@ -102,6 +103,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [x for x in (a.layouts + "," + a.mpi_layouts).split(",") if x and x not in LAYOUTS]
     if set(a.jax_variants.split(",")) - set(VARIANTS):
         p.error(f"--jax-variants {a.jax_variants}: use some of {', '.join(VARIANTS)}")
+    small = [x for x in a.layouts.split(",") if x in LAYOUTS and a.microbatches < LAYOUTS[x][0]]
+    if small:
+        p.error(f"--microbatches {a.microbatches}: torch's Schedule1F1B needs at least as "
+                f"many microbatches as stages (layout {small[0]})")
     if bad:
         p.error(f"--layouts: unknown {', '.join(bad)}; use some of {', '.join(LAYOUTS)}")
     return a
@@ -323,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         f"code: commit {meta['git']['head']}" +
         (f", with uncommitted changes to {', '.join(dirty)}" if dirty else ""),
         "command: python benchmarks/transformer/run.py " +
-        " ".join(argv if argv is not None else sys.argv[1:]),
+        shlex.join(argv if argv is not None else sys.argv[1:]),
         "checks: ours with dropout (the same keys as the one-device reference), torch with "
         "dropout off (its masks come from each process's generator), both before timing",
         "threads: our processes keep XLA's default CPU threading (one intra-op pool of the "
