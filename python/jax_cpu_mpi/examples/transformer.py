@@ -424,7 +424,15 @@ def host(tree: PyTree) -> PyTree:
 
     if jax.process_count() == 1:
         return jax.tree.map(np.asarray, jax.device_get(tree))
-    return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
+
+    def whole(a: jax.Array) -> np.ndarray:
+        # A replicated array (the loss, embedding, head) is whole on this process's devices:
+        # no collective, which every step's loss would otherwise cost.
+        if a.is_fully_replicated:
+            return np.asarray(a.addressable_data(0))
+        return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+
+    return jax.tree.map(whole, tree)
 
 
 def map_params_like(tree: PyTree, like: PyTree, fn: Callable[[PyTree], PyTree]) -> PyTree:
