@@ -23,6 +23,7 @@
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "common/config.h"
@@ -377,6 +378,27 @@ struct ExchangeCall {
   int64_t me;
 };
 
+// Staging memory of one device thread's exchanges, kept from call to call: a fresh
+// std::vector costs a zero fill and a page fault per page on every collective (of large
+// all_to_all blocks with several devices per process, most of the call's time). When an MPI
+// request on it is abandoned (a timeout), the transport keeps a reference, since MPI may
+// still write into it; the next call then takes new memory.
+class StagingBuffer {
+ public:
+  std::byte* Get(size_t n) {
+    if (!buffer_ || buffer_.use_count() > 1 || n > size_) {
+      buffer_ = std::shared_ptr<std::byte[]>(std::make_unique_for_overwrite<std::byte[]>(n));
+      size_ = n;
+    }
+    return buffer_.get();
+  }
+  std::shared_ptr<void> Owner() const { return buffer_; }
+
+ private:
+  std::shared_ptr<std::byte[]> buffer_;
+  size_t size_ = 0;
+};
+
 // The leader's work. `in`/`out`: the local members' buffers, by ascending partition;
 // `local_pos`: their group positions.
 ffi::Error LeadExchange(const ExchangeCall& c, const std::vector<const void*>& in,
@@ -411,7 +433,9 @@ ffi::Error LeadExchange(const ExchangeCall& c, const std::vector<const void*>& i
   }
   auto bytes = [](const void* p) { return static_cast<const std::byte*>(p); };
   auto wbytes = [](void* p) { return static_cast<std::byte*>(p); };
-  std::vector<std::byte> send_stage, recv_stage;
+  thread_local StagingBuffer send_staging, recv_staging;
+  std::byte* send_stage = nullptr;  // set where this call stages its blocks
+  std::byte* recv_stage = nullptr;
   std::function<int(MPI_Comm, MPI_Request*)> start;
   const void* send = nullptr;
   void* recv = nullptr;
@@ -426,8 +450,8 @@ ffi::Error LeadExchange(const ExchangeCall& c, const std::vector<const void*>& i
       if (l.identity) {
         recv = out[0];
       } else {
-        recv_stage.resize(n * B);
-        recv = recv_stage.data();
+        recv_stage = recv_staging.Get(n * B);
+        recv = recv_stage;
       }
       for (size_t q = 0; q < Q; ++q) {
         counts[q] = static_cast<int>(l.positions[q].size() * B);
@@ -459,10 +483,10 @@ ffi::Error LeadExchange(const ExchangeCall& c, const std::vector<const void*>& i
       } else {
         // The local members reduce first, in ascending partition order, into the blocks'
         // order on the wire.
-        send_stage.resize(n * B);
+        send_stage = send_staging.Get(n * B);
         for (size_t q = 0; q < Q; ++q) {
           for (size_t i = 0; i < l.positions[q].size(); ++i) {
-            std::byte* acc = send_stage.data() + (l.first[q] + i) * B;
+            std::byte* acc = send_stage + (l.first[q] + i) * B;
             const size_t at = static_cast<size_t>(l.positions[q][i]) * B;
             std::memcpy(acc, bytes(in[0]) + at, B);
             for (size_t k = 1; k < in.size(); ++k) {
@@ -474,13 +498,13 @@ ffi::Error LeadExchange(const ExchangeCall& c, const std::vector<const void*>& i
             }
           }
         }
-        send = send_stage.data();
+        send = send_stage;
       }
       if (m == 1) {
         recv = out[local_of(mine[0])];
       } else {
-        recv_stage.resize(m * B);
-        recv = recv_stage.data();
+        recv_stage = recv_staging.Get(m * B);
+        recv = recv_stage;
       }
       MPI_Datatype mpi_type = MPI_DATATYPE_NULL;
       MPI_Op mpi_op = MPI_OP_NULL;
@@ -509,9 +533,9 @@ ffi::Error LeadExchange(const ExchangeCall& c, const std::vector<const void*>& i
         // To communicator rank q: for each of q's positions i, my members' blocks i (my
         // positions ascending); from q the same, so block (i, j) lands in member i's output
         // as block j.
-        send_stage.resize(n * m * B);
-        recv_stage.resize(n * m * B);
-        std::byte* cursor = send_stage.data();
+        send_stage = send_staging.Get(n * m * B);
+        recv_stage = recv_staging.Get(n * m * B);
+        std::byte* cursor = send_stage;
         for (size_t q = 0; q < Q; ++q) {
           for (int64_t i : l.positions[q]) {
             for (int64_t j : mine) {
@@ -520,8 +544,8 @@ ffi::Error LeadExchange(const ExchangeCall& c, const std::vector<const void*>& i
             }
           }
         }
-        send = send_stage.data();
-        recv = recv_stage.data();
+        send = send_stage;
+        recv = recv_stage;
       }
       for (size_t q = 0; q < Q; ++q) {
         counts[q] = static_cast<int>(l.positions[q].size() * m * B);
@@ -545,8 +569,15 @@ ffi::Error LeadExchange(const ExchangeCall& c, const std::vector<const void*>& i
     }
   } else if (n * B > 0) {  // the same shapes on every rank: none calls MPI for 0 bytes
     Runtime::MpiOpScope active;  // the exit keeps the transport until this returns
+    std::shared_ptr<void> staged;  // the staging memory, if MPI reads or writes it
+    if (send_stage || recv_stage) {
+      staged = std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<void>>>(
+          send_stage ? send_staging.Owner() : nullptr,
+          recv_stage ? recv_staging.Owner() : nullptr);
+    }
     Status s = state.mpi->Collective(c.key, l.ranks, name, start,
-                                     DeadlineAfter(state.config.recv_timeout_s));
+                                     DeadlineAfter(state.config.recv_timeout_s),
+                                     std::move(staged));
     if (!s.ok()) return Failure(s, c.op, c.operand, c.me, state, l.ranks);
   }
   // Unpack into the outputs.
@@ -556,7 +587,7 @@ ffi::Error LeadExchange(const ExchangeCall& c, const std::vector<const void*>& i
         for (size_t q = 0; q < Q; ++q) {
           for (size_t i = 0; i < l.positions[q].size(); ++i) {
             std::memcpy(wbytes(out[0]) + static_cast<size_t>(l.positions[q][i]) * B,
-                        recv_stage.data() + (l.first[q] + i) * B, B);
+                        recv_stage + (l.first[q] + i) * B, B);
           }
         }
       }
@@ -576,7 +607,7 @@ ffi::Error LeadExchange(const ExchangeCall& c, const std::vector<const void*>& i
           for (size_t ii = 0; ii < m; ++ii) {
             for (size_t jj = 0; jj < theirs.size(); ++jj) {
               std::memcpy(wbytes(out[local_of(mine[ii])]) + static_cast<size_t>(theirs[jj]) * B,
-                          recv_stage.data() + displs[q] + (ii * theirs.size() + jj) * B, B);
+                          recv_stage + displs[q] + (ii * theirs.size() + jj) * B, B);
             }
           }
         }

@@ -143,7 +143,8 @@ Status MpiTransport::Allreduce(const std::string& key, const std::vector<int>& r
 Status MpiTransport::Collective(const std::string& key, const std::vector<int>& ranks,
                                 const char* name,
                                 const std::function<int(MPI_Comm, MPI_Request*)>& start,
-                                std::chrono::steady_clock::time_point deadline) {
+                                std::chrono::steady_clock::time_point deadline,
+                                std::shared_ptr<void> keep_alive) {
   if (!MpiIsUsable()) return Status::Invalid(kMpiNotUsable);
   MPI_Comm comm = MPI_COMM_NULL;
   if (Status s = GroupComm(key, ranks, &comm, deadline); !s.ok()) return s;
@@ -163,7 +164,7 @@ Status MpiTransport::Collective(const std::string& key, const std::vector<int>& 
     if (finished) return Status::Ok();
     if (Expired(deadline)) {  // the deadline, or the exit's close
       // A collective cannot be cancelled: the request may still write into its buffers.
-      Abandon(std::span<MPI_Request>(&request, 1), nullptr);
+      Abandon(std::span<MPI_Request>(&request, 1), std::move(keep_alive));
       return Status::Timeout(std::string(name) + " did not complete");
     }
     backoff.Pause();

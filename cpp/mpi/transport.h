@@ -211,10 +211,12 @@ class MpiTransport {
   // Any other collective over the group `ranks` (as Allreduce: the group's own
   // communicator `key`, polled against the deadline, abandoned at it): `start` posts the
   // nonblocking MPI call on the communicator (MPI_Iallgatherv, MPI_Ireduce_scatter, ...)
-  // and returns its MPI error code; `name` names it in errors.
+  // and returns its MPI error code; `name` names it in errors. `keep_alive` owns the
+  // call's buffers where the caller staged them: kept with the request if it is abandoned.
   Status Collective(const std::string& key, const std::vector<int>& ranks, const char* name,
                     const std::function<int(MPI_Comm, MPI_Request*)>& start,
-                    std::chrono::steady_clock::time_point deadline);
+                    std::chrono::steady_clock::time_point deadline,
+                    std::shared_ptr<void> keep_alive = nullptr);
 
  private:
   // Rendezvous (see the top of this file): smallest message, the largest count of one
