@@ -256,7 +256,7 @@ std::string Timeout(const OpInfo& info, int64_t me, int64_t peer, double seconds
 ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> out,
                    I64Span pairs, I64Span device_index, I64Span device_process,
                    int64_t num_devices, std::string_view op, std::string_view operand,
-                   Clock::time_point* deadline_out) {
+                   Clock::time_point* deadline_out, int64_t operand_kept) {
   const OpInfo info{op, operand, pairs, device_index, device_process, num_devices};
   const int64_t me = static_cast<int64_t>(partition.typed_data()[0]);
   if (ffi::Error e = CheckTables(info, me); e.failure()) return e;
@@ -311,7 +311,12 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
     return ffi::Error::Internal(std::string(op) + ": no MPI rank known for " +
                                 ProcessSuffix(info, peer));
   }
-  Status r = mpi->Recv(source, *tag, out->untyped_data(), bytes, operand, deadline);
+  // The sender also receives in this op, whose operands are kept (operand_kept is the op's,
+  // the same on every device): its psend is one of a cycle, which defers from a smaller
+  // size on and then waits for this receive's ready signal (mpi/transport.h); a sender
+  // that never reads ready signals must get none (they would pile up unread).
+  const bool exchange = operand_kept > 0 && FindPeer(info, peer, /*me_is_source=*/false) >= 0;
+  Status r = mpi->Recv(source, *tag, out->untyped_data(), bytes, operand, deadline, exchange);
   if (r.ok()) return ffi::Error::Success();
   if (r.code() == StatusCode::kSizeMismatch) {
     return ffi::Error::InvalidArgument(
@@ -340,7 +345,7 @@ ffi::Error Precv(ffi::Token /*token*/, ffi::Buffer<ffi::U32> partition,
                      std::string_view op, std::string_view operand, int64_t operand_kept) {
   Clock::time_point receive_deadline = Clock::time_point::min();
   ffi::Error received = Receive(partition, out, pairs, device_index, device_process,
-                                num_devices, op, operand, &receive_deadline);
+                                num_devices, op, operand, &receive_deadline, operand_kept);
   // After a successful receive a kept send gets a whole timeout of its own, as a psend
   // would. After a failed one it gets what is left of the receive's deadline, at least
   // kKeptSendGraceAfterFailure: its error must not come a whole timeout after the

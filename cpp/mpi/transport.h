@@ -171,8 +171,11 @@ class MpiTransport {
   Status ProgressDeferred(std::chrono::steady_clock::time_point deadline);
   // kSizeMismatch or kTypeMismatch (with the sender's byte count and description) when the
   // message is not a `desc` ("int32[4]") of `bytes` bytes; the message is consumed anyway.
+  // `exchange`: the sender's psend is one of a cycle (its op also receives there, with the
+  // operand kept), so it defers from kExchangeRendezvousMinBytes on: the receive takes the
+  // rendezvous path from that size too (the sender reads its ready signal).
   Status Recv(int source_rank, int tag, void* out, size_t bytes, std::string_view desc,
-              std::chrono::steady_clock::time_point deadline);
+              std::chrono::steady_clock::time_point deadline, bool exchange = false);
 
   // At exit (collective over the communicator): completes every outstanding send and waits
   // for every rank to get there (joining them halfway to the deadline even with sends still
@@ -215,6 +218,13 @@ class MpiTransport {
   // how many bytes a staging sender copies between two looks for the ready signal.
   static constexpr size_t kRendezvousMinBytes = size_t{256} << 10;
   static constexpr size_t kDirectChunkBytes = size_t{256} << 20;
+  // In a cycle (a psend whose op also receives: may_defer; the precv whose sender's op does:
+  // Recv's `exchange`), messages from this size on take the rendezvous path too: the psend
+  // defers, each receiver posts its receive into its output and signals, and the receive
+  // loops then post the sends straight from the operands, as MPI_Sendrecv posts its receive
+  // before its send. Neither end copies, no send waits in a probe's unexpected-message
+  // handshake (beyond MPI's eager size), and no progress thread is woken.
+  static constexpr size_t kExchangeRendezvousMinBytes = size_t{16} << 10;
   static constexpr size_t kStageStepBytes = size_t{128} << 10;
   // Smallest one-message payload received straight into the output (with its trailer
   // scattered apart by a datatype); smaller ones go through a buffer and one more copy.

@@ -17,10 +17,11 @@
   rounds; every message carries (source, destination, round).
 * ``exchange`` (1 device per rank): both ranks send and receive in the same step, one op
   with the cycle [(0, 1), (1, 0)] (GPU parity off) and two ops in opposite directions, in a
-  ``lax.scan`` of 4 steps, at 256 KiB, 1 MiB and 8 MiB + 4 KiB: a psend of the cycle that
-  finds its receiver not ready defers its send to the receive loops, which post it straight
-  from the operand once the ready signal comes (two ops: staged or direct, as one-way
-  sends); every byte checked, each step's bytes differ.
+  ``lax.scan`` of 4 steps, at 8 B and 4 KiB (staged), 16 KiB and 100 KiB + 8 B (a cycle's
+  rendezvous below the one-way rendezvous size), 256 KiB, 1 MiB and 8 MiB + 4 KiB: a psend
+  of the cycle that finds its receiver not ready defers its send to the receive loops, which
+  post it straight from the operand once the ready signal comes (two ops: staged or direct,
+  as one-way sends); every byte checked, each step's bytes differ.
   Then byte-count mismatches in a cycle (each side waits for another size than the other
   sends, small or large): both precvs report the mismatch instead of waiting for a ready
   signal that never comes, and the channel still delivers both ways afterwards.
@@ -265,7 +266,8 @@ def run_exchange() -> None:
     for name, step in (("one op", step_one_op), ("two ops", step_two_ops)):
         with config.overrides(gpu_parity=False):
             f = scanned(step)
-            for n in (256 << 10, 1 << 20, (8 << 20) + 4096):
+            for n in (8, 4 << 10, 16 << 10, (100 << 10) + 8, 256 << 10, 1 << 20,
+                      (8 << 20) + 4096):
                 x = common.global_array(mesh, P("x"),
                                         np.concatenate([pattern(n, 5), pattern(n, 6)]))
                 for _ in range(2):
@@ -277,7 +279,10 @@ def run_exchange() -> None:
                 barrier(f"exchange {name} {n}")
 
     # Mismatches in a cycle: nobody may wait for a ready signal that never comes.
-    for send_n, recv_n in ((8 << 20, 8), (1 << 20, 2 << 20)):
+    # Across the cycle's rendezvous size too: a deferring psend into a staged precv, a staged
+    # psend into a precv that signals, and two that signal different sizes.
+    for send_n, recv_n in ((8 << 20, 8), (1 << 20, 2 << 20), (64 << 10, 8), (8, 64 << 10),
+                           (16 << 10, 32 << 10)):
         def body(v, recv_n=recv_n):
             like = jax.ShapeDtypeStruct((recv_n,), v.dtype)
             return jax_cpu_mpi.precv(jax_cpu_mpi.psend(v, "x", cycle), like, "x", cycle)[:8]
