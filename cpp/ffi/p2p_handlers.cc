@@ -170,17 +170,22 @@ ffi::Error Psend(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
                        kept && receives_too);
   if (in_flight) {
     trace::NotePath(trace::Path::kKept);
-    // Finished by the precv that keeps the operand; its error names this psend.
-    std::ostringstream what;
-    what << op << " of " << operand << " from " << ProcessSuffix(info, me) << " to "
-         << ProcessSuffix(info, peer) << MpiPeer(dest) << " failed: ";
-    rt.kept_sends().Add(x.untyped_data(), [mpi, in_flight, dest, what = what.str()](
+    // Finished by the precv that keeps the operand; its error names this psend. The text
+    // is made only on failure: this runs for every send of an exchange.
+    rt.kept_sends().Add(x.untyped_data(), [mpi, in_flight, dest, op = std::string(op),
+                                           operand = std::string(operand), me, peer,
+                                           me_process = device_process[me],
+                                           peer_process = device_process[peer]](
                                               std::chrono::steady_clock::time_point deadline) {
       Runtime::MpiOpScope active;
       Status done = mpi->FinishDirect(in_flight, deadline);
       if (done.ok()) return done;
       if (!Closing()) Runtime::Get().note_unreachable_peer(dest);
-      return done.WithPrefix(what);
+      std::ostringstream what;
+      what << op << " of " << operand << " from partition " << me << " (process "
+           << me_process << ") to partition " << peer << " (process " << peer_process << ")"
+           << MpiPeer(dest) << " failed: ";
+      return done.WithPrefix(what.str());
     });
   }
   // Only a staged send left in flight needs the progress thread: waking it after every
