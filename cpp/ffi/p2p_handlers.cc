@@ -164,8 +164,7 @@ ffi::Error Psend(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
   std::shared_ptr<MpiTransport::DirectSend> in_flight;
   // This device also receives in this op (a cycle): its precv, which keeps the operand,
   // runs next, so a large send may wait there for its receiver instead of being copied.
-  const int64_t receives_from = FindPeer(info, me, /*me_is_source=*/false);
-  const bool receives_too = receives_from >= 0;
+  const bool receives_too = FindPeer(info, me, /*me_is_source=*/false) >= 0;
   Status r = mpi->Send(dest, *tag, x.untyped_data(), bytes, operand, config.max_inflight_bytes,
                        DeadlineAfter(config.recv_timeout_s), kept ? &in_flight : nullptr,
                        kept && receives_too);
@@ -193,16 +192,10 @@ ffi::Error Psend(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
   // psend (most small sends complete at once) costs a context switch per hop. A direct send
   // left in flight does not: the precv that keeps its operand finishes it (over TCP its
   // bytes may then move only once that precv runs, as when psend waited for them).
-  // A deferred send (a cycle) is posted by the receive loops: when this device's own
-  // receive comes over MPI, its precv, which runs next, posts it from its first poll, and
-  // waking the thread too would cost a context switch per step and put a third thread on
-  // MPI's lock (a receive from this process's mailbox does not poll MPI: then wake it).
-  const bool own_precv_posts =
-      receives_too && device_process[receives_from] != device_process[me];
-  if (r.ok() && (own_precv_posts ? mpi->has_staged_sends_in_flight()
-                                 : mpi->has_pending_sends())) {
-    rt.mpi_send_in_flight();
-  }
+  // A deferred send (a cycle) wakes it too, although the precv that runs next posts it:
+  // between the two, this device may wait where nothing polls MPI's receives (a collective,
+  // a mailbox receive), and the peer may be waiting for this send before it gets there.
+  if (r.ok() && mpi->has_pending_sends()) rt.mpi_send_in_flight();
   if (!r.ok()) {
     if (!Closing()) rt.note_unreachable_peer(dest);
     std::ostringstream s;

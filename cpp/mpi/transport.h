@@ -196,10 +196,6 @@ class MpiTransport {
   // Whether staged sends were left in flight when last tested (cheap: no MPI call). Direct
   // sends left in flight are not counted: the precv that keeps their operand finishes them.
   bool has_pending_sends() const;
-  // The same, deferred sends left out (the receive loops post those).
-  bool has_staged_sends_in_flight() const {
-    return has_pending_.load(std::memory_order_acquire);
-  }
   uint64_t inflight_bytes();
   uint64_t sends_completed() const;
   uint64_t peak_inflight_bytes() const;
