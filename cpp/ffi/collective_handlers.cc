@@ -262,7 +262,7 @@ ffi::Error AllReduce(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
 
 // The registered handler: with the timeline off (the usual case) one predictable branch;
 // on, one slice per device and collective, with its bytes and its wait.
-ffi::Error AllReduceImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
+ffi::Error MaybeTraced(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
                          ffi::RemainingArgs after, ffi::Result<ffi::AnyBuffer> out,
                          I64Span groups, int64_t group_size, I64Span device_index,
                          I64Span device_process, int64_t site, std::string_view reduction,
@@ -296,11 +296,30 @@ ffi::Error AllReduceImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
   return result;
 }
 
+// A failed collective ends its program run (XLA runs no further thunk): the sends that the
+// run's later precvs were to finish are finished now, while their operands are alive
+// (KeptSends::FinishRun, and Settled in ffi/p2p_handlers.cc).
+ffi::Error AllReduceImpl(xla::ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
+                         ffi::RemainingArgs after, ffi::Result<ffi::AnyBuffer> out,
+                         I64Span groups, int64_t group_size, I64Span device_index,
+                         I64Span device_process, int64_t site, std::string_view reduction,
+                         std::string_view op, std::string_view operand) {
+  ffi::Error result = MaybeTraced(x, partition, after, out, groups, group_size, device_index,
+                             device_process, site, reduction, op, operand);
+  if (result.failure()) [[unlikely]] {
+    Status s = Runtime::Get().kept_sends().FinishRun(
+        run.run_id, std::chrono::steady_clock::now() + std::chrono::milliseconds(500));
+    if (!s.ok()) Runtime::Get().note_failed_op(s.message());
+  }
+  return result;
+}
+
 }  // namespace
 }  // namespace jcm
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JcmAllReduce, jcm::AllReduceImpl,
                               xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::RunId>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
                                   .RemainingArgs()

@@ -123,7 +123,7 @@ std::string MpiMissing(const OpInfo& info, int64_t me, int64_t peer) {
   return s.str();
 }
 
-ffi::Error Psend(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
+ffi::Error Psend(int64_t run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
                      ffi::Result<ffi::Token> /*token*/, I64Span pairs, I64Span device_index,
                      I64Span device_process, int64_t num_devices, std::string_view op,
                      std::string_view operand, int64_t operand_kept) {
@@ -142,7 +142,7 @@ ffi::Error Psend(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
         rt.mailbox().Send({my_dev, peer_dev}, x.untyped_data(), bytes, std::string(operand), kept);
     if (offer) {
       trace::NotePath(trace::Path::kKept);
-      rt.kept_sends().Add(x.untyped_data(), [offer](auto /*deadline*/) {
+      rt.kept_sends().Add(x.untyped_data(), run_id, [offer](auto /*deadline*/) {
         Runtime::Get().mailbox().Finish(offer);
         return Status::Ok();
       });
@@ -172,7 +172,7 @@ ffi::Error Psend(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
     trace::NotePath(trace::Path::kKept);
     // Finished by the precv that keeps the operand; its error names this psend. The text
     // is made only on failure: this runs for every send of an exchange.
-    rt.kept_sends().Add(x.untyped_data(), [mpi, in_flight, dest, op = std::string(op),
+    rt.kept_sends().Add(x.untyped_data(), run_id, [mpi, in_flight, dest, op = std::string(op),
                                            operand = std::string(operand), me, peer,
                                            me_process = device_process[me],
                                            peer_process = device_process[peer]](
@@ -347,7 +347,7 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
 
 // precv: receives (or zero-fills), then finishes the sends made from the operands it keeps
 // alive (operand_kept of them), whatever the outcome of its own receive.
-ffi::Error Precv(ffi::Token /*token*/, ffi::Buffer<ffi::U32> partition,
+ffi::Error Precv(int64_t run_id, ffi::Token /*token*/, ffi::Buffer<ffi::U32> partition,
                      ffi::RemainingArgs kept, ffi::Result<ffi::AnyBuffer> out, I64Span pairs,
                      I64Span device_index, I64Span device_process, int64_t num_devices,
                      std::string_view op, std::string_view operand, int64_t operand_kept) {
@@ -368,7 +368,7 @@ ffi::Error Precv(ffi::Token /*token*/, ffi::Buffer<ffi::U32> partition,
   for (size_t i = 0; i < kept.size(); ++i) {
     ffi::ErrorOr<ffi::AnyBuffer> operand_buffer = kept.get<ffi::AnyBuffer>(i);
     if (operand_buffer.has_error()) return operand_buffer.error();
-    Status s = Runtime::Get().kept_sends().FinishAll(operand_buffer->untyped_data(),
+    Status s = Runtime::Get().kept_sends().FinishAll(operand_buffer->untyped_data(), run_id,
                                                      send_deadline);
     if (send_status.ok()) send_status = std::move(s);
   }
@@ -427,40 +427,57 @@ ffi::Error Noted(ffi::Error result) {
   return result;
 }
 
+// A failed op also finishes the sends of its program run that later precvs were to finish:
+// XLA runs no further thunk of the program, so those precvs never run, and the operands
+// they kept alive are freed when the program ends, while a deferred send (or a direct send
+// in flight) still points into them (mpi/transport.h). Finished now, while the operands are
+// still alive, each is posted, staged or cancelled, and nothing reads them afterwards.
+// What goes wrong with them is kept for the report at exit (the op's own error stands).
+ffi::Error Settled(ffi::Error result, int64_t run_id) {
+  if (!result.failure()) [[likely]] return result;
+  Status s = Runtime::Get().kept_sends().FinishRun(run_id,
+                                                   Clock::now() + kKeptSendGraceAfterFailure);
+  if (s.ok()) return result;
+  Runtime::Get().note_failed_op(s.message());
+  return result;
+}
+
 // The registered handlers: with tracing off (the usual case) one predictable branch.
 // A psend's second result, a u32 zero, exists only once the psend has run: XLA CPU orders
 // custom calls at run time by their buffers, not their tokens, so an op that must run
 // after this psend (an optimization_barrier's array, passes/kept_operands.py) takes it.
-ffi::Error PsendImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
+ffi::Error PsendImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
                      ffi::Result<ffi::Token> token, ffi::Result<ffi::Buffer<ffi::U32>> done,
                      I64Span pairs, I64Span device_index, I64Span device_process,
                      int64_t num_devices, std::string_view op, std::string_view operand,
                      int64_t operand_kept) {
   done->typed_data()[0] = 0;
   if (trace::Mode() == 0) [[likely]] {
-    return Noted(Psend(x, partition, token, pairs, device_index, device_process, num_devices,
-                       op, operand, operand_kept));
+    return Settled(Noted(Psend(run.run_id, x, partition, token, pairs, device_index,
+                               device_process, num_devices, op, operand, operand_kept)),
+                   run.run_id);
   }
   const OpInfo info{op, operand, pairs, device_index, device_process, num_devices};
-  return Noted(Traced(trace::Op::kPsend, info, partition, x.size_bytes(), [&] {
-    return Psend(x, partition, token, pairs, device_index, device_process, num_devices, op,
+  return Settled(Noted(Traced(trace::Op::kPsend, info, partition, x.size_bytes(), [&] {
+    return Psend(run.run_id, x, partition, token, pairs, device_index, device_process, num_devices, op,
                  operand, operand_kept);
-  }));
+  })), run.run_id);
 }
 
-ffi::Error PrecvImpl(ffi::Token token, ffi::Buffer<ffi::U32> partition,
+ffi::Error PrecvImpl(ffi::RunId run, ffi::Token token, ffi::Buffer<ffi::U32> partition,
                      ffi::RemainingArgs kept, ffi::Result<ffi::AnyBuffer> out, I64Span pairs,
                      I64Span device_index, I64Span device_process, int64_t num_devices,
                      std::string_view op, std::string_view operand, int64_t operand_kept) {
   if (trace::Mode() == 0) [[likely]] {
-    return Noted(Precv(token, partition, kept, out, pairs, device_index, device_process,
-                       num_devices, op, operand, operand_kept));
+    return Settled(Noted(Precv(run.run_id, token, partition, kept, out, pairs, device_index,
+                               device_process, num_devices, op, operand, operand_kept)),
+                   run.run_id);
   }
   const OpInfo info{op, operand, pairs, device_index, device_process, num_devices};
-  return Noted(Traced(trace::Op::kPrecv, info, partition, out->size_bytes(), [&] {
-    return Precv(token, partition, kept, out, pairs, device_index, device_process,
+  return Settled(Noted(Traced(trace::Op::kPrecv, info, partition, out->size_bytes(), [&] {
+    return Precv(run.run_id, token, partition, kept, out, pairs, device_index, device_process,
                  num_devices, op, operand, operand_kept);
-  }));
+  })), run.run_id);
 }
 
 }  // namespace
@@ -483,6 +500,7 @@ auto WithRoutingAttributes(Binding binding) {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JcmPsend, jcm::PsendImpl,
                               WithRoutingAttributes(ffi::Ffi::Bind()
+                                                        .Ctx<ffi::RunId>()
                                                         .Arg<ffi::AnyBuffer>()
                                                         .Arg<ffi::Buffer<ffi::U32>>()
                                                         .Ret<ffi::Token>()
@@ -490,6 +508,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JcmPsend, jcm::PsendImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JcmPrecv, jcm::PrecvImpl,
                               WithRoutingAttributes(ffi::Ffi::Bind()
+                                                        .Ctx<ffi::RunId>()
                                                         .Arg<ffi::Token>()
                                                         .Arg<ffi::Buffer<ffi::U32>>()
                                                         .RemainingArgs()
