@@ -398,6 +398,8 @@ def test_rendezvous_on_many_channels_at_once():
     assert_mpi_ok(run, 2)
     for rank in (0, 1):
         assert "ok   many channels: 16 each way, 6 rounds" in run.rank_output[rank], run.report()
+        assert "ok   op failed before the precv keeping a send" in run.rank_output[rank], \
+            run.report()
 
 
 @pytest.mark.mpi
