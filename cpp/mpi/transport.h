@@ -30,10 +30,12 @@
 // for a receiver that is not ready: it defers the send (DirectSend), and the receive loops
 // post it straight from the operand when the ready signal comes (ProgressDeferred), so both
 // directions move at once; the precv that keeps the operand stages what is still deferred.
-// Not handled yet: XLA's thunk executor skips every thunk after one fails, so a psend that
-// deferred (or left a direct send in flight) whose precv is then skipped leaves an entry
-// pointing into an operand XLA frees when the program ends; a later send on the channel,
-// or a receive loop, may still read it.
+// XLA's thunk executor skips every thunk after one fails, so the precv that keeps the
+// operand may never run: an op of ours that fails finishes the kept sends of its program
+// run (XLA's RunId) before it returns, while their operands are still alive
+// (KeptSends::FinishRun). Still open: a failure of a thunk that is not ours (a host
+// callback, an XLA op) skips the precv without that, and the entry keeps pointing into an
+// operand XLA frees when the program ends.
 //
 // Every wait has a deadline, matched receives included: requests are tested in a loop
 // (never MPI_Wait/MPI_Mrecv/MPI_Recv), and at the deadline they are cancelled and tested
