@@ -308,7 +308,8 @@ ffi::Error AllReduceImpl(xla::ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi:
                              device_process, site, reduction, op, operand);
   if (result.failure()) [[unlikely]] {
     Status s = Runtime::Get().kept_sends().FinishRun(
-        run.run_id, std::chrono::steady_clock::now() + std::chrono::milliseconds(500));
+        run.run_id, static_cast<int64_t>(partition.typed_data()[0]),
+        std::chrono::steady_clock::now() + std::chrono::milliseconds(500));
     if (!s.ok()) Runtime::Get().note_failed_op(s.message());
   }
   return result;

@@ -5,9 +5,9 @@
 
 namespace jcm {
 
-void KeptSends::Add(const void* operand, int64_t run_id, Finish finish) {
+void KeptSends::Add(const void* operand, int64_t run_id, int64_t partition, Finish finish) {
   std::lock_guard<std::mutex> lock(mu_);
-  pending_.emplace(operand, Entry{run_id, std::move(finish)});
+  pending_.emplace(operand, Entry{run_id, partition, std::move(finish)});
   pending_count_.store(pending_.size(), std::memory_order_release);
   ++kept_total_;
 }
@@ -47,13 +47,14 @@ Status KeptSends::FinishAllSlow(
   return FinishEach(finishes, deadline_of());
 }
 
-Status KeptSends::FinishRun(int64_t run_id, std::chrono::steady_clock::time_point deadline) {
+Status KeptSends::FinishRun(int64_t run_id, int64_t partition,
+                            std::chrono::steady_clock::time_point deadline) {
   if (pending_count_.load(std::memory_order_acquire) == 0) return Status::Ok();
   std::vector<Finish> finishes;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto it = pending_.begin(); it != pending_.end();) {
-      if (it->second.run_id != run_id) {
+      if (it->second.run_id != run_id || it->second.partition != partition) {
         ++it;
         continue;
       }

@@ -32,8 +32,8 @@ class KeptSends {
   using Finish = std::function<Status(std::chrono::steady_clock::time_point)>;
 
   // A send still reading from `operand` (a buffer XLA keeps alive until a precv finishes it)
-  // of the program run `run_id` (XLA's RunId).
-  void Add(const void* operand, int64_t run_id, Finish finish);
+  // of the program run `run_id` (XLA's RunId) on partition `partition`.
+  void Add(const void* operand, int64_t run_id, int64_t partition, Finish finish);
 
   // Finishes every send still reading from `operand` by the time `deadline()` returns;
   // returns the first failure, or ok. `deadline` is called only when there is a send to
@@ -47,13 +47,15 @@ class KeptSends {
     return FinishAllSlow(operand, run_id, deadline);
   }
 
-  // Finishes every send of the run `run_id` by `deadline`, whichever precv keeps it; called
-  // by an op of ours that fails. XLA's thunk executor runs no further thunk of a program once
-  // one fails, so the precvs that keep these operands may never run, and XLA frees the
-  // operands when the program ends: the sends must be done with them (posted, staged or
-  // cancelled) before the failing op returns, while the operands are still alive.
+  // Finishes every send of the run `run_id` on `partition` by `deadline`, whichever precv
+  // keeps it; called by an op of ours that fails there. XLA's thunk executor (one per
+  // device) runs no further thunk of a program once one fails, so the precvs that keep
+  // these operands may never run, and XLA frees the operands when the program ends: the
+  // sends must be done with them (posted, staged or cancelled) before the failing op
+  // returns, while the operands are still alive.
   // Returns the first failure, or ok.
-  Status FinishRun(int64_t run_id, std::chrono::steady_clock::time_point deadline);
+  Status FinishRun(int64_t run_id, int64_t partition,
+                   std::chrono::steady_clock::time_point deadline);
 
   // Sends not finished yet, and sends that were kept at all (since the start).
   size_t pending() const;
@@ -65,6 +67,7 @@ class KeptSends {
 
   struct Entry {
     int64_t run_id = 0;
+    int64_t partition = 0;
     Finish finish;
   };
 

@@ -142,7 +142,7 @@ ffi::Error Psend(int64_t run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partiti
         rt.mailbox().Send({my_dev, peer_dev}, x.untyped_data(), bytes, std::string(operand), kept);
     if (offer) {
       trace::NotePath(trace::Path::kKept);
-      rt.kept_sends().Add(x.untyped_data(), run_id, [offer](auto /*deadline*/) {
+      rt.kept_sends().Add(x.untyped_data(), run_id, me, [offer](auto /*deadline*/) {
         Runtime::Get().mailbox().Finish(offer);
         return Status::Ok();
       });
@@ -172,7 +172,7 @@ ffi::Error Psend(int64_t run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partiti
     trace::NotePath(trace::Path::kKept);
     // Finished by the precv that keeps the operand; its error names this psend. The text
     // is made only on failure: this runs for every send of an exchange.
-    rt.kept_sends().Add(x.untyped_data(), run_id, [mpi, in_flight, dest, op = std::string(op),
+    rt.kept_sends().Add(x.untyped_data(), run_id, me, [mpi, in_flight, dest, op = std::string(op),
                                            operand = std::string(operand), me, peer,
                                            me_process = device_process[me],
                                            peer_process = device_process[peer]](
@@ -427,16 +427,18 @@ ffi::Error Noted(ffi::Error result) {
   return result;
 }
 
-// A failed op also finishes the sends of its program run that later precvs were to finish:
-// XLA runs no further thunk of the program, so those precvs never run, and the operands
-// they kept alive are freed when the program ends, while a deferred send (or a direct send
-// in flight) still points into them (mpi/transport.h). Finished now, while the operands are
-// still alive, each is posted, staged or cancelled, and nothing reads them afterwards.
+// A failed op also finishes the sends of its program run and device that later precvs were
+// to finish: XLA runs no further thunk of the program on that device, so those precvs never
+// run, and the operands they kept alive are freed when the program ends, while a deferred
+// send (or a direct send in flight) still points into them (mpi/transport.h). Finished now,
+// while the operands are still alive, each is posted, staged or cancelled, and nothing
+// reads them afterwards (a precv of another run at the same address finishes none of them).
 // What goes wrong with them is kept for the report at exit (the op's own error stands).
-ffi::Error Settled(ffi::Error result, int64_t run_id) {
+ffi::Error Settled(ffi::Error result, int64_t run_id, ffi::Buffer<ffi::U32> partition) {
   if (!result.failure()) [[likely]] return result;
-  Status s = Runtime::Get().kept_sends().FinishRun(run_id,
-                                                   Clock::now() + kKeptSendGraceAfterFailure);
+  Status s = Runtime::Get().kept_sends().FinishRun(
+      run_id, static_cast<int64_t>(partition.typed_data()[0]),
+      Clock::now() + kKeptSendGraceAfterFailure);
   if (s.ok()) return result;
   Runtime::Get().note_failed_op(s.message());
   return result;
@@ -455,13 +457,13 @@ ffi::Error PsendImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> par
   if (trace::Mode() == 0) [[likely]] {
     return Settled(Noted(Psend(run.run_id, x, partition, token, pairs, device_index,
                                device_process, num_devices, op, operand, operand_kept)),
-                   run.run_id);
+                   run.run_id, partition);
   }
   const OpInfo info{op, operand, pairs, device_index, device_process, num_devices};
   return Settled(Noted(Traced(trace::Op::kPsend, info, partition, x.size_bytes(), [&] {
-    return Psend(run.run_id, x, partition, token, pairs, device_index, device_process, num_devices, op,
-                 operand, operand_kept);
-  })), run.run_id);
+    return Psend(run.run_id, x, partition, token, pairs, device_index, device_process,
+                 num_devices, op, operand, operand_kept);
+  })), run.run_id, partition);
 }
 
 ffi::Error PrecvImpl(ffi::RunId run, ffi::Token token, ffi::Buffer<ffi::U32> partition,
@@ -471,13 +473,13 @@ ffi::Error PrecvImpl(ffi::RunId run, ffi::Token token, ffi::Buffer<ffi::U32> par
   if (trace::Mode() == 0) [[likely]] {
     return Settled(Noted(Precv(run.run_id, token, partition, kept, out, pairs, device_index,
                                device_process, num_devices, op, operand, operand_kept)),
-                   run.run_id);
+                   run.run_id, partition);
   }
   const OpInfo info{op, operand, pairs, device_index, device_process, num_devices};
   return Settled(Noted(Traced(trace::Op::kPrecv, info, partition, out->size_bytes(), [&] {
     return Precv(run.run_id, token, partition, kept, out, pairs, device_index, device_process,
                  num_devices, op, operand, operand_kept);
-  })), run.run_id);
+  })), run.run_id, partition);
 }
 
 }  // namespace
