@@ -221,7 +221,8 @@ def run_failed_before_precv(mesh, per: int) -> None:
 
     def body(v):
         token = jax_cpu_mpi.psend(v, "x", cycle)
-        bad = jax_cpu_mpi.precv(jax_cpu_mpi.psend(v[:8], "x", [(1, 0)]),
+        after_send = jax.lax.optimization_barrier((token, v[:8]))[1]  # fails after the psend
+        bad = jax_cpu_mpi.precv(jax_cpu_mpi.psend(after_send, "x", [(1, 0)]),
                                 jax.ShapeDtypeStruct((2,), jnp.int32), "x", [(1, 0)])
         token = jax.lax.optimization_barrier((token, bad))[0]  # the keeping precv runs last
         y = jax_cpu_mpi.precv(token, jax.ShapeDtypeStruct(v.shape, v.dtype), "x", cycle)

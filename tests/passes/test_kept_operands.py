@@ -216,7 +216,8 @@ def test_op_failing_before_the_keeping_precv_finishes_the_kept_send():
         got = jax_cpu_mpi.precv(jax_cpu_mpi.psend(small, "x", BACKWARD),
                                 jax.ShapeDtypeStruct((4,), v.dtype), "x", BACKWARD)
         token = jax_cpu_mpi.psend(jax.lax.optimization_barrier((got, v))[1], "x", FORWARD)
-        bad = jax_cpu_mpi.precv(jax_cpu_mpi.psend(small, "x", BACKWARD),
+        after_send = jax.lax.optimization_barrier((token, small))[1]  # fails after the psend
+        bad = jax_cpu_mpi.precv(jax_cpu_mpi.psend(after_send, "x", BACKWARD),
                                 jax.ShapeDtypeStruct((4,), jnp.int32), "x", BACKWARD)
         token = jax.lax.optimization_barrier((token, bad))[0]  # the keeping precv runs last
         y = jax_cpu_mpi.precv(token, jax.ShapeDtypeStruct(v.shape, v.dtype), "x", FORWARD)
