@@ -3,7 +3,8 @@
     python benchmarks/patterns_table.py benchmarks/results/p2p/dev-2core/patterns
 
 Reads ``results.jsonl`` of the folder and writes ``table.md`` next to it (and prints it). For
-``exchange`` and ``ring`` a cell is the median time per step (lower is better); for ``bibw``
+``exchange`` and ``ring`` a cell is the median time per step, for the one-way hop
+(``pingpong`` in the run's ``--pattern``) the median time per hop (lower is better); for ``bibw``
 and ``multi-pair`` the median bandwidth (higher is better). The ratio columns compare
 psend/precv with raw MPI (``mpi4py``) as a speed ratio (>= 1: as fast or faster), the median
 over rounds of the ratio within each round.
@@ -17,7 +18,9 @@ import sys
 from pathlib import Path
 
 METHODS = ("mpi4py", "psend/scan", "psend2/scan", "gloo/scan")
-TIMED = ("exchange", "ring")
+TIMED = ("latency", "exchange", "ring")
+#: The row names of the kinds (``latency`` is ``--pattern pingpong``: half a round trip).
+NAMES = {"latency": "one-way hop"}
 
 
 def _size(n: int) -> str:
@@ -40,7 +43,7 @@ def table(folder: Path) -> str:
         r = json.loads(line)
         if "method" in r and "round_medians_us" in r:
             results[(r["method"], r["kind"], r["size"])] = r
-    kinds = [k for k in ("exchange", "ring", "bibw", "multi-pair")
+    kinds = [k for k in ("latency", "exchange", "ring", "bibw", "multi-pair")
              if any(key[1] == k for key in results)]
     lines = ["| pattern | size | " + " | ".join(f"`{m}`" for m in METHODS)
              + " | `psend/scan` / MPI | `psend2/scan` / MPI |",
@@ -61,7 +64,8 @@ def table(folder: Path) -> str:
                     ratios.append(f"x{statistics.median(per_round):.2f}")
                 else:
                     ratios.append("")
-            lines.append(f"| {kind} | {_size(size)} | " + " | ".join(cells + ratios) + " |")
+            name = NAMES.get(kind, kind)
+            lines.append(f"| {name} | {_size(size)} | " + " | ".join(cells + ratios) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -270,11 +270,11 @@ ffi::Error AllReduce(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
 
 // The registered handler: with the timeline off (the usual case) one predictable branch;
 // on, one slice per device and collective, with its bytes and its wait.
-ffi::Error AllReduceImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
-                         ffi::RemainingArgs after, ffi::Result<ffi::AnyBuffer> out,
-                         I64Span groups, int64_t group_size, I64Span device_index,
-                         I64Span device_process, int64_t site, std::string_view reduction,
-                         std::string_view op, std::string_view operand) {
+ffi::Error MaybeTraced(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
+                       ffi::RemainingArgs after, ffi::Result<ffi::AnyBuffer> out,
+                       I64Span groups, int64_t group_size, I64Span device_index,
+                       I64Span device_process, int64_t site, std::string_view reduction,
+                       std::string_view op, std::string_view operand) {
   if (trace::Mode() == 0) [[likely]] {
     return AllReduce(x, partition, after, out, groups, group_size, device_index,
                      device_process, site, reduction, op, operand);
@@ -726,12 +726,12 @@ trace::Op TraceOp(std::string_view kind) {
   return trace::Op::kAllToAll;
 }
 
-ffi::Error ExchangeImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
-                        ffi::RemainingArgs after, ffi::Result<ffi::AnyBuffer> out,
-                        I64Span groups, int64_t group_size, I64Span device_index,
-                        I64Span device_process, int64_t site, std::string_view kind,
-                        std::string_view reduction, std::string_view op,
-                        std::string_view operand) {
+ffi::Error ExchangeMaybeTraced(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
+                               ffi::RemainingArgs after, ffi::Result<ffi::AnyBuffer> out,
+                               I64Span groups, int64_t group_size, I64Span device_index,
+                               I64Span device_process, int64_t site, std::string_view kind,
+                               std::string_view reduction, std::string_view op,
+                               std::string_view operand) {
   if (trace::Mode() == 0) [[likely]] {
     return ExchangeCollective(x, partition, after, out, groups, group_size, device_index,
                               device_process, site, kind, reduction, op, operand);
@@ -762,11 +762,46 @@ ffi::Error ExchangeImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
   return result;
 }
 
+// A failed collective ends its program run (XLA runs no further thunk): the sends that the
+// run's later precvs were to finish are finished now, while their operands are alive
+// (KeptSends::FinishRun, and Settled in ffi/p2p_handlers.cc).
+void SettleRunAfterFailure(const xla::ffi::RunId& run, ffi::Buffer<ffi::U32> partition) {
+  Status s = Runtime::Get().kept_sends().FinishRun(
+      run.run_id, static_cast<int64_t>(partition.typed_data()[0]),
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(500));
+  if (!s.ok()) Runtime::Get().note_failed_op(s.message());
+}
+
+ffi::Error AllReduceImpl(xla::ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
+                         ffi::RemainingArgs after, ffi::Result<ffi::AnyBuffer> out,
+                         I64Span groups, int64_t group_size, I64Span device_index,
+                         I64Span device_process, int64_t site, std::string_view reduction,
+                         std::string_view op, std::string_view operand) {
+  ffi::Error result = MaybeTraced(x, partition, after, out, groups, group_size, device_index,
+                                  device_process, site, reduction, op, operand);
+  if (result.failure()) [[unlikely]] SettleRunAfterFailure(run, partition);
+  return result;
+}
+
+ffi::Error ExchangeImpl(xla::ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
+                        ffi::RemainingArgs after, ffi::Result<ffi::AnyBuffer> out,
+                        I64Span groups, int64_t group_size, I64Span device_index,
+                        I64Span device_process, int64_t site, std::string_view kind,
+                        std::string_view reduction, std::string_view op,
+                        std::string_view operand) {
+  ffi::Error result = ExchangeMaybeTraced(x, partition, after, out, groups, group_size,
+                                          device_index, device_process, site, kind, reduction,
+                                          op, operand);
+  if (result.failure()) [[unlikely]] SettleRunAfterFailure(run, partition);
+  return result;
+}
+
 }  // namespace
 }  // namespace jcm
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JcmAllReduce, jcm::AllReduceImpl,
                               xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::RunId>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
                                   .RemainingArgs()
@@ -782,6 +817,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JcmAllReduce, jcm::AllReduceImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JcmExchange, jcm::ExchangeImpl,
                               xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::RunId>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
                                   .RemainingArgs()

@@ -5,32 +5,65 @@
 
 namespace jcm {
 
-void KeptSends::Add(const void* operand, Finish finish) {
+void KeptSends::Add(const void* operand, int64_t run_id, int64_t partition, Finish finish) {
   std::lock_guard<std::mutex> lock(mu_);
-  pending_.emplace(operand, std::move(finish));
+  pending_.emplace(operand, Entry{run_id, partition, std::move(finish)});
   pending_count_.store(pending_.size(), std::memory_order_release);
   ++kept_total_;
 }
 
+namespace {
+
+Status FinishEach(std::vector<KeptSends::Finish>& finishes,
+                  std::chrono::steady_clock::time_point deadline) {
+  Status first_failure;
+  for (KeptSends::Finish& finish : finishes) {  // every one, even after an error
+    Status s = finish(deadline);
+    if (first_failure.ok()) first_failure = std::move(s);
+  }
+  return first_failure;
+}
+
+}  // namespace
+
 Status KeptSends::FinishAllSlow(
-    const void* operand,
+    const void* operand, int64_t run_id,
     const std::function<std::chrono::steady_clock::time_point()>& deadline_of) {
   std::vector<Finish> finishes;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto [first, last] = pending_.equal_range(operand);
-    for (auto it = first; it != last; ++it) finishes.push_back(std::move(it->second));
-    pending_.erase(first, last);
+    for (auto it = first; it != last;) {
+      if (it->second.run_id != run_id) {
+        ++it;
+        continue;
+      }
+      finishes.push_back(std::move(it->second.finish));
+      it = pending_.erase(it);
+    }
     pending_count_.store(pending_.size(), std::memory_order_release);
   }
   if (finishes.empty()) return Status::Ok();
-  const auto deadline = deadline_of();
-  Status first_failure;
-  for (Finish& finish : finishes) {  // every one, even after an error: none may be left
-    Status s = finish(deadline);
-    if (first_failure.ok()) first_failure = std::move(s);
+  return FinishEach(finishes, deadline_of());
+}
+
+Status KeptSends::FinishRun(int64_t run_id, int64_t partition,
+                            std::chrono::steady_clock::time_point deadline) {
+  if (pending_count_.load(std::memory_order_acquire) == 0) return Status::Ok();
+  std::vector<Finish> finishes;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      if (it->second.run_id != run_id || it->second.partition != partition) {
+        ++it;
+        continue;
+      }
+      finishes.push_back(std::move(it->second.finish));
+      it = pending_.erase(it);
+    }
+    pending_count_.store(pending_.size(), std::memory_order_release);
   }
-  return first_failure;
+  return FinishEach(finishes, deadline);
 }
 
 size_t KeptSends::pending() const {

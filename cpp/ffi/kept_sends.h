@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -30,32 +31,51 @@ class KeptSends {
   // Waits for the send to finish by `deadline`; its status says how it ended.
   using Finish = std::function<Status(std::chrono::steady_clock::time_point)>;
 
-  // A send still reading from `operand` (a buffer XLA keeps alive until a precv finishes it).
-  void Add(const void* operand, Finish finish);
+  // A send still reading from `operand` (a buffer XLA keeps alive until a precv finishes it)
+  // of the program run `run_id` (XLA's RunId) on partition `partition`.
+  void Add(const void* operand, int64_t run_id, int64_t partition, Finish finish);
 
   // Finishes every send still reading from `operand` by the time `deadline()` returns;
   // returns the first failure, or ok. `deadline` is called only when there is a send to
   // finish (not on the path of a precv whose psend finished its own send, e.g. every small
   // message).
+  // Only sends of the run `run_id` are finished: an entry of another run at the same address
+  // would point into a buffer of that run, not this precv's operand.
   template <typename Deadline>
-  Status FinishAll(const void* operand, Deadline deadline) {
+  Status FinishAll(const void* operand, int64_t run_id, Deadline deadline) {
     if (pending_count_.load(std::memory_order_acquire) == 0) return Status::Ok();
-    return FinishAllSlow(operand, deadline);
+    return FinishAllSlow(operand, run_id, deadline);
   }
+
+  // Finishes every send of the run `run_id` on `partition` by `deadline`, whichever precv
+  // keeps it; called by an op of ours that fails there. XLA's thunk executor (one per
+  // device) runs no further thunk of a program once one fails, so the precvs that keep
+  // these operands may never run, and XLA frees the operands when the program ends: the
+  // sends must be done with them (posted, staged or cancelled) before the failing op
+  // returns, while the operands are still alive.
+  // Returns the first failure, or ok.
+  Status FinishRun(int64_t run_id, int64_t partition,
+                   std::chrono::steady_clock::time_point deadline);
 
   // Sends not finished yet, and sends that were kept at all (since the start).
   size_t pending() const;
   uint64_t kept_total() const;
 
  private:
-  Status FinishAllSlow(const void* operand,
+  Status FinishAllSlow(const void* operand, int64_t run_id,
                        const std::function<std::chrono::steady_clock::time_point()>& deadline);
+
+  struct Entry {
+    int64_t run_id = 0;
+    int64_t partition = 0;
+    Finish finish;
+  };
 
   // pending_.size(), readable without the lock: the precv that finishes a send runs after
   // its psend (it takes the psend's token), so a zero here never hides a send it must finish.
   std::atomic<size_t> pending_count_{0};
   mutable std::mutex mu_;
-  std::multimap<const void*, Finish> pending_;
+  std::multimap<const void*, Entry> pending_;
   uint64_t kept_total_ = 0;
 };
 

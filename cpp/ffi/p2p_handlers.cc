@@ -123,7 +123,7 @@ std::string MpiMissing(const OpInfo& info, int64_t me, int64_t peer) {
   return s.str();
 }
 
-ffi::Error Psend(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
+ffi::Error Psend(int64_t run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
                      ffi::Result<ffi::Token> /*token*/, I64Span pairs, I64Span device_index,
                      I64Span device_process, int64_t num_devices, std::string_view op,
                      std::string_view operand, int64_t operand_kept) {
@@ -142,7 +142,7 @@ ffi::Error Psend(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
         rt.mailbox().Send({my_dev, peer_dev}, x.untyped_data(), bytes, std::string(operand), kept);
     if (offer) {
       trace::NotePath(trace::Path::kKept);
-      rt.kept_sends().Add(x.untyped_data(), [offer](auto /*deadline*/) {
+      rt.kept_sends().Add(x.untyped_data(), run_id, me, [offer](auto /*deadline*/) {
         Runtime::Get().mailbox().Finish(offer);
         return Status::Ok();
       });
@@ -170,23 +170,31 @@ ffi::Error Psend(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
                        kept && receives_too);
   if (in_flight) {
     trace::NotePath(trace::Path::kKept);
-    // Finished by the precv that keeps the operand; its error names this psend.
-    std::ostringstream what;
-    what << op << " of " << operand << " from " << ProcessSuffix(info, me) << " to "
-         << ProcessSuffix(info, peer) << MpiPeer(dest) << " failed: ";
-    rt.kept_sends().Add(x.untyped_data(), [mpi, in_flight, dest, what = what.str()](
+    // Finished by the precv that keeps the operand; its error names this psend. The text
+    // is made only on failure: this runs for every send of an exchange.
+    rt.kept_sends().Add(x.untyped_data(), run_id, me, [mpi, in_flight, dest, op = std::string(op),
+                                           operand = std::string(operand), me, peer,
+                                           me_process = device_process[me],
+                                           peer_process = device_process[peer]](
                                               std::chrono::steady_clock::time_point deadline) {
       Runtime::MpiOpScope active;
       Status done = mpi->FinishDirect(in_flight, deadline);
       if (done.ok()) return done;
       if (!Closing()) Runtime::Get().note_unreachable_peer(dest);
-      return done.WithPrefix(what);
+      std::ostringstream what;
+      what << op << " of " << operand << " from partition " << me << " (process "
+           << me_process << ") to partition " << peer << " (process " << peer_process << ")"
+           << MpiPeer(dest) << " failed: ";
+      return done.WithPrefix(what.str());
     });
   }
   // Only a staged send left in flight needs the progress thread: waking it after every
   // psend (most small sends complete at once) costs a context switch per hop. A direct send
   // left in flight does not: the precv that keeps its operand finishes it (over TCP its
   // bytes may then move only once that precv runs, as when psend waited for them).
+  // A deferred send (a cycle) wakes it too, although the precv that runs next posts it:
+  // between the two, this device may wait where nothing polls MPI's receives (a collective,
+  // a mailbox receive), and the peer may be waiting for this send before it gets there.
   if (r.ok() && mpi->has_pending_sends()) rt.mpi_send_in_flight();
   if (!r.ok()) {
     if (!Closing()) rt.note_unreachable_peer(dest);
@@ -256,7 +264,7 @@ std::string Timeout(const OpInfo& info, int64_t me, int64_t peer, double seconds
 ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> out,
                    I64Span pairs, I64Span device_index, I64Span device_process,
                    int64_t num_devices, std::string_view op, std::string_view operand,
-                   Clock::time_point* deadline_out) {
+                   Clock::time_point* deadline_out, int64_t operand_kept) {
   const OpInfo info{op, operand, pairs, device_index, device_process, num_devices};
   const int64_t me = static_cast<int64_t>(partition.typed_data()[0]);
   if (ffi::Error e = CheckTables(info, me); e.failure()) return e;
@@ -311,7 +319,12 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
     return ffi::Error::Internal(std::string(op) + ": no MPI rank known for " +
                                 ProcessSuffix(info, peer));
   }
-  Status r = mpi->Recv(source, *tag, out->untyped_data(), bytes, operand, deadline);
+  // The sender also receives in this op, whose operands are kept (operand_kept is the op's,
+  // the same on every device): its psend is one of a cycle, which defers from a smaller
+  // size on and then waits for this receive's ready signal (mpi/transport.h); a sender
+  // that never reads ready signals must get none (they would pile up unread).
+  const bool exchange = operand_kept > 0 && FindPeer(info, peer, /*me_is_source=*/false) >= 0;
+  Status r = mpi->Recv(source, *tag, out->untyped_data(), bytes, operand, deadline, exchange);
   if (r.ok()) return ffi::Error::Success();
   if (r.code() == StatusCode::kSizeMismatch) {
     return ffi::Error::InvalidArgument(
@@ -334,13 +347,13 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
 
 // precv: receives (or zero-fills), then finishes the sends made from the operands it keeps
 // alive (operand_kept of them), whatever the outcome of its own receive.
-ffi::Error Precv(ffi::Token /*token*/, ffi::Buffer<ffi::U32> partition,
+ffi::Error Precv(int64_t run_id, ffi::Token /*token*/, ffi::Buffer<ffi::U32> partition,
                      ffi::RemainingArgs kept, ffi::Result<ffi::AnyBuffer> out, I64Span pairs,
                      I64Span device_index, I64Span device_process, int64_t num_devices,
                      std::string_view op, std::string_view operand, int64_t operand_kept) {
   Clock::time_point receive_deadline = Clock::time_point::min();
   ffi::Error received = Receive(partition, out, pairs, device_index, device_process,
-                                num_devices, op, operand, &receive_deadline);
+                                num_devices, op, operand, &receive_deadline, operand_kept);
   // After a successful receive a kept send gets a whole timeout of its own, as a psend
   // would. After a failed one it gets what is left of the receive's deadline, at least
   // kKeptSendGraceAfterFailure: its error must not come a whole timeout after the
@@ -355,7 +368,7 @@ ffi::Error Precv(ffi::Token /*token*/, ffi::Buffer<ffi::U32> partition,
   for (size_t i = 0; i < kept.size(); ++i) {
     ffi::ErrorOr<ffi::AnyBuffer> operand_buffer = kept.get<ffi::AnyBuffer>(i);
     if (operand_buffer.has_error()) return operand_buffer.error();
-    Status s = Runtime::Get().kept_sends().FinishAll(operand_buffer->untyped_data(),
+    Status s = Runtime::Get().kept_sends().FinishAll(operand_buffer->untyped_data(), run_id,
                                                      send_deadline);
     if (send_status.ok()) send_status = std::move(s);
   }
@@ -414,40 +427,59 @@ ffi::Error Noted(ffi::Error result) {
   return result;
 }
 
+// A failed op also finishes the sends of its program run and device that later precvs were
+// to finish: XLA runs no further thunk of the program on that device, so those precvs never
+// run, and the operands they kept alive are freed when the program ends, while a deferred
+// send (or a direct send in flight) still points into them (mpi/transport.h). Finished now,
+// while the operands are still alive, each is posted, staged or cancelled, and nothing
+// reads them afterwards (a precv of another run at the same address finishes none of them).
+// What goes wrong with them is kept for the report at exit (the op's own error stands).
+ffi::Error Settled(ffi::Error result, int64_t run_id, ffi::Buffer<ffi::U32> partition) {
+  if (!result.failure()) [[likely]] return result;
+  Status s = Runtime::Get().kept_sends().FinishRun(
+      run_id, static_cast<int64_t>(partition.typed_data()[0]),
+      Clock::now() + kKeptSendGraceAfterFailure);
+  if (s.ok()) return result;
+  Runtime::Get().note_failed_op(s.message());
+  return result;
+}
+
 // The registered handlers: with tracing off (the usual case) one predictable branch.
 // A psend's second result, a u32 zero, exists only once the psend has run: XLA CPU orders
 // custom calls at run time by their buffers, not their tokens, so an op that must run
 // after this psend (an optimization_barrier's array, passes/kept_operands.py) takes it.
-ffi::Error PsendImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
+ffi::Error PsendImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
                      ffi::Result<ffi::Token> token, ffi::Result<ffi::Buffer<ffi::U32>> done,
                      I64Span pairs, I64Span device_index, I64Span device_process,
                      int64_t num_devices, std::string_view op, std::string_view operand,
                      int64_t operand_kept) {
   done->typed_data()[0] = 0;
   if (trace::Mode() == 0) [[likely]] {
-    return Noted(Psend(x, partition, token, pairs, device_index, device_process, num_devices,
-                       op, operand, operand_kept));
+    return Settled(Noted(Psend(run.run_id, x, partition, token, pairs, device_index,
+                               device_process, num_devices, op, operand, operand_kept)),
+                   run.run_id, partition);
   }
   const OpInfo info{op, operand, pairs, device_index, device_process, num_devices};
-  return Noted(Traced(trace::Op::kPsend, info, partition, x.size_bytes(), [&] {
-    return Psend(x, partition, token, pairs, device_index, device_process, num_devices, op,
-                 operand, operand_kept);
-  }));
+  return Settled(Noted(Traced(trace::Op::kPsend, info, partition, x.size_bytes(), [&] {
+    return Psend(run.run_id, x, partition, token, pairs, device_index, device_process,
+                 num_devices, op, operand, operand_kept);
+  })), run.run_id, partition);
 }
 
-ffi::Error PrecvImpl(ffi::Token token, ffi::Buffer<ffi::U32> partition,
+ffi::Error PrecvImpl(ffi::RunId run, ffi::Token token, ffi::Buffer<ffi::U32> partition,
                      ffi::RemainingArgs kept, ffi::Result<ffi::AnyBuffer> out, I64Span pairs,
                      I64Span device_index, I64Span device_process, int64_t num_devices,
                      std::string_view op, std::string_view operand, int64_t operand_kept) {
   if (trace::Mode() == 0) [[likely]] {
-    return Noted(Precv(token, partition, kept, out, pairs, device_index, device_process,
-                       num_devices, op, operand, operand_kept));
+    return Settled(Noted(Precv(run.run_id, token, partition, kept, out, pairs, device_index,
+                               device_process, num_devices, op, operand, operand_kept)),
+                   run.run_id, partition);
   }
   const OpInfo info{op, operand, pairs, device_index, device_process, num_devices};
-  return Noted(Traced(trace::Op::kPrecv, info, partition, out->size_bytes(), [&] {
-    return Precv(token, partition, kept, out, pairs, device_index, device_process,
+  return Settled(Noted(Traced(trace::Op::kPrecv, info, partition, out->size_bytes(), [&] {
+    return Precv(run.run_id, token, partition, kept, out, pairs, device_index, device_process,
                  num_devices, op, operand, operand_kept);
-  }));
+  })), run.run_id, partition);
 }
 
 }  // namespace
@@ -470,6 +502,7 @@ auto WithRoutingAttributes(Binding binding) {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JcmPsend, jcm::PsendImpl,
                               WithRoutingAttributes(ffi::Ffi::Bind()
+                                                        .Ctx<ffi::RunId>()
                                                         .Arg<ffi::AnyBuffer>()
                                                         .Arg<ffi::Buffer<ffi::U32>>()
                                                         .Ret<ffi::Token>()
@@ -477,6 +510,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JcmPsend, jcm::PsendImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JcmPrecv, jcm::PrecvImpl,
                               WithRoutingAttributes(ffi::Ffi::Bind()
+                                                        .Ctx<ffi::RunId>()
                                                         .Arg<ffi::Token>()
                                                         .Arg<ffi::Buffer<ffi::U32>>()
                                                         .RemainingArgs()

@@ -30,6 +30,12 @@
 // for a receiver that is not ready: it defers the send (DirectSend), and the receive loops
 // post it straight from the operand when the ready signal comes (ProgressDeferred), so both
 // directions move at once; the precv that keeps the operand stages what is still deferred.
+// XLA's thunk executor skips every thunk after one fails, so the precv that keeps the
+// operand may never run: an op of ours that fails finishes the kept sends of its program
+// run (XLA's RunId) before it returns, while their operands are still alive
+// (KeptSends::FinishRun). Still open: a failure of a thunk that is not ours (a host
+// callback, an XLA op) skips the precv without that, and the entry keeps pointing into an
+// operand XLA frees when the program ends.
 //
 // Every wait has a deadline, matched receives included: requests are tested in a loop
 // (never MPI_Wait/MPI_Mrecv/MPI_Recv), and at the deadline they are cancelled and tested
@@ -171,8 +177,11 @@ class MpiTransport {
   Status ProgressDeferred(std::chrono::steady_clock::time_point deadline);
   // kSizeMismatch or kTypeMismatch (with the sender's byte count and description) when the
   // message is not a `desc` ("int32[4]") of `bytes` bytes; the message is consumed anyway.
+  // `exchange`: the sender's psend is one of a cycle (its op also receives there, with the
+  // operand kept), so it defers from kExchangeRendezvousMinBytes on: the receive takes the
+  // rendezvous path from that size too (the sender reads its ready signal).
   Status Recv(int source_rank, int tag, void* out, size_t bytes, std::string_view desc,
-              std::chrono::steady_clock::time_point deadline);
+              std::chrono::steady_clock::time_point deadline, bool exchange = false);
 
   // At exit (collective over the communicator): completes every outstanding send and waits
   // for every rank to get there (joining them halfway to the deadline even with sends still
@@ -224,6 +233,13 @@ class MpiTransport {
   // how many bytes a staging sender copies between two looks for the ready signal.
   static constexpr size_t kRendezvousMinBytes = size_t{256} << 10;
   static constexpr size_t kDirectChunkBytes = size_t{256} << 20;
+  // In a cycle (a psend whose op also receives: may_defer; the precv whose sender's op does:
+  // Recv's `exchange`), messages from this size on take the rendezvous path too: the psend
+  // defers, each receiver posts its receive into its output and signals, and the receive
+  // loops then post the sends straight from the operands, as MPI_Sendrecv posts its receive
+  // before its send. Neither end copies, no send waits in a probe's unexpected-message
+  // handshake (beyond MPI's eager size), and no progress thread is woken.
+  static constexpr size_t kExchangeRendezvousMinBytes = size_t{16} << 10;
   static constexpr size_t kStageStepBytes = size_t{128} << 10;
   // Smallest one-message payload received straight into the output (with its trailer
   // scattered apart by a datatype); smaller ones go through a buffer and one more copy.

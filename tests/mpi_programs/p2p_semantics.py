@@ -54,6 +54,13 @@ check("32-byte messages", cases.permute_vs_ppermute(mesh, gather, axis="x", perm
 # Above the chunking threshold (4 MiB), with a ragged last chunk.
 check("chunked 9 MiB + 12 B messages", cases.permute_vs_ppermute(
     mesh, gather, axis="x", perm=ring, dtype=np.float32, block=((9 << 18) + 3,)))
+# 64 KiB and 16 KiB: a cycle's messages from 16 KiB take the rendezvous path (hops in the
+# process and over MPI in one ring when a process has several devices).
+check("ring of 64 KiB messages", cases.permute_vs_ppermute(
+    mesh, gather, axis="x", perm=ring, dtype=np.float32, block=(16 << 10,)))
+check("reverse ring of 16 KiB messages", cases.permute_vs_ppermute(
+    mesh, gather, axis="x", perm=[((i + 1) % n, i) for i in range(n)], dtype=np.float32,
+    block=(4 << 10,)))
 check("0-d arrays", cases.scalar_blocks(mesh, gather, dtype=np.float64))
 jax.config.update("jax_enable_x64", False)
 for kind in ("scan", "fori_loop", "while_loop", "cond"):
@@ -82,6 +89,8 @@ cross = jax.make_mesh((2,), ("x",), devices=[jax.devices()[0], jax.devices()[per
 assert cross.devices.flat[0].process_index != cross.devices.flat[1].process_index
 with config.overrides(gpu_parity=True):
     check("send, compute, send back", cases.send_compute_send_back(cross, gather), exact=False)
+check("two-way 64 KiB exchange, sends first",
+      cases.two_way_exchange(cross, gather, nbytes=64 << 10))
 check("two-way 32 MiB exchange, sends first",
       cases.two_way_exchange(cross, gather, nbytes=32 << 20))
 

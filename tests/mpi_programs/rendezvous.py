@@ -15,12 +15,16 @@
   device of rank 1 and back, all psends before the precvs (GPU parity off), 16 channels
   each way used from 4 device threads at once, some messages direct and some staged, 6
   rounds; every message carries (source, destination, round).
+  Then device 0's receive from device 1 fails between its psend of a cycle with rank 1
+  and the precv that keeps that psend's operand (which XLA then skips): the failed op
+  finishes the send while the operand is alive, rank 1 gets its bytes, nothing is left.
 * ``exchange`` (1 device per rank): both ranks send and receive in the same step, one op
   with the cycle [(0, 1), (1, 0)] (GPU parity off) and two ops in opposite directions, in a
-  ``lax.scan`` of 4 steps, at 256 KiB, 1 MiB and 8 MiB + 4 KiB: a psend of the cycle that
-  finds its receiver not ready defers its send to the receive loops, which post it straight
-  from the operand once the ready signal comes (two ops: staged or direct, as one-way
-  sends); every byte checked, each step's bytes differ.
+  ``lax.scan`` of 4 steps, at 8 B and 4 KiB (staged), 16 KiB and 100 KiB + 8 B (a cycle's
+  rendezvous below the one-way rendezvous size), 256 KiB, 1 MiB and 8 MiB + 4 KiB: a psend
+  of the cycle that finds its receiver not ready defers its send to the receive loops, which
+  post it straight from the operand once the ready signal comes (two ops: staged or direct,
+  as one-way sends); every byte checked, each step's bytes differ.
   Then byte-count mismatches in a cycle (each side waits for another size than the other
   sends, small or large): both precvs report the mismatch instead of waiting for a ready
   signal that never comes, and the channel still delivers both ways afterwards.
@@ -203,6 +207,43 @@ def run_many_channels() -> None:
         after = counters()
     print(f"ok   many channels: {per * per} each way, 6 rounds, direct {after[0] - before[0]}, "
           f"staged {after[1] - before[1]}", flush=True)
+    barrier("many channels done")
+    run_failed_before_precv(mesh, per)
+
+
+def run_failed_before_precv(mesh, per: int) -> None:
+    """Device 0's psend of a cycle with device ``per`` (rank 1) defers or leaves its send in
+    flight; then device 0's receive from device 1 (in process) fails, so XLA skips device
+    0's precv that keeps the operand. The failed op must finish that send while the operand
+    is alive: device ``per`` gets the operand's bytes, and nothing is left pointing into it."""
+    n = 1 << 20
+    cycle = [(0, per), (per, 0)]
+
+    def body(v):
+        token = jax_cpu_mpi.psend(v, "x", cycle)
+        after_send = jax.lax.optimization_barrier((token, v[:8]))[1]  # fails after the psend
+        bad = jax_cpu_mpi.precv(jax_cpu_mpi.psend(after_send, "x", [(1, 0)]),
+                                jax.ShapeDtypeStruct((2,), jnp.int32), "x", [(1, 0)])
+        token = jax.lax.optimization_barrier((token, bad))[0]  # the keeping precv runs last
+        y = jax_cpu_mpi.precv(token, jax.ShapeDtypeStruct(v.shape, v.dtype), "x", cycle)
+        return jax.lax.pcast(y, "x", to="varying") + bad.sum().astype(v.dtype)
+
+    with config.overrides(gpu_parity=False):
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+        value = np.concatenate([pattern(n, 20 + d) for d in range(2 * per)])
+        x = common.global_array(mesh, P("x"), value)
+        f.lower(x).compile()
+        barrier("failed before precv")
+        try:
+            got = jax.block_until_ready(f(x))
+        except jax.errors.JaxRuntimeError as e:
+            assert me == 0 and "expected int32[2]" in str(e), str(e)
+        else:
+            assert me == 1, "device 0's receive of another dtype must fail"
+            shard = next(s for s in got.addressable_shards if s.index[0].start == per * n)
+            np.testing.assert_array_equal(np.asarray(shard.data), pattern(n, 20))
+    assert jax_cpu_mpi.stats()["kept_sends_unfinished"] == 0
+    print("ok   op failed before the precv keeping a send", flush=True)
 
 
 def run_never_received() -> None:
@@ -265,7 +306,8 @@ def run_exchange() -> None:
     for name, step in (("one op", step_one_op), ("two ops", step_two_ops)):
         with config.overrides(gpu_parity=False):
             f = scanned(step)
-            for n in (256 << 10, 1 << 20, (8 << 20) + 4096):
+            for n in (8, 4 << 10, 16 << 10, (100 << 10) + 8, 256 << 10, 1 << 20,
+                      (8 << 20) + 4096):
                 x = common.global_array(mesh, P("x"),
                                         np.concatenate([pattern(n, 5), pattern(n, 6)]))
                 for _ in range(2):
@@ -277,7 +319,10 @@ def run_exchange() -> None:
                 barrier(f"exchange {name} {n}")
 
     # Mismatches in a cycle: nobody may wait for a ready signal that never comes.
-    for send_n, recv_n in ((8 << 20, 8), (1 << 20, 2 << 20)):
+    # Across the cycle's rendezvous size too: a deferring psend into a staged precv, a staged
+    # psend into a precv that signals, and two that signal different sizes.
+    for send_n, recv_n in ((8 << 20, 8), (1 << 20, 2 << 20), (64 << 10, 8), (8, 64 << 10),
+                           (16 << 10, 32 << 10)):
         def body(v, recv_n=recv_n):
             like = jax.ShapeDtypeStruct((recv_n,), v.dtype)
             return jax_cpu_mpi.precv(jax_cpu_mpi.psend(v, "x", cycle), like, "x", cycle)[:8]

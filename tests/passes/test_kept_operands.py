@@ -203,6 +203,39 @@ def test_size_mismatch_on_kept_send_is_reported_and_leaves_nothing():
     np.testing.assert_array_equal(np.asarray(y)[1 << 18:], np.asarray(x)[: 1 << 18])
 
 
+def test_op_failing_before_the_keeping_precv_finishes_the_kept_send():
+    """XLA runs no thunk after a failed one, so the precv that keeps a psend's operand may be
+    skipped: the failed op must finish the kept send while the operand is still alive."""
+    mesh = make_mesh((2, "x"))
+    n = 1 << 18
+
+    def body(v):
+        small = v[:4]
+        # Device 0 sends only once device 1 has sent (and gone on to wait for it): its psend
+        # then hands its operand to a waiting receiver and keeps it.
+        got = jax_cpu_mpi.precv(jax_cpu_mpi.psend(small, "x", BACKWARD),
+                                jax.ShapeDtypeStruct((4,), v.dtype), "x", BACKWARD)
+        token = jax_cpu_mpi.psend(jax.lax.optimization_barrier((got, v))[1], "x", FORWARD)
+        after_send = jax.lax.optimization_barrier((token, small))[1]  # fails after the psend
+        bad = jax_cpu_mpi.precv(jax_cpu_mpi.psend(after_send, "x", BACKWARD),
+                                jax.ShapeDtypeStruct((4,), jnp.int32), "x", BACKWARD)
+        token = jax.lax.optimization_barrier((token, bad))[0]  # the keeping precv runs last
+        y = jax_cpu_mpi.precv(token, jax.ShapeDtypeStruct(v.shape, v.dtype), "x", FORWARD)
+        return jax.lax.pcast(y, "x", to="varying") + (got.sum() + bad.sum()).astype(v.dtype)
+
+    x = sharded(mesh, n)
+    f = spmd(body, mesh)
+    before = jax_cpu_mpi.stats()["kept_sends"]
+    for _ in range(3):
+        with pytest.raises(Exception, match=r"expected int32\[4\].*sent float32\[4\]"):
+            jax.block_until_ready(f(x))
+    stats = jax_cpu_mpi.stats()
+    assert stats["kept_sends"] > before  # the case under test happened
+    assert stats["kept_sends_unfinished"] == 0 and stats["mailbox_queued_messages"] == 0
+    y = spmd(lambda v: hop(v, FORWARD), mesh)(x)
+    np.testing.assert_array_equal(np.asarray(y)[n:], np.asarray(x)[:n])
+
+
 def test_many_pairs_at_once():
     """Four devices, every pair both ways in one step, offered operands everywhere."""
     mesh = make_mesh((4, "x"))

@@ -383,9 +383,10 @@ def test_rendezvous_exchanges_both_ways_at_once():
     for rank in (0, 1):
         out = run.rank_output[rank]
         for name in ("one op", "two ops"):
-            for size in (256 << 10, 1 << 20, (8 << 20) + 4096):
+            for size in (8, 4 << 10, 16 << 10, (100 << 10) + 8, 256 << 10, 1 << 20,
+                         (8 << 20) + 4096):
                 assert f"ok   exchange {name} {size} bytes" in out, run.report()
-        assert out.count("ok   cycle mismatch") == 2, run.report()
+        assert out.count("ok   cycle mismatch") == 5, run.report()
         assert "ok   exchange after mismatches" in out, run.report()
 
 
@@ -397,6 +398,8 @@ def test_rendezvous_on_many_channels_at_once():
     assert_mpi_ok(run, 2)
     for rank in (0, 1):
         assert "ok   many channels: 16 each way, 6 rounds" in run.rank_output[rank], run.report()
+        assert "ok   op failed before the precv keeping a send" in run.rank_output[rank], \
+            run.report()
 
 
 @pytest.mark.mpi
