@@ -268,21 +268,15 @@ ffi::Error AllReduce(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
   return result;
 }
 
-// The registered handler: with the timeline off (the usual case) one predictable branch;
-// on, one slice per device and collective, with its bytes and its wait.
-ffi::Error MaybeTraced(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
-                       ffi::RemainingArgs after, ffi::Result<ffi::AnyBuffer> out,
-                       I64Span groups, int64_t group_size, I64Span device_index,
-                       I64Span device_process, int64_t site, std::string_view reduction,
-                       std::string_view op, std::string_view operand) {
-  if (trace::Mode() == 0) [[likely]] {
-    return AllReduce(x, partition, after, out, groups, group_size, device_index,
-                     device_process, site, reduction, op, operand);
-  }
+// With the timeline off (the usual case) one predictable branch; on, one slice per device
+// and collective, with its bytes and its wait.
+template <typename Run>
+ffi::Error Traced(Run&& run, ffi::Buffer<ffi::U32> partition, I64Span device_index,
+                  I64Span device_process, int64_t site, size_t bytes, trace::Op op) {
+  if (trace::Mode() == 0) [[likely]] return run();
   trace::Notes() = {};
   const int64_t start = trace::NowNs();
-  ffi::Error result = AllReduce(x, partition, after, out, groups, group_size, device_index,
-                                device_process, site, reduction, op, operand);
+  ffi::Error result = run();
   const int64_t end = trace::NowNs();
   const int64_t me = static_cast<int64_t>(partition.typed_data()[0]);
   if (me < 0 || me >= static_cast<int64_t>(device_index.size()) ||
@@ -296,9 +290,9 @@ ffi::Error MaybeTraced(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
   e.process = device_process[me];
   e.device = device_index[me];
   e.peer = -1;
-  e.bytes = x.size_bytes();
+  e.bytes = bytes;
   e.seq = static_cast<uint64_t>(site);
-  e.op = trace::Op::kAllReduce;
+  e.op = op;
   e.ok = !result.failure();
   trace::Record(e);
   return result;
@@ -726,41 +720,6 @@ trace::Op TraceOp(std::string_view kind) {
   return trace::Op::kAllToAll;
 }
 
-ffi::Error ExchangeMaybeTraced(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
-                               ffi::RemainingArgs after, ffi::Result<ffi::AnyBuffer> out,
-                               I64Span groups, int64_t group_size, I64Span device_index,
-                               I64Span device_process, int64_t site, std::string_view kind,
-                               std::string_view reduction, std::string_view op,
-                               std::string_view operand) {
-  if (trace::Mode() == 0) [[likely]] {
-    return ExchangeCollective(x, partition, after, out, groups, group_size, device_index,
-                              device_process, site, kind, reduction, op, operand);
-  }
-  trace::Notes() = {};
-  const int64_t start = trace::NowNs();
-  ffi::Error result = ExchangeCollective(x, partition, after, out, groups, group_size,
-                                         device_index, device_process, site, kind, reduction,
-                                         op, operand);
-  const int64_t end = trace::NowNs();
-  const int64_t me = static_cast<int64_t>(partition.typed_data()[0]);
-  if (me < 0 || me >= static_cast<int64_t>(device_index.size()) ||
-      device_process.size() != device_index.size()) {
-    return result;
-  }
-  trace::Event e;
-  e.start_ns = start;
-  e.dur_ns = end - start;
-  e.wait_ns = std::min(trace::Notes().wait_ns, e.dur_ns);
-  e.process = device_process[me];
-  e.device = device_index[me];
-  e.peer = -1;
-  e.bytes = std::max(x.size_bytes(), out->size_bytes());
-  e.seq = static_cast<uint64_t>(site);
-  e.op = TraceOp(kind);
-  e.ok = !result.failure();
-  trace::Record(e);
-  return result;
-}
 
 // A failed collective ends its program run (XLA runs no further thunk): the sends that the
 // run's later precvs were to finish are finished now, while their operands are alive
@@ -777,8 +736,12 @@ ffi::Error AllReduceImpl(xla::ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi:
                          I64Span groups, int64_t group_size, I64Span device_index,
                          I64Span device_process, int64_t site, std::string_view reduction,
                          std::string_view op, std::string_view operand) {
-  ffi::Error result = MaybeTraced(x, partition, after, out, groups, group_size, device_index,
-                                  device_process, site, reduction, op, operand);
+  ffi::Error result = Traced(
+      [&] {
+        return AllReduce(x, partition, after, out, groups, group_size, device_index,
+                         device_process, site, reduction, op, operand);
+      },
+      partition, device_index, device_process, site, x.size_bytes(), trace::Op::kAllReduce);
   if (result.failure()) [[unlikely]] SettleRunAfterFailure(run, partition);
   return result;
 }
@@ -789,9 +752,13 @@ ffi::Error ExchangeImpl(xla::ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::
                         I64Span device_process, int64_t site, std::string_view kind,
                         std::string_view reduction, std::string_view op,
                         std::string_view operand) {
-  ffi::Error result = ExchangeMaybeTraced(x, partition, after, out, groups, group_size,
-                                          device_index, device_process, site, kind, reduction,
-                                          op, operand);
+  ffi::Error result = Traced(
+      [&] {
+        return ExchangeCollective(x, partition, after, out, groups, group_size, device_index,
+                                  device_process, site, kind, reduction, op, operand);
+      },
+      partition, device_index, device_process, site,
+      std::max(x.size_bytes(), out->size_bytes()), TraceOp(kind));
   if (result.failure()) [[unlikely]] SettleRunAfterFailure(run, partition);
   return result;
 }
