@@ -406,21 +406,32 @@ if n == 4:
 with tempfile.TemporaryDirectory() as tmp:
     directory = os.path.join(tmp, "trace")
     config.configure(collectives="mpi")
-    traced = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "x"), mesh=mesh,
-                                   in_specs=P("x"), out_specs=P("x"), check_vma=False))
+    def four(v):  # one of each kind of slice: all_reduce, all_gather, all_to_all, reduce_scatter
+        g = jax.lax.all_gather(v, "x", tiled=True)
+        return (jax.lax.psum(v, "x"), g, jax.lax.all_to_all(g, "x", 0, 0, tiled=True),
+                jax.lax.psum_scatter(g, "x", tiled=True))
+
+    traced = jax.jit(jax.shard_map(four, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
+                                   check_vma=False))
     xt = common.global_array(mesh, P("x"), np.ones((n, 6), np.float32))
-    traced(xt).block_until_ready()
+    jax.block_until_ready(traced(xt))
     with jax_cpu_mpi.trace(directory):
-        traced(xt).block_until_ready()
-    events = [e for f in glob.glob(os.path.join(directory, "*.json"))
-              for e in json.load(open(f))["traceEvents"] if e.get("name") == "all_reduce"]
-    mine = [e for e in events if e["pid"] == jax.process_index()]
-    if len(mine) != jax.local_device_count() or any(
-            e["args"]["bytes"] != 24 or e["args"]["wait_us"] < 0 for e in mine):
+        jax.block_until_ready(traced(xt))
+    mine = [e for f in glob.glob(os.path.join(directory, "*.json"))
+            for e in json.load(open(f))["traceEvents"]
+            if e.get("cat") == "collective" and e["pid"] == jax.process_index()]
+    # bytes: the operand's, or the result's where larger (24 B per device, n x 24 B gathered)
+    want = {"all_reduce": 24, "all_gather": 24 * n, "all_to_all": 24 * n,
+            "reduce_scatter": 24 * n}
+    by_name = {k: [e for e in mine if e["name"] == k] for k in want}
+    if any(len(by_name[k]) != jax.local_device_count() or any(
+            e["args"]["bytes"] != b or e["args"]["wait_us"] < 0 or not e["args"]["ok"]
+            for e in by_name[k]) for k, b in want.items()):
         failures.append("timeline")
         print(f"FAIL timeline: {mine}", flush=True)
     else:
-        print(f"ok   timeline: {len(mine)} all_reduce slice(s) of 24 B", flush=True)
+        print(f"ok   timeline: {jax.local_device_count()} slice(s) each of "
+              f"{', '.join(want)}", flush=True)
 
 # ---- ppermute between processes: precv(psend(x)) over MPI, against gloo, 8 B to 1 MiB
 
