@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import os
 from typing import Any
 
 import jax
@@ -86,17 +85,11 @@ def decisions() -> dict[tuple[str, str, str], int]:
     return dict(_decisions)
 
 
-def mpi_launch() -> bool:
-    """Whether an MPI launcher (MPICH's Hydra, Open MPI, Slurm's srun with PMI) started this
-    process: what ``collectives="auto"`` means by MPI."""
-    return any(v in os.environ for v in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK"))
-
-
 def resolved_setting() -> str:
     """``"mpi"`` or ``"gloo"``: what ``JAX_CPU_MPI_COLLECTIVES`` means in this process."""
     setting = config.current().collectives
-    if setting == "auto":
-        return "mpi" if mpi_launch() else "gloo"
+    if setting == "auto":  # MPI where an MPI launcher started this process
+        return "mpi" if mpi_runtime.launched_by_mpi() else "gloo"
     return setting
 
 
