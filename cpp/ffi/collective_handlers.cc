@@ -721,16 +721,6 @@ trace::Op TraceOp(std::string_view kind) {
 }
 
 
-// A failed collective ends its program run (XLA runs no further thunk): the sends that the
-// run's later precvs were to finish are finished now, while their operands are alive
-// (KeptSends::FinishRun, and Settled in ffi/p2p_handlers.cc).
-void SettleRunAfterFailure(const xla::ffi::RunId& run, ffi::Buffer<ffi::U32> partition) {
-  Status s = Runtime::Get().kept_sends().FinishRun(
-      run.run_id, static_cast<int64_t>(partition.typed_data()[0]),
-      std::chrono::steady_clock::now() + std::chrono::milliseconds(500));
-  if (!s.ok()) Runtime::Get().note_failed_op(s.message());
-}
-
 ffi::Error AllReduceImpl(xla::ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
                          ffi::RemainingArgs after, ffi::Result<ffi::AnyBuffer> out,
                          I64Span groups, int64_t group_size, I64Span device_index,
@@ -742,7 +732,11 @@ ffi::Error AllReduceImpl(xla::ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi:
                          device_process, site, reduction, op, operand);
       },
       partition, device_index, device_process, site, x.size_bytes(), trace::Op::kAllReduce);
-  if (result.failure()) [[unlikely]] SettleRunAfterFailure(run, partition);
+  // A failed collective ends its program run (XLA runs no further thunk).
+  if (result.failure()) [[unlikely]] {
+    Runtime::Get().settle_run_after_failure(run.run_id,
+                                            static_cast<int64_t>(partition.typed_data()[0]));
+  }
   return result;
 }
 
@@ -759,7 +753,11 @@ ffi::Error ExchangeImpl(xla::ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::
       },
       partition, device_index, device_process, site,
       std::max(x.size_bytes(), out->size_bytes()), TraceOp(kind));
-  if (result.failure()) [[unlikely]] SettleRunAfterFailure(run, partition);
+  // A failed collective ends its program run (XLA runs no further thunk).
+  if (result.failure()) [[unlikely]] {
+    Runtime::Get().settle_run_after_failure(run.run_id,
+                                            static_cast<int64_t>(partition.typed_data()[0]));
+  }
   return result;
 }
 

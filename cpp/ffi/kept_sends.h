@@ -23,6 +23,11 @@
 
 namespace jcm {
 
+// How long a kept send may still take once the op that would have waited for it failed (a
+// failed precv's own sends, a failed op's run: Runtime::settle_run_after_failure): its error
+// must not come a whole timeout after the op's, and a send that is just completing still may.
+inline constexpr std::chrono::milliseconds kKeptSendGraceAfterFailure{500};
+
 // Locking:
 //   mu_   pending_ and kept_total_. A Finish runs without it (it may wait for a peer).
 //   pending_count_ mirrors pending_.size() for the lock-free check of FinishAll.

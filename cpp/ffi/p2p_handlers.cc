@@ -31,8 +31,6 @@ namespace {
 
 using I64Span = ffi::Span<const int64_t>;
 
-// How long a send kept by a precv whose receive failed may still take (see Precv).
-constexpr std::chrono::milliseconds kKeptSendGraceAfterFailure{500};
 // Outputs from this size on are worth posting deferred sends before their zero-fill (the
 // smallest deferred send is the transport's rendezvous size, 256 KiB).
 constexpr size_t kPostBeforeZeroFillBytes = size_t{256} << 10;
@@ -436,11 +434,8 @@ ffi::Error Noted(ffi::Error result) {
 // What goes wrong with them is kept for the report at exit (the op's own error stands).
 ffi::Error Settled(ffi::Error result, int64_t run_id, ffi::Buffer<ffi::U32> partition) {
   if (!result.failure()) [[likely]] return result;
-  Status s = Runtime::Get().kept_sends().FinishRun(
-      run_id, static_cast<int64_t>(partition.typed_data()[0]),
-      Clock::now() + kKeptSendGraceAfterFailure);
-  if (s.ok()) return result;
-  Runtime::Get().note_failed_op(s.message());
+  Runtime::Get().settle_run_after_failure(run_id,
+                                          static_cast<int64_t>(partition.typed_data()[0]));
   return result;
 }
 

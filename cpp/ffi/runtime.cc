@@ -164,6 +164,12 @@ int Runtime::close(double wait_s) {
   return mpi_ops_active();
 }
 
+void Runtime::settle_run_after_failure(int64_t run_id, int64_t partition) {
+  Status s = kept_sends_.FinishRun(
+      run_id, partition, std::chrono::steady_clock::now() + kKeptSendGraceAfterFailure);
+  if (!s.ok()) note_failed_op(s.message());
+}
+
 void Runtime::note_failed_op(const std::string& error) {
   std::lock_guard<std::mutex> lock(failed_mu_);
   for (auto& [text, count] : failed_ops_) {

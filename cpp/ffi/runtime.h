@@ -38,6 +38,12 @@ class Runtime {
   Mailbox& mailbox() { return mailbox_; }
   // Sends that the precv keeping their operand alive finishes (see kept_sends.h).
   KeptSends& kept_sends() { return kept_sends_; }
+  // An op of ours failed on `partition` in the program run `run_id`: XLA runs no further
+  // thunk of that run there, so the precvs that were to finish its kept sends never run,
+  // and the operands they kept alive are freed when the program ends. Finishes those sends
+  // now (KeptSends::FinishRun), giving each at most kKeptSendGraceAfterFailure; what goes
+  // wrong with them is kept for the report at exit (the op's own error stands).
+  void settle_run_after_failure(int64_t run_id, int64_t partition);
 
   // The MPI transport, or nullptr until Python attaches a communicator.
   std::shared_ptr<MpiTransport> mpi() const;
