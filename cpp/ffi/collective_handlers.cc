@@ -74,6 +74,59 @@ LocalRound& Rounds() {
   return rounds.get();
 }
 
+// The meeting of a group's devices in this process (`local`: their partitions, ascending;
+// `me` among them), once per collective: each brings its operand `x` and output `y`, the
+// last to arrive leads, calling `lead(in, out, pos)` with every device's operand and output
+// in `local`'s order and its own position `pos`; the others wait until it has finished and
+// return its result. A device whose peers do not all come by the deadline fails, naming
+// them (once the leader has started, the wait is as long as its work: its MPI wait has a
+// deadline of its own).
+template <typename Lead>
+ffi::Error MeetLocally(const std::string& key, const std::vector<int64_t>& local, int64_t me,
+                       const void* x, void* y, std::string_view op, std::string_view operand,
+                       Lead&& lead) {
+  const size_t pos = std::find(local.begin(), local.end(), me) - local.begin();
+  LocalRound::Slot& slot = Rounds().Get(key, local.size());
+  const double timeout_s = Runtime::Get().config().recv_timeout_s;
+  std::unique_lock<std::mutex> lock(slot.mu);
+  const uint64_t generation = slot.generation;
+  slot.in[pos] = x;
+  slot.out[pos] = y;
+  if (++slot.arrived < static_cast<int>(local.size())) {
+    trace::WaitTimer waited;  // the timeline's wait: until the leader has finished
+    waited.Waiting();
+    const bool met = slot.cv.wait_until(lock, DeadlineAfter(timeout_s), [&] {
+      return slot.generation != generation || slot.leading;
+    });
+    if (!met) {
+      --slot.arrived;
+      std::ostringstream m;
+      m << op << " of " << operand << " on partition " << me << " waited " << timeout_s
+        << " s for the other devices of its group in this process (partitions";
+      for (int64_t p : local) m << ' ' << p;
+      m << "), and not all of them got there: every device of the mesh must run the same "
+           "collectives in the same order (set JAX_CPU_MPI_RECV_TIMEOUT to wait longer).";
+      return ffi::Error::Internal(m.str());
+    }
+    slot.cv.wait(lock, [&] { return slot.generation != generation; });
+    if (slot.error.empty()) return ffi::Error::Success();
+    return ffi::Error::Internal(slot.error);
+  }
+  slot.leading = true;
+  slot.arrived = 0;
+  std::vector<const void*> in = slot.in;
+  std::vector<void*> outs = slot.out;
+  lock.unlock();
+  ffi::Error result = lead(in, outs, pos);
+  lock.lock();
+  slot.error = result.failure() ? std::string(result.message()) : std::string();
+  slot.leading = false;
+  ++slot.generation;
+  lock.unlock();
+  slot.cv.notify_all();
+  return result;
+}
+
 struct Group {
   std::vector<int64_t> local;      // partitions of the group in this process, ascending
   std::vector<int64_t> processes;  // processes of the group, ascending
@@ -220,52 +273,16 @@ ffi::Error AllReduce(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
                 g, me, op, operand);
   }
 
-  const size_t pos = std::find(g.local.begin(), g.local.end(), me) - g.local.begin();
-  LocalRound::Slot& slot = Rounds().Get(g.key, g.local.size());
-  const double timeout_s = Runtime::Get().config().recv_timeout_s;
-  std::unique_lock<std::mutex> lock(slot.mu);
-  const uint64_t generation = slot.generation;
-  slot.in[pos] = x.untyped_data();
-  slot.out[pos] = out->untyped_data();
-  if (++slot.arrived < static_cast<int>(g.local.size())) {
-    // Wait for the other local devices until the deadline; once the leader has started,
-    // for as long as it takes (its MPI wait has a deadline of its own).
-    trace::WaitTimer waited;  // the timeline's wait: until the leader has finished
-    waited.Waiting();
-    const bool met = slot.cv.wait_until(lock, DeadlineAfter(timeout_s), [&] {
-      return slot.generation != generation || slot.leading;
-    });
-    if (!met) {
-      --slot.arrived;
-      std::ostringstream m;
-      m << op << " of " << operand << " on partition " << me << " waited " << timeout_s
-        << " s for the other devices of its group in this process (partitions";
-      for (int64_t p : g.local) m << ' ' << p;
-      m << "), and not all of them got there: every device of the mesh must run the same "
-           "collectives in the same order (set JAX_CPU_MPI_RECV_TIMEOUT to wait longer).";
-      return ffi::Error::Internal(m.str());
-    }
-    slot.cv.wait(lock, [&] { return slot.generation != generation; });
-    if (slot.error.empty()) return ffi::Error::Success();
-    return ffi::Error::Internal(slot.error);
-  }
-  // The last to arrive leads: the others wait until the round ends.
-  slot.leading = true;
-  slot.arrived = 0;
-  std::vector<const void*> in = slot.in;
-  std::vector<void*> outs = slot.out;
-  // The leader's own output accumulates: it comes first among the outputs (any output
-  // will do: all get the same bits), while operands stay in partition order.
-  std::swap(outs[0], outs[pos]);
-  lock.unlock();
-  ffi::Error result = Lead(in, outs, x.element_type(), red, count, bytes, g, me, op, operand);
-  lock.lock();
-  slot.error = result.failure() ? std::string(result.message()) : std::string();
-  slot.leading = false;
-  ++slot.generation;
-  lock.unlock();
-  slot.cv.notify_all();
-  return result;
+  return MeetLocally(g.key, g.local, me, x.untyped_data(), out->untyped_data(), op, operand,
+                     [&](const std::vector<const void*>& in, std::vector<void*>& outs,
+                         size_t pos) {
+                       // The leader's own output accumulates: it comes first among the
+                       // outputs (any will do: all get the same bits), while operands stay
+                       // in partition order.
+                       std::swap(outs[0], outs[pos]);
+                       return Lead(in, outs, x.element_type(), red, count, bytes, g, me, op,
+                                   operand);
+                     });
 }
 
 // With the timeline off (the usual case) one predictable branch; on, one slice per device
@@ -611,7 +628,7 @@ ffi::Error LeadExchange(const ExchangeCall& c, const std::vector<const void*>& i
   return ffi::Error::Success();
 }
 
-// The local meeting of an exchange: as AllReduce's, the last to arrive leads.
+// The local meeting of an exchange (MeetLocally): as AllReduce's, the last to arrive leads.
 ffi::Error ExchangeCollective(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
                               ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> out,
                               I64Span groups, int64_t group_size, I64Span device_index,
@@ -672,46 +689,11 @@ ffi::Error ExchangeCollective(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
     return LeadExchange(c, {x.untyped_data()}, {out->untyped_data()}, local_pos,
                         device_process);
   }
-  const size_t pos = std::find(local.begin(), local.end(), me) - local.begin();
-  LocalRound::Slot& slot = Rounds().Get(c.key, local.size());
-  const double timeout_s = Runtime::Get().config().recv_timeout_s;
-  std::unique_lock<std::mutex> lock(slot.mu);
-  const uint64_t generation = slot.generation;
-  slot.in[pos] = x.untyped_data();
-  slot.out[pos] = out->untyped_data();
-  if (++slot.arrived < static_cast<int>(local.size())) {
-    trace::WaitTimer waited;
-    waited.Waiting();
-    const bool met = slot.cv.wait_until(lock, DeadlineAfter(timeout_s), [&] {
-      return slot.generation != generation || slot.leading;
-    });
-    if (!met) {
-      --slot.arrived;
-      std::ostringstream m;
-      m << op << " of " << operand << " on partition " << me << " waited " << timeout_s
-        << " s for the other devices of its group in this process (partitions";
-      for (int64_t p : local) m << ' ' << p;
-      m << "), and not all of them got there: every device of the mesh must run the same "
-           "collectives in the same order (set JAX_CPU_MPI_RECV_TIMEOUT to wait longer).";
-      return ffi::Error::Internal(m.str());
-    }
-    slot.cv.wait(lock, [&] { return slot.generation != generation; });
-    if (slot.error.empty()) return ffi::Error::Success();
-    return ffi::Error::Internal(slot.error);
-  }
-  slot.leading = true;
-  slot.arrived = 0;
-  std::vector<const void*> in = slot.in;
-  std::vector<void*> outs = slot.out;
-  lock.unlock();
-  ffi::Error result = LeadExchange(c, in, outs, local_pos, device_process);
-  lock.lock();
-  slot.error = result.failure() ? std::string(result.message()) : std::string();
-  slot.leading = false;
-  ++slot.generation;
-  lock.unlock();
-  slot.cv.notify_all();
-  return result;
+  return MeetLocally(c.key, local, me, x.untyped_data(), out->untyped_data(), op, operand,
+                     [&](const std::vector<const void*>& in, std::vector<void*>& outs,
+                         size_t /*pos*/) {
+                       return LeadExchange(c, in, outs, local_pos, device_process);
+                     });
 }
 
 trace::Op TraceOp(std::string_view kind) {
