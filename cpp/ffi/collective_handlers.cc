@@ -725,9 +725,9 @@ ffi::Error AllReduceImpl(xla::ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi:
 ffi::Error ExchangeImpl(xla::ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
                         ffi::RemainingArgs after, ffi::Result<ffi::AnyBuffer> out,
                         I64Span groups, int64_t group_size, I64Span device_index,
-                        I64Span device_process, int64_t site, std::string_view kind,
-                        std::string_view reduction, std::string_view op,
-                        std::string_view operand) {
+                        I64Span device_process, int64_t site, std::string_view reduction,
+                        std::string_view op, std::string_view operand,
+                        std::string_view kind) {
   ffi::Error result = Traced(
       [&] {
         return ExchangeCollective(x, partition, after, out, groups, group_size, device_index,
@@ -746,35 +746,28 @@ ffi::Error ExchangeImpl(xla::ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::
 }  // namespace
 }  // namespace jcm
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JcmAllReduce, jcm::AllReduceImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::RunId>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
-                                  .RemainingArgs()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<jcm::I64Span>("groups")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<jcm::I64Span>("device_index")
-                                  .Attr<jcm::I64Span>("device_process")
-                                  .Attr<int64_t>("site")
-                                  .Attr<std::string_view>("reduction")
-                                  .Attr<std::string_view>("op")
-                                  .Attr<std::string_view>("operand"));
+namespace {
+// The operands, results and attributes both collective custom calls have (see
+// python/jax_cpu_mpi/_src/lowering/collectives.py); the exchange adds its "kind".
+auto CollectiveBinding() {
+  return xla::ffi::Ffi::Bind()
+      .Ctx<xla::ffi::RunId>()
+      .Arg<xla::ffi::AnyBuffer>()
+      .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+      .RemainingArgs()
+      .Ret<xla::ffi::AnyBuffer>()
+      .Attr<jcm::I64Span>("groups")
+      .Attr<int64_t>("group_size")
+      .Attr<jcm::I64Span>("device_index")
+      .Attr<jcm::I64Span>("device_process")
+      .Attr<int64_t>("site")
+      .Attr<std::string_view>("reduction")
+      .Attr<std::string_view>("op")
+      .Attr<std::string_view>("operand");
+}
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JcmAllReduce, jcm::AllReduceImpl, CollectiveBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JcmExchange, jcm::ExchangeImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::RunId>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
-                                  .RemainingArgs()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<jcm::I64Span>("groups")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<jcm::I64Span>("device_index")
-                                  .Attr<jcm::I64Span>("device_process")
-                                  .Attr<int64_t>("site")
-                                  .Attr<std::string_view>("kind")
-                                  .Attr<std::string_view>("reduction")
-                                  .Attr<std::string_view>("op")
-                                  .Attr<std::string_view>("operand"));
+                              CollectiveBinding().Attr<std::string_view>("kind"));
