@@ -26,6 +26,23 @@ Status FinishEach(std::vector<KeptSends::Finish>& finishes,
 
 }  // namespace
 
+template <typename Matches>
+std::vector<KeptSends::Finish> KeptSends::Take(std::multimap<const void*, Entry>::iterator first,
+                                               std::multimap<const void*, Entry>::iterator last,
+                                               Matches matches) {
+  std::vector<Finish> finishes;
+  for (auto it = first; it != last;) {
+    if (!matches(it->second)) {
+      ++it;
+      continue;
+    }
+    finishes.push_back(std::move(it->second.finish));
+    it = pending_.erase(it);
+  }
+  pending_count_.store(pending_.size(), std::memory_order_release);
+  return finishes;
+}
+
 Status KeptSends::FinishAllSlow(
     const void* operand, int64_t run_id,
     const std::function<std::chrono::steady_clock::time_point()>& deadline_of) {
@@ -33,15 +50,7 @@ Status KeptSends::FinishAllSlow(
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto [first, last] = pending_.equal_range(operand);
-    for (auto it = first; it != last;) {
-      if (it->second.run_id != run_id) {
-        ++it;
-        continue;
-      }
-      finishes.push_back(std::move(it->second.finish));
-      it = pending_.erase(it);
-    }
-    pending_count_.store(pending_.size(), std::memory_order_release);
+    finishes = Take(first, last, [&](const Entry& e) { return e.run_id == run_id; });
   }
   if (finishes.empty()) return Status::Ok();
   return FinishEach(finishes, deadline_of());
@@ -53,15 +62,9 @@ Status KeptSends::FinishRun(int64_t run_id, int64_t partition,
   std::vector<Finish> finishes;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (auto it = pending_.begin(); it != pending_.end();) {
-      if (it->second.run_id != run_id || it->second.partition != partition) {
-        ++it;
-        continue;
-      }
-      finishes.push_back(std::move(it->second.finish));
-      it = pending_.erase(it);
-    }
-    pending_count_.store(pending_.size(), std::memory_order_release);
+    finishes = Take(pending_.begin(), pending_.end(), [&](const Entry& e) {
+      return e.run_id == run_id && e.partition == partition;
+    });
   }
   return FinishEach(finishes, deadline);
 }

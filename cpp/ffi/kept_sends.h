@@ -18,6 +18,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "common/status.h"
 
@@ -75,6 +76,11 @@ class KeptSends {
     int64_t partition = 0;
     Finish finish;
   };
+
+  // Takes the finishes of the entries in [first, last) that `matches`, under mu_.
+  template <typename Matches>
+  std::vector<Finish> Take(std::multimap<const void*, Entry>::iterator first,
+                           std::multimap<const void*, Entry>::iterator last, Matches matches);
 
   // pending_.size(), readable without the lock: the precv that finishes a send runs after
   // its psend (it takes the psend's token), so a zero here never hides a send it must finish.
