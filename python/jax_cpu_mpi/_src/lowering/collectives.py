@@ -171,25 +171,11 @@ def _make_rule(prim: Any) -> Any:
         params = dict(axes=axes, **rest)
         if prim is not compat.psum_invariant_p:
             params["axis_index_groups"] = axis_index_groups
-        dtype = np.dtype(ctx.avals_in[0].dtype).name
         plan = _plan(ctx, prim.name, axes, axis_index_groups)
-        if isinstance(plan, str):
-            _decisions[(prim.name, dtype, f"gloo: {plan}")] += 1
+        if not _decided(ctx, prim.name, plan):
             return jax_rule(ctx, arg, **params)
-        _decisions[(prim.name, dtype, "mpi")] += 1
-        groups, tables = plan
-        global pending_for_pass
-        pending_for_pass += 1
-        u32 = ShapedArray((), np.uint32)
-        sub_ctx = ctx.replace(avals_in=[*ctx.avals_in, u32])
-        padded = _padded(groups)
-        call = jax.ffi.ffi_lowering(ALL_REDUCE_TARGET, has_side_effect=True)
-        op = f"{prim.name}(axes={tuple(axes)!r})"
-        return call(sub_ctx, arg, hlo.partition_id(),
-                       groups=padded.reshape(-1), group_size=np.int64(padded.shape[1]),
-                       device_index=tables.device_index, device_process=tables.device_process,
-                       site=np.int64(0), reduction=_REDUCTIONS[prim.name], op=op,
-                       operand=_describe(ctx.avals_in[0]))
+        return _custom_call(ctx, ALL_REDUCE_TARGET, prim.name, arg, ctx.avals_in[0],
+                            ctx.avals_out[0], plan, axes, reduction=_REDUCTIONS[prim.name])
 
     rule.__name__ = f"_{prim.name}_lowering_cpu_mpi"
     return rule
@@ -249,21 +235,39 @@ def _reshape(ctx: Any, x: Any, aval: Any, shape: tuple) -> tuple[Any, Any]:
     return hlo.reshape(compat.aval_to_ir_type(ctx.module_context, new), x), new
 
 
-def _exchange_call(ctx: Any, kind: str, name: str, x: Any, in_aval: Any, out_aval: Any,
-                   plan: Any, axes: tuple) -> Any:
-    groups, tables = plan
+def _decided(ctx: Any, name: str, plan: Any) -> bool:
+    """Records how ``name`` is lowered (``plan``: ``(groups, tables)`` for our custom call,
+    or why JAX's lowering stays); True for ours."""
+    dtype = np.dtype(ctx.avals_in[0].dtype).name
+    if isinstance(plan, str):
+        _decisions[(name, dtype, f"gloo: {plan}")] += 1
+        return False
+    _decisions[(name, dtype, "mpi")] += 1
     global pending_for_pass
     pending_for_pass += 1
+    return True
+
+
+def _custom_call(ctx: Any, target: str, name: str, x: Any, in_aval: Any, out_aval: Any,
+                 plan: Any, axes: tuple, **attrs: Any) -> Any:
+    """Our collective custom call ``target(x, partition_id) -> out`` over the plan's groups
+    (the attributes every one carries, and ``attrs``)."""
+    groups, tables = plan
     u32 = ShapedArray((), np.uint32)
     sub_ctx = ctx.replace(avals_in=[in_aval, u32], avals_out=[out_aval])
     padded = _padded(groups)
-    call = jax.ffi.ffi_lowering(EXCHANGE_TARGET, has_side_effect=True)
+    call = jax.ffi.ffi_lowering(target, has_side_effect=True)
     return call(sub_ctx, x, hlo.partition_id(),
                 groups=padded.reshape(-1), group_size=np.int64(padded.shape[1]),
                 device_index=tables.device_index, device_process=tables.device_process,
-                site=np.int64(0), kind=kind, reduction="sum",
-                op=f"{name}(axes={tuple(axes)!r})",
-                operand=_describe(ctx.avals_in[0]))[0]
+                site=np.int64(0), op=f"{name}(axes={tuple(axes)!r})",
+                operand=_describe(ctx.avals_in[0]), **attrs)
+
+
+def _exchange_call(ctx: Any, kind: str, name: str, x: Any, in_aval: Any, out_aval: Any,
+                   plan: Any, axes: tuple) -> Any:
+    return _custom_call(ctx, EXCHANGE_TARGET, name, x, in_aval, out_aval, plan, axes,
+                        kind=kind, reduction="sum")[0]
 
 
 def _exchange_plan(ctx: Any, name: str, axes: tuple, params: dict) -> Any:
@@ -288,12 +292,9 @@ def _make_exchange_rule(prim: Any, kind: str) -> Any:
     def rule(ctx: Any, x: Any, **params: Any) -> Any:
         names = params["axis_name"]
         axes = names if isinstance(names, tuple) else (names,)
-        dtype = np.dtype(ctx.avals_in[0].dtype).name
         plan = _exchange_plan(ctx, prim.name, axes, params)
-        if isinstance(plan, str):
-            _decisions[(prim.name, dtype, f"gloo: {plan}")] += 1
+        if not _decided(ctx, prim.name, plan):
             return jax_rule(ctx, x, **params)
-        _decisions[(prim.name, dtype, "mpi")] += 1
         n = len(plan[0][0])
         aval, out_aval = ctx.avals_in[0], ctx.avals_out[0]
         shape = list(aval.shape)
