@@ -355,6 +355,79 @@ t_mpi, t_gloo = transformed("mpi"), transformed("gloo")
 for k in t_mpi:
     close(f"mpi  {k} vs gloo", t_mpi[k], t_gloo[k])
 
+# ---- axis_index_groups and scan for all_gather / psum_scatter / all_to_all (and psum), in
+# one program per setting. The groups span processes and one lists its members out of
+# order (2 devices: [[1, 0]]; 4: [[0, 2], [3, 1]]), so the exchanges' positions are not
+# process after process.
+GROUPS = [[1, 0]] if n == 2 else [[0, 2], [3, 1]]
+g_len = len(GROUPS[0])
+v_grp = values("int32", (2 * g_len, 3), 21)
+v_scan = values("int32", (2 * n,), 22)
+
+
+def grouped_and_scanned(setting: str) -> list:
+    config.configure(collectives=setting)
+
+    def body(a, c):
+        a, c = a[0], c[0]
+        kw = {"axis_name": "x", "axis_index_groups": GROUPS}
+
+        def step(c, _):  # shapes kept: psum_scatter of the all_gather, plus an all_to_all
+            g = jax.lax.all_gather(c, "x", tiled=True)
+            return (jax.lax.psum_scatter(g, "x", tiled=True) +
+                    jax.lax.all_to_all(c, "x", 0, 0, tiled=True)), None
+
+        return [r[None] for r in (
+            jax.lax.all_gather(a, axis=0, tiled=True, **kw),
+            jax.lax.all_gather(a, axis=1, **kw),
+            jax.lax.psum_scatter(a, scatter_dimension=0, tiled=True, **kw),
+            jax.lax.all_to_all(a, split_axis=0, concat_axis=1, tiled=True, **kw),
+            jax.lax.psum(a, **kw),
+            jax.lax.scan(step, c, None, length=3)[0])]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
+                              check_vma=False))  # psum with groups needs check_vma=False
+    outs = f(common.global_array(mesh, P("x"), v_grp),
+             common.global_array(mesh, P("x"), v_scan))
+    return [common.gather(o) for o in outs]
+
+
+before = lowering.decisions()
+g_mpi = grouped_and_scanned("mpi")
+lowered = {k: c - before.get(k, 0) for k, c in lowering.decisions().items()}
+for prim in ("all_gather", "reduce_scatter", "all_to_all", "psum"):
+    ours = sum(c for (p, _, how), c in lowered.items() if p == prim and how == "mpi")
+    theirs = [how for (p, _, how), c in lowered.items() if p == prim and how != "mpi" and c]
+    if not ours or theirs:
+        failures.append(f"grouped/scanned {prim} not over MPI")
+        print(f"FAIL grouped/scanned {prim} not over MPI: {theirs}", flush=True)
+g_gloo = grouped_and_scanned("gloo")
+g_want: list[list] = [[None] * n for _ in range(5)]
+for grp in GROUPS:
+    members = v_grp[grp]  # the group's operands, in group order
+    total = members.sum(0, dtype=np.int32)
+    for r, i in enumerate(grp):
+        g_want[0][i] = np.concatenate(list(members), axis=0)
+        g_want[1][i] = np.stack(list(members), axis=1)
+        g_want[2][i] = np.split(total, g_len, axis=0)[r]
+        g_want[3][i] = np.concatenate([np.split(m, g_len, axis=0)[r] for m in members], axis=1)
+        g_want[4][i] = total
+c_want = v_scan.copy()
+for _ in range(3):
+    c_want = np.stack([n * c_want[i] + np.concatenate(
+        [np.split(c_want[j], n)[i] for j in range(n)]) for i in range(n)]).astype(np.int32)
+names = [f"axis_index_groups={GROUPS} {k}" for k in
+         ("all_gather tiled", "all_gather stacked", "psum_scatter", "all_to_all", "psum")]
+for name, got, want, ref in zip([*names, "scan of all_gather, psum_scatter, all_to_all"],
+                                g_mpi, [*map(np.stack, g_want), c_want], g_gloo, strict=True):
+    try:  # every device's own result, bit for bit (int32)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(got, ref)
+        print(f"ok   mpi  {name} vs numpy and gloo", flush=True)
+    except AssertionError as e:
+        failures.append(name)
+        print(f"FAIL {name}: {e}", flush=True)
+
 # ---- 2-D meshes: each axis and both (2 devices per process: one axis inside processes)
 if n == 4:
     mesh2 = jax.make_mesh((2, 2), ("p", "d"))
