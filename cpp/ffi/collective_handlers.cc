@@ -586,7 +586,8 @@ ffi::Error LeadExchange(const ExchangeCall& c, const std::vector<const void*>& i
           send_stage ? send_staging.Owner() : nullptr,
           recv_stage ? recv_staging.Owner() : nullptr);
     }
-    Status s = state.mpi->Collective(c.key, l.ranks, name, start,
+    const size_t moved = c.kind == Exchange::kAllToAll ? n * m * B : n * B;
+    Status s = state.mpi->Collective(c.key, l.ranks, name, start, moved,
                                      DeadlineAfter(state.config.recv_timeout_s),
                                      std::move(staged));
     if (!s.ok()) return Failure(s, c.op, c.operand, c.me, state, l.ranks);

@@ -119,7 +119,7 @@ Status MpiTransport::Allreduce(const std::string& key, const std::vector<int>& r
       int rc = MPI_Iallreduce(from, bytes + done * type_size, n, type, op, comm, &request);
       if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Iallreduce", rc);
     }
-    Backoff backoff;
+    Backoff backoff(static_cast<size_t>(n) * static_cast<size_t>(type_size));
     while (true) {
       int finished = 0;
       {
@@ -143,7 +143,7 @@ Status MpiTransport::Allreduce(const std::string& key, const std::vector<int>& r
 Status MpiTransport::Collective(const std::string& key, const std::vector<int>& ranks,
                                 const char* name,
                                 const std::function<int(MPI_Comm, MPI_Request*)>& start,
-                                std::chrono::steady_clock::time_point deadline,
+                                size_t bytes, std::chrono::steady_clock::time_point deadline,
                                 std::shared_ptr<void> keep_alive) {
   if (!MpiIsUsable()) return Status::Invalid(kMpiNotUsable);
   MPI_Comm comm = MPI_COMM_NULL;
@@ -153,7 +153,7 @@ Status MpiTransport::Collective(const std::string& key, const std::vector<int>& 
     std::unique_lock<std::mutex> lock = MpiCallLock();
     if (int rc = start(comm, &request); rc != MPI_SUCCESS) return Status::MpiError(name, rc);
   }
-  Backoff backoff;
+  Backoff backoff(bytes);
   while (true) {
     int finished = 0;
     {

@@ -7,10 +7,12 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <thread>
 
 #include "common/config.h"
+#include "common/timer_slack.h"
 #include "common/trace.h"
 
 namespace jcm {
@@ -49,32 +51,54 @@ struct SendLockHeld {
 // kMaxSleep, which frees the core for whole scheduler slices. A loop pauses only when it
 // found nothing yet: the time from its first pause on is the time the op waited
 // (trace::WaitTimer).
+//
+// A wait for an MPI operation that moves many bytes (a collective) is given a busy time,
+// about as long as the bytes take (kBusyPerByte): until then it spins and yields but never
+// sleeps. MPI moves a large message only while its processes call it (the shared-memory
+// copies run inside MPI_Test), so a sleep between two polls stalls the transfer itself.
 class Backoff {
  public:
   Backoff() : sleeps_soon_(g_wait_sleeps_soon.load(std::memory_order_relaxed)) {}
+  explicit Backoff(size_t bytes_in_flight) : Backoff() {
+    busy_ = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+        kBusyPerByte * static_cast<double>(bytes_in_flight));
+  }
 
   void Pause() {
     if (iterations_ == 0) waited_.Waiting();
     ++iterations_;
     if (sleeps_soon_) {
       if (iterations_ < kSoonSpins) return;
-      if (iterations_ < kSoonSpins + kSoonYields) {
+      if (iterations_ < kSoonSpins + kSoonYields || Busy()) {
         sched_yield();
         return;
       }
+      slack_.Enable();
       std::this_thread::sleep_for(sleep_);
       sleep_ = std::min(sleep_ * 2, kMaxSleep);
       return;
     }
     if (iterations_ < 2000) return;
-    if (iterations_ < 200000) {
+    if (iterations_ < 200000 || Busy()) {
       sched_yield();
       return;
     }
+    slack_.Enable();
     std::this_thread::sleep_for(kMaxSleep);
   }
 
  private:
+  // Whether the busy time has not run out yet (read from the clock only once the spins are
+  // over, and only by a wait that has one).
+  bool Busy() {
+    if (busy_.count() == 0) return false;
+    const auto now = std::chrono::steady_clock::now();
+    if (busy_until_ == std::chrono::steady_clock::time_point{}) busy_until_ = now + busy_;
+    return now < busy_until_;
+  }
+
+  // 1 ns per byte: 1 GB/s, slower than any shared-memory or network MPI moves a collective.
+  static constexpr std::chrono::duration<double, std::nano> kBusyPerByte{1.0};
   static constexpr uint64_t kSoonSpins = 300;
   static constexpr uint64_t kSoonYields = 200;
   static constexpr std::chrono::microseconds kMaxSleep{50};
@@ -82,7 +106,10 @@ class Backoff {
   const bool sleeps_soon_;
   uint64_t iterations_ = 0;
   std::chrono::microseconds sleep_{5};
+  std::chrono::steady_clock::duration busy_{0};
+  std::chrono::steady_clock::time_point busy_until_{};
   trace::WaitTimer waited_;
+  FineTimerSlack slack_;  // the thread's own slack comes back when the wait ends
 };
 
 }  // namespace jcm

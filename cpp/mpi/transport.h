@@ -222,8 +222,9 @@ class MpiTransport {
   // nonblocking MPI call on the communicator (MPI_Iallgatherv, MPI_Ireduce_scatter, ...)
   // and returns its MPI error code; `name` names it in errors. `keep_alive` owns the
   // call's buffers where the caller staged them: kept with the request if it is abandoned.
+  // `bytes`: what the call moves from or to this process (the larger), for its wait.
   Status Collective(const std::string& key, const std::vector<int>& ranks, const char* name,
-                    const std::function<int(MPI_Comm, MPI_Request*)>& start,
+                    const std::function<int(MPI_Comm, MPI_Request*)>& start, size_t bytes,
                     std::chrono::steady_clock::time_point deadline,
                     std::shared_ptr<void> keep_alive = nullptr);
 
