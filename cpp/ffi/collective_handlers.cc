@@ -199,8 +199,19 @@ ffi::Error Lead(const std::vector<const void*>& in, const std::vector<void*>& ou
   void* acc = out[0];
   // One device here: MPI reads the operand itself (no copy into the output first).
   const bool mpi_reads_operand = in.size() == 1 && g.processes.size() > 1 && acc != in[0];
-  if (acc != in[0] && !mpi_reads_operand) std::memcpy(acc, in[0], bytes);
-  for (size_t i = 1; i < in.size(); ++i) {
+  size_t next = 1;  // the next operand to reduce into acc
+  if (acc != in[0] && !mpi_reads_operand) {
+    if (in.size() > 1) {  // the copy of the first operand and the first reduction in one pass
+      if (!ReduceTwo(type, reduction, acc, in[0], in[1], count)) {
+        return ffi::Error::InvalidArgument(std::string(op) + ": no in-process reduction for " +
+                                           std::string(operand));
+      }
+      next = 2;
+    } else {
+      std::memcpy(acc, in[0], bytes);
+    }
+  }
+  for (size_t i = next; i < in.size(); ++i) {
     if (!ReduceInto(type, reduction, acc, in[i], count)) {
       return ffi::Error::InvalidArgument(std::string(op) + ": no in-process reduction for " +
                                          std::string(operand));

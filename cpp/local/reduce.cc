@@ -37,6 +37,23 @@ void Loop(Reduction op, void* acc, const void* x, size_t n) {
   for (size_t i = 0; i < n; ++i) a[i] = Combine<T>(op, a[i], b[i]);
 }
 
+template <typename T>
+void Loop(Reduction op, void* out, const void* x, const void* y, size_t n) {
+  T* o = static_cast<T*>(out);
+  const T* a = static_cast<const T*>(x);
+  const T* b = static_cast<const T*>(y);
+  for (size_t i = 0; i < n; ++i) o[i] = Combine<T>(op, a[i], b[i]);
+}
+
+void LoopBool(Reduction op, void* out, const void* x, const void* y, size_t n) {
+  auto* o = static_cast<uint8_t*>(out);
+  const auto* a = static_cast<const uint8_t*>(x);
+  const auto* b = static_cast<const uint8_t*>(y);
+  for (size_t i = 0; i < n; ++i) {
+    o[i] = op == Reduction::kMin ? (a[i] && b[i]) : (a[i] || b[i]);
+  }
+}
+
 void LoopBool(Reduction op, void* acc, const void* x, size_t n) {
   auto* a = static_cast<uint8_t*>(acc);
   const auto* b = static_cast<const uint8_t*>(x);
@@ -82,32 +99,47 @@ bool ParseReduction(std::string_view name, Reduction* out) {
   return true;
 }
 
-bool ReduceInto(ffi::DataType type, Reduction op, void* acc, const void* x, size_t n) {
+namespace {
+
+// The loop for `type` and `op` over `ptrs` (acc, x or out, a, b); false where there is none.
+template <typename... Ptrs>
+bool Dispatch(ffi::DataType type, Reduction op, size_t n, Ptrs... ptrs) {
   switch (type) {
-    case ffi::DataType::F32: Loop<float>(op, acc, x, n); return true;
-    case ffi::DataType::F64: Loop<double>(op, acc, x, n); return true;
-    case ffi::DataType::S8: Loop<int8_t>(op, acc, x, n); return true;
-    case ffi::DataType::S16: Loop<int16_t>(op, acc, x, n); return true;
-    case ffi::DataType::S32: Loop<int32_t>(op, acc, x, n); return true;
-    case ffi::DataType::S64: Loop<int64_t>(op, acc, x, n); return true;
-    case ffi::DataType::U8: Loop<uint8_t>(op, acc, x, n); return true;
-    case ffi::DataType::U16: Loop<uint16_t>(op, acc, x, n); return true;
-    case ffi::DataType::U32: Loop<uint32_t>(op, acc, x, n); return true;
-    case ffi::DataType::U64: Loop<uint64_t>(op, acc, x, n); return true;
+    case ffi::DataType::F32: Loop<float>(op, ptrs..., n); return true;
+    case ffi::DataType::F64: Loop<double>(op, ptrs..., n); return true;
+    case ffi::DataType::S8: Loop<int8_t>(op, ptrs..., n); return true;
+    case ffi::DataType::S16: Loop<int16_t>(op, ptrs..., n); return true;
+    case ffi::DataType::S32: Loop<int32_t>(op, ptrs..., n); return true;
+    case ffi::DataType::S64: Loop<int64_t>(op, ptrs..., n); return true;
+    case ffi::DataType::U8: Loop<uint8_t>(op, ptrs..., n); return true;
+    case ffi::DataType::U16: Loop<uint16_t>(op, ptrs..., n); return true;
+    case ffi::DataType::U32: Loop<uint32_t>(op, ptrs..., n); return true;
+    case ffi::DataType::U64: Loop<uint64_t>(op, ptrs..., n); return true;
     case ffi::DataType::PRED:
       if (op == Reduction::kSum) return false;
-      LoopBool(op, acc, x, n);
+      LoopBool(op, ptrs..., n);
       return true;
     case ffi::DataType::C64:
       if (op != Reduction::kSum) return false;
-      Loop<std::complex<float>>(op, acc, x, n);
+      Loop<std::complex<float>>(op, ptrs..., n);
       return true;
     case ffi::DataType::C128:
       if (op != Reduction::kSum) return false;
-      Loop<std::complex<double>>(op, acc, x, n);
+      Loop<std::complex<double>>(op, ptrs..., n);
       return true;
     default: return false;
   }
+}
+
+}  // namespace
+
+bool ReduceInto(ffi::DataType type, Reduction op, void* acc, const void* x, size_t n) {
+  return Dispatch(type, op, n, acc, x);
+}
+
+bool ReduceTwo(ffi::DataType type, Reduction op, void* out, const void* a, const void* b,
+               size_t n) {
+  return Dispatch(type, op, n, out, a, b);
 }
 
 bool MpiReduction(ffi::DataType type, Reduction op, MPI_Datatype* t, MPI_Op* o) {

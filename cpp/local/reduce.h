@@ -21,6 +21,11 @@ bool ParseReduction(std::string_view name, Reduction* out);
 // a (type, reduction) it does not implement (the lowering falls back to JAX's then).
 bool ReduceInto(xla::ffi::DataType type, Reduction op, void* acc, const void* x, size_t n);
 
+// out[i] = a[i] (op) b[i]: ReduceInto of a copy of `a`, in one pass over the memory instead
+// of two (`out` may be `a` or `b`).
+bool ReduceTwo(xla::ffi::DataType type, Reduction op, void* out, const void* a, const void* b,
+               size_t n);
+
 // The MPI datatype and operation that reduce `type` like ReduceInto (float max/min are
 // operations of ours that propagate NaN). False where there is none.
 bool MpiReduction(xla::ffi::DataType type, Reduction op, MPI_Datatype* mpi_type, MPI_Op* mpi_op);
