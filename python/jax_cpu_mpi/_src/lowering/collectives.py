@@ -174,8 +174,11 @@ def _make_rule(prim: Any) -> Any:
         plan = _plan(ctx, prim.name, axes, axis_index_groups)
         if not _decided(ctx, prim.name, plan):
             return jax_rule(ctx, arg, **params)
+        # In place: MPI reduces in the operand's buffer (MPI_IN_PLACE) where the operand is
+        # dead afterwards (a scan's carry, a gradient), with no copy into a second buffer.
         return _custom_call(ctx, ALL_REDUCE_TARGET, prim.name, arg, ctx.avals_in[0],
-                            ctx.avals_out[0], plan, axes, reduction=_REDUCTIONS[prim.name])
+                            ctx.avals_out[0], plan, axes, in_place=True,
+                            reduction=_REDUCTIONS[prim.name])
 
     rule.__name__ = f"_{prim.name}_lowering_cpu_mpi"
     return rule
@@ -249,14 +252,16 @@ def _decided(ctx: Any, name: str, plan: Any) -> bool:
 
 
 def _custom_call(ctx: Any, target: str, name: str, x: Any, in_aval: Any, out_aval: Any,
-                 plan: Any, axes: tuple, **attrs: Any) -> Any:
+                 plan: Any, axes: tuple, in_place: bool = False, **attrs: Any) -> Any:
     """Our collective custom call ``target(x, partition_id) -> out`` over the plan's groups
-    (the attributes every one carries, and ``attrs``)."""
+    (the attributes every one carries, and ``attrs``). ``in_place``: the result may take the
+    operand's buffer (XLA copies the operand first where it is still needed)."""
     groups, tables = plan
     u32 = ShapedArray((), np.uint32)
     sub_ctx = ctx.replace(avals_in=[in_aval, u32], avals_out=[out_aval])
     padded = _padded(groups)
-    call = jax.ffi.ffi_lowering(target, has_side_effect=True)
+    call = jax.ffi.ffi_lowering(target, has_side_effect=True,
+                                operand_output_aliases={0: 0} if in_place else None)
     return call(sub_ctx, x, hlo.partition_id(),
                 groups=padded.reshape(-1), group_size=np.int64(padded.shape[1]),
                 device_index=tables.device_index, device_process=tables.device_process,
