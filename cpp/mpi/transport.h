@@ -174,7 +174,10 @@ class MpiTransport {
                       std::chrono::steady_clock::time_point deadline);
   // Posts the deferred sends whose receivers have signalled that they are ready (cheap when
   // none is deferred). Called by every receive loop, and by a precv before it receives.
-  Status ProgressDeferred(std::chrono::steady_clock::time_point deadline);
+  // `min_age`: only those deferred at least that long ago (the progress thread's watch,
+  // which leaves the young ones to the device thread whose precv comes next).
+  Status ProgressDeferred(std::chrono::steady_clock::time_point deadline,
+                          std::chrono::nanoseconds min_age = std::chrono::nanoseconds{0});
   // kSizeMismatch or kTypeMismatch (with the sender's byte count and description) when the
   // message is not a `desc` ("int32[4]") of `bytes` bytes; the message is consumed anyway.
   // `exchange`: the sender's psend is one of a cycle (its op also receives there, with the
@@ -197,7 +200,9 @@ class MpiTransport {
   size_t inflight_sends();
   // Whether staged sends were left in flight when last tested (cheap: no MPI call). Direct
   // sends left in flight are not counted: the precv that keeps their operand finishes them.
-  bool has_pending_sends() const;
+  bool has_staged_sends() const;
+  // Whether sends are deferred now (cheap: no MPI call).
+  bool has_deferred_sends() const;
   uint64_t inflight_bytes();
   uint64_t sends_completed() const;
   uint64_t peak_inflight_bytes() const;
