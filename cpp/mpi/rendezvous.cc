@@ -308,7 +308,7 @@ Status MpiTransport::ProgressDeferred(std::chrono::steady_clock::time_point dead
     // A failure belongs to the send (its precv reports it), not to the op that polls.
     Status s = PostDeferredLocked(*ch, /*complete=*/false, deadline, &posted);
     if (s.ok() && !posted &&
-        std::chrono::steady_clock::now() - d->deferred_at > kDeferredPatience) {
+        std::chrono::steady_clock::now() - d->deferred_at > DeferredPatience(d->bytes)) {
       s = PostDeferredLocked(*ch, /*complete=*/true, deadline, &posted);  // staged
     }
     if (!s.ok()) FailDeferred(d, s);

@@ -254,8 +254,14 @@ class MpiTransport {
   static constexpr std::chrono::microseconds kReadySpin{5};
   // How long a deferred send waits for its receiver's ready signal before the receive loops
   // stage it (as its psend would have): a receiver that never signals (it expects a small
-  // message, another size) must still get the message, and its error, soon.
+  // message, another size) must still get the message, and its error, soon. A receiver in
+  // an exchange may be a whole step behind, still copying the previous message in (about
+  // a millisecond per MiB at 1 GiB/s), or descheduled for a slice: staging for it only
+  // adds a copy, so the patience grows with the message.
   static constexpr std::chrono::milliseconds kDeferredPatience{2};
+  static std::chrono::microseconds DeferredPatience(size_t bytes) {
+    return kDeferredPatience + std::chrono::microseconds(bytes >> 10);  // + 1 ms per MiB
+  }
   // After cancelling at a deadline, how long requests are tested before those still open
   // are abandoned: a cancellable request completes at once, and a message already flowing
   // from a live peer finishes (a message matched just before the deadline is not failed).
