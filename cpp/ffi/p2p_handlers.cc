@@ -190,10 +190,14 @@ ffi::Error Psend(int64_t run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partiti
   // psend (most small sends complete at once) costs a context switch per hop. A direct send
   // left in flight does not: the precv that keeps its operand finishes it (over TCP its
   // bytes may then move only once that precv runs, as when psend waited for them).
-  // A deferred send (a cycle) wakes it too, although the precv that runs next posts it:
-  // between the two, this device may wait where nothing polls MPI's receives (a collective,
-  // a mailbox receive), and the peer may be waiting for this send before it gets there.
-  if (r.ok() && mpi->has_pending_sends()) rt.mpi_send_in_flight();
+  // A deferred send (a cycle) is posted by the precv that runs next, but between the two
+  // this device may wait where nothing polls MPI's receives (a collective, a mailbox
+  // receive), and the peer may be waiting for this send before it gets there: the progress
+  // thread watches deferred sends, without a wake-up per psend (Runtime::mpi_send_deferred).
+  if (r.ok()) {
+    if (mpi->has_staged_sends()) rt.mpi_send_in_flight();
+    else if (in_flight && mpi->has_deferred_sends()) rt.mpi_send_deferred();
+  }
   if (!r.ok()) {
     if (!Closing()) rt.note_unreachable_peer(dest);
     std::ostringstream s;

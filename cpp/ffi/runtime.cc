@@ -54,12 +54,62 @@ void Runtime::mpi_send_in_flight() {
   progress_cv_.notify_one();
 }
 
+void Runtime::mpi_send_deferred() {
+  deferred_made_.fetch_add(1);
+  if (deferred_watch_.load()) return;  // the usual case: watching already, no wake-up
+  {
+    std::lock_guard<std::mutex> lock(progress_mu_);
+    if (deferred_watch_.load()) return;
+    deferred_watch_.store(true);
+  }
+  progress_cv_.notify_one();
+}
+
+void Runtime::WatchDeferred(std::unique_lock<std::mutex>& lock) {
+  uint64_t seen = deferred_made_.load();
+  auto last_deferred = std::chrono::steady_clock::now();
+  while (true) {
+    if (progress_cv_.wait_for(lock, kDeferredWatchTick,
+                              [this] { return progress_wanted_ || progress_stop_; })) {
+      return;  // deferred_watch_ stays set: the loop comes back here when that is done
+    }
+    lock.unlock();
+    std::shared_ptr<MpiTransport> transport = mpi();
+    bool deferred = false;
+    if (transport) {
+      // Errors belong to the deferred sends (their precvs report them).
+      (void)transport->ProgressDeferred(
+          std::chrono::steady_clock::now() + std::chrono::seconds(1), kDeferredWatchTick);
+      deferred = transport->has_deferred_sends();
+    }
+    lock.lock();
+    const auto now = std::chrono::steady_clock::now();
+    const uint64_t made = deferred_made_.load();
+    if (made != seen || deferred) {
+      seen = made;
+      last_deferred = now;
+      continue;
+    }
+    if (now - last_deferred < kDeferredWatchLinger) continue;
+    deferred_watch_.store(false);
+    if (deferred_made_.load() == seen) return;  // else a psend deferred meanwhile: go on
+    deferred_watch_.store(true);
+  }
+}
+
 void Runtime::ProgressLoop() {
   while (true) {
     {
       std::unique_lock<std::mutex> lock(progress_mu_);
-      progress_cv_.wait(lock, [this] { return progress_wanted_ || progress_stop_; });
+      progress_cv_.wait(lock, [this] {
+        return progress_wanted_ || progress_stop_ || deferred_watch_.load();
+      });
       if (progress_stop_) return;
+      if (!progress_wanted_) {
+        WatchDeferred(lock);
+        if (progress_stop_) return;
+        if (!progress_wanted_) continue;
+      }
     }
     // Poll until no send is left in flight; sleep between polls (the device threads poll
     // much faster while they wait in MPI themselves), longer the longer it takes.

@@ -24,7 +24,8 @@ namespace jcm {
 // Locking:
 //   mu_           config_, mpi_, unreachable_peers_, exit_barrier_met_, rank_hosts_.
 //   progress_mu_  progress_wanted_, progress_stop_, progress_thread_ (start and join);
-//                 progress_cv_ waits on it.
+//                 progress_cv_ waits on it. deferred_watch_ is set under it (and read
+//                 without it by psends, with deferred_made_: see WatchDeferred).
 //   Order: progress_mu_ before mu_ (ProgressLoop calls mpi() holding progress_mu_).
 //   failed_mu_    failed_ops_, failed_ops_dropped_ (never held with another).
 //   mailbox_ and kept_sends_ lock themselves.
@@ -60,6 +61,18 @@ class Runtime {
   // while its process calls MPI; without this a sender that computes, or waits in something
   // else (a gloo collective, a JAX barrier), would hold its receiver up, or deadlock with it.
   void mpi_send_in_flight();
+  // A psend has deferred an MPI send (mpi/transport.h: a cycle's message waiting for its
+  // receiver's ready signal). The precv that comes next on the same device posts it, so the
+  // progress thread is not woken for it: a wake-up per step cost a context switch and MPI
+  // calls competing with the device thread's, and on a node with no core to spare it took
+  // the core of a device thread (the exchange ran at less than half of MPI_Sendrecv's
+  // speed). The thread only watches: while psends defer, it looks every kDeferredWatchTick
+  // and posts (or stages) the sends deferred longer than that, for a device that waits
+  // elsewhere between its psend and its precv (a mailbox receive, a collective), where
+  // nothing polls MPI; it stops watching once none was deferred for kDeferredWatchLinger.
+  void mpi_send_deferred();
+  static constexpr std::chrono::microseconds kDeferredWatchTick{500};
+  static constexpr std::chrono::milliseconds kDeferredWatchLinger{50};
   // Completes outstanding MPI sends, meets every rank in the exit barrier and forgets the
   // communicator (before MPI_Finalize). Waits at most timeout_s, and at most
   // kSuspectExitWaitS once a peer failed to answer (see note_unreachable_peer).
@@ -118,6 +131,9 @@ class Runtime {
   KeptSends kept_sends_;
   std::shared_ptr<MpiTransport> mpi_;
   void ProgressLoop();
+  // The progress thread's watch of deferred sends (mpi_send_deferred); returns when it ends,
+  // when a staged send wants the thread, or at stop. Called and returns with `lock` held.
+  void WatchDeferred(std::unique_lock<std::mutex>& lock);
   void StopProgressThread();
 
   std::set<int> unreachable_peers_;
@@ -125,6 +141,11 @@ class Runtime {
   std::condition_variable progress_cv_;
   bool progress_wanted_ = false;
   bool progress_stop_ = false;
+  // Sequentially consistent, so that a watch that ends as a psend defers is never missed:
+  // the psend counts (deferred_made_) and then reads deferred_watch_; the watch clears
+  // deferred_watch_ and then reads the count.
+  std::atomic<bool> deferred_watch_{false};
+  std::atomic<uint64_t> deferred_made_{0};
   std::thread progress_thread_;
   bool exit_barrier_met_ = false;
   std::vector<std::string> rank_hosts_;

@@ -285,7 +285,8 @@ Status MpiTransport::PostDeferredLocked(ChannelState& ch, bool complete,
                    d->max_inflight_bytes, deadline, &unused, /*may_defer=*/false, d);
 }
 
-Status MpiTransport::ProgressDeferred(std::chrono::steady_clock::time_point deadline) {
+Status MpiTransport::ProgressDeferred(std::chrono::steady_clock::time_point deadline,
+                                      std::chrono::nanoseconds min_age) {
   if (deferred_count_.load(std::memory_order_acquire) == 0 || t_send_locks > 0) {
     return Status::Ok();
   }
@@ -300,11 +301,14 @@ Status MpiTransport::ProgressDeferred(std::chrono::steady_clock::time_point dead
     SendLockHeld held;
     const std::shared_ptr<DirectSend> d = ch->deferred;
     if (!d) continue;
+    if (min_age.count() > 0 && std::chrono::steady_clock::now() - d->deferred_at < min_age) {
+      continue;
+    }
     bool posted = false;
     // A failure belongs to the send (its precv reports it), not to the op that polls.
     Status s = PostDeferredLocked(*ch, /*complete=*/false, deadline, &posted);
     if (s.ok() && !posted &&
-        std::chrono::steady_clock::now() - d->deferred_at > kDeferredPatience) {
+        std::chrono::steady_clock::now() - d->deferred_at > DeferredPatience(d->bytes)) {
       s = PostDeferredLocked(*ch, /*complete=*/true, deadline, &posted);  // staged
     }
     if (!s.ok()) FailDeferred(d, s);

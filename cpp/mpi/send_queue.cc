@@ -191,9 +191,12 @@ size_t MpiTransport::SendsInFlightLocked() const {
   return pending_.size() + direct_in_flight_.size();
 }
 
-bool MpiTransport::has_pending_sends() const {
-  return has_pending_.load(std::memory_order_acquire) ||
-         deferred_count_.load(std::memory_order_acquire) > 0;
+bool MpiTransport::has_staged_sends() const {
+  return has_pending_.load(std::memory_order_acquire);
+}
+
+bool MpiTransport::has_deferred_sends() const {
+  return deferred_count_.load(std::memory_order_acquire) > 0;
 }
 
 // The statistics below test the sends first so that they count only what is really still

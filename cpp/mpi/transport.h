@@ -174,7 +174,10 @@ class MpiTransport {
                       std::chrono::steady_clock::time_point deadline);
   // Posts the deferred sends whose receivers have signalled that they are ready (cheap when
   // none is deferred). Called by every receive loop, and by a precv before it receives.
-  Status ProgressDeferred(std::chrono::steady_clock::time_point deadline);
+  // `min_age`: only those deferred at least that long ago (the progress thread's watch,
+  // which leaves the young ones to the device thread whose precv comes next).
+  Status ProgressDeferred(std::chrono::steady_clock::time_point deadline,
+                          std::chrono::nanoseconds min_age = std::chrono::nanoseconds{0});
   // kSizeMismatch or kTypeMismatch (with the sender's byte count and description) when the
   // message is not a `desc` ("int32[4]") of `bytes` bytes; the message is consumed anyway.
   // `exchange`: the sender's psend is one of a cycle (its op also receives there, with the
@@ -197,7 +200,9 @@ class MpiTransport {
   size_t inflight_sends();
   // Whether staged sends were left in flight when last tested (cheap: no MPI call). Direct
   // sends left in flight are not counted: the precv that keeps their operand finishes them.
-  bool has_pending_sends() const;
+  bool has_staged_sends() const;
+  // Whether sends are deferred now (cheap: no MPI call).
+  bool has_deferred_sends() const;
   uint64_t inflight_bytes();
   uint64_t sends_completed() const;
   uint64_t peak_inflight_bytes() const;
@@ -250,8 +255,14 @@ class MpiTransport {
   static constexpr std::chrono::microseconds kReadySpin{5};
   // How long a deferred send waits for its receiver's ready signal before the receive loops
   // stage it (as its psend would have): a receiver that never signals (it expects a small
-  // message, another size) must still get the message, and its error, soon.
+  // message, another size) must still get the message, and its error, soon. A receiver in
+  // an exchange may be a whole step behind, still copying the previous message in (about
+  // a millisecond per MiB at 1 GiB/s), or descheduled for a slice: staging for it only
+  // adds a copy, so the patience grows with the message.
   static constexpr std::chrono::milliseconds kDeferredPatience{2};
+  static std::chrono::microseconds DeferredPatience(size_t bytes) {
+    return kDeferredPatience + std::chrono::microseconds(bytes >> 10);  // + 1 ms per MiB
+  }
   // After cancelling at a deadline, how long requests are tested before those still open
   // are abandoned: a cancellable request completes at once, and a message already flowing
   // from a live peer finishes (a message matched just before the deadline is not failed).
