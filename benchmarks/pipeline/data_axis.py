@@ -6,14 +6,17 @@ gradient average over gloo (JAX's path) and over MPI (``JAX_CPU_MPI_COLLECTIVES`
         --rounds 5 --out benchmarks/results/pipeline/dev-2core/data-axis
 
 The model is ``run.py``'s (``model.py``: ``--layers`` x ``--width``, ``--batch`` samples in
-``--microbatches``). Each launch is ``mpirun -n D jax_bench.py --devices S --stages S --data D
---collectives ...``: a ``stage x data`` mesh with the ``S`` stages inside each process and the
-``D`` data shards across the processes, every schedule compiled once with
-``collectives="gloo"`` and once with ``"mpi"``; the launch checks both against the float64
-reference and against each other (the same loss and gradients), then the runs take turns, a
-repeat each. The only collective between processes is the ``pmean`` of the loss and the
-gradients over ``data`` (the stages' sends stay inside a process), so the difference is the
-transport of that average. ``--rounds`` launches, the order of the two settings alternating.
+``--microbatches``). A launch is ``mpirun -n D jax_bench.py --devices S --stages S --data D
+--collectives SETTING``: a ``stage x data`` mesh with the ``S`` stages inside each process and
+the ``D`` data shards across the processes, every schedule compiled with
+``JAX_CPU_MPI_COLLECTIVES`` = ``gloo`` or ``mpi`` (read when a program is lowered) and checked
+against the float64 reference before it is timed. The only collective between processes is
+the ``pmean`` of the loss and the gradients over ``data`` (the stages' sends stay inside a
+process), so the difference is the transport of that average. Each round launches both
+settings, in alternating order (gloo, mpi; mpi, gloo; ...); the launches' digests of the
+loss and gradients must agree (bit-equal: two shards sum in one order). ``--together``
+instead compiles both settings in one launch per round and times them in turn (the runs then
+share the processes; the table says which).
 
 The figure is the median step time over all steps of all rounds; the ratio (gloo / MPI,
 > 1: MPI faster) is the median over rounds of the ratio of the rounds' medians. Writes
@@ -55,7 +58,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed steps per repeat")
     p.add_argument("--repeats", type=int, default=2, help="repeats per run and launch")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=4, help="launches (settings' order alternates)")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="rounds, each launching both settings (their order alternates)")
+    p.add_argument("--together", action="store_true",
+                   help="both settings in one launch per round, timed in turn")
     p.add_argument("--timeout", type=float, default=300, help="seconds per launch")
     p.add_argument("--out", default=None, help="output folder (default "
                    "benchmarks/results/pipeline/dev-<cores>core/data-axis)")
@@ -89,8 +95,13 @@ def command(a: argparse.Namespace, order: tuple[str, ...], launcher: str) -> lis
 
 
 def orders(rounds: int) -> list[tuple[str, ...]]:
-    """The settings' order in each launch, alternating (a warm-up effect falls on both)."""
+    """The settings' order in each round, alternating (a warm-up effect falls on both)."""
     return [SETTINGS if r % 2 == 0 else SETTINGS[::-1] for r in range(rounds)]
+
+
+def round_launches(order: tuple[str, ...], together: bool) -> list[tuple[str, ...]]:
+    """The launches of one round: each setting alone, in order, or both in one."""
+    return [order] if together else [(s,) for s in order]
 
 
 def _median_ms(rounds: list[dict]) -> float | None:
@@ -105,6 +116,7 @@ def summarize(runs: dict[str, list[dict]], schedules: list[str]) -> list[dict]:
         gloo, mpi = runs.get(f"{s}@gloo", []), runs.get(f"{s}@mpi", [])
         both = gloo + mpi
         checks = [r["check"] for r in both if "check" in r]
+        digests = {r["digest"] for r in both if "digest" in r}
         ratios = []
         for g, m in zip(gloo, mpi, strict=False):
             if g.get("step_seconds") and m.get("step_seconds"):
@@ -113,11 +125,17 @@ def summarize(runs: dict[str, list[dict]], schedules: list[str]) -> list[dict]:
             "schedule": s, "gloo_ms": _median_ms(gloo), "mpi_ms": _median_ms(mpi),
             "ratio": float(np.median(ratios)) if ratios else None,
             "round_ratios": ratios,
-            "check": bool(checks) and len(checks) == len(both) and all(c["ok"] for c in checks),
+            "check": (bool(checks) and len(checks) == len(both) and len(digests) <= 1
+                      and all(c["ok"] for c in checks)),
             "grad_rel_diff": max((c["grad_rel_diff"] for c in checks), default=None),
+            # In one launch (--together): each setting against the first one, not itself.
             "gloo_vs_mpi_grads_max_abs_diff": max(
-                (c["same_as_first_setting"]["grads_max_abs_diff"] for c in checks
-                 if "same_as_first_setting" in c), default=None),
+                (r["check"]["same_as_first_setting"]["grads_max_abs_diff"] for r in both
+                 if "same_as_first_setting" in r.get("check", {})
+                 and r["check"]["same_as_first_setting"]["against"] != r.get("collectives")),
+                default=None),
+            # Across launches: one digest of loss and gradients for every run, or several.
+            "digests": len(digests),
             "mpi_all_reduce_calls": max((r.get("mpi_all_reduce_calls", 0) for r in mpi),
                                         default=0),
             "errors": sorted({r["error"] for r in both if "error" in r}),
@@ -136,7 +154,9 @@ def table(a: argparse.Namespace, rows: list[dict], meta: dict, notes: list[str])
         f"{a.microbatches} microbatches of {per} samples per data shard. One step = loss and "
         f"gradients of one batch, averaged over the data axis (`pmean`, the one collective "
         f"between processes). {a.rounds} launches x {a.repeats} repeats x {a.steps} steps "
-        f"after {a.warmup} warm-up steps per run, gloo and MPI taking turns in each launch.",
+        f"after {a.warmup} warm-up steps per run, "
+        + ("gloo and MPI taking turns in each launch." if getattr(a, "together", False) else
+           "gloo and MPI in separate launches (JAX_CPU_MPI_COLLECTIVES), alternating."),
         "",
         "| schedule | step, gloo (ms) | step, MPI (ms) | gloo / MPI (speed-up) | "
         "rounds' ratios | check vs reference (max grad rel. diff) | gloo vs MPI gradients |",
@@ -150,11 +170,15 @@ def table(a: argparse.Namespace, rows: list[dict], meta: dict, notes: list[str])
         spread = (f"{min(r['round_ratios']):.2f}-{max(r['round_ratios']):.2f}"
                   if r["round_ratios"] else "")
         diff = r["gloo_vs_mpi_grads_max_abs_diff"]
-        same = "n/a" if diff is None else ("bit-equal" if diff == 0 else f"max |diff| {diff:.1e}")
+        if diff is not None:  # compared in one launch (--together)
+            same = "bit-equal" if diff == 0 else f"max |diff| {diff:.1e}"
+        else:
+            same = {0: "n/a", 1: "bit-equal"}.get(r.get("digests", 0), "DIFFER")
         lines.append(f"| {NAMES[r['schedule']]} | {r['gloo_ms']:.2f} | {r['mpi_ms']:.2f} | "
                      f"{ratio} | {spread} | {'PASS' if r['check'] else 'FAIL'} "
                      f"({r['grad_rel_diff']:.1e}) | {same} |")
-    lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
+    # Notes as a list, no heading: docs/benchmarks.md includes the file inside a section.
+    lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
 
 
@@ -208,27 +232,28 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {}
     failed = False
     for rnd, order in enumerate(orders(a.rounds)):
-        cmd = command(a, order, mpirun())
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "r.json"
-            start = time.perf_counter()
-            rc, log = launch([*cmd, "--out", str(path)], a.timeout, env)
-            took = time.perf_counter() - start
-            got = json.loads(path.read_text())["results"] if path.exists() else []
-        for line in log.splitlines():
-            if line.startswith("jax "):
-                print(f"[round {rnd + 1}/{a.rounds}] {line}", flush=True)
-        print(f"[round {rnd + 1}/{a.rounds}] {','.join(order)}: {took:.0f} s", flush=True)
-        if rc != 0:
-            failed = True
-            why = "timed out" if rc is None else f"exit {rc}"
-            print(f"{' '.join(cmd)}: {why}\n{log[-3000:]}", file=sys.stderr, flush=True)
-        done = {f"{r['schedule']}@{r['collectives']}": r for r in got}
-        for s in filter(None, a.schedules.split(",")):
-            for setting in SETTINGS:
-                key = f"{s}@{setting}"
-                runs.setdefault(key, []).append(
-                    done.get(key) or {"error": "timed out" if rc is None else f"exit {rc}"})
+        for settings in round_launches(order, a.together):
+            cmd = command(a, settings, mpirun())
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / "r.json"
+                start = time.perf_counter()
+                rc, log = launch([*cmd, "--out", str(path)], a.timeout, env)
+                took = time.perf_counter() - start
+                got = json.loads(path.read_text())["results"] if path.exists() else []
+            for line in log.splitlines():
+                if line.startswith("jax "):
+                    print(f"[round {rnd + 1}/{a.rounds}] {line}", flush=True)
+            print(f"[round {rnd + 1}/{a.rounds}] {','.join(settings)}: {took:.0f} s", flush=True)
+            if rc != 0:
+                failed = True
+                why = "timed out" if rc is None else f"exit {rc}"
+                print(f"{' '.join(cmd)}: {why}\n{log[-3000:]}", file=sys.stderr, flush=True)
+            done = {f"{r['schedule']}@{r['collectives']}": r for r in got}
+            for s in filter(None, a.schedules.split(",")):
+                for setting in settings:
+                    key = f"{s}@{setting}"
+                    runs.setdefault(key, []).append(
+                        done.get(key) or {"error": "timed out" if rc is None else f"exit {rc}"})
     meta["loadavg_end"] = os.getloadavg()
     print(write(a, out, runs, notes, meta))
     print(f"data_axis: wrote {out}/data-axis.md, data-axis.json")

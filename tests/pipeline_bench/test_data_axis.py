@@ -26,6 +26,9 @@ def test_launches_put_the_stages_in_a_process_and_the_data_across() -> None:
     a = data_axis.parse_args(["--stages", "2", "--data", "2", "--width", "64", "--rounds", "3"])
     orders = data_axis.orders(a.rounds)
     assert orders == [("gloo", "mpi"), ("mpi", "gloo"), ("gloo", "mpi")]
+    # A launch per setting (JAX_CPU_MPI_COLLECTIVES), or both in one with --together.
+    assert data_axis.round_launches(orders[1], False) == [("mpi",), ("gloo",)]
+    assert data_axis.round_launches(orders[1], True) == [("mpi", "gloo")]
     cmd = data_axis.command(a, orders[1], "/x/mpirun")
     assert cmd[:3] == ["/x/mpirun", "-n", "2"] and cmd[4].endswith("jax_bench.py")
     flags = _flags(cmd)
@@ -50,8 +53,8 @@ def test_bad_options_say_what_to_change(argv, message, capsys) -> None:
 
 
 def _result(schedule: str, setting: str, step_ms: float, ok: bool = True,
-            diff: float = 0.0) -> dict:
-    return {"schedule": schedule, "collectives": setting,
+            diff: float = 0.0, digest: str = "d") -> dict:
+    return {"schedule": schedule, "collectives": setting, "digest": digest,
             "step_seconds": [[step_ms / 1e3] * 3, [step_ms / 1e3] * 3],
             "mpi_all_reduce_calls": 3 if setting == "mpi" else 0,
             "check": {"ok": ok, "grad_rel_diff": 2e-7, "loss_rel_diff": 1e-9,
@@ -67,7 +70,7 @@ def _meta() -> dict:
 
 
 def test_table_gives_each_setting_and_the_ratio_over_rounds(tmp_path) -> None:
-    a = data_axis.parse_args(["--rounds", "3"])
+    a = data_axis.parse_args(["--rounds", "3", "--together"])
     runs = {"1f1b@gloo": [_result("1f1b", "gloo", t) for t in (30, 40, 36)],
             "1f1b@mpi": [_result("1f1b", "mpi", t) for t in (20, 40, 24)],
             "gpipe@gloo": [_result("gpipe", "gloo", 50), {"error": "exit 1"},
@@ -88,6 +91,27 @@ def test_table_gives_each_setting_and_the_ratio_over_rounds(tmp_path) -> None:
     (tmp_path / "data-axis.md").unlink()
     assert data_axis.main(["--from-json", str(tmp_path / "data-axis.json")]) == 0
     assert (tmp_path / "data-axis.md").read_text() == text
+
+
+def test_separate_launches_compare_digests(tmp_path) -> None:
+    # One setting per launch: a launch compares its setting with itself only (diff 0), so
+    # the table goes by the digests of loss and gradients across launches.
+    a = data_axis.parse_args(["--rounds", "2", "--schedules", "1f1b,gpipe"])
+
+    def alone(schedule, setting, ms, digest="d"):
+        r = _result(schedule, setting, ms, digest=digest)
+        r["check"]["same_as_first_setting"]["against"] = setting
+        return r
+
+    runs = {"1f1b@gloo": [alone("1f1b", "gloo", 30), alone("1f1b", "gloo", 30)],
+            "1f1b@mpi": [alone("1f1b", "mpi", 20), alone("1f1b", "mpi", 20)],
+            "gpipe@gloo": [alone("gpipe", "gloo", 30), alone("gpipe", "gloo", 30)],
+            "gpipe@mpi": [alone("gpipe", "mpi", 20), alone("gpipe", "mpi", 20, digest="e")]}
+    text = data_axis.write(a, tmp_path, runs, [], _meta())
+    rows = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| ")}
+    assert rows["| 1F1B"].endswith("| 1.50x | 1.50-1.50 | PASS (2.0e-07) | bit-equal |")
+    assert rows["| GPipe"].endswith("| FAIL (2.0e-07) | DIFFER |")
+    assert "separate launches" in text
 
 
 def test_a_setting_without_results_is_a_failed_row(tmp_path) -> None:
