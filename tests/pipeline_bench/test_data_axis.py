@@ -1,7 +1,8 @@
 """The data-axis pipeline benchmark's driver (``benchmarks/pipeline/data_axis.py``), without
 running it: the launches hold the documented mesh and both settings in alternating order, and
 the table's times, ratio and failures come out of the recorded results (the measurement
-itself takes minutes; ``benchmarks/results/pipeline/dev-2core/data-axis`` holds one)."""
+itself takes minutes; ``benchmarks/results/pipeline/dev-2core/data-axis`` holds one), and
+one small launch of ``jax_bench.py`` with the data axis across two processes."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import json
 from pathlib import Path
 
 import pytest
+
+from mpi_launcher import run_mpi
 
 _PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "pipeline" / "data_axis.py"
 _spec = importlib.util.spec_from_file_location("pipeline_data_axis", _PATH)
@@ -121,3 +124,23 @@ def test_a_setting_without_results_is_a_failed_row(tmp_path) -> None:
     assert "| 1F1B | failed: timed out |" in text
     dump = json.loads((tmp_path / "data-axis.json").read_text())
     assert dump["rows"][0]["check"] is False
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(90)
+def test_a_small_launch_gives_both_settings_the_same_loss_and_gradients(tmp_path) -> None:
+    out = tmp_path / "r.json"
+    run = run_mpi(str(_PATH.parent / "jax_bench.py"), "--schedule", "1f1b", "--devices", "2",
+                  "--stages", "2", "--data", "2", "--collectives", "gloo,mpi", "--layers", "2",
+                  "--width", "8", "--batch", "16", "--microbatches", "2", "--steps", "1",
+                  "--repeats", "1", "--warmup", "0", "--out", str(out), nprocs=2,
+                  devices_per_process=2, timeout=80)
+    assert run.returncode == 0 and out.exists(), run.report()  # exit 1: a check failed
+    by = {r["collectives"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(by) == {"gloo", "mpi"}, by
+    # The pmean over the data axis crossed processes over MPI in one program, not the other.
+    assert by["mpi"]["mpi_all_reduce_calls"] > 0 and by["gloo"]["mpi_all_reduce_calls"] == 0
+    assert by["gloo"]["digest"] == by["mpi"]["digest"]
+    for r in by.values():
+        assert r["check"]["ok"] and r["check"]["same_as_first_setting"]["lowering_ok"], r
+        assert "2 stages x 2 data shards" in r["layout"]
