@@ -7,7 +7,10 @@ Reads ``results.jsonl`` of the folder and writes ``table.md`` next to it (and pr
 (``pingpong`` in the run's ``--pattern``) the median time per hop (lower is better); for ``bibw``
 and ``multi-pair`` the median bandwidth (higher is better). The ratio columns compare
 psend/precv with raw MPI (``mpi4py``) as a speed ratio (>= 1: as fast or faster), the median
-over rounds of the ratio within each round.
+over rounds of the ratio within each round; with ``ppermute/scan`` in the run (cross-process
+``ppermute`` over MPI), also ``ppermute/scan`` against ``psend/scan`` (the one-op exchange of
+the same bytes) and against gloo's ``ppermute`` (``gloo/scan``). Only the methods of the run
+get a column.
 """
 
 from __future__ import annotations
@@ -17,7 +20,12 @@ import statistics
 import sys
 from pathlib import Path
 
-METHODS = ("mpi4py", "psend/scan", "psend2/scan", "gloo/scan")
+METHODS = ("mpi4py", "psend/scan", "psend2/scan", "ppermute/scan", "gloo/scan")
+#: Speed ratios (numerator, denominator, header): the first over the second.
+RATIOS = (("psend/scan", "mpi4py", "`psend/scan` / MPI"),
+          ("psend2/scan", "mpi4py", "`psend2/scan` / MPI"),
+          ("ppermute/scan", "psend/scan", "`ppermute/scan` / `psend/scan`"),
+          ("ppermute/scan", "gloo/scan", "`ppermute/scan` / gloo"))
 TIMED = ("latency", "exchange", "ring")
 #: The row names of the kinds (``latency`` is ``--pattern pingpong``: half a round trip).
 NAMES = {"latency": "one-way hop"}
@@ -45,21 +53,24 @@ def table(folder: Path) -> str:
             results[(r["method"], r["kind"], r["size"])] = r
     kinds = [k for k in ("latency", "exchange", "ring", "bibw", "multi-pair")
              if any(key[1] == k for key in results)]
-    lines = ["| pattern | size | " + " | ".join(f"`{m}`" for m in METHODS)
-             + " | `psend/scan` / MPI | `psend2/scan` / MPI |",
-             "| --- | --- | " + " | ".join("---" for _ in METHODS) + " | --- | --- |"]
+    present = {key[0] for key in results}
+    methods = [m for m in METHODS if m in present]
+    ratio_cols = [r for r in RATIOS if r[0] in present and r[1] in present]
+    lines = ["| pattern | size | " + " | ".join(f"`{m}`" for m in methods) + " | "
+             + " | ".join(head for _, _, head in ratio_cols) + " |",
+             "| --- | --- | " + " | ".join("---" for _ in methods + ratio_cols) + " |"]
     for kind in kinds:
         for size in sorted({key[2] for key in results if key[1] == kind}):
             cells = []
-            for m in METHODS:
+            for m in methods:
                 r = results.get((m, kind, size))
                 cells.append(_cell(kind, size, r["latency_us"]["median"]) if r else "")
             ratios = []
-            raw = results.get(("mpi4py", kind, size))
-            for m in ("psend/scan", "psend2/scan"):
-                ours = results.get((m, kind, size))
-                if raw and ours:
-                    per_round = [a / b for a, b in zip(raw["round_medians_us"],
+            for num, den, _ in ratio_cols:
+                ours, theirs = results.get((num, kind, size)), results.get((den, kind, size))
+                if ours and theirs:
+                    # A time per step (or per message) in each: their time / ours = speed.
+                    per_round = [a / b for a, b in zip(theirs["round_medians_us"],
                                                        ours["round_medians_us"], strict=False)]
                     ratios.append(f"x{statistics.median(per_round):.2f}")
                 else:

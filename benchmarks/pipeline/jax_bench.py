@@ -5,21 +5,32 @@ Launched by ``run.py``::
     python benchmarks/pipeline/jax_bench.py --schedule baseline --out r.json     # 1 device
     python benchmarks/pipeline/jax_bench.py --schedule 1f1b --devices 4 --out r.json
     mpirun -n 2 python benchmarks/pipeline/jax_bench.py --schedule 1f1b --devices 2 --out r.json
+    mpirun -n 2 python benchmarks/pipeline/jax_bench.py --schedule 1f1b --devices 2 --stages 2 \
+        --data 2 --collectives gloo,mpi --out r.json
+
 
 ``baseline``: ``jax.jit(jax.value_and_grad(loss))`` of the whole model on the full batch, one
 device. Otherwise the schedule (``gpipe``, ``1f1b``, ``interleaved-1f1b``, ``zero-bubble``)
 of ``jax_cpu_mpi.pipeline`` over a 1-D ``'stage'`` mesh of every device of the job (stage
 ``s`` on the job's ``s``-th device, process by process); ``NAME-kept`` runs it with
-``remat=False``. Both compute the loss and the gradients only (no optimizer update), as the
-torch side does. Before timing, the loss and the gradients are compared with a float64 NumPy
-reference (exit 1 beyond float32 tolerance). Process 0 writes the JSON: per-step seconds of
-every repeat (process 0's wall clock until its outputs are ready), XLA's compiled memory
-analysis (temp bytes of one device's program) and the peak RSS of every process.
+``remat=False``. ``--data D``: a ``stage x data`` mesh instead, the stages inside a process
+and the ``D`` data shards across processes (``mpirun -n D``, ``--devices`` = ``--stages``):
+each shard runs the pipeline on its part of every microbatch and the gradients are averaged
+over ``data`` (``shard_value_and_grad(data_axis_name=...)``, a ``pmean`` between the
+processes). ``--collectives gloo,mpi`` compiles every schedule once per setting of
+``JAX_CPU_MPI_COLLECTIVES`` (read when a program is lowered), checks that the settings give
+the same loss and gradients, and times them in turn. Both compute the loss and the gradients
+only (no optimizer update), as the torch side does. Before timing, the loss and the
+gradients are compared with a float64 NumPy reference (exit 1 beyond float32 tolerance).
+Process 0 writes the JSON: per-step seconds of every repeat (process 0's wall clock until its
+outputs are ready), XLA's compiled memory analysis (temp bytes of one device's program) and
+the peak RSS of every process.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -43,6 +54,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--schedule", required=True,
                    help="comma-separated: " + ", ".join(SCHEDULES) + " (baseline alone)")
     p.add_argument("--devices", type=int, default=1, help="CPU devices per process")
+    p.add_argument("--data", type=int, default=1,
+                   help="data-parallel shards (a stage x data mesh, data across processes)")
+    p.add_argument("--collectives", default="",
+                   help="comma-separated JAX_CPU_MPI_COLLECTIVES settings (gloo, mpi) to "
+                        "compile and time each schedule with ('' = the environment's)")
     add_model_arguments(p)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
@@ -113,9 +129,14 @@ def baseline(shape: Shape, problem, name: str) -> tuple[dict, Callable]:
             lambda: compiled(params, x, y))
 
 
-def pipelined(shape: Shape, problem, name: str) -> tuple[dict, Callable]:
+#: The target of the package's cross-process all-reduce (a ``pmean`` lowered over MPI).
+MPI_ALL_REDUCE = "jax_cpu_mpi_all_reduce"
+
+
+def pipelined(shape: Shape, problem, name: str, collectives: str = "") -> tuple[dict, Callable]:
     from jax.experimental import multihost_utils
 
+    from jax_cpu_mpi import config
     from jax_cpu_mpi import pipeline as pl
 
     kept = name.endswith("-kept")
@@ -123,10 +144,20 @@ def pipelined(shape: Shape, problem, name: str) -> tuple[dict, Callable]:
     virtual = ARGS.virtual_stages if name == "interleaved-1f1b" else 1
     shape.check(virtual)
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    if len(devices) != shape.stages:
-        raise SystemExit(f"jax_bench: {shape.stages} stages need {shape.stages} devices, "
-                         f"the job has {len(devices)}")
-    mesh = jax.make_mesh((shape.stages,), ("stage",), devices=devices)
+    D = ARGS.data
+    if len(devices) != shape.stages * D:
+        raise SystemExit(f"jax_bench: {shape.stages} stages x {D} data shards need "
+                         f"{shape.stages * D} devices, the job has {len(devices)}")
+    if shape.batch % (shape.microbatches * D):
+        raise SystemExit(f"jax_bench: batch {shape.batch} is not a multiple of "
+                         f"{shape.microbatches} microbatches x {D} data shards")
+    if D == 1:
+        mesh = jax.make_mesh((shape.stages,), ("stage",), devices=devices)
+    else:
+        # Data shard d on the d-th block of devices (process by process): the stages stay
+        # inside a process, the gradients' pmean over "data" crosses processes.
+        grid = np.asarray(devices).reshape(D, shape.stages).T
+        mesh = jax.sharding.Mesh(grid, ("stage", "data"))
     schedule = pl.schedule_by_name(name, virtual_stages=virtual)
     S, V, lpc = shape.stages, virtual, shape.layers // (shape.stages * virtual)
     W = shape.width
@@ -146,10 +177,14 @@ def pipelined(shape: Shape, problem, name: str) -> tuple[dict, Callable]:
                                             lambda index: a[index])
 
     params = jax.tree.map(lambda a: to_mesh(a, P("stage")), host_params)
-    x, y = to_mesh(host_x, P()), to_mesh(host_y, P())
+    batch_spec = P() if D == 1 else P(None, "data")
+    x, y = to_mesh(host_x, batch_spec), to_mesh(host_y, batch_spec)
     f = pl.shard_value_and_grad(chunk_fn, mse, mesh, schedule, axis_name="stage",
-                                remat=not kept)
-    compiled = jax.jit(f).lower(params, x, y).compile()
+                                data_axis_name=None if D == 1 else "data", remat=not kept)
+    setting = {"collectives": collectives} if collectives else {}
+    with config.overrides(**setting):  # the collectives' lowering is chosen here
+        compiled = jax.jit(f).lower(params, x, y).compile()
+    mpi_reductions = compiled.as_text().count(MPI_ALL_REDUCE)
     value, grads = compiled(params, x, y)
     grads = jax.tree.map(lambda g: np.asarray(multihost_utils.process_allgather(g, tiled=True)),
                          grads)
@@ -162,9 +197,12 @@ def pipelined(shape: Shape, problem, name: str) -> tuple[dict, Callable]:
     loss_value = float(np.asarray(value.addressable_data(0)).ravel()[0])
     bound = schedule.bind(S, M) if hasattr(schedule, "bind") else schedule
     return ({"layout": (f"{jax.process_count()} process(es) x {jax.local_device_count()} "
-                        f"device(s)" + (" (mpirun)" if jax.process_count() > 1 else "")),
+                        f"device(s)" + (" (mpirun)" if jax.process_count() > 1 else "")
+                        + (f", {S} stages x {D} data shards" if D > 1 else "")),
              "loss": loss_value, "grads_w": unstacked(grads["w"]),
              "grads_b": unstacked(grads["b"]), "temp_bytes": temp_bytes(compiled),
+             "data": D, "collectives": collectives or "environment",
+             "mpi_all_reduce_calls": mpi_reductions,
              "bubble_fraction_theory": float(getattr(bound, "bubble_fraction", float("nan"))),
              "peak_stash_theory": list(getattr(bound, "peak_stash", ()))},
             lambda: compiled(params, x, y))
@@ -182,18 +220,52 @@ def main() -> int:
     shape.check(1)
     problem = make_problem(shape)
     want_loss, want_gw, want_gb = reference_loss_and_grads(problem)
+    settings = [c for c in ARGS.collectives.split(",") if c]
+    if any(c not in ("gloo", "mpi") for c in settings) or (settings and "baseline" in names):
+        raise SystemExit(f"jax_bench: --collectives {ARGS.collectives}: use gloo and/or mpi, "
+                         f"with pipeline schedules")
+    if ARGS.data > 1 and "baseline" in names:
+        raise SystemExit("jax_bench: --data needs a pipeline schedule, not baseline")
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     results, runs = {}, {}
-    for name in names:  # compile and check every schedule first
-        build = baseline if name == "baseline" else pipelined
-        result, runs[name] = build(shape, problem, name)
-        grad_diff = max(relative_difference(result.pop("grads_w"), want_gw),
-                        relative_difference(result.pop("grads_b"), want_gb))
-        loss_diff = abs(result.pop("loss") - want_loss) / abs(want_loss)
+    # A run is a schedule (NAME) or a schedule with a collectives setting (NAME@SETTING).
+    keys = [f"{n}@{c}" for n in names for c in settings] if settings else names
+    first: dict[str, tuple[float, np.ndarray, np.ndarray]] = {}
+    for key in keys:  # compile and check every run first
+        name, _, setting = key.partition("@")
+        if name == "baseline":
+            result, runs[key] = baseline(shape, problem, name)
+        else:
+            result, runs[key] = pipelined(shape, problem, name, setting)
+        loss, gw, gb = result.pop("loss"), result.pop("grads_w"), result.pop("grads_b")
+        # Bit-equality with another launch (another collectives setting) without the arrays.
+        result["digest"] = hashlib.sha256(np.float32(loss).tobytes() + np.asarray(gw).tobytes()
+                                          + np.asarray(gb).tobytes()).hexdigest()
+        grad_diff = max(relative_difference(gw, want_gw), relative_difference(gb, want_gb))
+        loss_diff = abs(loss - want_loss) / abs(want_loss)
         ok = grad_diff <= 1e-4 and loss_diff <= 1e-5
         result["check"] = {"ok": ok, "grad_rel_diff": grad_diff, "loss_rel_diff": loss_diff}
+        if setting:
+            # Every setting against the first one of its schedule: the same program but for
+            # the collectives' transport, so the same loss and gradients up to the order of
+            # the reduction.
+            base = first.setdefault(name, (loss, gw, gb))
+            same = {"loss_abs_diff": abs(loss - base[0]),
+                    "grads_max_abs_diff": float(max(np.max(np.abs(gw - base[1])),
+                                                    np.max(np.abs(gb - base[2])))),
+                    "against": settings[0]}
+            same["ok"] = (same["loss_abs_diff"] <= 1e-6 * abs(base[0]) and
+                          max(relative_difference(gw, base[1]),
+                              relative_difference(gb, base[2])) <= 1e-6)
+            # The setting must show in the program: MPI's all-reduce there, or not.
+            crosses = ARGS.data > 1 and jax.process_count() > 1
+            lowered = result["mpi_all_reduce_calls"] > 0
+            same["lowering_ok"] = lowered == (setting == "mpi" and crosses)
+            result["check"]["same_as_first_setting"] = same
+            result["check"]["ok"] = ok and same["ok"] and same["lowering_ok"]
         result["step_seconds"] = []
-        results[name] = result
+        results[key] = result
+    names = keys
     for name in names:
         for _ in range(ARGS.warmup):
             jax.block_until_ready(runs[name]())
@@ -219,7 +291,8 @@ def main() -> int:
         results[name]["cpu_seconds_per_step"] = [float(v) for v in every[:, 2 + i]]
     if jax.process_index() != 0:
         return 0
-    for name, result in results.items():
+    for key, result in results.items():
+        name = key.partition("@")[0]
         virtual = ARGS.virtual_stages if name.startswith("interleaved-1f1b") else 1
         result.update({
             "framework": "jax", "schedule": name, "virtual_stages": virtual,
@@ -233,7 +306,7 @@ def main() -> int:
         })
         check = result["check"]
         median = np.median(np.concatenate(result["step_seconds"]))
-        print(f"jax {name} [{result['layout']}]: check {'PASS' if check['ok'] else 'FAIL'} "
+        print(f"jax {key} [{result['layout']}]: check {'PASS' if check['ok'] else 'FAIL'} "
               f"(grads {check['grad_rel_diff']:.1e}, loss {check['loss_rel_diff']:.1e}), "
               f"median step {median * 1e3:.2f} ms, temp {result['temp_bytes']} B", flush=True)
     Path(ARGS.out).write_text(json.dumps({"results": list(results.values())}, indent=1))

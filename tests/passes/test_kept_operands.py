@@ -88,6 +88,23 @@ def test_not_kept_across_blocks_or_when_off(pass_off):
     assert [kept(c) for c in calls] == [0, 0]
 
 
+def test_ppermute_lowered_as_psend_precv_keeps_its_operand(monkeypatch):
+    # Between processes JAX_CPU_MPI_COLLECTIVES=mpi lowers ppermute as psend then precv; its
+    # program carries no psend/precv effect, yet the pass must see it (else every send of
+    # such an exchange is a copy: half psend/precv's speed). Lowered here as if across.
+    from jax_cpu_mpi._src.lowering import collectives
+
+    monkeypatch.setattr(collectives, "_ppermute_plan", lambda *args: None)
+    mesh = make_mesh((2, "x"))
+    f = spmd(lambda v: jax.lax.ppermute(v, "x", [(0, 1), (1, 0)]), mesh)
+    x = sharded(mesh, 1 << 16)
+    calls = custom_calls(f, x)
+    assert len(calls) == 2 and [kept(c) for c in calls] == [1, 1], calls
+    assert collectives.ppermutes_pending_for_pass == 0
+    got = np.asarray(f(x))
+    np.testing.assert_array_equal(got, np.roll(np.asarray(x), 1 << 16))
+
+
 def test_precv_in_a_branch_does_not_keep():
     """A precv in a cond branch might not run: the psend outside it finishes its own send."""
     mesh = make_mesh((2, "x"))

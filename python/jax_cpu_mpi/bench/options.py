@@ -22,6 +22,7 @@ MPI_METHODS = (
     "mpi4jax/scan",
     "gloo/call",
     "gloo/scan",
+    "ppermute/scan",
     "jit-floor",
     "hop-floor",
 )

@@ -19,9 +19,11 @@ Methods: ``psend/scan`` (one ``psend``/``precv`` with the pattern's pairs per st
 one jitted ``lax.scan``: what a CPU-only program writes), ``psend2/scan`` (the same step as
 two ops, one per direction: what a GPU-parity program and the pipeline executor write),
 ``mpi4py`` (``Sendrecv`` per step, or windows of ``Isend``/``Irecv``), ``gloo/scan``
-(``jax.lax.ppermute`` with the same pairs) and, with ``--platform gpu``, ``psend-nccl/scan``
-and ``ppermute-nccl/scan``. The patterns live in this module alone (the runner asks
-:func:`measure`), so the one-message methods are unchanged.
+(``jax.lax.ppermute`` with the same pairs, over gloo: JAX's path), ``ppermute/scan`` (the same
+``ppermute`` over MPI: ``JAX_CPU_MPI_COLLECTIVES=mpi`` lowers it as our psend/precv) and,
+with ``--platform gpu``, ``psend-nccl/scan`` and ``ppermute-nccl/scan``. The patterns live
+in this module alone (the runner asks :func:`measure`), so the one-message methods are
+unchanged.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from .stats import Measurement
 #: ``--pattern`` names measured here (pingpong and bw are the kinds latency/bandwidth).
 KINDS = ("bibw", "exchange", "ring", "multi-pair")
 #: Methods that measure these patterns, per platform.
-CPU_METHODS = ("mpi4py", "psend/scan", "psend2/scan", "gloo/scan")
+CPU_METHODS = ("mpi4py", "psend/scan", "psend2/scan", "gloo/scan", "ppermute/scan")
 GPU_METHODS = ("psend-nccl/scan", "ppermute-nccl/scan")
 METHODS = CPU_METHODS + GPU_METHODS
 
@@ -125,6 +127,10 @@ def _timed(step: Callable[[], None], count: int, warmup: int, sync: Callable[[],
     return seconds
 
 
+#: Cross-process ``ppermute`` methods on CPU -> the collectives setting they are lowered with.
+_PPERMUTE_SETTING = {"gloo/scan": "gloo", "ppermute/scan": "mpi"}
+
+
 def _jax(ctx: Any, method: str, transport: str) -> Measurement:
     session, plan, kind = ctx.session, ctx.plan, ctx.kind
     n, nranks = plan.size, session.nranks
@@ -139,6 +145,11 @@ def _jax(ctx: Any, method: str, transport: str) -> Measurement:
         # One op with a cycle: fine on CPU (our transport), refused on GPU; lowered and
         # compiled with the GPU-parity check off, as a CPU-only program does.
         with overrides(gpu_parity=False):
+            fn = fn.lower(x).compile()
+    elif method in _PPERMUTE_SETTING:
+        # The setting is read when the program is lowered: under an MPI launcher ``auto``
+        # would lower gloo/scan's ppermute over MPI too.
+        with overrides(collectives=_PPERMUTE_SETTING[method]):
             fn = fn.lower(x).compile()
     out: list[Any] = []
 
@@ -212,6 +223,8 @@ def _describe(method: str, kind: str) -> str:
         "psend2/scan": "two psend/precv per step, one per direction (GPU-parity programs, "
                        "the pipeline executor), in a jitted lax.scan",
         "gloo/scan": "jax.lax.ppermute over gloo with the same pairs, in a jitted lax.scan",
+        "ppermute/scan": "jax.lax.ppermute over MPI (JAX_CPU_MPI_COLLECTIVES=mpi: our "
+                         "psend/precv) with the same pairs, in a jitted lax.scan",
         "psend-nccl/scan": "psend/precv over NCCL, in a jitted lax.scan",
         "ppermute-nccl/scan": "jax.lax.ppermute over NCCL, in a jitted lax.scan",
     }[method]
@@ -231,5 +244,6 @@ def measure(ctx: Any, method: str) -> Measurement:
         return _mpi4py(ctx)
     # On GPU a psend may not hold a cycle: one op per direction.
     transport = {"psend/scan": "psend", "psend2/scan": "psend2", "gloo/scan": "ppermute",
+                 "ppermute/scan": "ppermute",
                  "psend-nccl/scan": "psend2", "ppermute-nccl/scan": "ppermute"}[method]
     return _jax(ctx, method, transport)

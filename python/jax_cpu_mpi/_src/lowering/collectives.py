@@ -153,6 +153,9 @@ SITES = 16
 #: Collectives lowered over MPI that the ordering pass has not seen yet
 #: (passes/ordered_collectives.py runs only when this is non-zero).
 pending_for_pass = 0
+#: ppermutes lowered as our psend/precv that the kept-operands pass has not seen yet: their
+#: program carries no psend/precv effect, by which that pass finds its programs otherwise.
+ppermutes_pending_for_pass = 0
 
 
 _SUB_BYTE = ("int4", "uint4", "int2", "uint2", "float4_e2m1fn")
@@ -195,6 +198,8 @@ def _ppermute_rule(ctx: Any, x: Any, *, axis_name: Any, perm: Any, **rest: Any) 
         _decisions[("ppermute", dtype, f"gloo: {why}")] += 1
         return jax_rule(ctx, x, axis_name=axis_name, perm=perm, **rest)
     _decisions[("ppermute", dtype, "mpi")] += 1
+    global ppermutes_pending_for_pass
+    ppermutes_pending_for_pass += 1
     token = compat.abstract_token
     sent = p2p_rules._emit(ctx.replace(avals_out=[token]), PSEND_TARGET, "psend", x,
                            axis_name=names, perm=perm, data_aval=ctx.avals_in[0])

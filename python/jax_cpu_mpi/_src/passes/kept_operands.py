@@ -37,6 +37,7 @@ from jax_cpu_mpi._src.ffi.custom_calls import (
     set_int_attribute,
     with_int_attribute,
 )
+from jax_cpu_mpi._src.lowering import collectives
 
 
 def _token_sources(token: Any) -> list[Any]:
@@ -119,6 +120,7 @@ def _rebuild_precv(precv: Any, extra: list[tuple[Any, Any]]) -> None:
 
 def keep_psend_operands(module: Any) -> int:
     """Runs the pass on a lowered module; returns how many precvs now keep an operand."""
+    collectives.ppermutes_pending_for_pass = 0
     with module.context:
         precvs = [op for op in operations(module.operation)
                   if call_target(op) == PRECV_TARGET and int_attribute(op, OPERAND_KEPT) == 0]
@@ -141,5 +143,7 @@ def keep_psend_operands(module: Any) -> int:
 
 
 def wanted(platforms: Any, jaxpr: Any) -> bool:
-    """CPU programs with psend/precv (they carry the effect; jit and shard_map propagate it)."""
-    return "cpu" in tuple(platforms) and single_side_collective_effect in jaxpr.effects
+    """CPU programs with psend/precv (they carry the effect; jit and shard_map propagate it),
+    or with a ppermute lowered as psend/precv (no effect: lowering/collectives.py counts it)."""
+    return "cpu" in tuple(platforms) and (single_side_collective_effect in jaxpr.effects
+                                          or collectives.ppermutes_pending_for_pass > 0)
