@@ -410,11 +410,18 @@ def make_train_step(value_and_grad: Callable[..., Any], optimizer: optax.Gradien
 
 def init_opt_state(optimizer: optax.GradientTransformation, params: PyTree,
                    mesh: jax.sharding.Mesh) -> PyTree:
-    """The optimizer's state: moments sharded like the parameters, counters replicated."""
-    state = jax.jit(optimizer.init)(params)
+    """The optimizer's state: moments sharded like the parameters, counters replicated.
+
+    The shardings are given to ``jit`` as ``out_shardings``: left to itself it makes the
+    moments (``zeros_like`` of the parameters) replicated, and every step then updated all
+    the stages' moments on every device and gathered them (two all-gathers per block
+    leaf, each a meeting of all the devices)."""
     rep = NamedSharding(mesh, P())
-    return jax.tree.map(lambda a: a if isinstance(a.sharding, NamedSharding)
-                        else jax.device_put(a, rep), state)
+    param_shardings = jax.tree.map(lambda a: a.sharding, params)
+    shardings = map_params_like(jax.tree.map(lambda _: rep, jax.eval_shape(optimizer.init,
+                                                                           params)),
+                                params, lambda _: param_shardings)
+    return jax.jit(optimizer.init, out_shardings=shardings)(params)
 
 
 def host(tree: PyTree) -> PyTree:
