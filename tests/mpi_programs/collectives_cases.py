@@ -540,6 +540,39 @@ if not any(p == "ppermute" and how == "mpi" for (p, _, how) in lowering.decision
     failures.append("ppermute never went over MPI")
     print("FAIL ppermute never went over MPI", flush=True)
 
+# ---- an axis that stays inside each process, in a mesh that spans processes: over MPI too
+# (XLA would run it on gloo, over TCP between the process's own devices)
+if n == 2 * jax.local_device_count() and jax.local_device_count() > 1:
+    local = jax.local_device_count()
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    mesh2 = jax.sharding.Mesh(np.array(devices).reshape(2, local), ("p", "l"))
+    v = values("float32", (5,), 7)
+    got = {}
+    for setting in ("mpi", "gloo"):
+        config.configure(collectives=setting)
+        before = lowering.decisions()
+        for name in ("psum", "pmax"):
+            f = jax.jit(jax.shard_map(functools.partial(OPS[name], axis_name="l"), mesh=mesh2,
+                                      in_specs=P(("p", "l")), out_specs=P(("p", "l"))))
+            got[setting, name] = common.gather(
+                f(common.global_array(mesh2, P(("p", "l")), v)))
+        new = {k: c - before.get(k, 0) for k, c in lowering.decisions().items()}
+        how = {h for (_, d, h), c in new.items() if c and d == "float32"}
+        if setting == "mpi" and how != {"mpi"}:
+            failures.append(f"in-process axis lowered as {how}")
+            print(f"FAIL in-process axis of a multi-process mesh lowered as {how}", flush=True)
+    for name in ("psum", "pmax"):
+        key = f"{name} over the in-process axis of a 2-process mesh"
+        want = np.repeat(np.stack([NUMPY[name](g) for g in v.reshape(2, local, 5)]), local,
+                         axis=0)
+        try:
+            np.testing.assert_allclose(got["mpi", name], want, rtol=1e-6)
+            np.testing.assert_array_equal(got["mpi", name], got["gloo", name])
+            print(f"ok   mpi  {key} vs numpy and gloo", flush=True)
+        except AssertionError as e:
+            failures.append(key)
+            print(f"FAIL {key}: {e}", flush=True)
+
 if failures:
     raise SystemExit(f"{len(failures)} failures: {failures}")
 common.ok()

@@ -66,7 +66,8 @@ FALLBACKS: tuple[tuple[str, str], ...] = (
     ("all_gather / psum_scatter / all_to_all of more than 2 GiB in one group",
      "MPI counts and displacements are ints"),
     ("asynchronous collectives (is_async)", "XLA's asynchronous pair of ops"),
-    ("axes that stay inside one process", "XLA's in-process all-reduce is already direct"),
+    ("axes that stay inside one process, in a mesh of one process",
+     "XLA's in-process all-reduce is already direct"),
     ("positional (integer) axes in the same psum", "JAX reduces those itself, first"),
     ("a program traced with an abstract mesh only", "which process runs each device is unknown"),
     ("an MPI without MPI_THREAD_MULTIPLE", "device threads would share MPI"),
@@ -137,7 +138,10 @@ def _plan(ctx: Any, name: str, axes: tuple, axis_index_groups: Any) -> Any:
     groups = [list(g) for g in compat.replica_groups(axis_context, tuple(axes),
                                                      axis_index_groups)]
     spans = any(np.unique(tables.device_process[list(g)]).size > 1 for g in groups if g)
-    if not spans:
+    # In a program whose mesh spans processes, XLA runs even an in-process group's
+    # all-reduce on gloo (TCP through the loopback between the process's own devices):
+    # ours reduces such a group in memory.
+    if not spans and not tables.spans_processes:
         return "inside one process"
     if (why := _attach(name, tables)) is not None:
         return why
