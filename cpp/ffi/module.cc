@@ -98,7 +98,7 @@ NB_MODULE(_jax_cpu_mpi, m) {
         nb::arg("recv_timeout_s"), nb::arg("max_inflight_bytes"));
   m.def("attach_mpi",
         [](int64_t comm_fortran_handle, std::vector<int> rank_of_process, int local_devices,
-           int node_ranks, const std::string& wait) {
+           int node_ranks, const std::string& wait, int node_cores) {
           jcm::WaitChoice choice;
           if (wait == "spin") {
             choice.policy = jcm::WaitPolicy::kSpin;
@@ -109,6 +109,7 @@ NB_MODULE(_jax_cpu_mpi, m) {
           }
           choice.local_devices = local_devices;
           choice.node_ranks = node_ranks;
+          choice.node_cores = node_cores;
           MPI_Comm comm = MPI_Comm_f2c(static_cast<MPI_Fint>(comm_fortran_handle));
           std::unique_ptr<jcm::MpiTransport> transport;
           // Ranks attach when they lower their first program, which may be minutes apart
@@ -122,10 +123,11 @@ NB_MODULE(_jax_cpu_mpi, m) {
           jcm::Runtime::Get().attach_mpi(std::move(transport));
         },
         nb::arg("comm_fortran_handle"), nb::arg("rank_of_process"), nb::arg("local_devices") = 1,
-        nb::arg("node_ranks") = 1, nb::arg("wait") = "auto",
+        nb::arg("node_ranks") = 1, nb::arg("wait") = "auto", nb::arg("node_cores") = 0,
         "Duplicate the communicator (given as its Fortran handle, see mpi4py's Comm.py2f) "
         "for our point-to-point traffic; `wait` (auto, spin, sleep), with this process's "
-        "devices and the job's ranks on this node, says how waits for a peer go.");
+        "devices, the job's ranks on this node and the cores they run on together "
+        "(0: unknown), says how waits for a peer go.");
   m.def("mpi_wait", [] {
     nb::dict d;
     std::shared_ptr<jcm::MpiTransport> t = jcm::Runtime::Get().mpi();

@@ -61,16 +61,21 @@ int UsableCores() {
 }
 
 // Every device of every rank on the node may be waiting or computing at once: more of them
-// than cores means a spinning waiter takes a core from the thread it waits for.
+// than the cores the node's ranks run on means a spinning waiter takes a core from the
+// thread it waits for; so do more devices than this rank's own cores. Ranks bound to a core
+// each (mpirun -bind-to core) count the node's cores, not their own one: a waiter then
+// spins on its own core and takes none from its peer.
 WaitChoice ChooseWait(WaitChoice wait) {
   wait.local_devices = std::max(wait.local_devices, 1);
   wait.node_ranks = std::max(wait.node_ranks, 1);
-  wait.cores = UsableCores();
+  const int own = UsableCores();
+  wait.cores = wait.node_cores > 0 ? std::max(wait.node_cores, own) : own;
   switch (wait.policy) {
     case WaitPolicy::kSpin: wait.sleeps_soon = false; break;
     case WaitPolicy::kSleep: wait.sleeps_soon = true; break;
     case WaitPolicy::kAuto:
-      wait.sleeps_soon = int64_t{wait.node_ranks} * wait.local_devices > wait.cores;
+      wait.sleeps_soon = int64_t{wait.node_ranks} * wait.local_devices > wait.cores ||
+                         wait.local_devices > own;
       break;
   }
   return wait;
@@ -127,8 +132,11 @@ Status MpiTransport::Create(MPI_Comm comm, std::vector<int> rank_of_process,
 
 MpiTransport::~MpiTransport() {
   if (!MpiIsUsable()) return;
-  for (auto& [key, comm] : group_comms_) {
-    if (comm != MPI_COMM_NULL) (void)MPI_Comm_free(&comm);
+  for (auto& [key, group] : group_comms_) {
+    for (PersistentAllreduce& p : group->persistent) {
+      if (p.request != MPI_REQUEST_NULL) (void)MPI_Request_free(&p.request);  // inactive
+    }
+    if (group->comm != MPI_COMM_NULL) (void)MPI_Comm_free(&group->comm);
   }
   for (MPI_Comm* comm : {&ctrl_comm_, &direct_comm_, &coll_comm_, &comm_}) {
     // Local in practice (it marks the communicator for freeing, it waits for no peer). A

@@ -19,8 +19,9 @@ def test_all_scenarios_over_mpi(devices_per_process):
     assert_mpi_ok(run, 2)
     lines = [line for lines in run.by_rank().values() for line in lines]
     assert sum(line.startswith("ok ") for line in lines) >= 2 * 25, run.report()
-    # Waits sleep soon exactly when the node's ranks x devices outnumber the rank's cores
-    # (both ranks run on this host).
+    # Waits sleep soon exactly when the node's ranks x devices outnumber the cores the
+    # node's ranks run on (the union of their masks: unbound here, each rank's own), or the
+    # rank's devices its own cores (both ranks run on this host).
     for rank_lines in run.by_rank().values():
         seen = json.loads(next(x for x in rank_lines if x.startswith("wait "))[5:])
         chosen = seen["chosen"]

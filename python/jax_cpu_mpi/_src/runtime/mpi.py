@@ -143,7 +143,10 @@ def _attach(op_name: str, MPI, process_index: int, jax_processes: int,
     """The attach proper: collective over every rank of ``MPI_COMM_WORLD`` (an allgather,
     the communicators' duplications, the clock sync). Called with ``_lock`` held."""
     world = MPI.COMM_WORLD
-    process_and_host = world.allgather((process_index, socket.gethostname()))
+    # Each rank's cores too: ranks bound to a core each still share the node's cores.
+    gathered = world.allgather((process_index, socket.gethostname(),
+                                sorted(os.sched_getaffinity(0))))
+    process_and_host = [(process, host) for process, host, _ in gathered]
     process_of_rank = [process for process, _ in process_and_host]
     if sorted(process_of_rank) != list(range(jax_processes)):
         raise MpiSetupError(
@@ -158,7 +161,9 @@ def _attach(op_name: str, MPI, process_index: int, jax_processes: int,
     ext.attach_mpi(world.py2f(), rank_of_process,
                    local_devices=local_devices,
                    node_ranks=sum(host == my_host for _, host in process_and_host),
-                   wait=config.BY_NAME["JAX_CPU_MPI_WAIT"].read() or "auto")
+                   wait=config.BY_NAME["JAX_CPU_MPI_WAIT"].read() or "auto",
+                   node_cores=len(set().union(*(cores for _, host, cores in gathered
+                                                if host == my_host))))
     ext.set_rank_hosts([host for _, host in process_and_host])
     # A communicator of its own for the exit's "my programs are done" messages.
     global _exit_comm
