@@ -101,7 +101,9 @@ struct WaitChoice {
   WaitPolicy policy = WaitPolicy::kAuto;
   int local_devices = 1;  // devices of this process (its busy threads)
   int node_ranks = 1;     // ranks of the job on this node (from their host names)
-  int cores = 1;          // cores this process may run on (filled in by Create)
+  int node_cores = 0;     // cores the node's ranks may run on together (the union of their
+                          // affinity masks; 0: unknown, this process's own are used)
+  int cores = 1;          // node_cores, or this process's own (filled in by Create)
   bool sleeps_soon = false;
 };
 
@@ -416,11 +418,34 @@ class MpiTransport {
   // mpi/collectives.cc: the parent of the groups' communicators (a duplicate made by
   // Create), and the communicator of each group key. group_comms_mu_ guards the map only
   // (never held while a communicator is created: two threads may create two at once).
-  Status GroupComm(const std::string& key, const std::vector<int>& ranks, MPI_Comm* out,
+  // A group's communicator, and the persistent all-reduces of small messages started on it
+  // (MPI 4's MPI_Allreduce_init: the schedule is built once, not at every call). MPI fixes
+  // a persistent collective's buffer, and matches the processes' requests in the order
+  // they were made, so every process must make them at the same calls: a request reduces
+  // in place in a buffer of its own (the operand copied in, the result out), made for a
+  // count, type and op, which are the same on every process at a call. A few per group,
+  // the oldest freed first (the same on every process). Only the thread leading the group's
+  // round uses an entry, and rounds of one group never overlap.
+  struct PersistentAllreduce {
+    int count;
+    MPI_Datatype type;
+    MPI_Op op;
+    std::shared_ptr<std::byte[]> buf;  // kept with the request if it is abandoned
+    MPI_Request request;  // inactive between calls
+  };
+  struct GroupEntry {
+    MPI_Comm comm = MPI_COMM_NULL;
+    std::vector<PersistentAllreduce> persistent;
+  };
+  Status GroupComm(const std::string& key, const std::vector<int>& ranks, GroupEntry** out,
                    std::chrono::steady_clock::time_point deadline);
+  // Polls `request` until it completes; at the deadline abandons it (with `keep_alive`).
+  Status PollCollective(MPI_Request* request, const char* name, size_t bytes,
+                        std::chrono::steady_clock::time_point deadline,
+                        std::shared_ptr<void> keep_alive);
   MPI_Comm coll_comm_ = MPI_COMM_NULL;
   std::mutex group_comms_mu_;
-  std::map<std::string, MPI_Comm> group_comms_;
+  std::map<std::string, std::unique_ptr<GroupEntry>> group_comms_;  // never erased
 
   uint64_t id_ = 0;  // unique per transport in the process (Channel()'s per-thread cache)
   std::mutex channels_mu_;
