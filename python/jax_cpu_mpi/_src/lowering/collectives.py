@@ -196,12 +196,10 @@ def _ppermute_rule(ctx: Any, x: Any, *, axis_name: Any, perm: Any, **rest: Any) 
     JAX's lowering otherwise."""
     jax_rule = compat.default_lowerings[compat.ppermute_p].rule
     names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    dtype = np.dtype(ctx.avals_in[0].dtype).name
     why = _ppermute_plan(ctx, names, rest)
+    _record(ctx, "ppermute", why)
     if why is not None:
-        _decisions[("ppermute", dtype, f"gloo: {why}")] += 1
         return jax_rule(ctx, x, axis_name=axis_name, perm=perm, **rest)
-    _decisions[("ppermute", dtype, "mpi")] += 1
     global ppermutes_pending_for_pass
     ppermutes_pending_for_pass += 1
     token = compat.abstract_token
@@ -247,14 +245,20 @@ def _reshape(ctx: Any, x: Any, aval: Any, shape: tuple) -> tuple[Any, Any]:
     return hlo.reshape(compat.aval_to_ir_type(ctx.module_context, new), x), new
 
 
+def _record(ctx: Any, name: str, why: str | None) -> None:
+    """Counts how ``name`` of this operand's dtype is lowered, for ``info``: over MPI
+    (``why`` None) or on gloo, and why."""
+    dtype = np.dtype(ctx.avals_in[0].dtype).name
+    _decisions[(name, dtype, "mpi" if why is None else f"gloo: {why}")] += 1
+
+
 def _decided(ctx: Any, name: str, plan: Any) -> bool:
     """Records how ``name`` is lowered (``plan``: ``(groups, tables)`` for our custom call,
     or why JAX's lowering stays); True for ours."""
-    dtype = np.dtype(ctx.avals_in[0].dtype).name
     if isinstance(plan, str):
-        _decisions[(name, dtype, f"gloo: {plan}")] += 1
+        _record(ctx, name, plan)
         return False
-    _decisions[(name, dtype, "mpi")] += 1
+    _record(ctx, name, None)
     global pending_for_pass
     pending_for_pass += 1
     return True
