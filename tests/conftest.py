@@ -33,9 +33,45 @@ if jax_p2p_removal.requested() and not jax_cpu_mpi._src.ops.primitives.OURS:
 if os.environ.get(jax_p2p_removal.ENV) == "effect":
     assert jax_cpu_mpi._src.ops.primitives.in_use()["effect"] == "jax_cpu_mpi"
 
+#: The suite's longest files, longest first (measured: ``--durations``). ``--dist loadfile``
+#: hands a worker one file at a time, and by default the files with the MOST TESTS first,
+#: so these few-test files came last: a worker ran the transformer example's minutes alone
+#: at the end while the other one idled. Handed out first, the short files fill in around
+#: them. Only the order changes: a stale list costs time, never a test.
+LONGEST_FILES = (
+    "test_transformer_example.py",
+    "runtime/test_reliability.py",
+    "runtime/test_across_hosts.py",
+    "ops/test_without_jax_p2p.py",
+    "docs/test_examples.py",
+    "compat/test_jaxlib_versions.py",  # waits for its build (started at collection)
+    "test_packaging.py",
+    "runtime/test_slurm.py",
+)
+
+
 def pytest_configure(config):
     # The builds directory of this run, before xdist starts its workers (they inherit it).
     background_builds.session_started()
+    # xdist's loadfile scheduler: keep the order of pytest_collection_modifyitems below
+    # instead of sorting the files by their number of tests.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def _file_rank(item) -> int:
+    tests = Path(__file__).resolve().parent
+    try:
+        path = Path(str(item.fspath)).resolve().relative_to(tests).as_posix()
+    except ValueError:  # not under tests/
+        return len(LONGEST_FILES)
+    return LONGEST_FILES.index(path) if path in LONGEST_FILES else len(LONGEST_FILES)
+
+
+def pytest_collection_modifyitems(config, items):
+    # The longest files first; the others after them in collection order (a stable sort
+    # keeps each file's tests together and in order).
+    items.sort(key=_file_rank)
 
 
 def pytest_collection_finish(session):

@@ -98,10 +98,15 @@ def test_mpirun_n2x2devices_trains_and_checkpoints(tmp_path):
     assert not any("step " in line for line in run.by_rank()[1]), run.report()
 
 
-def _run(args: list[str], kill_after: str | None = None) -> str:
+def _run(args: list[str], kill_after: str | None = None, cache=None) -> str:
     """The example in a subprocess (2 devices); killed (SIGKILL) once it prints a line
-    starting with ``kill_after``."""
+    starting with ``kill_after``. With ``cache`` (a directory), JAX's persistent compilation
+    cache: runs of the same model then compile it once."""
     env = dict(os.environ, JAX_CPU_MPI_RECV_TIMEOUT="60")
+    if cache is not None:
+        env.update(JAX_COMPILATION_CACHE_DIR=str(cache),
+                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
     env.pop("XLA_FLAGS", None)
     proc = subprocess.Popen([*python_prefix(), "-u", "-m", MODULE, *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -135,10 +140,14 @@ def test_a_killed_run_resumes_to_the_same_parameters(tmp_path):
     args = [*TINY, "--stages", "2", "--data", "1", "--steps", "4", "--checkpoint-every", "2",
             "--dropout", "0.1", "--layers", "2", "--eval-every", "0"]
     through, killed = tmp_path / "through", tmp_path / "killed"
-    _run([*args, "--checkpoint", str(through)])
-    _run([*args, "--checkpoint", str(killed)], kill_after="checkpoint: step 2 saved")
+    # The three runs compile the same programs: the first one's compilations serve the
+    # others (what is checked is the checkpoints, not the compiler).
+    cache = tmp_path / "jax-cache"
+    _run([*args, "--checkpoint", str(through)], cache=cache)
+    _run([*args, "--checkpoint", str(killed)], kill_after="checkpoint: step 2 saved",
+         cache=cache)
     assert not (killed / "4").exists()
-    out = _run([*args, "--checkpoint", str(killed)])
+    out = _run([*args, "--checkpoint", str(killed)], cache=cache)
     assert "checkpoint: resumed from step 2" in out, out
     assert "step     3/4" in out and "step     2/4" not in out, out
     want, got = _saved(through, 4), _saved(killed, 4)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import jax
@@ -115,22 +118,49 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+#: What JAX's coordinator prints when its port was taken after :func:`_free_port` gave it up.
+_PORT_TAKEN = "Address already in use"
+
+
+def _run_two_jax_processes(program: Path, timeout: float) -> list[str]:
+    """Each process's exit status and output. The coordinator's port is free when
+    :func:`_free_port` returns, but any process of the machine may take it before process 0
+    binds it (connections of the other worker's tests, or of other suites, get ports of the
+    same range): then process 0 dies and process 1 waits for it until killed, so the pair
+    runs again on another port. Once one process fails, the other gets a short grace before
+    it is killed, instead of the whole timeout."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "HYDRA"))}
+    for _attempt in range(3):
+        port = _free_port()
+        with tempfile.TemporaryDirectory() as tmp:
+            logs = [Path(tmp) / f"process-{i}.log" for i in range(2)]
+            procs = []
+            for i, log in enumerate(logs):
+                with log.open("w") as out:
+                    procs.append(subprocess.Popen(
+                        [sys.executable, str(program), str(i), str(port)], env=env,
+                        stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+            deadline = time.monotonic() + timeout
+            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                if any(p.returncode not in (None, 0) for p in procs):
+                    deadline = min(deadline, time.monotonic() + 10)
+                time.sleep(0.1)
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+            outputs = [f"exit {p.returncode}\n{log.read_text(errors='replace')}"
+                       for p, log in zip(procs, logs, strict=True)]
+        if not any(_PORT_TAKEN in out for out in outputs):
+            break
+    return outputs
+
+
 @pytest.mark.timeout(120)
 def test_mesh_spanning_processes_without_mpirun_says_how_to_launch():
     """Two JAX processes joined by jax.distributed, but not an MPI job: a clear error."""
     program = Path(__file__).parents[1] / "mpi_programs" / "no_mpirun.py"
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "HYDRA"))}
-    procs = [subprocess.Popen([sys.executable, str(program), str(i), str(port)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True) for i in range(2)]
-    outputs = []
-    for p in procs:
-        try:
-            outputs.append(p.communicate(timeout=100)[0])
-        except subprocess.TimeoutExpired:
-            p.kill()
-            outputs.append(p.communicate()[0])
+    outputs = _run_two_jax_processes(program, timeout=100)
     report = "\n".join(f"--- process {i} ---\n{o}" for i, o in enumerate(outputs))
     for out in outputs:
         assert "GOT MpiSetupError" in out, report
