@@ -33,7 +33,7 @@ inline constexpr std::chrono::milliseconds kKeptSendGraceAfterFailure{500};
 
 // Locking:
 //   mu_   pending_ and kept_total_. A Finish runs without it (it may wait for a peer).
-//   pending_count_ mirrors pending_.size() for the lock-free check of FinishAll.
+//   pending_count_ mirrors pending_.size() for the lock-free check of Release.
 class KeptSends {
  public:
   // Waits for the send to finish by `deadline`; its status says how it ended.

@@ -13,8 +13,10 @@ whose operands are the data (or token) and the partition id of the running devic
   destination, zeros otherwise (like ``ppermute``).
 
 The token that psend returns is a result of its custom call, and precv takes it as an
-operand, so XLA cannot reorder a precv before the psend it depends on. Both calls are
-side-effecting, so a psend whose token is dropped still runs.
+operand, so XLA cannot reorder a precv before the psend it depends on when it schedules;
+at run time XLA CPU orders calls by their buffers, and the kept-operands pass gives the
+precv the psend's ``u32`` result. Both calls are side-effecting, so a psend whose token is
+dropped still runs.
 
 Both calls carry ``operand_kept = 0``; the kept-operands pass
 (:mod:`jax_cpu_mpi._src.passes.kept_operands`) later lets a precv keep alive the operand of

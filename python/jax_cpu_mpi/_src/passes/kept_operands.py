@@ -4,9 +4,18 @@ A psend's custom call may return before its bytes have left its operand only if 
 that buffer alive and unchanged until something finishes the send. After JAX has lowered a
 CPU program, this pass finds every precv whose token is the result of a psend of the same
 block, gives that precv the psend's operand as an extra operand (XLA then keeps the buffer
-until the precv has run) and marks the psend ``operand_kept = 1``. At run time the psend
+until the precv has run) and marks the psend ``operand_kept`` (its keepers). At run time the psend
 may then hand its operand itself to a receiver that is already waiting and return at once,
 and the precv finishes the send before it returns (``cpp/ffi/kept_sends.h``).
+
+The precv also gets the psend's ``u32`` result: XLA CPU orders custom calls at run time by
+their buffers, so only that makes the precv run after the psend. The psends and precvs of
+one step (a block's pairs whose psends depend on no precv among them: two ops in opposite
+directions, a pipeline tick) form a group: each precv of the group keeps the operands of
+the group's psends before it, a psend's ``operand_kept`` counts its keepers, and the last
+keeper to run finishes the send, so that a device's sends of the step stay in flight
+while it receives; ``group_pairs`` (the pairs of the keepers) tells a psend whether its
+device receives in the group, where it may defer a send (mpi/transport.h).
 
 The psend and precv must share a block: a precv of the same block runs whenever the psend
 does (a precv in a branch of a ``cond`` might not). The pass runs on the finished module
