@@ -1,13 +1,16 @@
 #include "ffi/kept_sends.h"
 
+#include <algorithm>
 #include <utility>
 #include <vector>
 
 namespace jcm {
 
-void KeptSends::Add(const void* operand, int64_t run_id, int64_t partition, Finish finish) {
+void KeptSends::Add(const void* operand, int64_t run_id, int64_t partition, int64_t keepers,
+                    Finish finish) {
   std::lock_guard<std::mutex> lock(mu_);
-  pending_.emplace(operand, Entry{run_id, partition, std::move(finish)});
+  pending_.emplace(operand, Entry{run_id, partition, std::max<int64_t>(keepers, 1),
+                                  std::move(finish)});
   pending_count_.store(pending_.size(), std::memory_order_release);
   ++kept_total_;
 }
@@ -26,6 +29,7 @@ Status FinishEach(std::vector<KeptSends::Finish>& finishes,
 
 }  // namespace
 
+// `matches` may change the entry (count a keeper off) before it says.
 template <typename Matches>
 std::vector<KeptSends::Finish> KeptSends::Take(std::multimap<const void*, Entry>::iterator first,
                                                std::multimap<const void*, Entry>::iterator last,
@@ -43,14 +47,21 @@ std::vector<KeptSends::Finish> KeptSends::Take(std::multimap<const void*, Entry>
   return finishes;
 }
 
-Status KeptSends::FinishAllSlow(
-    const void* operand, int64_t run_id,
+Status KeptSends::ReleaseSlow(
+    const void* const* operands, size_t count, int64_t run_id, int64_t partition,
     const std::function<std::chrono::steady_clock::time_point()>& deadline_of) {
   std::vector<Finish> finishes;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto [first, last] = pending_.equal_range(operand);
-    finishes = Take(first, last, [&](const Entry& e) { return e.run_id == run_id; });
+    for (size_t i = 0; i < count; ++i) {
+      // An address kept twice (one buffer, two values) counts this precv off once.
+      if (std::find(operands, operands + i, operands[i]) != operands + i) continue;
+      auto [first, last] = pending_.equal_range(operands[i]);
+      std::vector<Finish> done = Take(first, last, [&](Entry& e) {
+        return e.run_id == run_id && e.partition == partition && --e.keepers == 0;
+      });
+      for (Finish& f : done) finishes.push_back(std::move(f));
+    }
   }
   if (finishes.empty()) return Status::Ok();
   return FinishEach(finishes, deadline_of());

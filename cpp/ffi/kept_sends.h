@@ -6,9 +6,11 @@
 // operand's buffer alive, and unchanged, until that precv has run, so the psend may hand
 // the operand itself to a receiver that is already waiting and return at once: the device
 // goes on with its own work (say, the zero-fill of its precv output) while the peer copies.
-// The precv that keeps the operand finishes every send made from it before it returns,
-// after it has done its own receive: it only waits for a receiver that is already taking
-// the bytes, never for one that has not come.
+// Several precvs may keep one operand (a group: passes/kept_operands.py); the last of them
+// to run finishes the sends made from it before it returns, after it has done its own
+// receive: it only waits for a receiver that is already taking the bytes, never for one
+// that has not come. So a device that sends and receives in one step finishes its sends
+// only after all its receives of the step: both directions are in flight at once.
 #pragma once
 
 #include <atomic>
@@ -31,26 +33,33 @@ inline constexpr std::chrono::milliseconds kKeptSendGraceAfterFailure{500};
 
 // Locking:
 //   mu_   pending_ and kept_total_. A Finish runs without it (it may wait for a peer).
-//   pending_count_ mirrors pending_.size() for the lock-free check of FinishAll.
+//   pending_count_ mirrors pending_.size() for the lock-free check of Release.
 class KeptSends {
  public:
   // Waits for the send to finish by `deadline`; its status says how it ended.
   using Finish = std::function<Status(std::chrono::steady_clock::time_point)>;
 
-  // A send still reading from `operand` (a buffer XLA keeps alive until a precv finishes it)
-  // of the program run `run_id` (XLA's RunId) on partition `partition`.
-  void Add(const void* operand, int64_t run_id, int64_t partition, Finish finish);
+  // A send still reading from `operand` (a buffer XLA keeps alive until the `keepers`
+  // precvs that take it as an operand have run) of the program run `run_id` (XLA's RunId)
+  // on partition `partition`. The last of those precvs to run finishes it (Release).
+  void Add(const void* operand, int64_t run_id, int64_t partition, int64_t keepers,
+           Finish finish);
 
-  // Finishes every send still reading from `operand` by the time `deadline()` returns;
-  // returns the first failure, or ok. `deadline` is called only when there is a send to
-  // finish (not on the path of a precv whose psend finished its own send, e.g. every small
-  // message).
-  // Only sends of the run `run_id` are finished: an entry of another run at the same address
+  // Called by a precv with the operands it keeps (`operands[0..count)`, each address once
+  // however often it comes): counts this precv off every send of its run and partition
+  // still reading from one of them, and finishes those it was the last keeper of by the
+  // time `deadline()` returns; returns the first failure, or ok. Every keeper of a send
+  // runs after its psend (it reads the psend's u32 result: passes/kept_operands.py), so
+  // none is missed, and a send is finished while its operand is alive. `deadline` is
+  // called only when there is a send to finish (not on the path of a precv whose psend
+  // finished its own send, e.g. every small message).
+  // Only sends of the run `run_id` are counted: an entry of another run at the same address
   // would point into a buffer of that run, not this precv's operand.
   template <typename Deadline>
-  Status FinishAll(const void* operand, int64_t run_id, Deadline deadline) {
+  Status Release(const void* const* operands, size_t count, int64_t run_id, int64_t partition,
+                 Deadline deadline) {
     if (pending_count_.load(std::memory_order_acquire) == 0) return Status::Ok();
-    return FinishAllSlow(operand, run_id, deadline);
+    return ReleaseSlow(operands, count, run_id, partition, deadline);
   }
 
   // Finishes every send of the run `run_id` on `partition` by `deadline`, whichever precv
@@ -68,12 +77,14 @@ class KeptSends {
   uint64_t kept_total() const;
 
  private:
-  Status FinishAllSlow(const void* operand, int64_t run_id,
-                       const std::function<std::chrono::steady_clock::time_point()>& deadline);
+  Status ReleaseSlow(const void* const* operands, size_t count, int64_t run_id,
+                     int64_t partition,
+                     const std::function<std::chrono::steady_clock::time_point()>& deadline);
 
   struct Entry {
     int64_t run_id = 0;
     int64_t partition = 0;
+    int64_t keepers = 1;  // precvs of this run that have not counted themselves off yet
     Finish finish;
   };
 

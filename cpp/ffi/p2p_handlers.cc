@@ -13,6 +13,7 @@
 // The transports report a jcm::Status; this file alone turns it into an ffi::Error, with
 // the op, the pair and the peer in the text.
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <sstream>
 #include <string>
@@ -43,6 +44,9 @@ struct OpInfo {
   I64Span device_index;      // partition -> dense global device index
   I64Span device_process;    // partition -> jax.process_index()
   int64_t num_devices;       // devices in the whole job (for MPI tags)
+  // The pairs of the precvs that finish the op's group of sends (passes/kept_operands.py),
+  // empty when no precv keeps the operands.
+  I64Span group_pairs;
 };
 
 std::string ProcessSuffix(const OpInfo& info, int64_t partition) {
@@ -76,14 +80,25 @@ ffi::Error CheckTables(const OpInfo& info, int64_t me) {
   return ffi::Error::Success();
 }
 
-// The partition at the other end of `me` (as source if `me_is_source`), or -1.
-int64_t FindPeer(const OpInfo& info, int64_t me, bool me_is_source) {
-  for (size_t i = 0; i + 1 < info.pairs.size(); i += 2) {
-    int64_t src = info.pairs[i], dst = info.pairs[i + 1];
+// The partition at the other end of `me` in `pairs` (as source if `me_is_source`), or -1.
+int64_t FindPeerIn(I64Span pairs, int64_t me, bool me_is_source) {
+  for (size_t i = 0; i + 1 < pairs.size(); i += 2) {
+    int64_t src = pairs[i], dst = pairs[i + 1];
     if (me_is_source && src == me) return dst;
     if (!me_is_source && dst == me) return src;
   }
   return -1;
+}
+
+int64_t FindPeer(const OpInfo& info, int64_t me, bool me_is_source) {
+  return FindPeerIn(info.pairs, me, me_is_source);
+}
+
+// Whether `partition` receives in a precv of the op's group, which then runs after the
+// op's psend and before the last precv that finishes its send: a send deferred there is
+// posted by that precv's receive loop (both directions in flight at once).
+bool ReceivesInGroup(const OpInfo& info, int64_t partition) {
+  return FindPeerIn(info.group_pairs, partition, /*me_is_source=*/false) >= 0;
 }
 
 // Tags keep device pairs apart between one pair of processes.
@@ -122,10 +137,9 @@ std::string MpiMissing(const OpInfo& info, int64_t me, int64_t peer) {
 }
 
 ffi::Error Psend(int64_t run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
-                     ffi::Result<ffi::Token> /*token*/, I64Span pairs, I64Span device_index,
-                     I64Span device_process, int64_t num_devices, std::string_view op,
-                     std::string_view operand, int64_t operand_kept) {
-  const OpInfo info{op, operand, pairs, device_index, device_process, num_devices};
+                 ffi::Result<ffi::Token> /*token*/, const OpInfo& info, int64_t operand_kept) {
+  const std::string_view op = info.op, operand = info.operand;
+  const I64Span device_index = info.device_index, device_process = info.device_process;
   const int64_t me = static_cast<int64_t>(partition.typed_data()[0]);
   if (ffi::Error e = CheckTables(info, me); e.failure()) return e;
   const int64_t peer = FindPeer(info, me, /*me_is_source=*/true);
@@ -140,7 +154,8 @@ ffi::Error Psend(int64_t run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partiti
         rt.mailbox().Send({my_dev, peer_dev}, x.untyped_data(), bytes, std::string(operand), kept);
     if (offer) {
       trace::NotePath(trace::Path::kKept);
-      rt.kept_sends().Add(x.untyped_data(), run_id, me, [offer](auto /*deadline*/) {
+      rt.kept_sends().Add(x.untyped_data(), run_id, me, operand_kept,
+                          [offer](auto /*deadline*/) {
         Runtime::Get().mailbox().Finish(offer);
         return Status::Ok();
       });
@@ -160,9 +175,10 @@ ffi::Error Psend(int64_t run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partiti
   }
   const Config& config = state.config;
   std::shared_ptr<MpiTransport::DirectSend> in_flight;
-  // This device also receives in this op (a cycle): its precv, which keeps the operand,
-  // runs next, so a large send may wait there for its receiver instead of being copied.
-  const bool receives_too = FindPeer(info, me, /*me_is_source=*/false) >= 0;
+  // This device also receives in the op's group (a cycle, or another op of the step): the
+  // precvs that keep the operand run next and receive, so a large send may wait there for
+  // its receiver instead of being copied.
+  const bool receives_too = ReceivesInGroup(info, me);
   Status r = mpi->Send(dest, *tag, x.untyped_data(), bytes, operand, config.max_inflight_bytes,
                        DeadlineAfter(config.recv_timeout_s), kept ? &in_flight : nullptr,
                        kept && receives_too);
@@ -170,7 +186,8 @@ ffi::Error Psend(int64_t run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partiti
     trace::NotePath(trace::Path::kKept);
     // Finished by the precv that keeps the operand; its error names this psend. The text
     // is made only on failure: this runs for every send of an exchange.
-    rt.kept_sends().Add(x.untyped_data(), run_id, me, [mpi, in_flight, dest, op = std::string(op),
+    rt.kept_sends().Add(x.untyped_data(), run_id, me, operand_kept,
+                        [mpi, in_flight, dest, op = std::string(op),
                                            operand = std::string(operand), me, peer,
                                            me_process = device_process[me],
                                            peer_process = device_process[peer]](
@@ -264,10 +281,9 @@ std::string Timeout(const OpInfo& info, int64_t me, int64_t peer, double seconds
 
 // Sets *deadline to the receive's deadline once it has one (it is left alone otherwise).
 ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> out,
-                   I64Span pairs, I64Span device_index, I64Span device_process,
-                   int64_t num_devices, std::string_view op, std::string_view operand,
-                   Clock::time_point* deadline_out, int64_t operand_kept) {
-  const OpInfo info{op, operand, pairs, device_index, device_process, num_devices};
+                   const OpInfo& info, Clock::time_point* deadline_out) {
+  const std::string_view op = info.op, operand = info.operand;
+  const I64Span device_index = info.device_index, device_process = info.device_process;
   const int64_t me = static_cast<int64_t>(partition.typed_data()[0]);
   if (ffi::Error e = CheckTables(info, me); e.failure()) return e;
   const size_t bytes = out->size_bytes();
@@ -321,11 +337,11 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
     return ffi::Error::Internal(std::string(op) + ": no MPI rank known for " +
                                 ProcessSuffix(info, peer));
   }
-  // The sender also receives in this op, whose operands are kept (operand_kept is the op's,
-  // the same on every device): its psend is one of a cycle, which defers from a smaller
-  // size on and then waits for this receive's ready signal (mpi/transport.h); a sender
-  // that never reads ready signals must get none (they would pile up unread).
-  const bool exchange = operand_kept > 0 && FindPeer(info, peer, /*me_is_source=*/false) >= 0;
+  // The sender also receives in the op's group (the same on every device): its psend
+  // defers from a smaller size on and then waits for this receive's ready signal
+  // (mpi/transport.h); a sender that never reads ready signals must get none (they would
+  // pile up unread).
+  const bool exchange = ReceivesInGroup(info, peer);
   Status r = mpi->Recv(source, *tag, out->untyped_data(), bytes, operand, deadline, exchange);
   if (r.ok()) return ffi::Error::Success();
   if (r.code() == StatusCode::kSizeMismatch) {
@@ -347,15 +363,15 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
   return ffi::Error::Internal(s.str());
 }
 
-// precv: receives (or zero-fills), then finishes the sends made from the operands it keeps
-// alive (operand_kept of them), whatever the outcome of its own receive.
+// precv: receives (or zero-fills), then counts itself off the sends made from the operands
+// it keeps alive (operand_kept of them), finishing those it is the last keeper of, whatever
+// the outcome of its own receive.
 ffi::Error Precv(int64_t run_id, ffi::Token /*token*/, ffi::Buffer<ffi::U32> partition,
-                     ffi::RemainingArgs kept, ffi::Result<ffi::AnyBuffer> out, I64Span pairs,
-                     I64Span device_index, I64Span device_process, int64_t num_devices,
-                     std::string_view op, std::string_view operand, int64_t operand_kept) {
+                 ffi::RemainingArgs kept, ffi::Result<ffi::AnyBuffer> out, const OpInfo& info,
+                 int64_t operand_kept) {
+  const std::string_view op = info.op;
   Clock::time_point receive_deadline = Clock::time_point::min();
-  ffi::Error received = Receive(partition, out, pairs, device_index, device_process,
-                                num_devices, op, operand, &receive_deadline, operand_kept);
+  ffi::Error received = Receive(partition, out, info, &receive_deadline);
   // After a successful receive a kept send gets a whole timeout of its own, as a psend
   // would. After a failed one it gets what is left of the receive's deadline, at least
   // kKeptSendGraceAfterFailure: its error must not come a whole timeout after the
@@ -366,14 +382,23 @@ ffi::Error Precv(int64_t run_id, ffi::Token /*token*/, ffi::Buffer<ffi::U32> par
     }
     return DeadlineAfter(Runtime::Get().config().recv_timeout_s);
   };
-  Status send_status;
+  // A group's precv keeps a few operands (its psends' and their u32 results).
+  constexpr size_t kMaxKept = 64;
+  std::array<const void*, kMaxKept> small;
+  std::vector<const void*> large;
+  const void** addresses = small.data();
+  if (kept.size() > kMaxKept) {
+    large.resize(kept.size());
+    addresses = large.data();
+  }
   for (size_t i = 0; i < kept.size(); ++i) {
     ffi::ErrorOr<ffi::AnyBuffer> operand_buffer = kept.get<ffi::AnyBuffer>(i);
     if (operand_buffer.has_error()) return operand_buffer.error();
-    Status s = Runtime::Get().kept_sends().FinishAll(operand_buffer->untyped_data(), run_id,
-                                                     send_deadline);
-    if (send_status.ok()) send_status = std::move(s);
+    addresses[i] = operand_buffer->untyped_data();
   }
+  const int64_t me = static_cast<int64_t>(partition.typed_data()[0]);
+  Status send_status = Runtime::Get().kept_sends().Release(addresses, kept.size(), run_id, me,
+                                                           send_deadline);
   if (static_cast<int64_t>(kept.size()) != operand_kept) {  // after finishing them all
     return ffi::Error::Internal(std::string(op) + ": malformed call (" +
                                 std::to_string(kept.size()) + " kept operands, expected " +
@@ -451,33 +476,30 @@ ffi::Error PsendImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> par
                      ffi::Result<ffi::Token> token, ffi::Result<ffi::Buffer<ffi::U32>> done,
                      I64Span pairs, I64Span device_index, I64Span device_process,
                      int64_t num_devices, std::string_view op, std::string_view operand,
-                     int64_t operand_kept) {
+                     int64_t operand_kept, I64Span group_pairs) {
   done->typed_data()[0] = 0;
+  const OpInfo info{op, operand, pairs, device_index, device_process, num_devices, group_pairs};
   if (trace::Mode() == 0) [[likely]] {
-    return Settled(Noted(Psend(run.run_id, x, partition, token, pairs, device_index,
-                               device_process, num_devices, op, operand, operand_kept)),
+    return Settled(Noted(Psend(run.run_id, x, partition, token, info, operand_kept)),
                    run.run_id, partition);
   }
-  const OpInfo info{op, operand, pairs, device_index, device_process, num_devices};
   return Settled(Noted(Traced(trace::Op::kPsend, info, partition, x.size_bytes(), [&] {
-    return Psend(run.run_id, x, partition, token, pairs, device_index, device_process,
-                 num_devices, op, operand, operand_kept);
+    return Psend(run.run_id, x, partition, token, info, operand_kept);
   })), run.run_id, partition);
 }
 
 ffi::Error PrecvImpl(ffi::RunId run, ffi::Token token, ffi::Buffer<ffi::U32> partition,
                      ffi::RemainingArgs kept, ffi::Result<ffi::AnyBuffer> out, I64Span pairs,
                      I64Span device_index, I64Span device_process, int64_t num_devices,
-                     std::string_view op, std::string_view operand, int64_t operand_kept) {
+                     std::string_view op, std::string_view operand, int64_t operand_kept,
+                     I64Span group_pairs) {
+  const OpInfo info{op, operand, pairs, device_index, device_process, num_devices, group_pairs};
   if (trace::Mode() == 0) [[likely]] {
-    return Settled(Noted(Precv(run.run_id, token, partition, kept, out, pairs, device_index,
-                               device_process, num_devices, op, operand, operand_kept)),
+    return Settled(Noted(Precv(run.run_id, token, partition, kept, out, info, operand_kept)),
                    run.run_id, partition);
   }
-  const OpInfo info{op, operand, pairs, device_index, device_process, num_devices};
   return Settled(Noted(Traced(trace::Op::kPrecv, info, partition, out->size_bytes(), [&] {
-    return Precv(run.run_id, token, partition, kept, out, pairs, device_index, device_process,
-                 num_devices, op, operand, operand_kept);
+    return Precv(run.run_id, token, partition, kept, out, info, operand_kept);
   })), run.run_id, partition);
 }
 
@@ -495,7 +517,8 @@ auto WithRoutingAttributes(Binding binding) {
       .template Attr<int64_t>("num_devices")
       .template Attr<std::string_view>("op")
       .template Attr<std::string_view>("operand")
-      .template Attr<int64_t>("operand_kept");
+      .template Attr<int64_t>("operand_kept")
+      .template Attr<jcm::I64Span>("group_pairs");
 }
 }  // namespace
 

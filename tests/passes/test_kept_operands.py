@@ -75,11 +75,12 @@ def test_precv_keeps_the_operand_of_its_psend():
     calls = custom_calls(spmd(lambda v: hop(v, FORWARD), mesh), sharded(mesh, 8))
     psend, precv = calls
     assert "@jax_cpu_mpi_psend" in psend and kept(psend) == 1
-    assert "@jax_cpu_mpi_precv" in precv and kept(precv) == 1
-    # precv(token, partition id, the psend's operand)
+    assert "@jax_cpu_mpi_precv" in precv and kept(precv) == 2
+    # precv(token, partition id, the psend's operand, the psend's u32 result)
     operands = re.search(r"@jax_cpu_mpi_precv\(([^)]*)\)", precv).group(1).split(", ")
     sent = re.search(r"@jax_cpu_mpi_psend\(([^)]*)\)", psend).group(1).split(", ")[0]
-    assert len(operands) == 3 and operands[2] == sent, (psend, precv)
+    result = re.search(r"(%\w+):2 = stablehlo.custom_call @jax_cpu_mpi_psend", psend).group(1)
+    assert operands[2:] == [sent, f"{result}#1"], (psend, precv)
 
 
 def test_not_kept_across_blocks_or_when_off(pass_off):
@@ -92,15 +93,15 @@ def test_ppermute_lowered_as_psend_precv_keeps_its_operand(monkeypatch):
     # Between processes JAX_CPU_MPI_COLLECTIVES=mpi lowers ppermute as psend then precv; its
     # program carries no psend/precv effect, yet the pass must see it (else every send of
     # such an exchange is a copy: half psend/precv's speed). Lowered here as if across.
-    from jax_cpu_mpi._src.lowering import collectives
+    from jax_cpu_mpi._src.lowering import collectives, rules
 
     monkeypatch.setattr(collectives, "_ppermute_plan", lambda *args: None)
     mesh = make_mesh((2, "x"))
     f = spmd(lambda v: jax.lax.ppermute(v, "x", [(0, 1), (1, 0)]), mesh)
     x = sharded(mesh, 1 << 16)
     calls = custom_calls(f, x)
-    assert len(calls) == 2 and [kept(c) for c in calls] == [1, 1], calls
-    assert collectives.ppermutes_pending_for_pass == 0
+    assert len(calls) == 2 and [kept(c) for c in calls] == [1, 2], calls
+    assert rules.emitted_for_pass == 0
     got = np.asarray(f(x))
     np.testing.assert_array_equal(got, np.roll(np.asarray(x), 1 << 16))
 
@@ -167,7 +168,8 @@ def test_operand_used_after_the_psend_is_unchanged():
 
 
 def test_one_token_two_precvs():
-    """Both precvs keep the operand; the first to run finishes the send."""
+    """One group (neither psend depends on a precv): each data precv keeps the operands of
+    the group's psends before it; the last keeper to run finishes a send."""
     mesh = make_mesh((2, "x"))
 
     def body(v):
@@ -181,7 +183,9 @@ def test_one_token_two_precvs():
 
     x = sharded(mesh, 1 << 18)
     f = spmd(body, mesh)
-    assert [kept(c) for c in custom_calls(f, x)] == [1, 1, 1, 1, 1]
+    # psend (kept by a and b), a (its operand and u32 result), psend (kept by b), b (both
+    # psends' operands and u32 results), c without pairs (after the first psend's u32 only)
+    assert [kept(c) for c in custom_calls(f, x)] == [2, 2, 1, 4, 1]
     want = spmd(lambda v: jax.lax.ppermute(v, "x", FORWARD) * 4, mesh)(x)
     np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(want))
     assert jax_cpu_mpi.stats()["kept_sends_unfinished"] == 0
@@ -274,3 +278,33 @@ def test_many_pairs_at_once():
     got = np.asarray(spmd(body, mesh)(x))
     np.testing.assert_array_equal(got, np.asarray(spmd(want_body, mesh)(x)))
     assert jnp.isfinite(got).all()
+
+
+def test_a_step_of_two_ops_is_one_group_and_the_next_step_another():
+    """psends both ways, then their precvs (a GPU-parity exchange, a pipeline tick): each
+    precv keeps both operands, so each device's sends are finished by its last precv of the
+    step, both directions in flight; the next step sends what this one received: a group
+    of its own."""
+    mesh = make_mesh((2, "x"))
+    out = jax.ShapeDtypeStruct((1 << 16,), np.float32)
+
+    def body(v):
+        t1, t2 = jax_cpu_mpi.psend(v, "x", FORWARD), jax_cpu_mpi.psend(v * 2, "x", BACKWARD)
+        a, b = jax_cpu_mpi.precv(t1, out, "x", FORWARD), jax_cpu_mpi.precv(t2, out, "x", BACKWARD)
+        return jax_cpu_mpi.precv(jax_cpu_mpi.psend(a + b, "x", FORWARD), out, "x", FORWARD)
+
+    def want_body(v):
+        a, b = jax.lax.ppermute(v, "x", FORWARD), jax.lax.ppermute(v * 2, "x", BACKWARD)
+        return jax.lax.ppermute(a + b, "x", FORWARD)
+
+    x = sharded(mesh, 1 << 16)
+    f = spmd(body, mesh)
+    calls = custom_calls(f, x)
+    assert [kept(c) for c in calls] == [2, 2, 4, 4, 1, 2], calls
+    both_ways = "group_pairs = dense<[0, 1, 1, 0]>"
+    assert all(both_ways in c for c in calls[:4]), calls
+    assert all("group_pairs = dense<[0, 1]>" in c for c in calls[4:]), calls
+    before = jax_cpu_mpi.stats()["kept_sends"]
+    np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(spmd(want_body, mesh)(x)))
+    stats = jax_cpu_mpi.stats()
+    assert stats["kept_sends"] > before and stats["kept_sends_unfinished"] == 0

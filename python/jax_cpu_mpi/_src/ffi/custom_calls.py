@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_cpu_mpi._src.compat import ir
+from jax_cpu_mpi._src.compat import ir, mlir
 
 #: ``psend(x, partition_id) -> token``: sends ``x`` if this device is a source.
 PSEND_TARGET = "jax_cpu_mpi_psend"
@@ -21,9 +21,15 @@ PSEND_TARGET = "jax_cpu_mpi_psend"
 PRECV_TARGET = "jax_cpu_mpi_precv"
 #: Consumes the flops of the device-thread hint and does nothing (cpp/ffi/).
 HINT_TARGET = "jax_cpu_mpi_device_thread_hint"
-#: psend: 1 when a precv keeps its operand alive (and finishes its send); precv: how many
-#: operands it keeps (its operands after the token and the partition id).
+#: psend: how many precvs keep its operand alive (the last of them to run finishes its
+#: send), 0 for none; precv: how many operands it keeps (its operands after the token and
+#: the partition id).
 OPERAND_KEPT = "operand_kept"
+#: The pairs of every precv that finishes the sends of a psend (the psend's group:
+#: passes/kept_operands.py), on the psend and on those precvs; empty until that pass runs.
+#: A psend may defer a send while its device receives in the group; a precv takes the
+#: deferred send's path when its sender receives in the group.
+GROUP_PAIRS = "group_pairs"
 #: The ``op`` attribute of the psend/precv calls that only order an optimization barrier's
 #: values: no pairs, no data moved, and not a psend/precv to the GPU-parity check.
 ORDERING_OP = "optimization_barrier ordering (no pairs, moves no data)"
@@ -43,6 +49,7 @@ def attributes(*, pairs: np.ndarray, device_index: np.ndarray, device_process: n
         "op": op,
         "operand": operand,
         OPERAND_KEPT: np.int64(0),
+        GROUP_PAIRS: np.zeros(0, dtype=np.int64),
     }
 
 
@@ -102,6 +109,13 @@ def is_ordering(op: Any) -> bool:
 def set_int_attribute(op: Any, name: str, value: int) -> None:
     """Set (or add) an int64 attribute of a custom call."""
     op.attributes[_BACKEND_CONFIG] = with_int_attribute(op, name, value)
+
+
+def set_array_attribute(op: Any, name: str, values: np.ndarray) -> None:
+    """Set (or add) an int64 array attribute of a custom call (as ``pairs``)."""
+    entries = backend_config(op)
+    entries[name] = mlir.ir_attribute(np.asarray(values, dtype=np.int64).reshape(-1))
+    op.attributes[_BACKEND_CONFIG] = ir.DictAttr.get(entries)
 
 
 def with_int_attribute(op: Any, name: str, value: int) -> Any:

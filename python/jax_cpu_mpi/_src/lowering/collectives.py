@@ -157,9 +157,6 @@ SITES = 16
 #: Collectives lowered over MPI that the ordering pass has not seen yet
 #: (passes/ordered_collectives.py runs only when this is non-zero).
 pending_for_pass = 0
-#: ppermutes lowered as our psend/precv that the kept-operands pass has not seen yet: their
-#: program carries no psend/precv effect, by which that pass finds its programs otherwise.
-ppermutes_pending_for_pass = 0
 
 
 _SUB_BYTE = ("int4", "uint4", "int2", "uint2", "float4_e2m1fn")
@@ -196,12 +193,10 @@ def _ppermute_rule(ctx: Any, x: Any, *, axis_name: Any, perm: Any, **rest: Any) 
     JAX's lowering otherwise."""
     jax_rule = compat.default_lowerings[compat.ppermute_p].rule
     names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    why = _ppermute_plan(ctx, names, rest)
-    _record(ctx, "ppermute", why)
-    if why is not None:
+    # No collective call of ours for the ordering pass: _emit counts the psend/precv calls
+    # for the kept-operands pass.
+    if not _decided(ctx, "ppermute", _ppermute_plan(ctx, names, rest), ordered=False):
         return jax_rule(ctx, x, axis_name=axis_name, perm=perm, **rest)
-    global ppermutes_pending_for_pass
-    ppermutes_pending_for_pass += 1
     token = compat.abstract_token
     sent = p2p_rules._emit(ctx.replace(avals_out=[token]), PSEND_TARGET, "psend", x,
                            axis_name=names, perm=perm, data_aval=ctx.avals_in[0])
@@ -245,22 +240,18 @@ def _reshape(ctx: Any, x: Any, aval: Any, shape: tuple) -> tuple[Any, Any]:
     return hlo.reshape(compat.aval_to_ir_type(ctx.module_context, new), x), new
 
 
-def _record(ctx: Any, name: str, why: str | None) -> None:
-    """Counts how ``name`` of this operand's dtype is lowered, for ``info``: over MPI
-    (``why`` None) or on gloo, and why."""
+def _decided(ctx: Any, name: str, plan: Any, *, ordered: bool = True) -> bool:
+    """Records how ``name`` is lowered (``plan``: ``(groups, tables)``, or None, for ours;
+    a string, why JAX's lowering stays); True for ours. ``ordered``: ours is a collective
+    call of this module, which the ordering pass must chain."""
     dtype = np.dtype(ctx.avals_in[0].dtype).name
-    _decisions[(name, dtype, "mpi" if why is None else f"gloo: {why}")] += 1
-
-
-def _decided(ctx: Any, name: str, plan: Any) -> bool:
-    """Records how ``name`` is lowered (``plan``: ``(groups, tables)`` for our custom call,
-    or why JAX's lowering stays); True for ours."""
     if isinstance(plan, str):
-        _record(ctx, name, plan)
+        _decisions[(name, dtype, f"gloo: {plan}")] += 1
         return False
-    _record(ctx, name, None)
-    global pending_for_pass
-    pending_for_pass += 1
+    _decisions[(name, dtype, "mpi")] += 1
+    if ordered:
+        global pending_for_pass
+        pending_for_pass += 1
     return True
 
 

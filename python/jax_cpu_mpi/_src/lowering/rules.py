@@ -13,8 +13,10 @@ whose operands are the data (or token) and the partition id of the running devic
   destination, zeros otherwise (like ``ppermute``).
 
 The token that psend returns is a result of its custom call, and precv takes it as an
-operand, so XLA cannot reorder a precv before the psend it depends on. Both calls are
-side-effecting, so a psend whose token is dropped still runs.
+operand, so XLA cannot reorder a precv before the psend it depends on when it schedules;
+at run time XLA CPU orders calls by their buffers, and the kept-operands pass gives the
+precv the psend's ``u32`` result. Both calls are side-effecting, so a psend whose token is
+dropped still runs.
 
 Both calls carry ``operand_kept = 0``; the kept-operands pass
 (:mod:`jax_cpu_mpi._src.passes.kept_operands`) later lets a precv keep alive the operand of
@@ -79,10 +81,18 @@ def _routing(ctx: mlir.LoweringRuleContext, op_name: str, axis_name, perm):
     return np.asarray(full_perm, dtype=np.int64).reshape(-1), tables
 
 
+#: psend/precv calls emitted that the kept-operands pass has not seen yet: it runs on the
+#: programs lowered since (passes/kept_operands.py), whatever lowered to these calls
+#: (psend/precv, a ppermute over MPI), and resets this.
+emitted_for_pass = 0
+
+
 def _emit(ctx: mlir.LoweringRuleContext, target: str, op_name: str, operand, *, axis_name,
           perm, data_aval: ShapedArray) -> list:
     """The custom call ``target(operand, partition_id)`` with the routing attributes."""
+    global emitted_for_pass
     pairs, tables = _routing(ctx, op_name, axis_name, perm)
+    emitted_for_pass += 1
     op = f"{op_name}(axis_name={axis_name!r}, perm={list(map(tuple, perm))!r})"
     u32 = ShapedArray((), np.uint32)
     sending = target == PSEND_TARGET

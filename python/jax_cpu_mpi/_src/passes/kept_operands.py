@@ -4,9 +4,18 @@ A psend's custom call may return before its bytes have left its operand only if 
 that buffer alive and unchanged until something finishes the send. After JAX has lowered a
 CPU program, this pass finds every precv whose token is the result of a psend of the same
 block, gives that precv the psend's operand as an extra operand (XLA then keeps the buffer
-until the precv has run) and marks the psend ``operand_kept = 1``. At run time the psend
+until the precv has run) and marks the psend ``operand_kept`` (its keepers). At run time the psend
 may then hand its operand itself to a receiver that is already waiting and return at once,
 and the precv finishes the send before it returns (``cpp/ffi/kept_sends.h``).
+
+The precv also gets the psend's ``u32`` result: XLA CPU orders custom calls at run time by
+their buffers, so only that makes the precv run after the psend. The psends and precvs of
+one step (a block's pairs whose psends depend on no precv among them: two ops in opposite
+directions, a pipeline tick) form a group: each precv of the group keeps the operands of
+the group's psends before it, a psend's ``operand_kept`` counts its keepers, and the last
+keeper to run finishes the send, so that a device's sends of the step stay in flight
+while it receives; ``group_pairs`` (the pairs of the keepers) tells a psend whether its
+device receives in the group, where it may defer a send (mpi/transport.h).
 
 The psend and precv must share a block: a precv of the same block runs whenever the psend
 does (a precv in a branch of a ``cond`` might not). The pass runs on the finished module
@@ -24,9 +33,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from jax_cpu_mpi._src.compat import ir, single_side_collective_effect
+import numpy as np
+
+from jax_cpu_mpi._src.compat import ir
 from jax_cpu_mpi._src.ffi.custom_calls import (
     BACKEND_CONFIG,
+    GROUP_PAIRS,
     OPERAND_KEPT,
     PRECV_TARGET,
     PSEND_TARGET,
@@ -34,10 +46,11 @@ from jax_cpu_mpi._src.ffi.custom_calls import (
     call_target,
     int_attribute,
     operations,
+    set_array_attribute,
     set_int_attribute,
     with_int_attribute,
 )
-from jax_cpu_mpi._src.lowering import collectives
+from jax_cpu_mpi._src.lowering import rules
 
 
 def _token_sources(token: Any) -> list[Any]:
@@ -118,12 +131,106 @@ def _rebuild_precv(precv: Any, extra: list[tuple[Any, Any]]) -> None:
     precv.erase()
 
 
+def _defined_in(value: Any, block: Any) -> Any | None:
+    """The op of ``block`` that defines ``value``, or None (a block argument, another block)."""
+    if not isinstance(value, ir.OpResult):
+        return None
+    op = value.owner.operation
+    return op if op.block == block else None
+
+
+def _used_values(op: Any) -> list[Any]:
+    """The values ``op`` reads: its operands and those its regions read from outside."""
+    values = list(op.operands)
+    for inner in operations(op):
+        values.extend(inner.operands)
+    return values
+
+
+def _phases(block: Any, pairs: dict[Any, Any]) -> tuple[dict[Any, int], dict[Any, int]]:
+    """``({psend: phase}, {op: position})`` of the kept pairs ``{precv: psend}`` of
+    ``block`` and of its ops (their positions in the block).
+
+    A psend's phase is one more than the highest phase of the pairs whose precv it depends
+    on (0 if none), and a precv has its psend's phase: the psends and precvs of one step (of
+    a tick) share a phase, and the next step's, which send what this one received, have
+    the next.
+    """
+    partner = {psend: precv for precv, psend in pairs.items()}
+    # Per op: 1 + the highest phase of a kept precv it depends on (0: none).
+    above: dict[Any, int] = {}
+    phase: dict[Any, int] = {}
+    position: dict[Any, int] = {}
+    for index, inner in enumerate(block.operations):
+        op = inner.operation
+        position[op] = index
+        level = 0
+        for value in _used_values(op):
+            source = _defined_in(value, block)
+            if source is not None:
+                level = max(level, above.get(source, 0))
+        if op in partner:
+            phase[op] = level
+        if op in pairs and pairs[op] in phase:
+            level = max(level, phase[pairs[op]] + 1)
+        above[op] = level
+    return phase, position
+
+
+def _groups(precvs: list[Any]) -> dict[Any, list[Any]]:
+    """``{precv: the psends whose sends it helps finish}``.
+
+    In each block, the kept pairs of one phase (:func:`_phases`) form a group, and each
+    precv of a group keeps the operands of the group's psends that come before it in the
+    block (its own psend's among them). The last of a send's keepers to run on the device
+    finishes it, so that a device that sends and receives in one step (two ops in opposite
+    directions, a GPipe/1F1B tick) has both directions in flight at once. Every new operand
+    comes from earlier in the block, so the block stays in order and acyclic.
+    """
+    pairs_by_block: dict[Any, dict[Any, Any]] = {}
+    for precv in precvs:
+        if _moves_data(precv) and (psend := _sending_psend(precv)) is not None:
+            pairs_by_block.setdefault(precv.block, {})[precv] = psend
+    groups: dict[Any, list[Any]] = {}
+    for block, pairs in pairs_by_block.items():
+        if len(set(pairs.values())) == 1:  # one psend: its precvs keep it alone
+            groups.update({precv: [psend] for precv, psend in pairs.items()})
+            continue
+        phase, position = _phases(block, pairs)
+        by_phase: dict[int, list[Any]] = {}
+        for psend in pairs.values():
+            members = by_phase.setdefault(phase[psend], [])
+            if psend not in members:
+                members.append(psend)
+        for precv, psend in pairs.items():
+            groups[precv] = [p for p in by_phase[phase[psend]]
+                             if position[p] < position[precv]]
+    return groups
+
+
+def _unique(values: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
+    found: list[tuple[Any, Any]] = []
+    for value, layout in values:
+        if all(value != seen for seen, _ in found):
+            found.append((value, layout))
+    return found
+
+
 def keep_psend_operands(module: Any) -> int:
     """Runs the pass on a lowered module; returns how many precvs now keep an operand."""
-    collectives.ppermutes_pending_for_pass = 0
+    rules.emitted_for_pass = 0
     with module.context:
         precvs = [op for op in operations(module.operation)
                   if call_target(op) == PRECV_TARGET and int_attribute(op, OPERAND_KEPT) == 0]
+        groups = _groups(precvs)
+        keepers: dict[Any, list[Any]] = {}  # psend -> the precvs of its group
+        for precv, group in groups.items():
+            for psend in group:
+                keepers.setdefault(psend, []).append(precv)
+        for psend, its_keepers in keepers.items():
+            set_int_attribute(psend, OPERAND_KEPT, len(its_keepers))
+            receiving = np.concatenate([array_attribute(p, "pairs") for p in its_keepers])
+            set_array_attribute(psend, GROUP_PAIRS, receiving)
         kept = 0
         # One at a time, each precv's extra operands found only when it is rebuilt: one may
         # be the result of a precv rebuilt (and erased) just before.
@@ -131,11 +238,17 @@ def keep_psend_operands(module: Any) -> int:
             if not _moves_data(op):  # a barrier's ordering precv
                 extra = _psends_done(op)
             else:
-                psend = _sending_psend(op)
-                extra = [(psend.operands[0], _layout(psend, 0))] if psend is not None else []
+                group = groups.get(op, [])
+                # Each psend's operand (the precv helps finish its send), and its u32
+                # result: only a buffer orders the precv after the psend at run time.
+                extra = _unique([(psend.operands[0], _layout(psend, 0)) for psend in group])
+                extra += [(psend.results[1], _layout(op, 1)) for psend in group]
                 extra += _barrier_arrays(op)
-                if psend is not None:
-                    set_int_attribute(psend, OPERAND_KEPT, 1)
+                if group:
+                    # Its sender's psend is its own psend on the peer device: the sender
+                    # defers where its device receives in that psend's group.
+                    set_array_attribute(op, GROUP_PAIRS,
+                                        array_attribute(_sending_psend(op), GROUP_PAIRS))
                     kept += 1
             if extra:
                 _rebuild_precv(op, extra)
@@ -143,7 +256,7 @@ def keep_psend_operands(module: Any) -> int:
 
 
 def wanted(platforms: Any, jaxpr: Any) -> bool:
-    """CPU programs with psend/precv (they carry the effect; jit and shard_map propagate it),
-    or with a ppermute lowered as psend/precv (no effect: lowering/collectives.py counts it)."""
-    return "cpu" in tuple(platforms) and (single_side_collective_effect in jaxpr.effects
-                                          or collectives.ppermutes_pending_for_pass > 0)
+    """CPU programs whose lowering emitted psend/precv calls (lowering/rules.py counts them:
+    jax_cpu_mpi's and JAX's psend/precv, and a ppermute lowered as psend/precv, which carries
+    no psend/precv effect)."""
+    return "cpu" in tuple(platforms) and rules.emitted_for_pass > 0
