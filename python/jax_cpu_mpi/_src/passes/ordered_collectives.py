@@ -9,6 +9,13 @@ operand (unread by the handler: a buffer dependency XLA keeps), and numbers the 
 program (``site``, modulo ``SITES``): calls with different numbers use different
 communicators and local rounds, so that calls in different blocks (a loop body and the code
 around it), which this pass cannot order, never meet each other's partner either.
+
+First it inlines every ``func.call`` whose callee (or a function it calls) holds one of our
+collectives: a nested ``jax.jit``, a jnp function or a custom_vjp rule lowers to a private
+function that XLA inlines only later, so its collectives would sit in a block of their own,
+unordered against the caller's (two devices of one process meeting two psums in opposite
+orders wait for each other forever), and a callee called twice would give both calls one
+``site``.
 """
 
 from __future__ import annotations
@@ -28,6 +35,102 @@ from jax_cpu_mpi._src.lowering import collectives
 def wanted(platforms: Any, jaxpr: Any) -> bool:
     """CPU programs lowered since a collective went over MPI (no module walk otherwise)."""
     return "cpu" in tuple(platforms) and collectives.pending_for_pass > 0
+
+
+def _callee(call: Any) -> str:
+    return ir.FlatSymbolRefAttr(call.attributes["callee"]).value
+
+
+def _functions(module: Any) -> dict[str, Any]:
+    return {ir.StringAttr(op.attributes["sym_name"]).value: op.operation
+            for op in module.body.operations if op.operation.name == "func.func"}
+
+
+def _with_collectives(functions: dict[str, Any]) -> set[str]:
+    """The functions that hold one of our collectives, or call one that does."""
+    calls: dict[str, set[str]] = {}
+    found: set[str] = set()
+    for name, func in functions.items():
+        calls[name] = set()
+        for op in operations(func):
+            if call_target(op) in collectives.TARGETS:
+                found.add(name)
+            elif op.name == "func.call":
+                calls[name].add(_callee(op))
+    grew = True
+    while grew:
+        grew = False
+        for name, callees in calls.items():
+            if name not in found and callees & found:
+                found.add(name)
+                grew = True
+    return found
+
+
+def _inline(call: Any, callee: Any) -> bool:
+    """Replace ``call`` by a copy of its callee's body; False (nothing done) for a callee
+    of several blocks (JAX lowers none)."""
+    if len(callee.regions[0].blocks) != 1:
+        return False
+    copy = callee.clone(ip=False)
+    body = copy.regions[0].blocks[0]
+    for argument, operand in zip(body.arguments, call.operands, strict=True):
+        argument.replace_all_uses_with(operand)
+    ops = [op.operation for op in body.operations]
+    returned = ops[-1]  # func.return
+    for op in ops[:-1]:
+        op.move_before(call)
+    for result, value in zip(call.results, returned.operands, strict=True):
+        result.replace_all_uses_with(value)
+    call.erase()
+    copy.erase()
+    return True
+
+
+def _is(attr: Any, kind: Any) -> bool:
+    # Newer MLIR bindings give attributes their concrete class; older ones have isinstance().
+    test = getattr(kind, "isinstance", None)
+    return isinstance(attr, kind) or (test is not None and test(attr))
+
+
+def _symbols(attr: Any, into: set[str]) -> None:
+    """The symbols ``attr`` refers to (nested in arrays and dictionaries too)."""
+    if _is(attr, ir.FlatSymbolRefAttr):
+        into.add(ir.FlatSymbolRefAttr(attr).value)
+    elif _is(attr, ir.ArrayAttr):
+        for a in ir.ArrayAttr(attr):
+            _symbols(a, into)
+    elif _is(attr, ir.DictAttr):
+        d = ir.DictAttr(attr)
+        for i in range(len(d)):
+            _symbols(d[i].attr, into)
+
+
+def inline_calls(module: Any) -> int:
+    """Inline every call of a function that holds our collectives (nested calls too), then
+    erase the private functions no longer referenced; returns how many calls it inlined."""
+    functions = _functions(module)
+    wanted_callees = _with_collectives(functions)
+    inlined = 0
+    while True:
+        calls = [op for op in operations(module.operation)
+                 if op.name == "func.call" and _callee(op) in wanted_callees]
+        calls = [c for c in calls if _inline(c, functions[_callee(c)])]
+        if not calls:
+            break
+        inlined += len(calls)
+    if inlined:
+        used: set[str] = set()
+        for op in operations(module.operation):
+            for i in range(len(op.attributes)):
+                if op.attributes[i].name != "sym_name":
+                    _symbols(op.attributes[i].attr, used)
+        for name in wanted_callees - used:
+            func = functions[name]
+            if "sym_visibility" in func.attributes and ir.StringAttr(
+                    func.attributes["sym_visibility"]).value == "private":
+                func.erase()
+    return inlined
 
 
 def _rebuild(op: Any, site: int, previous: Any | None) -> Any:
@@ -54,6 +157,7 @@ def order_collectives(module: Any) -> int:
     collectives.pending_for_pass = 0
     chained = 0
     with module.context:
+        inline_calls(module)
         calls = [op for op in operations(module.operation)
                  if call_target(op) in collectives.TARGETS]
         last_in_block: list[tuple[Any, Any]] = []  # (block, the last call there)
