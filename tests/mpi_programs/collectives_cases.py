@@ -355,6 +355,45 @@ t_mpi, t_gloo = transformed("mpi"), transformed("gloo")
 for k in t_mpi:
     close(f"mpi  {k} vs gloo", t_mpi[k], t_gloo[k])
 
+# ---- psums in a nested jit (called twice) and in a loop, beside independent ones: the
+# ordering pass inlines the calls and chains every psum of a block (on main a nested jit's
+# psum sat in a function of its own, unordered against the caller's, sharing one site)
+
+
+@jax.jit
+def _doubled_psum(v):
+    return jax.lax.psum(v * 2, "x")
+
+
+def nested(v):
+    looped = jax.lax.fori_loop(0, 3, lambda i, c: c + jax.lax.psum(c, "x") * 0.5, v)
+    return (jax.lax.psum(v, "x") + _doubled_psum(v + 1) + jax.lax.psum(v * 3, "x") + looped +
+            _doubled_psum(v * 5))
+
+
+config.configure(collectives="mpi")
+v_nested = values("float32", (6,), 31)
+f_nested = jax.jit(jax.shard_map(nested, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+x_nested = common.global_array(mesh, P("x"), v_nested)
+text = f_nested.lower(x_nested).as_text()
+sites = [line.split("site = ")[1].split(" ")[0] for line in text.splitlines()
+         if "jax_cpu_mpi_all_reduce" in line]
+got_nested = common.gather(f_nested(x_nested))
+looped = v_nested.copy()
+for _ in range(3):
+    looped = looped + looped.sum(0) * 0.5
+want_nested = (v_nested.sum(0) + 2 * (v_nested + 1).sum(0) + 3 * v_nested.sum(0) + looped +
+               10 * v_nested.sum(0))
+try:
+    assert "func.call" not in text, "a function holding a psum was not inlined"
+    assert len(sites) == 5 and len(set(sites)) == 5, f"sites {sites}"
+    np.testing.assert_allclose(got_nested, np.broadcast_to(want_nested, got_nested.shape),
+                               rtol=1e-5, atol=1e-4)
+    print("ok   mpi  psums in a nested jit and a loop beside others vs numpy", flush=True)
+except AssertionError as e:
+    failures.append("nested psums")
+    print(f"FAIL nested psums: {e}", flush=True)
+
 # ---- axis_index_groups and scan for all_gather / psum_scatter / all_to_all (and psum), in
 # one program per setting. The groups span processes and one lists its members out of
 # order (2 devices: [[1, 0]]; 4: [[0, 2], [3, 1]]), so the exchanges' positions are not
