@@ -355,9 +355,9 @@ t_mpi, t_gloo = transformed("mpi"), transformed("gloo")
 for k in t_mpi:
     close(f"mpi  {k} vs gloo", t_mpi[k], t_gloo[k])
 
-# ---- psums in a nested jit (called twice) and in a loop, beside independent ones: the
-# ordering pass inlines the calls and chains every psum of a block (on main a nested jit's
-# psum sat in a function of its own, unordered against the caller's, sharing one site)
+# ---- psums in a nested jit (called twice), a loop and a cond, beside independent ones: the
+# ordering pass inlines the calls and chains every psum, through the loop and the cond (a
+# nested jit's psum used to sit in a function of its own, unordered, sharing one site)
 
 
 @jax.jit
@@ -367,8 +367,11 @@ def _doubled_psum(v):
 
 def nested(v):
     looped = jax.lax.fori_loop(0, 3, lambda i, c: c + jax.lax.psum(c, "x") * 0.5, v)
-    return (jax.lax.psum(v, "x") + _doubled_psum(v + 1) + jax.lax.psum(v * 3, "x") + looped +
-            _doubled_psum(v * 5))
+    a = jax.lax.psum(v, "x")
+    chosen = jax.lax.cond(jnp.sum(a) > 0, lambda u: u + jax.lax.psum(u, "x"), lambda u: u * 4,
+                          v)
+    return (a + _doubled_psum(v + 1) + jax.lax.psum(v * 3, "x") + looped +
+            _doubled_psum(v * 5) + chosen)
 
 
 config.configure(collectives="mpi")
@@ -382,14 +385,16 @@ got_nested = common.gather(f_nested(x_nested))
 looped = v_nested.copy()
 for _ in range(3):
     looped = looped + looped.sum(0) * 0.5
-want_nested = (v_nested.sum(0) + 2 * (v_nested + 1).sum(0) + 3 * v_nested.sum(0) + looped +
-               10 * v_nested.sum(0))
+total = v_nested.sum(0)
+chosen = v_nested + total if total.sum() > 0 else v_nested * 4
+want_nested = (total + 2 * (v_nested + 1).sum(0) + 3 * total + looped + 10 * total + chosen)
 try:
     assert "func.call" not in text, "a function holding a psum was not inlined"
-    assert len(sites) == 5 and len(set(sites)) == 5, f"sites {sites}"
+    assert len(sites) == 6 and len(set(sites)) == 6, f"sites {sites}"
     np.testing.assert_allclose(got_nested, np.broadcast_to(want_nested, got_nested.shape),
                                rtol=1e-5, atol=1e-4)
-    print("ok   mpi  psums in a nested jit and a loop beside others vs numpy", flush=True)
+    print("ok   mpi  psums in a nested jit, a loop and a cond beside others vs numpy",
+          flush=True)
 except AssertionError as e:
     failures.append("nested psums")
     print(f"FAIL nested psums: {e}", flush=True)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from jax_cpu_mpi._src.compat import ir
 from jax_cpu_mpi._src.ffi.custom_calls import (
     BACKEND_CONFIG,
@@ -133,16 +135,37 @@ def inline_calls(module: Any) -> int:
     return inlined
 
 
-def _rebuild(op: Any, site: int, previous: Any | None) -> Any:
+#: A dependency: a value and the layout the custom call declares for it.
+_Link = tuple[Any, Any]
+
+
+def _layout(value: Any) -> Any:
+    """The default (row-major) layout of a tensor value, as operand_layouts spells it."""
+    rank = ir.RankedTensorType(value.type).rank
+    return ir.DenseIntElementsAttr.get(
+        np.arange(rank - 1, -1, -1, dtype=np.int64),
+        type=ir.RankedTensorType.get([rank], ir.IndexType.get()))
+
+
+def _link_to_result(op: Any) -> _Link | None:
+    """A result of ``op`` a later collective can read (XLA runs a loop or a conditional as
+    one step: reading any of its results orders the reader after all of it)."""
+    for result in op.results:
+        if _is(result.type, ir.RankedTensorType):
+            return result, _layout(result)
+    return None
+
+
+def _rebuild(op: Any, site: int, previous: _Link | None) -> Any:
     named = [op.attributes[i] for i in range(len(op.attributes))]
     attributes = {n.name: n.attr for n in named}
     attributes[BACKEND_CONFIG] = with_int_attribute(op, "site", site)
     operands = list(op.operands)
     if previous is not None:
         layouts = list(ir.ArrayAttr(op.attributes["operand_layouts"]))
-        layouts.append(ir.ArrayAttr(previous.attributes["result_layouts"])[0])
+        layouts.append(previous[1])
         attributes["operand_layouts"] = ir.ArrayAttr.get(layouts)
-        operands.append(previous.results[0])
+        operands.append(previous[0])
     new = ir.Operation.create(
         "stablehlo.custom_call", results=[r.type for r in op.results], operands=operands,
         attributes=attributes, loc=op.location, ip=ir.InsertionPoint(op))
@@ -152,19 +175,81 @@ def _rebuild(op: Any, site: int, previous: Any | None) -> Any:
     return new
 
 
+def _carry(loop: Any, link: _Link) -> tuple[Any, Any]:
+    """``loop`` (a stablehlo.while) rebuilt with one more loop-carried value, ``link``'s,
+    passed through unchanged: the loop then reads it, so it starts after the collective
+    that made it. Returns the new loop and that value's argument in the body."""
+    value, _ = link
+    new = ir.Operation.create(
+        "stablehlo.while", results=[*(r.type for r in loop.results), value.type],
+        operands=[*loop.operands, value],
+        attributes={a.name: a.attr for a in (loop.attributes[i]
+                                             for i in range(len(loop.attributes)))},
+        regions=2, loc=loop.location, ip=ir.InsertionPoint(loop))
+    arguments = []
+    for old_region, new_region in zip(loop.regions, new.regions, strict=True):
+        block = old_region.blocks[0]
+        block.append_to(new_region)
+        arguments.append(block.add_argument(value.type, loop.location))
+    body = new.regions[1].blocks[0]
+    returned = list(body.operations)[-1].operation
+    ir.Operation.create("stablehlo.return", operands=[*returned.operands, arguments[1]],
+                        loc=returned.location, ip=ir.InsertionPoint(returned))
+    returned.erase()
+    for old, replacement in zip(loop.results, new.results, strict=False):
+        old.replace_all_uses_with(replacement)
+    loop.erase()
+    return new, arguments[1]
+
+
+class _Chain:
+    """Numbers the calls (``site``) and counts those given a dependency."""
+
+    def __init__(self) -> None:
+        self.site = 0
+        self.chained = 0
+
+    def block(self, block: Any, previous: _Link | None) -> _Link | None:
+        """Chain the collectives of ``block`` (and of the loops and conditionals in it)
+        after ``previous``, in program order; returns the last link."""
+        for op in [o.operation for o in block.operations]:
+            if call_target(op) in collectives.TARGETS:
+                new = _rebuild(op, self.site % collectives.SITES, previous)
+                self.site += 1
+                self.chained += previous is not None
+                previous = new.results[0], ir.ArrayAttr(new.attributes["result_layouts"])[0]
+            elif len(op.regions) and any(call_target(o) in collectives.TARGETS
+                                         for o in operations(op)):
+                previous = self.region_op(op, previous)
+        return previous
+
+    def region_op(self, op: Any, previous: _Link | None) -> _Link | None:
+        if op.name == "stablehlo.while":
+            inner = None
+            if previous is not None:
+                op, argument = _carry(op, previous)
+                inner = argument, previous[1]
+            for region in op.regions:
+                self.block(region.blocks[0], inner)
+            return (op.results[-1], previous[1]) if previous is not None else (
+                _link_to_result(op))
+        # A conditional's branches read values from above: each branch's first collective
+        # reads the previous one's result, so the conditional starts after it. Other ops
+        # with regions (the manual computation) start a chain of their own.
+        inner = previous if op.name in ("stablehlo.case", "stablehlo.if") else None
+        for region in op.regions:
+            for block in region.blocks:
+                self.block(block, inner)
+        return _link_to_result(op) or previous
+
+
 def order_collectives(module: Any) -> int:
     """Runs the pass on a lowered module; returns how many calls it chained."""
     collectives.pending_for_pass = 0
-    chained = 0
-    with module.context:
+    with module.context, ir.Location.unknown():
         inline_calls(module)
-        calls = [op for op in operations(module.operation)
-                 if call_target(op) in collectives.TARGETS]
-        last_in_block: list[tuple[Any, Any]] = []  # (block, the last call there)
-        for site, op in enumerate(calls):
-            block = op.block
-            previous = next((c for b, c in last_in_block if b == block), None)
-            new = _rebuild(op, site % collectives.SITES, previous)
-            last_in_block = [(b, c) for b, c in last_in_block if b != block] + [(block, new)]
-            chained += previous is not None
-    return chained
+        chain = _Chain()
+        for func in _functions(module).values():
+            for block in func.regions[0].blocks:
+                chain.block(block, None)
+    return chain.chained
