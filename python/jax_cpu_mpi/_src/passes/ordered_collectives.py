@@ -4,18 +4,23 @@ XLA CPU runs independent custom calls in whatever order its thunk executor picks
 them at run time by their buffers alone), and not necessarily the same order on every
 process: two all-reduces of one group would then meet the wrong partner (MPI matches
 collectives by order). After JAX has lowered a CPU program, this pass gives each collective
-call of ``lowering/collectives.py`` the result of the previous one in its block as an extra
-operand (unread by the handler: a buffer dependency XLA keeps), and numbers the calls of the
+call of ``lowering/collectives.py`` the result of the previous one as an extra operand
+(unread by the handler: a buffer dependency XLA keeps), and numbers the calls of the
 program (``site``, modulo ``SITES``): calls with different numbers use different
-communicators and local rounds, so that calls in different blocks (a loop body and the code
-around it), which this pass cannot order, never meet each other's partner either.
+communicators and local rounds.
 
 First it inlines every ``func.call`` whose callee (or a function it calls) holds one of our
 collectives: a nested ``jax.jit``, a jnp function or a custom_vjp rule lowers to a private
 function that XLA inlines only later, so its collectives would sit in a block of their own,
 unordered against the caller's (two devices of one process meeting two psums in opposite
-orders wait for each other forever), and a callee called twice would give both calls one
-``site``.
+orders wait for each other), and a callee called twice would give both calls one ``site``.
+
+Loops and conditionals are blocks of their own too; the chain goes through them. A
+``stablehlo.while`` carries the previous collective's result as one more loop value, passed
+through unchanged: the loop reads it, so it starts after that collective, and the first
+collective of the body reads it. A conditional's branches read it from above. The next
+collective reads a result of the loop or conditional, which XLA writes when all of it has
+run.
 """
 
 from __future__ import annotations
