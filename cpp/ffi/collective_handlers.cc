@@ -288,7 +288,7 @@ ffi::Error Lead(const std::vector<const void*>& in, const std::vector<void*>& ou
   return ffi::Error::Success();
 }
 
-// `after`: the previous collective's result in the same block of the program (unread: it
+// `after`: the previous collective's result, or a loop's or conditional's (unread: it
 // only orders this call after that one, the same way on every process).
 ffi::Error AllReduce(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
                      ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> out,

@@ -355,6 +355,50 @@ t_mpi, t_gloo = transformed("mpi"), transformed("gloo")
 for k in t_mpi:
     close(f"mpi  {k} vs gloo", t_mpi[k], t_gloo[k])
 
+# ---- psums in a nested jit (called twice), a loop and a cond, beside independent ones: the
+# ordering pass inlines the calls and chains every psum, through the loop and the cond (a
+# nested jit's psum used to sit in a function of its own, unordered, sharing one site)
+
+
+@jax.jit
+def _doubled_psum(v):
+    return jax.lax.psum(v * 2, "x")
+
+
+def nested(v):
+    looped = jax.lax.fori_loop(0, 3, lambda i, c: c + jax.lax.psum(c, "x") * 0.5, v)
+    a = jax.lax.psum(v, "x")
+    chosen = jax.lax.cond(jnp.sum(a) > 0, lambda u: u + jax.lax.psum(u, "x"), lambda u: u * 4,
+                          v)
+    return (a + _doubled_psum(v + 1) + jax.lax.psum(v * 3, "x") + looped +
+            _doubled_psum(v * 5) + chosen)
+
+
+config.configure(collectives="mpi")
+v_nested = values("float32", (6,), 31)
+f_nested = jax.jit(jax.shard_map(nested, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+x_nested = common.global_array(mesh, P("x"), v_nested)
+text = f_nested.lower(x_nested).as_text()
+sites = [line.split("site = ")[1].split(" ")[0] for line in text.splitlines()
+         if "jax_cpu_mpi_all_reduce" in line]
+got_nested = common.gather(f_nested(x_nested))
+looped = v_nested.copy()
+for _ in range(3):
+    looped = looped + looped.sum(0) * 0.5
+total = v_nested.sum(0)
+chosen = v_nested + total if total.sum() > 0 else v_nested * 4
+want_nested = (total + 2 * (v_nested + 1).sum(0) + 3 * total + looped + 10 * total + chosen)
+try:
+    assert "func.call" not in text, "a function holding a psum was not inlined"
+    assert len(sites) == 6 and len(set(sites)) == 6, f"sites {sites}"
+    np.testing.assert_allclose(got_nested, np.broadcast_to(want_nested, got_nested.shape),
+                               rtol=1e-5, atol=1e-4)
+    print("ok   mpi  psums in a nested jit, a loop and a cond beside others vs numpy",
+          flush=True)
+except AssertionError as e:
+    failures.append("nested psums")
+    print(f"FAIL nested psums: {e}", flush=True)
+
 # ---- axis_index_groups and scan for all_gather / psum_scatter / all_to_all (and psum), in
 # one program per setting. The groups span processes and one lists its members out of
 # order (2 devices: [[1, 0]]; 4: [[0, 2], [3, 1]]), so the exchanges' positions are not

@@ -4,16 +4,30 @@ XLA CPU runs independent custom calls in whatever order its thunk executor picks
 them at run time by their buffers alone), and not necessarily the same order on every
 process: two all-reduces of one group would then meet the wrong partner (MPI matches
 collectives by order). After JAX has lowered a CPU program, this pass gives each collective
-call of ``lowering/collectives.py`` the result of the previous one in its block as an extra
-operand (unread by the handler: a buffer dependency XLA keeps), and numbers the calls of the
+call of ``lowering/collectives.py`` the result of the previous one as an extra operand
+(unread by the handler: a buffer dependency XLA keeps), and numbers the calls of the
 program (``site``, modulo ``SITES``): calls with different numbers use different
-communicators and local rounds, so that calls in different blocks (a loop body and the code
-around it), which this pass cannot order, never meet each other's partner either.
+communicators and local rounds.
+
+First it inlines every ``func.call`` whose callee (or a function it calls) holds one of our
+collectives: a nested ``jax.jit``, a jnp function or a custom_vjp rule lowers to a private
+function that XLA inlines only later, so its collectives would sit in a block of their own,
+unordered against the caller's (two devices of one process meeting two psums in opposite
+orders wait for each other), and a callee called twice would give both calls one ``site``.
+
+Loops and conditionals are blocks of their own too; the chain goes through them. A
+``stablehlo.while`` carries the previous collective's result as one more loop value, passed
+through unchanged: the loop reads it, so it starts after that collective, and the first
+collective of the body reads it. A conditional's branches read it from above. The next
+collective reads a result of the loop or conditional, which XLA writes when all of it has
+run.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import numpy as np
 
 from jax_cpu_mpi._src.compat import ir
 from jax_cpu_mpi._src.ffi.custom_calls import (
@@ -30,16 +44,133 @@ def wanted(platforms: Any, jaxpr: Any) -> bool:
     return "cpu" in tuple(platforms) and collectives.pending_for_pass > 0
 
 
-def _rebuild(op: Any, site: int, previous: Any | None) -> Any:
+def _callee(call: Any) -> str:
+    return ir.FlatSymbolRefAttr(call.attributes["callee"]).value
+
+
+def _functions(module: Any) -> dict[str, Any]:
+    return {ir.StringAttr(op.attributes["sym_name"]).value: op.operation
+            for op in module.body.operations if op.operation.name == "func.func"}
+
+
+def _with_collectives(functions: dict[str, Any]) -> set[str]:
+    """The functions that hold one of our collectives, or call one that does."""
+    calls: dict[str, set[str]] = {}
+    found: set[str] = set()
+    for name, func in functions.items():
+        calls[name] = set()
+        for op in operations(func):
+            if call_target(op) in collectives.TARGETS:
+                found.add(name)
+            elif op.name == "func.call":
+                calls[name].add(_callee(op))
+    grew = True
+    while grew:
+        grew = False
+        for name, callees in calls.items():
+            if name not in found and callees & found:
+                found.add(name)
+                grew = True
+    return found
+
+
+def _inline(call: Any, callee: Any) -> bool:
+    """Replace ``call`` by a copy of its callee's body; False (nothing done) for a callee
+    of several blocks (JAX lowers none)."""
+    if len(callee.regions[0].blocks) != 1:
+        return False
+    copy = callee.clone(ip=False)
+    body = copy.regions[0].blocks[0]
+    for argument, operand in zip(body.arguments, call.operands, strict=True):
+        argument.replace_all_uses_with(operand)
+    ops = [op.operation for op in body.operations]
+    returned = ops[-1]  # func.return
+    for op in ops[:-1]:
+        op.move_before(call)
+    for result, value in zip(call.results, returned.operands, strict=True):
+        result.replace_all_uses_with(value)
+    call.erase()
+    copy.erase()
+    return True
+
+
+def _is(attr: Any, kind: Any) -> bool:
+    # Newer MLIR bindings give attributes their concrete class; older ones have isinstance().
+    test = getattr(kind, "isinstance", None)
+    return isinstance(attr, kind) or (test is not None and test(attr))
+
+
+def _symbols(attr: Any, into: set[str]) -> None:
+    """The symbols ``attr`` refers to (nested in arrays and dictionaries too)."""
+    if _is(attr, ir.FlatSymbolRefAttr):
+        into.add(ir.FlatSymbolRefAttr(attr).value)
+    elif _is(attr, ir.ArrayAttr):
+        for a in ir.ArrayAttr(attr):
+            _symbols(a, into)
+    elif _is(attr, ir.DictAttr):
+        d = ir.DictAttr(attr)
+        for i in range(len(d)):
+            _symbols(d[i].attr, into)
+
+
+def inline_calls(module: Any) -> int:
+    """Inline every call of a function that holds our collectives (nested calls too), then
+    erase the private functions no longer referenced; returns how many calls it inlined."""
+    functions = _functions(module)
+    wanted_callees = _with_collectives(functions)
+    inlined = 0
+    while True:
+        calls = [op for op in operations(module.operation)
+                 if op.name == "func.call" and _callee(op) in wanted_callees]
+        calls = [c for c in calls if _inline(c, functions[_callee(c)])]
+        if not calls:
+            break
+        inlined += len(calls)
+    if inlined:
+        used: set[str] = set()
+        for op in operations(module.operation):
+            for i in range(len(op.attributes)):
+                if op.attributes[i].name != "sym_name":
+                    _symbols(op.attributes[i].attr, used)
+        for name in wanted_callees - used:
+            func = functions[name]
+            if "sym_visibility" in func.attributes and ir.StringAttr(
+                    func.attributes["sym_visibility"]).value == "private":
+                func.erase()
+    return inlined
+
+
+#: A dependency: a value and the layout the custom call declares for it.
+_Link = tuple[Any, Any]
+
+
+def _layout(value: Any) -> Any:
+    """The default (row-major) layout of a tensor value, as operand_layouts spells it."""
+    rank = ir.RankedTensorType(value.type).rank
+    return ir.DenseIntElementsAttr.get(
+        np.arange(rank - 1, -1, -1, dtype=np.int64),
+        type=ir.RankedTensorType.get([rank], ir.IndexType.get()))
+
+
+def _link_to_result(op: Any) -> _Link | None:
+    """A result of ``op`` a later collective can read (XLA runs a loop or a conditional as
+    one step: reading any of its results orders the reader after all of it)."""
+    for result in op.results:
+        if _is(result.type, ir.RankedTensorType):
+            return result, _layout(result)
+    return None
+
+
+def _rebuild(op: Any, site: int, previous: _Link | None) -> Any:
     named = [op.attributes[i] for i in range(len(op.attributes))]
     attributes = {n.name: n.attr for n in named}
     attributes[BACKEND_CONFIG] = with_int_attribute(op, "site", site)
     operands = list(op.operands)
     if previous is not None:
         layouts = list(ir.ArrayAttr(op.attributes["operand_layouts"]))
-        layouts.append(ir.ArrayAttr(previous.attributes["result_layouts"])[0])
+        layouts.append(previous[1])
         attributes["operand_layouts"] = ir.ArrayAttr.get(layouts)
-        operands.append(previous.results[0])
+        operands.append(previous[0])
     new = ir.Operation.create(
         "stablehlo.custom_call", results=[r.type for r in op.results], operands=operands,
         attributes=attributes, loc=op.location, ip=ir.InsertionPoint(op))
@@ -49,18 +180,81 @@ def _rebuild(op: Any, site: int, previous: Any | None) -> Any:
     return new
 
 
+def _carry(loop: Any, link: _Link) -> tuple[Any, Any]:
+    """``loop`` (a stablehlo.while) rebuilt with one more loop-carried value, ``link``'s,
+    passed through unchanged: the loop then reads it, so it starts after the collective
+    that made it. Returns the new loop and that value's argument in the body."""
+    value, _ = link
+    new = ir.Operation.create(
+        "stablehlo.while", results=[*(r.type for r in loop.results), value.type],
+        operands=[*loop.operands, value],
+        attributes={a.name: a.attr for a in (loop.attributes[i]
+                                             for i in range(len(loop.attributes)))},
+        regions=2, loc=loop.location, ip=ir.InsertionPoint(loop))
+    arguments = []
+    for old_region, new_region in zip(loop.regions, new.regions, strict=True):
+        block = old_region.blocks[0]
+        block.append_to(new_region)
+        arguments.append(block.add_argument(value.type, loop.location))
+    body = new.regions[1].blocks[0]
+    returned = list(body.operations)[-1].operation
+    ir.Operation.create("stablehlo.return", operands=[*returned.operands, arguments[1]],
+                        loc=returned.location, ip=ir.InsertionPoint(returned))
+    returned.erase()
+    for old, replacement in zip(loop.results, new.results, strict=False):
+        old.replace_all_uses_with(replacement)
+    loop.erase()
+    return new, arguments[1]
+
+
+class _Chain:
+    """Numbers the calls (``site``) and counts those given a dependency."""
+
+    def __init__(self) -> None:
+        self.site = 0
+        self.chained = 0
+
+    def block(self, block: Any, previous: _Link | None) -> _Link | None:
+        """Chain the collectives of ``block`` (and of the loops and conditionals in it)
+        after ``previous``, in program order; returns the last link."""
+        for op in [o.operation for o in block.operations]:
+            if call_target(op) in collectives.TARGETS:
+                new = _rebuild(op, self.site % collectives.SITES, previous)
+                self.site += 1
+                self.chained += previous is not None
+                previous = new.results[0], ir.ArrayAttr(new.attributes["result_layouts"])[0]
+            elif len(op.regions) and any(call_target(o) in collectives.TARGETS
+                                         for o in operations(op)):
+                previous = self.region_op(op, previous)
+        return previous
+
+    def region_op(self, op: Any, previous: _Link | None) -> _Link | None:
+        if op.name == "stablehlo.while":
+            inner = None
+            if previous is not None:
+                op, argument = _carry(op, previous)
+                inner = argument, previous[1]
+            for region in op.regions:
+                self.block(region.blocks[0], inner)
+            return (op.results[-1], previous[1]) if previous is not None else (
+                _link_to_result(op))
+        # A conditional's branches read values from above: each branch's first collective
+        # reads the previous one's result, so the conditional starts after it. Other ops
+        # with regions (the manual computation) start a chain of their own.
+        inner = previous if op.name in ("stablehlo.case", "stablehlo.if") else None
+        for region in op.regions:
+            for block in region.blocks:
+                self.block(block, inner)
+        return _link_to_result(op) or previous
+
+
 def order_collectives(module: Any) -> int:
     """Runs the pass on a lowered module; returns how many calls it chained."""
     collectives.pending_for_pass = 0
-    chained = 0
-    with module.context:
-        calls = [op for op in operations(module.operation)
-                 if call_target(op) in collectives.TARGETS]
-        last_in_block: list[tuple[Any, Any]] = []  # (block, the last call there)
-        for site, op in enumerate(calls):
-            block = op.block
-            previous = next((c for b, c in last_in_block if b == block), None)
-            new = _rebuild(op, site % collectives.SITES, previous)
-            last_in_block = [(b, c) for b, c in last_in_block if b != block] + [(block, new)]
-            chained += previous is not None
-    return chained
+    with module.context, ir.Location.unknown():
+        inline_calls(module)
+        chain = _Chain()
+        for func in _functions(module).values():
+            for block in func.regions[0].blocks:
+                chain.block(block, None)
+    return chain.chained

@@ -1,0 +1,100 @@
+"""The collectives' ordering pass (passes/ordered_collectives.py) on a hand-written module:
+calls of functions that hold collectives are inlined (nested calls, a callee called twice),
+and the chain goes through a loop and a conditional. No MPI: the pass only rewrites text."""
+
+from __future__ import annotations
+
+import re
+
+from jax_cpu_mpi._src.compat import ir, make_ir_context
+from jax_cpu_mpi._src.passes import ordered_collectives
+
+_CALL = ('stablehlo.custom_call @jax_cpu_mpi_all_reduce(%{x}, %{p}) {{has_side_effect = true, '
+         'mhlo.backend_config = {{site = 0 : i64}}, operand_layouts = [dense<0> : '
+         'tensor<1xindex>, dense<> : tensor<0xindex>], result_layouts = [dense<0> : '
+         'tensor<1xindex>]}} : (tensor<4xf32>, tensor<ui32>) -> tensor<4xf32>')
+
+
+def _psum(out: str, x: str) -> str:
+    return f"%p{out} = stablehlo.partition_id : tensor<ui32>\n    %{out} = " + _CALL.format(
+        x=x, p=f"p{out}")
+
+
+MODULE = f"""
+module @m {{
+  func.func public @main(%a: tensor<4xf32>, %i: tensor<i32>, %b: tensor<i1>) -> tensor<4xf32> {{
+    {_psum("c0", "a")}
+    %c1 = func.call @outer(%a) : (tensor<4xf32>) -> tensor<4xf32>
+    %c2 = func.call @inner(%a) : (tensor<4xf32>) -> tensor<4xf32>
+    %w:2 = stablehlo.while(%k = %i, %v = %a) : tensor<i32>, tensor<4xf32>
+    cond {{
+      %t = stablehlo.compare LT, %k, %k, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
+      stablehlo.return %t : tensor<i1>
+    }} do {{
+      {_psum("l0", "v")}
+      stablehlo.return %k, %l0 : tensor<i32>, tensor<4xf32>
+    }}
+    %f = "stablehlo.if"(%b) ({{
+      {_psum("f0", "a")}
+      stablehlo.return %f0 : tensor<4xf32>
+    }}, {{
+      stablehlo.return %a : tensor<4xf32>
+    }}) : (tensor<i1>) -> tensor<4xf32>
+    {_psum("c3", "a")}
+    %s0 = stablehlo.add %c0, %c1 : tensor<4xf32>
+    %s1 = stablehlo.add %s0, %c2 : tensor<4xf32>
+    %s2 = stablehlo.add %s1, %w#1 : tensor<4xf32>
+    %s3 = stablehlo.add %s2, %f : tensor<4xf32>
+    %s4 = stablehlo.add %s3, %c3 : tensor<4xf32>
+    return %s4 : tensor<4xf32>
+  }}
+  func.func private @outer(%x: tensor<4xf32>) -> tensor<4xf32> {{
+    %y = func.call @inner(%x) : (tensor<4xf32>) -> tensor<4xf32>
+    return %y : tensor<4xf32>
+  }}
+  func.func private @inner(%x: tensor<4xf32>) -> tensor<4xf32> {{
+    {_psum("y", "x")}
+    return %y : tensor<4xf32>
+  }}
+  func.func private @unrelated(%x: tensor<4xf32>) -> tensor<4xf32> {{
+    return %x : tensor<4xf32>
+  }}
+}}
+"""
+
+
+def _ordered() -> str:
+    module = ir.Module.parse(MODULE, context=make_ir_context())
+    chained = ordered_collectives.order_collectives(module)
+    module.operation.verify()
+    assert chained == 5  # every psum but the first reads the one before
+    return str(module)
+
+
+def test_calls_holding_collectives_are_inlined_and_their_functions_erased():
+    text = _ordered()
+    assert "func.call" not in text
+    assert "@outer" not in text and "@inner" not in text
+    assert "@unrelated" in text  # no collective: left alone
+    sites = re.findall(r"site = (\d+)", text)
+    assert sorted(map(int, sites)) == list(range(6))  # the callee called twice: two sites
+
+
+def test_the_chain_goes_through_the_loop_and_the_conditional():
+    text = _ordered()
+    calls = re.findall(r"(%\w+) = stablehlo.custom_call @jax_cpu_mpi_all_reduce\(([^)]*)\)",
+                       text)
+    operands = [args.split(", ") for _, args in calls]
+    # main's psum, the two inlined ones, the loop's, the conditional's, the last.
+    assert [len(o) for o in operands] == [2, 3, 3, 3, 3, 3]
+    # The loop carries the last psum before it, passed through, and its body's psum reads it.
+    loop_result, loop_args = re.search(r"(%\w+):3 = stablehlo.while\(([^)]*)\)", text).groups()
+    carried, init = loop_args.split(", ")[2].split(" = ")
+    assert init == calls[2][0]
+    assert operands[3][2] == carried
+    assert re.search(rf"stablehlo.return %\w+, %\w+, {carried} :", text)
+    # The conditional's psum reads the loop's result from above; the last psum reads the
+    # conditional's result.
+    assert operands[4][2] == f"{loop_result}#2"
+    cond_result = re.search(r'(%\w+) = "stablehlo.if"', text).group(1)
+    assert operands[5][2] == cond_result
