@@ -71,7 +71,7 @@ def main(argv: list[str]) -> int:
     text = ex.load_text(args.text_chars)
     _, parts, model_tree = ex.make_model(len(text.vocab), args)
     mesh = ex.make_mesh(args)
-    optimizer = ex.make_optimizer(args)
+    optimizer = ex.make_optimizer(args, mesh)
     shardings = ex.train_shardings(mesh, parts.train_tree(model_tree))
     params = jax.device_put(parts.train_tree(model_tree), shardings)
     opt_state = ex.init_opt_state(optimizer, params, mesh)

@@ -307,9 +307,11 @@ def make_model(vocab: int, args: argparse.Namespace) -> tuple[Transformer, Parts
     return model, parts, nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
-def make_optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
+def make_optimizer(args: argparse.Namespace, mesh: jax.sharding.Mesh | None = None
+                   ) -> optax.GradientTransformation:
     """AdamW with global-norm clipping, warm-up and cosine decay; no decay of norms and
-    biases."""
+    biases. ``mesh``: the training mesh, whose gradients (train layout) the clipping's norm
+    then sums with an explicit ``psum`` over the stages (:func:`clip_by_global_norm`)."""
     warmup = max(1, min(args.warmup, args.steps - 1))
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, args.lr, warmup, max(args.steps, warmup + 1), end_value=args.lr / 10)
@@ -319,8 +321,44 @@ def make_optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
             lambda path, _: str(getattr(path[-1], "key", "")) in ("kernel", "embedding"),
             tree)
 
-    return optax.chain(optax.clip_by_global_norm(args.clip),
+    clip = optax.clip_by_global_norm(args.clip) if mesh is None \
+        else clip_by_global_norm(args.clip, partial(global_norm, mesh))
+    return optax.chain(clip,
                        optax.adamw(schedule, weight_decay=args.weight_decay, mask=decayed))
+
+
+def global_norm(mesh: jax.sharding.Mesh, grads: PyTree) -> jax.Array:
+    """The L2 norm of the gradients in the train layout (blocks sharded over the stages,
+    embedding and head replicated): each stage's blocks' sum of squares, ``psum`` over
+    the stages inside ``shard_map``.
+
+    Left to the partitioner, the sum over a stage-sharded array becomes an all-reduce it
+    inserts after JAX's lowering, which runs on XLA's own collectives (gloo's TCP loop
+    under ``mpirun``) instead of this package's MPI lowering of ``psum``."""
+    def local(tree: PyTree) -> jax.Array:
+        squares = lambda t: sum(jnp.sum(jnp.square(a)) for a in jax.tree.leaves(t))  # noqa: E731
+        blocks = jax.lax.psum(squares(tree["blocks"]), STAGE)
+        return jnp.sqrt(blocks + squares({k: v for k, v in tree.items() if k != "blocks"}))
+
+    specs = {k: P(STAGE) if k == "blocks" else P() for k in grads}
+    return jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=P())(grads)
+
+
+def clip_by_global_norm(max_norm: float, norm: Callable[[PyTree], jax.Array]
+                        ) -> optax.GradientTransformation:
+    """``optax.clip_by_global_norm`` with the norm computed by ``norm``; the same (empty)
+    state, so checkpoints of either restore into the other."""
+    def update(updates: PyTree, state: optax.EmptyState, params: PyTree | None = None
+               ) -> tuple[PyTree, optax.EmptyState]:
+        del params
+        g_norm = norm(updates)
+        trigger = g_norm < max_norm
+        clipped = jax.tree.map(
+            lambda t: jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm),
+            updates)
+        return clipped, state
+
+    return optax.GradientTransformation(optax.init_empty_state, update)
 
 
 # ----------------------------------------------------------------------------- training
@@ -357,13 +395,30 @@ def make_value_and_grad(parts: Parts, mesh: jax.sharding.Mesh, args: argparse.Na
         parts.stages.stage_fn, parts.head_loss, mesh, schedule, axis_name=STAGE,
         data_axis_name=DATA, return_input_grads=True, remat=args.remat)
 
+    # The embedding per data shard, in shard_map: the gradient of its replicated
+    # parameters is then a psum over the data axis that JAX lowers (this package's MPI
+    # lowering under mpirun), not an all-reduce the partitioner inserts after lowering
+    # (XLA's own collectives: gloo's TCP loop between a process's own devices).
+    rep, data = P(), P(None, DATA)
+
+    def embed(p: PyTree, ids: jax.Array) -> jax.Array:
+        return nnx.merge(parts.embed, p)(ids)
+
+    def embed_grads(p: PyTree, ids: jax.Array, dh: jax.Array) -> PyTree:
+        _, vjp = jax.vjp(lambda p: embed(p, ids), p)
+        return vjp(dh)[0]  # p is invariant over data: its cotangent is psum'd over it
+
+    embed_sharded = jax.shard_map(embed, mesh=mesh, in_specs=(rep, data), out_specs=data)
+    embed_grads_sharded = jax.shard_map(embed_grads, mesh=mesh, in_specs=(rep, data, data),
+                                        out_specs=rep)
+
     def value_and_grad(params: PyTree, ids: jax.Array, targets: jax.Array,
                        key: jax.Array | None) -> tuple[jax.Array, PyTree]:
-        h, embed_vjp = jax.vjp(lambda p: nnx.merge(parts.embed, p)(ids), params["embed"])
+        h = embed_sharded(params["embed"], ids)
         loss, block_grads, head_grads, dh = blocks(params["blocks"], h, targets, key,
                                                    params["head"])
-        (embed_grads,) = embed_vjp(dh)
-        return loss, {"embed": embed_grads, "blocks": block_grads, "head": head_grads}
+        return loss, {"embed": embed_grads_sharded(params["embed"], ids, dh),
+                      "blocks": block_grads, "head": head_grads}
 
     return value_and_grad
 
@@ -598,7 +653,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      checkpoints.vocab(start_step) if start_step is not None else None)
     model, parts, model_tree = make_model(len(text.vocab), args)
     mesh = make_mesh(args)
-    optimizer = make_optimizer(args)
+    optimizer = make_optimizer(args, mesh)
     shardings = train_shardings(mesh, parts.train_tree(model_tree))
     params = jax.device_put(parts.train_tree(model_tree), shardings)
     opt_state = init_opt_state(optimizer, params, mesh)
