@@ -137,6 +137,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.flatten_util import ravel_pytree  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -405,8 +406,13 @@ def make_value_and_grad(parts: Parts, mesh: jax.sharding.Mesh, args: argparse.Na
         return nnx.merge(parts.embed, p)(ids)
 
     def embed_grads(p: PyTree, ids: jax.Array, dh: jax.Array) -> PyTree:
-        _, vjp = jax.vjp(lambda p: embed(p, ids), p)
-        return vjp(dh)[0]  # p is invariant over data: its cotangent is psum'd over it
+        # The shard's own gradient (p made varying: no psum per leaf inside jnp.take's
+        # transpose), then one psum of all of it. Our collectives are ordered only within
+        # one block of the program; two psums in different blocks (a nested jit and
+        # its caller) could meet the two devices of a group in opposite orders.
+        _, vjp = jax.vjp(lambda p: embed(p, ids), jax.lax.pcast(p, DATA, to="varying"))
+        flat, unflatten = ravel_pytree(vjp(dh)[0])
+        return unflatten(jax.lax.psum(flat, DATA))
 
     embed_sharded = jax.shard_map(embed, mesh=mesh, in_specs=(rep, data), out_specs=data)
     embed_grads_sharded = jax.shard_map(embed_grads, mesh=mesh, in_specs=(rep, data, data),
