@@ -71,7 +71,7 @@ def main(argv: list[str]) -> int:
     text = ex.load_text(args.text_chars)
     _, parts, model_tree = ex.make_model(len(text.vocab), args)
     mesh = ex.make_mesh(args)
-    optimizer = ex.make_optimizer(args, mesh)
+    optimizer = ex.make_optimizer(args)
     shardings = ex.train_shardings(mesh, parts.train_tree(model_tree))
     params = jax.device_put(parts.train_tree(model_tree), shardings)
     opt_state = ex.init_opt_state(optimizer, params, mesh)
@@ -99,8 +99,9 @@ def main(argv: list[str]) -> int:
     if not ok:
         return 1
 
-    train_step = ex.make_train_step(value_and_grad, optimizer, (
-        shardings, jax.tree.map(lambda a: a.sharding, opt_state), NamedSharding(mesh, P())))
+    train_step = ex.make_train_step(
+        ex.make_value_and_grad(parts, mesh, args, with_norm=True), optimizer,
+        (shardings, jax.tree.map(lambda a: a.sharding, opt_state), NamedSharding(mesh, P())))
     steps = int(own.get("--warmup-steps", "2")) + args.steps
     # The batches on the devices before the clock starts, as the torch side's.
     batches = [tuple(map(microbatches, ex.batch_at(text.train, args.seed, i, B, T)))
