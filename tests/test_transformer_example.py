@@ -82,6 +82,29 @@ def test_the_check_tells_pass_from_fail(capsys):
     assert verdicts == ["PASS", "FAIL", "FAIL"]
 
 
+@pytest.mark.parametrize("max_norm", [0.5, 1e6], ids=["clipped", "kept"])
+def test_the_clip_is_optaxs_given_the_norm_or_not(max_norm):
+    """The example's clipping, given the norm (as its step does) or computing it, gives
+    optax.clip_by_global_norm's updates and state (so checkpoints restore either way)."""
+    import jax
+    import optax
+
+    from jax_cpu_mpi.examples import transformer
+
+    rng = np.random.default_rng(0)
+    tree = {"embed": {"e": rng.normal(size=(5, 3))}, "head": {"h": rng.normal(size=(3,))},
+            "blocks": {"k": rng.normal(size=(2, 4, 3)), "b": rng.normal(size=(2, 3))}}
+    tree = jax.tree.map(lambda a: np.asarray(a, np.float32), tree)
+    ours, want = transformer.clip_by_global_norm(max_norm), optax.clip_by_global_norm(max_norm)
+    assert ours.init(tree) == want.init(tree)
+    wanted = want.update(tree, None)[0]
+    norm = np.sqrt(sum(np.sum(np.square(a)) for a in jax.tree.leaves(tree)))
+    for got in (ours.update(tree, ours.init(tree), global_norm=norm)[0],
+                ours.update(tree, ours.init(tree))[0]):
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(wanted), strict=True):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6)
+
+
 @pytest.mark.mpi
 @pytest.mark.timeout(600)
 def test_mpirun_n2x2devices_trains_and_checkpoints(tmp_path):

@@ -99,8 +99,9 @@ def main(argv: list[str]) -> int:
     if not ok:
         return 1
 
-    train_step = ex.make_train_step(value_and_grad, optimizer, (
-        shardings, jax.tree.map(lambda a: a.sharding, opt_state), NamedSharding(mesh, P())))
+    train_step = ex.make_train_step(
+        ex.make_value_and_grad(parts, mesh, args, with_norm=True), optimizer,
+        (shardings, jax.tree.map(lambda a: a.sharding, opt_state), NamedSharding(mesh, P())))
     steps = int(own.get("--warmup-steps", "2")) + args.steps
     # The batches on the devices before the clock starts, as the torch side's.
     batches = [tuple(map(microbatches, ex.batch_at(text.train, args.seed, i, B, T)))

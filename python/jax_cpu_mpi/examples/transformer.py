@@ -137,6 +137,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.flatten_util import ravel_pytree  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -308,7 +309,8 @@ def make_model(vocab: int, args: argparse.Namespace) -> tuple[Transformer, Parts
 
 
 def make_optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
-    """AdamW with global-norm clipping, warm-up and cosine decay; no decay of norms and
+    """AdamW with global-norm clipping (:func:`clip_by_global_norm`: give the norm as
+    ``update(..., global_norm=norm)``), warm-up and cosine decay; no decay of norms and
     biases."""
     warmup = max(1, min(args.warmup, args.steps - 1))
     schedule = optax.warmup_cosine_decay_schedule(
@@ -319,8 +321,32 @@ def make_optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
             lambda path, _: str(getattr(path[-1], "key", "")) in ("kernel", "embedding"),
             tree)
 
-    return optax.chain(optax.clip_by_global_norm(args.clip),
+    return optax.chain(clip_by_global_norm(args.clip),
                        optax.adamw(schedule, weight_decay=args.weight_decay, mask=decayed))
+
+
+def global_norm_squares(tree: PyTree) -> jax.Array:
+    """The sum of the squares of every leaf (of this device's part, inside ``shard_map``)."""
+    return sum(jnp.sum(jnp.square(a)) for a in jax.tree.leaves(tree))
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """``optax.clip_by_global_norm``, with the same (empty) state, so checkpoints of either
+    restore into the other, that takes the norm as ``update(..., global_norm=norm)``: the
+    example's step computes it inside its ``shard_map`` (a ``psum`` over the stages).
+    Without it, Optax's ``optax.tree.norm``."""
+    def update(updates: PyTree, state: optax.EmptyState, params: PyTree | None = None,
+               *, global_norm: jax.Array | None = None, **extra: Any
+               ) -> tuple[PyTree, optax.EmptyState]:
+        del params, extra
+        g_norm = optax.tree.norm(updates) if global_norm is None else global_norm
+        trigger = g_norm < max_norm
+        clipped = jax.tree.map(
+            lambda t: jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm),
+            updates)
+        return clipped, state
+
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
 
 
 # ----------------------------------------------------------------------------- training
@@ -347,23 +373,49 @@ def train_shardings(mesh: jax.sharding.Mesh, tree: PyTree) -> PyTree:
             for k, v in tree.items()}
 
 
-def make_value_and_grad(parts: Parts, mesh: jax.sharding.Mesh, args: argparse.Namespace
-                        ) -> Callable[..., tuple[jax.Array, PyTree]]:
-    """``(params, ids, targets, key) -> (loss, grads)``: the embedding, the pipeline, the
-    head; ``ids``/``targets`` ``[M, batch / M, seq]``, the batch axis sharded over data.
-    ``key`` ``None``: no dropout."""
+def make_value_and_grad(parts: Parts, mesh: jax.sharding.Mesh, args: argparse.Namespace,
+                        with_norm: bool = False) -> Callable[..., tuple[jax.Array, ...]]:
+    """``(params, ids, targets, key) -> (loss, grads)`` (``with_norm``: ``(loss, grads,
+    global norm of grads)``): the embedding, the pipeline, the head;
+    ``ids``/``targets`` ``[M, batch / M, seq]``, the batch axis sharded over data. ``key``
+    ``None``: no dropout.
+
+    All of it is one ``shard_map`` (:func:`jax_cpu_mpi.pipeline.value_and_grad` inside), so
+    every cross-device sum is a ``psum`` this package lowers (over MPI under ``mpirun``) and
+    all of them are in one block of the program, which orders them the same on every
+    device. Left to the partitioner (a ``jax.vjp`` of the replicated embedding over sharded
+    ids, Optax's norm over stage-sharded gradients) they become all-reduces XLA inserts after
+    lowering, on its own collectives (gloo's TCP loop under ``mpirun``, between a process's
+    own devices too); in separate ``shard_map``s, two devices of a group could meet their
+    psums in opposite orders."""
     schedule = pipeline.schedule_by_name(args.schedule, args.virtual_stages)
-    blocks = pipeline.shard_value_and_grad(
-        parts.stages.stage_fn, parts.head_loss, mesh, schedule, axis_name=STAGE,
-        data_axis_name=DATA, return_input_grads=True, remat=args.remat)
+    rep, data = P(), P(None, DATA)
+    param_specs = {"embed": rep, "blocks": P(STAGE), "head": rep}
+
+    def body(params: PyTree, ids: jax.Array, targets: jax.Array, key: jax.Array | None
+             ) -> tuple[jax.Array, ...]:
+        # The shard's own embedding gradient (its parameters made varying over data), then
+        # one psum of all of it.
+        h, embed_vjp = jax.vjp(lambda p: nnx.merge(parts.embed, p)(ids),
+                               jax.lax.pcast(params["embed"], DATA, to="varying"))
+        loss, block_grads, head_grads, dh = pipeline.value_and_grad(
+            parts.stages.stage_fn, params["blocks"], parts.head_loss, h, targets, schedule,
+            axis_name=STAGE, data_axis_name=DATA, return_input_grads=True, remat=args.remat,
+            key=key, loss_params=params["head"])
+        flat, unflatten = ravel_pytree(embed_vjp(dh)[0])
+        grads = {"embed": unflatten(jax.lax.psum(flat, DATA)), "blocks": block_grads,
+                 "head": head_grads}
+        if not with_norm:
+            return loss, grads
+        norm = jnp.sqrt(jax.lax.psum(global_norm_squares(block_grads), STAGE)
+                        + global_norm_squares([grads["embed"], head_grads]))
+        return loss, grads, norm
 
     def value_and_grad(params: PyTree, ids: jax.Array, targets: jax.Array,
-                       key: jax.Array | None) -> tuple[jax.Array, PyTree]:
-        h, embed_vjp = jax.vjp(lambda p: nnx.merge(parts.embed, p)(ids), params["embed"])
-        loss, block_grads, head_grads, dh = blocks(params["blocks"], h, targets, key,
-                                                   params["head"])
-        (embed_grads,) = embed_vjp(dh)
-        return loss, {"embed": embed_grads, "blocks": block_grads, "head": head_grads}
+                       key: jax.Array | None) -> tuple[jax.Array, ...]:
+        out_specs = (rep, param_specs) + ((rep,) if with_norm else ())
+        return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, data, data, rep),
+                             out_specs=out_specs)(params, ids, targets, key)
 
     return value_and_grad
 
@@ -397,13 +449,14 @@ def reference_value_and_grad(parts: Parts, args: argparse.Namespace
 def make_train_step(value_and_grad: Callable[..., Any], optimizer: optax.GradientTransformation,
                     shardings: tuple[PyTree, PyTree, Any]
                     ) -> Callable[..., tuple[PyTree, PyTree, jax.Array]]:
-    """The jitted step; its results keep the parameters' and optimizer state's shardings
-    (``shardings``), so the next step runs the same compiled program."""
+    """The jitted step (``value_and_grad``: :func:`make_value_and_grad` ``with_norm``, whose
+    norm the clipping takes); its results keep the parameters' and optimizer state's
+    shardings (``shardings``), so the next step runs the same compiled program."""
     @partial(jax.jit, out_shardings=shardings, donate_argnums=(0, 1))
     def step(params: PyTree, opt_state: PyTree, ids: jax.Array, targets: jax.Array,
              key: jax.Array) -> tuple[PyTree, PyTree, jax.Array]:
-        loss, grads = value_and_grad(params, ids, targets, key)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
+        loss, grads, norm = value_and_grad(params, ids, targets, key)
+        updates, opt_state = optimizer.update(grads, opt_state, params, global_norm=norm)
         return optax.apply_updates(params, updates), opt_state, loss
     return step
 
@@ -651,8 +704,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         checkpoints.save(step, state, text.vocab, force=force)
         say(f"checkpoint: step {step} saved in {args.checkpoint}")
 
-    train_step = make_train_step(value_and_grad, optimizer, (
-        shardings, jax.tree.map(lambda a: a.sharding, opt_state), NamedSharding(mesh, P())))
+    train_step = make_train_step(
+        make_value_and_grad(parts, mesh, args, with_norm=True), optimizer,
+        (shardings, jax.tree.map(lambda a: a.sharding, opt_state), NamedSharding(mesh, P())))
     # The validation loss without dropout (no key); the pipeline forms gradients too.
     evaluate = jax.jit(lambda p, ids, t: value_and_grad(p, ids, t, None)[0])
     losses: list[float] = []
