@@ -28,6 +28,7 @@ module @m {{
     %c2 = func.call @inner(%a) : (tensor<4xf32>) -> tensor<4xf32>
     %w:2 = stablehlo.while(%k = %i, %v = %a) : tensor<i32>, tensor<4xf32>
     cond {{
+      {_psum("t0", "v")}
       %t = stablehlo.compare LT, %k, %k, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
       stablehlo.return %t : tensor<i1>
     }} do {{
@@ -67,7 +68,7 @@ def _ordered() -> str:
     module = ir.Module.parse(MODULE, context=make_ir_context())
     chained = ordered_collectives.order_collectives(module)
     module.operation.verify()
-    assert chained == 5  # every psum but the first reads the one before
+    assert chained == 6  # every psum but the first reads the one before
     return str(module)
 
 
@@ -77,7 +78,7 @@ def test_calls_holding_collectives_are_inlined_and_their_functions_erased():
     assert "@outer" not in text and "@inner" not in text
     assert "@unrelated" in text  # no collective: left alone
     sites = re.findall(r"site = (\d+)", text)
-    assert sorted(map(int, sites)) == list(range(6))  # the callee called twice: two sites
+    assert sorted(map(int, sites)) == list(range(7))  # the callee called twice: two sites
 
 
 def test_the_chain_goes_through_the_loop_and_the_conditional():
@@ -85,16 +86,18 @@ def test_the_chain_goes_through_the_loop_and_the_conditional():
     calls = re.findall(r"(%\w+) = stablehlo.custom_call @jax_cpu_mpi_all_reduce\(([^)]*)\)",
                        text)
     operands = [args.split(", ") for _, args in calls]
-    # main's psum, the two inlined ones, the loop's, the conditional's, the last.
-    assert [len(o) for o in operands] == [2, 3, 3, 3, 3, 3]
-    # The loop carries the last psum before it, passed through, and its body's psum reads it.
+    # main's psum, the two inlined ones, the loop test's and body's, the conditional's, the
+    # last.
+    assert [len(o) for o in operands] == [2, 3, 3, 3, 3, 3, 3]
+    # The loop carries the last psum before it, passed through; the psum of its test reads it
+    # in the test's region, its body's in the body's (the pretty form names both alike).
     loop_result, loop_args = re.search(r"(%\w+):3 = stablehlo.while\(([^)]*)\)", text).groups()
     carried, init = loop_args.split(", ")[2].split(" = ")
     assert init == calls[2][0]
-    assert operands[3][2] == carried
+    assert operands[3][2] == carried and operands[4][2] == carried
     assert re.search(rf"stablehlo.return %\w+, %\w+, {carried} :", text)
     # The conditional's psum reads the loop's result from above; the last psum reads the
     # conditional's result.
-    assert operands[4][2] == f"{loop_result}#2"
+    assert operands[5][2] == f"{loop_result}#2"
     cond_result = re.search(r'(%\w+) = "stablehlo.if"', text).group(1)
-    assert operands[5][2] == cond_result
+    assert operands[6][2] == cond_result

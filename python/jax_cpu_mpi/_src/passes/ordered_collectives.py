@@ -180,10 +180,11 @@ def _rebuild(op: Any, site: int, previous: _Link | None) -> Any:
     return new
 
 
-def _carry(loop: Any, link: _Link) -> tuple[Any, Any]:
+def _carry(loop: Any, link: _Link) -> tuple[Any, list[Any]]:
     """``loop`` (a stablehlo.while) rebuilt with one more loop-carried value, ``link``'s,
     passed through unchanged: the loop then reads it, so it starts after the collective
-    that made it. Returns the new loop and that value's argument in the body."""
+    that made it. Returns the new loop and that value's arguments in the condition and in
+    the body."""
     value, _ = link
     new = ir.Operation.create(
         "stablehlo.while", results=[*(r.type for r in loop.results), value.type],
@@ -204,7 +205,7 @@ def _carry(loop: Any, link: _Link) -> tuple[Any, Any]:
     for old, replacement in zip(loop.results, new.results, strict=False):
         old.replace_all_uses_with(replacement)
     loop.erase()
-    return new, arguments[1]
+    return new, arguments
 
 
 class _Chain:
@@ -230,11 +231,13 @@ class _Chain:
 
     def region_op(self, op: Any, previous: _Link | None) -> _Link | None:
         if op.name == "stablehlo.while":
-            inner = None
+            arguments: list[Any] = [None, None]
             if previous is not None:
-                op, argument = _carry(op, previous)
-                inner = argument, previous[1]
-            for region in op.regions:
+                op, arguments = _carry(op, previous)
+            # The condition's collectives (a psum in the loop's test) read the value in the
+            # condition's own region, the body's in the body's.
+            for region, argument in zip(op.regions, arguments, strict=True):
+                inner = (argument, previous[1]) if argument is not None else None
                 self.block(region.blocks[0], inner)
             return (op.results[-1], previous[1]) if previous is not None else (
                 _link_to_result(op))
