@@ -116,6 +116,10 @@ Status MpiTransport::PollCollective(MPI_Request* request, const char* name, size
       Abandon(std::span<MPI_Request>(request, 1), std::move(keep_alive));
       return Status::Timeout(std::string(name) + " did not complete");
     }
+    if ((polls & 15) == 0 && broken()) {  // another operation abandoned a request: stop
+      Abandon(std::span<MPI_Request>(request, 1), std::move(keep_alive));
+      return Status::Invalid(kMpiBroken);
+    }
     backoff.Pause();
   }
 }
@@ -123,7 +127,7 @@ Status MpiTransport::PollCollective(MPI_Request* request, const char* name, size
 Status MpiTransport::Allreduce(const std::string& key, const std::vector<int>& ranks,
                                const void* send, void* buf, int64_t count, MPI_Datatype type,
                                MPI_Op op, std::chrono::steady_clock::time_point deadline) {
-  if (!MpiIsUsable()) return Status::Invalid(kMpiNotUsable);
+  if (Status s = Usable(); !s.ok()) return s;
   if (count == 0) return Status::Ok();  // the same shape on every rank: none calls MPI
   GroupEntry* group = nullptr;
   if (Status s = GroupComm(key, ranks, &group, deadline); !s.ok()) return s;
@@ -199,7 +203,7 @@ Status MpiTransport::Collective(const std::string& key, const std::vector<int>& 
                                 const std::function<int(MPI_Comm, MPI_Request*)>& start,
                                 size_t bytes, std::chrono::steady_clock::time_point deadline,
                                 std::shared_ptr<void> keep_alive) {
-  if (!MpiIsUsable()) return Status::Invalid(kMpiNotUsable);
+  if (Status s = Usable(); !s.ok()) return s;
   GroupEntry* group = nullptr;
   if (Status s = GroupComm(key, ranks, &group, deadline); !s.ok()) return s;
   MPI_Request request = MPI_REQUEST_NULL;

@@ -27,6 +27,11 @@ inline bool MpiIsUsable() {
 }
 
 inline constexpr const char* kMpiNotUsable = "MPI is not initialized or already finalized";
+inline constexpr const char* kMpiBroken =
+    "an earlier MPI operation of this process timed out on a peer that stopped, and MPI "
+    "cannot cancel it: any further MPI call could complete it into memory that is no longer "
+    "its buffer, so this process makes no more MPI calls. End the job (the first error names "
+    "the operation and the peer)";
 
 // Whether waits sleep soon (the node is oversubscribed, or JAX_CPU_MPI_WAIT=sleep): set by
 // MpiTransport::Create, read by every Backoff.

@@ -113,6 +113,12 @@ Status MpiTransport::CancelWithGrace(std::span<MPI_Request> requests, size_t* ca
   }
 }
 
+Status MpiTransport::Usable() const {
+  if (!MpiIsUsable()) return Status::Invalid(kMpiNotUsable);
+  if (broken()) return Status::Invalid(kMpiBroken);
+  return Status::Ok();
+}
+
 void MpiTransport::Abandon(std::span<MPI_Request> requests, std::shared_ptr<void> keep_alive) {
   // Neither waited on (it would never end) nor freed (MPI_Request_free would let MPI
   // release the request while it may still write into its buffer): kept until the process
@@ -181,7 +187,7 @@ Status MpiTransport::RecvStaged(int source_rank, int tag, void* out, size_t byte
     int flag = 0;
     {
       std::unique_lock<std::mutex> lock = MpiCallLock();
-      if (!MpiIsUsable()) return Status::Invalid(kMpiNotUsable);
+      if (Status s = Usable(); !s.ok()) return s;
       int rc = MPI_Improbe(source_rank, tag, comm_, &flag, &message, &status);
       if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Improbe", rc);
     }

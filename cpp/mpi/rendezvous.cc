@@ -34,7 +34,7 @@ Status MpiTransport::PollReady(ChannelState& ch, uint64_t seq, int dest_rank, in
     MPI_Message message = MPI_MESSAGE_NULL;
     {
       std::unique_lock<std::mutex> lock = MpiCallLock();
-      if (!MpiIsUsable()) return Status::Invalid(kMpiNotUsable);
+      if (Status s = Usable(); !s.ok()) return s;
       int rc = MPI_Improbe(dest_rank, tag, ctrl_comm_, &flag, &message, MPI_STATUS_IGNORE);
       if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Improbe", rc);
       if (!flag) return Status::Ok();
@@ -113,7 +113,9 @@ Status MpiTransport::FinishDirect(const std::shared_ptr<DirectSend>& send,
       if (!MpiIsUsable()) return Status::Invalid(kMpiNotUsable);
       if (Status s = ProgressLocked(); !s.ok()) return s;
       if (send->done) return send->failed;
-      if ((++polls & 63) == 0 && Expired(deadline)) {
+      // A broken transport (see Usable) stops the wait too: its request is then cancelled
+      // or abandoned like one at its deadline, never left to a later progress call.
+      if ((++polls & 63) == 0 && (Expired(deadline) || broken())) {
         // Ours alone from here: the progress of other threads no longer tests it.
         direct_in_flight_.erase(
             std::remove(direct_in_flight_.begin(), direct_in_flight_.end(), send),
@@ -136,6 +138,7 @@ Status MpiTransport::FinishDirect(const std::shared_ptr<DirectSend>& send,
     ++direct_sends_;
     return Status::Ok();
   }
+  if (!Expired(deadline)) return Status::Invalid(kMpiBroken);  // stopped by the break
   return Status::SendTimeout(
       "the receiver signalled that it was ready for this message, then did not take it "
       "before the timeout (JAX_CPU_MPI_RECV_TIMEOUT); did its process fail or exit?");
@@ -290,6 +293,7 @@ Status MpiTransport::ProgressDeferred(std::chrono::steady_clock::time_point dead
   if (deferred_count_.load(std::memory_order_acquire) == 0 || t_send_locks > 0) {
     return Status::Ok();
   }
+  if (Status s = Usable(); !s.ok()) return s;
   std::vector<ChannelState*> channels;
   {
     std::lock_guard<std::mutex> lock(deferred_mu_);
@@ -323,7 +327,7 @@ Status MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out
     // Already sent staged (the sender did not find us ready): take it the plain way.
     int flag = 0;
     std::unique_lock<std::mutex> lock = MpiCallLock();
-    if (!MpiIsUsable()) return Status::Invalid(kMpiNotUsable);
+    if (Status s = Usable(); !s.ok()) return s;
     int rc = MPI_Iprobe(source_rank, tag, comm_, &flag, MPI_STATUS_IGNORE);
     if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Iprobe", rc);
     if (flag) {

@@ -88,7 +88,7 @@ Status MpiTransport::ReserveInflight(size_t bytes, uint64_t max_inflight_bytes,
                                      const StopWaiting& stop, bool* stopped) {
   *stopped = false;
   std::unique_lock<std::mutex> lock(mu_);
-  if (!MpiIsUsable()) return Status::Invalid(kMpiNotUsable);
+  if (Status s = Usable(); !s.ok()) return s;
   if (Status s = ProgressLocked(); !s.ok()) return s;
   // Bound the memory of undelivered sends: wait for older ones to complete first.
   Backoff backoff;

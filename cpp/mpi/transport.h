@@ -125,6 +125,12 @@ class MpiTransport {
 
   // Whether a request was abandoned (see the top of this file): the job should end.
   bool broken() const { return broken_.load(std::memory_order_acquire); }
+  // Whether an operation may call MPI: MPI is initialized and not finalized, and no request
+  // was abandoned. Once one was, every MPI call progresses MPI, which could complete the
+  // abandoned request into a buffer XLA has freed or reused since (calls in flight go on
+  // after the first one failed): operations fail at once instead. The exit's drain still
+  // meets the other ranks.
+  Status Usable() const;
 
   int rank() const { return rank_; }
   int size() const { return size_; }

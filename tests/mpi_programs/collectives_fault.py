@@ -1,7 +1,7 @@
 """A peer that never joins a collective over MPI: the other rank's all_gather (its first
 use: the group's communicator is never created) and then psum (an established
 communicator) fail within JAX_CPU_MPI_RECV_TIMEOUT with an error naming the collective and
-the peer, instead of hanging. Run by tests/runtime/test_collectives_mpi.py
+the peer, instead of hanging; a collective after that fails at once without calling MPI. Run by tests/runtime/test_collectives_mpi.py
 (JAX_CPU_MPI_RECV_TIMEOUT=3, JAX_CPU_MPI_ABORT_ON_ERROR=0)."""
 
 import time
@@ -50,4 +50,17 @@ else:
         assert waited < 3 + 4, waited
         print(f"raised as expected after {waited:.1f} s: {text.splitlines()[0][:300]}",
               flush=True)
+    # The psum's request was abandoned (MPI cannot cancel a collective): any later MPI call
+    # could complete it into a buffer XLA has reused, so the next collective must fail at
+    # once without calling MPI.
+    start = time.monotonic()
+    try:
+        f(x).block_until_ready()
+        print("FAIL: a collective ran after an abandoned one", flush=True)
+    except Exception as e:
+        waited = time.monotonic() - start
+        text = str(e)
+        assert "psum" in text and "earlier MPI operation of this process timed out" in text, text
+        assert waited < 2, waited
+        print(f"refused at once after {waited:.1f} s: {text.splitlines()[0][:300]}", flush=True)
         common.ok()

@@ -26,3 +26,4 @@ def test_a_peer_that_never_joins_fails_within_the_timeout():
     run = run_mpi("collectives_fault.py", nprocs=2, timeout=100,
                   env={"JAX_CPU_MPI_RECV_TIMEOUT": "3", "JAX_CPU_MPI_ABORT_ON_ERROR": "0"})
     assert "raised as expected" in run.rank_output.get(0, ""), run.report()
+    assert "refused at once" in run.rank_output.get(0, ""), run.report()
