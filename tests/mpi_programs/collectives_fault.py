@@ -1,8 +1,9 @@
 """A peer that never joins a collective over MPI: the other rank's all_gather (its first
 use: the group's communicator is never created) and then psum (an established
 communicator) fail within JAX_CPU_MPI_RECV_TIMEOUT with an error naming the collective and
-the peer, instead of hanging; a collective after that fails at once without calling MPI. Run by tests/runtime/test_collectives_mpi.py
-(JAX_CPU_MPI_RECV_TIMEOUT=3, JAX_CPU_MPI_ABORT_ON_ERROR=0)."""
+the peer, instead of hanging; a collective after that fails at once without calling MPI.
+Run by tests/runtime/test_collectives_mpi.py (JAX_CPU_MPI_RECV_TIMEOUT=3,
+JAX_CPU_MPI_ABORT_ON_ERROR=0)."""
 
 import time
 
