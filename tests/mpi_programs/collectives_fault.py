@@ -26,42 +26,31 @@ if jax.process_index() == 1:
     print("peer: stayed away", flush=True)
     common.ok()
 else:
+
+    def fails(call, what: str, needles: tuple[str, ...], within: float, said: str) -> None:
+        """``call`` must raise within ``within`` seconds an error holding every needle."""
+        start = time.monotonic()
+        try:
+            call().block_until_ready()
+        except Exception as e:
+            waited = time.monotonic() - start
+            text = str(e)
+            assert all(n in text for n in needles), text
+            assert waited < within, waited
+            print(f"{said} after {waited:.1f} s: {text.splitlines()[0][:300]}", flush=True)
+            return
+        print(f"FAIL: {what}", flush=True)
+        raise SystemExit(1)
+
     g = jax.jit(jax.shard_map(lambda v: jax.lax.all_gather(v, "x", tiled=True), mesh=mesh,
                               in_specs=P("x"), out_specs=P("x"), check_vma=False))
-    start = time.monotonic()
-    try:
-        g(x).block_until_ready()
-        print("FAIL: the all_gather completed without its peer", flush=True)
-        raise SystemExit(1)
-    except Exception as e:
-        waited = time.monotonic() - start
-        text = str(e)
-        assert "all_gather" in text and "MPI rank 1" in text and "not created in time" in text, text
-        assert waited < 3 + 4, waited
-        print(f"raised as expected after {waited:.1f} s: {text.splitlines()[0][:300]}",
-              flush=True)
-    start = time.monotonic()
-    try:
-        f(x).block_until_ready()
-        print("FAIL: the psum completed without its peer", flush=True)
-    except Exception as e:
-        waited = time.monotonic() - start
-        text = str(e)
-        assert "psum" in text and "MPI rank 1" in text and "did not complete" in text, text
-        assert waited < 3 + 4, waited
-        print(f"raised as expected after {waited:.1f} s: {text.splitlines()[0][:300]}",
-              flush=True)
+    fails(lambda: g(x), "the all_gather completed without its peer",
+          ("all_gather", "MPI rank 1", "not created in time"), 3 + 4, "raised as expected")
+    fails(lambda: f(x), "the psum completed without its peer",
+          ("psum", "MPI rank 1", "did not complete"), 3 + 4, "raised as expected")
     # The psum's request was abandoned (MPI cannot cancel a collective): any later MPI call
     # could complete it into a buffer XLA has reused, so the next collective must fail at
     # once without calling MPI.
-    start = time.monotonic()
-    try:
-        f(x).block_until_ready()
-        print("FAIL: a collective ran after an abandoned one", flush=True)
-    except Exception as e:
-        waited = time.monotonic() - start
-        text = str(e)
-        assert "psum" in text and "earlier MPI operation of this process timed out" in text, text
-        assert waited < 2, waited
-        print(f"refused at once after {waited:.1f} s: {text.splitlines()[0][:300]}", flush=True)
-        common.ok()
+    fails(lambda: f(x), "a collective ran after an abandoned one",
+          ("psum", "earlier MPI operation of this process timed out"), 2, "refused at once")
+    common.ok()
