@@ -83,6 +83,19 @@ def test_precv_keeps_the_operand_of_its_psend():
     assert operands[2:] == [sent, f"{result}#1"], (psend, precv)
 
 
+def test_a_device_sending_to_itself_keeps_and_the_pass_stays_on():
+    # pairs [(0, 0)] are a splat attribute (every element equal): the pass read it as an
+    # array of zero strides and failed writing it back, which switched the pass off for the
+    # rest of the process.
+    mesh = make_mesh((1, "x"))
+    f = spmd(lambda v: hop(v, [(0, 0)]), mesh)
+    x = sharded(mesh, 2)
+    psend, precv = custom_calls(f, x)
+    assert kept(psend) == 1 and kept(precv) == 2
+    assert _compat.KEPT_OPERANDS.active
+    np.testing.assert_array_equal(f(x), x)
+
+
 def test_not_kept_across_blocks_or_when_off(pass_off):
     mesh = make_mesh((2, "x"))
     calls = custom_calls(spmd(lambda v: hop(v, FORWARD), mesh), sharded(mesh, 8))

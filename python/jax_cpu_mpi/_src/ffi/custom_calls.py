@@ -91,9 +91,11 @@ def int_attribute(op: Any, name: str) -> int | None:
 
 
 def array_attribute(op: Any, name: str) -> np.ndarray:
-    """An integer array attribute (``pairs``, ``device_process``...) as int64."""
+    """An integer array attribute (``pairs``, ``device_process``...) as int64, a copy of
+    its own: a splat attribute (every element equal, as the pairs ``[(0, 0)]``) reads as an
+    array of zero strides, which MLIR refuses when it is written back as an attribute."""
     attr = ir.DictAttr(op.attributes[_BACKEND_CONFIG])[name]
-    return np.asarray(ir.DenseIntElementsAttr(attr), dtype=np.int64)
+    return np.array(ir.DenseIntElementsAttr(attr), dtype=np.int64)
 
 
 def pairs(op: Any) -> tuple[tuple[int, int], ...]:
