@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "bench/core_probe.h"
+#include "common/keep_freed_memory.h"
 #include "common/trace.h"
 #include "ffi/device_thread_hint.h"
 #include "ffi/mark.h"
@@ -269,6 +270,10 @@ NB_MODULE(_jax_cpu_mpi, m) {
     return d;
   }, "This process's steady clock against MPI rank 0's, measured when MPI was attached.");
 
+  m.def("keep_freed_memory", &jcm::KeepFreedMemory,
+        "Keep the memory malloc frees in the process (glibc: no mmapped blocks, no heap "
+        "trimming), so that large per-call buffers are not page-faulted in and zeroed at "
+        "every call; False where not applied (not glibc).");
   m.def("streaming_zero_fill_min_bytes", &jcm::StreamingZeroFillMinBytes,
         "Size from which the zeros of a precv that is no destination are written with "
         "streaming stores (0: never on this platform).");

@@ -7,6 +7,7 @@ transport semantics here), except for the patterns XLA GPU accepts.
 
 import json
 import os
+import resource
 import sys
 
 import _mpi_common as common
@@ -97,6 +98,20 @@ check("two-way 32 MiB exchange, sends first",
 # How the transport chose to wait, with what this rank sees, for the test to check.
 print("wait " + json.dumps({"chosen": ext.mpi_wait(), "affinity": len(os.sched_getaffinity(0)),
                             "local_devices": jax.local_device_count()}), flush=True)
+
+
+
+def faults_of_a_second_64_mib_block() -> int:
+    """Minor page faults of filling a 64 MiB block right after one was freed: glibc's
+    default maps a block this large afresh (every page faulted in again); with
+    JAX_CPU_MPI_KEEP_FREED_MEMORY the heap keeps the freed one and serves it again."""
+    np.ones(64 << 20, np.uint8)  # allocated, filled and freed
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    np.ones(64 << 20, np.uint8)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+print("malloc " + json.dumps({"faults": faults_of_a_second_64_mib_block()}), flush=True)
 
 if failures:
     print("FAILED:", failures, flush=True)

@@ -14,8 +14,11 @@ pytestmark = pytest.mark.mpi
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("devices_per_process", [1, 2])
 def test_all_scenarios_over_mpi(devices_per_process):
+    # One run with the freed memory kept, one with glibc's defaults (set either way: the
+    # default may change): the setting is applied when MPI is attached.
+    keep = devices_per_process == 2
     run = run_mpi("p2p_semantics.py", nprocs=2, devices_per_process=devices_per_process,
-                  timeout=220)
+                  timeout=220, env={"JAX_CPU_MPI_KEEP_FREED_MEMORY": "1" if keep else "0"})
     assert_mpi_ok(run, 2)
     lines = [line for lines in run.by_rank().values() for line in lines]
     assert sum(line.startswith("ok ") for line in lines) >= 2 * 25, run.report()
@@ -29,6 +32,13 @@ def test_all_scenarios_over_mpi(devices_per_process):
         assert chosen["local_devices"] == seen["local_devices"] == devices_per_process
         assert chosen["cores"] == seen["affinity"], run.report()
         assert chosen["sleeps_soon"] == (2 * devices_per_process > seen["affinity"])
+        # A 64 MiB block allocated again after one was freed: kept, none of its 16384 pages
+        # faults again; glibc's default maps it afresh (16384 faults, 32 with huge pages).
+        faults = json.loads(next(x for x in rank_lines if x.startswith("malloc "))[7:])
+        if keep:
+            assert faults["faults"] <= 4, run.report()
+        else:
+            assert faults["faults"] >= 32, run.report()
 
 
 @pytest.mark.timeout(180)

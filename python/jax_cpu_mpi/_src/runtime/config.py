@@ -255,6 +255,16 @@ VARIABLES: tuple[Variable, ...] = (
              "attached)", None,
              _choice(auto="sleep soon only when the node is oversubscribed",
                      spin="spin long", sleep="sleep soon")),
+    Variable("JAX_CPU_MPI_KEEP_FREED_MEMORY", "runtime", "0",
+             "`1`: once MPI is attached, the process keeps the memory malloc frees (glibc: "
+             "`mallopt` `M_MMAP_MAX` 0 and `M_TRIM_THRESHOLD` 2 GiB, as "
+             "`GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=...` "
+             "would), so that XLA's large per-call buffers are not page-faulted in, and "
+             "zeroed by the kernel, again at every call (docs \"Benchmarks\": the one-way "
+             "large hop). Cost: the process holds on to the peak of its heap (and up to 2 "
+             "GiB free at its top) until it exits, instead of returning freed memory to the "
+             "system; no effect where the C library is not glibc", None,
+             _boolean("keep freed memory", "glibc's defaults")),
     Variable("JAX_CPU_MPI_TRACE", "runtime", "(off)",
              "a directory: every process records each psend/precv it executes (device, peer, "
              "bytes, path, time waiting) and writes one Chrome-trace JSON file there at exit "

@@ -157,6 +157,8 @@ def _attach(op_name: str, MPI, process_index: int, jax_processes: int,
     for rank, process in enumerate(process_of_rank):
         rank_of_process[process] = rank
     config.apply()
+    if config.BY_NAME["JAX_CPU_MPI_KEEP_FREED_MEMORY"].read():
+        ext.keep_freed_memory()
     my_host = process_and_host[world.Get_rank()][1]
     ext.attach_mpi(world.py2f(), rank_of_process,
                    local_devices=local_devices,
