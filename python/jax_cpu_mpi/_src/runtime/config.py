@@ -257,13 +257,14 @@ VARIABLES: tuple[Variable, ...] = (
                      spin="spin long", sleep="sleep soon")),
     Variable("JAX_CPU_MPI_KEEP_FREED_MEMORY", "runtime", "0",
              "`1`: once MPI is attached, the process keeps the memory malloc frees (glibc: "
-             "`mallopt` `M_MMAP_MAX` 0 and `M_TRIM_THRESHOLD` 2 GiB, as "
-             "`GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=...` "
-             "would), so that XLA's large per-call buffers are not page-faulted in, and "
-             "zeroed by the kernel, again at every call (docs \"Benchmarks\": the one-way "
-             "large hop). Cost: the process holds on to the peak of its heap (and up to 2 "
-             "GiB free at its top) until it exits, instead of returning freed memory to the "
-             "system; no effect where the C library is not glibc", None,
+             "`mallopt` `M_MMAP_MAX` 0 and `M_TRIM_THRESHOLD` 2 GiB), so that XLA's large "
+             "per-call buffers are not page-faulted in, and zeroed by the kernel, again at "
+             "every call (docs \"Benchmarks\": the one-way large hop). Blocks of 64 MiB or "
+             "more that XLA's threads allocate still get fresh pages (a thread's malloc arena "
+             "holds less), and what a block finds free depends on what ran before (docs "
+             "\"Benchmarks\": the faults per hop, with and without). Cost: the process "
+             "holds on to the peak of its heap until it exits, and that peak may be higher "
+             "(20-30 % in the benchmark); no effect where the C library is not glibc", None,
              _boolean("keep freed memory", "glibc's defaults")),
     Variable("JAX_CPU_MPI_TRACE", "runtime", "(off)",
              "a directory: every process records each psend/precv it executes (device, peer, "
