@@ -31,9 +31,9 @@ import numpy as np
 
 from jax_cpu_mpi._src.compat import ir
 from jax_cpu_mpi._src.ffi.custom_calls import (
-    BACKEND_CONFIG,
     call_target,
     operations,
+    with_extra_operands,
     with_int_attribute,
 )
 from jax_cpu_mpi._src.lowering import collectives
@@ -162,22 +162,8 @@ def _link_to_result(op: Any) -> _Link | None:
 
 
 def _rebuild(op: Any, site: int, previous: _Link | None) -> Any:
-    named = [op.attributes[i] for i in range(len(op.attributes))]
-    attributes = {n.name: n.attr for n in named}
-    attributes[BACKEND_CONFIG] = with_int_attribute(op, "site", site)
-    operands = list(op.operands)
-    if previous is not None:
-        layouts = list(ir.ArrayAttr(op.attributes["operand_layouts"]))
-        layouts.append(previous[1])
-        attributes["operand_layouts"] = ir.ArrayAttr.get(layouts)
-        operands.append(previous[0])
-    new = ir.Operation.create(
-        "stablehlo.custom_call", results=[r.type for r in op.results], operands=operands,
-        attributes=attributes, loc=op.location, ip=ir.InsertionPoint(op))
-    for old, replacement in zip(op.results, new.results, strict=True):
-        old.replace_all_uses_with(replacement)
-    op.erase()
-    return new
+    return with_extra_operands(op, [previous] if previous is not None else [],
+                               with_int_attribute(op, "site", site))
 
 
 def _carry(loop: Any, link: _Link) -> tuple[Any, list[Any]]:
