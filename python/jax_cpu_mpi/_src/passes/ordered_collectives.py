@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_cpu_mpi._src.compat import ir
+from jax_cpu_mpi._src.compat import ir, sdy
 from jax_cpu_mpi._src.ffi.custom_calls import (
     call_target,
     operations,
@@ -227,14 +227,77 @@ class _Chain:
                 self.block(region.blocks[0], inner)
             return (op.results[-1], previous[1]) if previous is not None else (
                 _link_to_result(op))
+        if op.name == "sdy.manual_computation" and (mesh := _mesh(op)) is not None:
+            return self.manual(op, mesh, previous)
         # A conditional's branches read values from above: each branch's first collective
-        # reads the previous one's result, so the conditional starts after it. Other ops
-        # with regions (the manual computation) start a chain of their own.
+        # reads the previous one's result, so the conditional starts after it. (A manual
+        # computation that names no mesh, which JAX does not lower, starts a chain of its
+        # own.)
         inner = previous if op.name in ("stablehlo.case", "stablehlo.if") else None
         for region in op.regions:
             for block in region.blocks:
                 self.block(block, inner)
         return _link_to_result(op) or previous
+
+    def manual(self, op: Any, mesh: Any, previous: _Link | None) -> _Link | None:
+        """Chain the body of ``op`` (an sdy.manual_computation over ``mesh``) after
+        ``previous``, through one more operand (a block argument in the body) and one more
+        result."""
+        body = op.regions[0].blocks[0]
+        inner = None
+        if previous is not None:
+            inner = body.add_argument(previous[0].type, op.location), previous[1]
+        last = self.block(body, inner)
+        if last is None:  # nothing in the body to carry out (never: a collective has one)
+            return previous
+        return _manual_link(op, mesh, previous, last)
+
+
+def _shardings(op: Any, name: str) -> list[Any]:
+    return list(sdy.TensorShardingPerValueAttr(op.attributes[name]).shardings)
+
+
+def _mesh(op: Any) -> Any | None:
+    """The mesh (or its name) of an sdy.manual_computation's shardings, None without any."""
+    shardings = [*_shardings(op, "in_shardings"), *_shardings(op, "out_shardings")]
+    return sdy.TensorShardingAttr(shardings[0]).mesh_or_ref if shardings else None
+
+
+def _replicated(mesh: Any, value: Any) -> Any:
+    """``value``'s sharding over ``mesh`` with every dimension replicated (closed)."""
+    rank = ir.RankedTensorType(value.type).rank
+    return sdy.TensorShardingAttr.get(
+        mesh, [sdy.DimensionShardingAttr.get([], is_closed=True) for _ in range(rank)])
+
+
+def _manual_link(op: Any, mesh: Any, previous: _Link | None, last: _Link) -> _Link:
+    """``op`` (an sdy.manual_computation whose body has just been chained, given one more
+    block argument if ``previous``) rebuilt with ``previous``'s value as one more operand
+    and ``last`` (a value of its body) as one more result; returns the link to that
+    result."""
+    attributes = {a.name: a.attr for a in (op.attributes[i] for i in range(len(op.attributes)))}
+    ins, outs = _shardings(op, "in_shardings"), _shardings(op, "out_shardings")
+    operands = list(op.operands)
+    if previous is not None:
+        operands.append(previous[0])
+        ins.append(_replicated(mesh, previous[0]))
+    outs.append(_replicated(mesh, last[0]))
+    attributes["in_shardings"] = sdy.TensorShardingPerValueAttr.get(ins)
+    attributes["out_shardings"] = sdy.TensorShardingPerValueAttr.get(outs)
+    new = ir.Operation.create(
+        "sdy.manual_computation", results=[*(r.type for r in op.results), last[0].type],
+        operands=operands, attributes=attributes, regions=1, loc=op.location,
+        ip=ir.InsertionPoint(op))
+    body = op.regions[0].blocks[0]
+    body.append_to(new.regions[0])
+    returned = list(body.operations)[-1].operation  # sdy.return
+    ir.Operation.create("sdy.return", operands=[*returned.operands, last[0]],
+                        loc=returned.location, ip=ir.InsertionPoint(returned))
+    returned.erase()
+    for old, replacement in zip(op.results, new.results, strict=False):
+        old.replace_all_uses_with(replacement)
+    op.erase()
+    return new.results[-1], last[1]
 
 
 def order_collectives(module: Any) -> int:
