@@ -127,6 +127,11 @@ def with_int_attribute(op: Any, name: str, value: int) -> Any:
     return ir.DictAttr.get(entries)
 
 
+def attribute_dict(op: Any) -> dict[str, Any]:
+    """An op's attributes, ``{name: MLIR attribute}`` (to recreate it with some changed)."""
+    return {a.name: a.attr for a in (op.attributes[i] for i in range(len(op.attributes)))}
+
+
 def with_extra_operands(op: Any, extra: Sequence[tuple[Any, Any]], config: Any) -> Any:
     """Replaces the custom call ``op`` by the same call with ``extra`` more last operands,
     ``(value, layout)`` each, and ``config`` as its backend_config; the uses of its results
@@ -136,7 +141,7 @@ def with_extra_operands(op: Any, extra: Sequence[tuple[Any, Any]], config: Any) 
     custom calls by their buffers alone) or keep a buffer alive: an MLIR op's operand list
     cannot grow in place, and ``operand_layouts`` must list one layout per operand.
     """
-    attributes = {a.name: a.attr for a in (op.attributes[i] for i in range(len(op.attributes)))}
+    attributes = attribute_dict(op)
     attributes[_BACKEND_CONFIG] = config
     if extra:
         layouts = list(ir.ArrayAttr(op.attributes["operand_layouts"]))

@@ -31,6 +31,7 @@ import numpy as np
 
 from jax_cpu_mpi._src.compat import ir, sdy
 from jax_cpu_mpi._src.ffi.custom_calls import (
+    attribute_dict,
     call_target,
     operations,
     with_extra_operands,
@@ -166,31 +167,35 @@ def _rebuild(op: Any, site: int, previous: _Link | None) -> Any:
                                with_int_attribute(op, "site", site))
 
 
+def _regrown(op: Any, operands: list[Any], attributes: dict[str, Any], returned: Any) -> Any:
+    """``op`` (an op with regions, their blocks given their new arguments already) rebuilt
+    with ``operands``, ``attributes`` and one more result, which its last region's
+    terminator gives as ``returned``; the uses of its results go to the new op's."""
+    new = ir.Operation.create(
+        op.name, results=[*(r.type for r in op.results), returned.type], operands=operands,
+        attributes=attributes, regions=len(op.regions), loc=op.location,
+        ip=ir.InsertionPoint(op))
+    for old_region, new_region in zip(op.regions, new.regions, strict=True):
+        old_region.blocks[0].append_to(new_region)
+    terminator = list(new.regions[-1].blocks[0].operations)[-1].operation
+    ir.Operation.create(terminator.name, operands=[*terminator.operands, returned],
+                        loc=terminator.location, ip=ir.InsertionPoint(terminator))
+    terminator.erase()
+    for old, replacement in zip(op.results, new.results, strict=False):
+        old.replace_all_uses_with(replacement)
+    op.erase()
+    return new
+
+
 def _carry(loop: Any, link: _Link) -> tuple[Any, list[Any]]:
     """``loop`` (a stablehlo.while) rebuilt with one more loop-carried value, ``link``'s,
     passed through unchanged: the loop then reads it, so it starts after the collective
     that made it. Returns the new loop and that value's arguments in the condition and in
     the body."""
     value, _ = link
-    new = ir.Operation.create(
-        "stablehlo.while", results=[*(r.type for r in loop.results), value.type],
-        operands=[*loop.operands, value],
-        attributes={a.name: a.attr for a in (loop.attributes[i]
-                                             for i in range(len(loop.attributes)))},
-        regions=2, loc=loop.location, ip=ir.InsertionPoint(loop))
-    arguments = []
-    for old_region, new_region in zip(loop.regions, new.regions, strict=True):
-        block = old_region.blocks[0]
-        block.append_to(new_region)
-        arguments.append(block.add_argument(value.type, loop.location))
-    body = new.regions[1].blocks[0]
-    returned = list(body.operations)[-1].operation
-    ir.Operation.create("stablehlo.return", operands=[*returned.operands, arguments[1]],
-                        loc=returned.location, ip=ir.InsertionPoint(returned))
-    returned.erase()
-    for old, replacement in zip(loop.results, new.results, strict=False):
-        old.replace_all_uses_with(replacement)
-    loop.erase()
+    arguments = [region.blocks[0].add_argument(value.type, loop.location)
+                 for region in loop.regions]
+    new = _regrown(loop, [*loop.operands, value], attribute_dict(loop), arguments[1])
     return new, arguments
 
 
@@ -275,7 +280,7 @@ def _manual_link(op: Any, mesh: Any, previous: _Link | None, last: _Link) -> _Li
     block argument if ``previous``) rebuilt with ``previous``'s value as one more operand
     and ``last`` (a value of its body) as one more result; returns the link to that
     result."""
-    attributes = {a.name: a.attr for a in (op.attributes[i] for i in range(len(op.attributes)))}
+    attributes = attribute_dict(op)
     ins, outs = _shardings(op, "in_shardings"), _shardings(op, "out_shardings")
     operands = list(op.operands)
     if previous is not None:
@@ -284,19 +289,7 @@ def _manual_link(op: Any, mesh: Any, previous: _Link | None, last: _Link) -> _Li
     outs.append(_replicated(mesh, last[0]))
     attributes["in_shardings"] = sdy.TensorShardingPerValueAttr.get(ins)
     attributes["out_shardings"] = sdy.TensorShardingPerValueAttr.get(outs)
-    new = ir.Operation.create(
-        "sdy.manual_computation", results=[*(r.type for r in op.results), last[0].type],
-        operands=operands, attributes=attributes, regions=1, loc=op.location,
-        ip=ir.InsertionPoint(op))
-    body = op.regions[0].blocks[0]
-    body.append_to(new.regions[0])
-    returned = list(body.operations)[-1].operation  # sdy.return
-    ir.Operation.create("sdy.return", operands=[*returned.operands, last[0]],
-                        loc=returned.location, ip=ir.InsertionPoint(returned))
-    returned.erase()
-    for old, replacement in zip(op.results, new.results, strict=False):
-        old.replace_all_uses_with(replacement)
-    op.erase()
+    new = _regrown(op, operands, attributes, last[0])
     return new.results[-1], last[1]
 
 
