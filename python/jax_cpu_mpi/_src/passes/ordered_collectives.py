@@ -21,6 +21,14 @@ through unchanged: the loop reads it, so it starts after that collective, and th
 collective of the body reads it. A conditional's branches read it from above. The next
 collective reads a result of the loop or conditional, which XLA writes when all of it has
 run.
+
+A ``shard_map`` is an ``sdy.manual_computation`` (the pass runs before Shardy's export),
+whose body reads nothing from outside it: two sibling ``shard_map``s of one ``jit`` would
+each chain only their own collectives, and the devices could run the two chains in opposite
+orders. So a manual computation takes the previous collective's result as one more operand
+and gives out its own last collective's as one more result, both replicated (each device
+keeps its own value, its local type the global one), and the chain runs through it as
+through a loop.
 """
 
 from __future__ import annotations
