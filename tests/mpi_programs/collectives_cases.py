@@ -667,6 +667,42 @@ if n == 2 * jax.local_device_count() and jax.local_device_count() > 1:
             failures.append(key)
             print(f"FAIL {key}: {e}", flush=True)
 
+# ---- a partially manual shard_map (axis_names= a subset): XLA's SPMD partitioner refuses
+# our calls' partition-id there, so they keep JAX's lowering, recorded as such, and the
+# program compiles and runs (it failed to compile before: "PartitionId instruction is not
+# supported for SPMD partitioning"). "d" is of size 1 with one device per process.
+mesh_pd = jax.make_mesh((2, n // 2), ("p", "d"))
+v = values("int32", (4, 3), 13)[:2]
+
+
+def partly_manual(setting: str) -> list:
+    config.configure(collectives=setting)
+
+    def body(a):
+        return (jax.lax.psum(a, "p"), jax.lax.all_gather(a, "p", axis=0, tiled=True),
+                jax.lax.ppermute(a, "p", [(0, 1), (1, 0)]))
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh_pd, in_specs=P("p"), out_specs=P("p"),
+                              axis_names={"p"}))
+    return [common.gather(r) for r in f(common.global_array(mesh_pd, P("p"), v))]
+
+
+before = lowering.decisions()
+try:
+    got, ref = partly_manual("mpi"), partly_manual("gloo")
+    new = {k: c - before.get(k, 0) for k, c in lowering.decisions().items()}
+    how = {h for (_, _, h), c in new.items() if c and "gloo" in h and "selects gloo" not in h}
+    assert how == {"gloo: partially manual shard_map (XLA refuses partition-id there)"}, new
+    assert not any(h == "mpi" and c for (_, _, h), c in new.items()), new
+    wants = [np.concatenate([v.sum(0, keepdims=True, dtype=np.int32)] * 2),
+             np.concatenate([v, v]), v[::-1]]
+    for name, g, r, w in zip(("psum", "all_gather", "ppermute"), got, ref, wants, strict=True):
+        check(f"partially manual shard_map {name} vs numpy", g[None], w, True)
+        check(f"partially manual shard_map {name} vs gloo", g[None], r, True)
+except Exception as e:  # a compile error is this case's failure
+    failures.append("partially manual shard_map")
+    print(f"FAIL partially manual shard_map: {type(e).__name__}: {str(e)[:400]}", flush=True)
+
 if failures:
     raise SystemExit(f"{len(failures)} failures: {failures}")
 common.ok()
