@@ -71,7 +71,7 @@ FALLBACKS: tuple[tuple[str, str], ...] = (
     ("positional (integer) axes in the same psum", "JAX reduces those itself, first"),
     ("a program traced with an abstract mesh only", "which process runs each device is unknown"),
     ("collectives (and ppermute) in a partially manual shard_map (axis_names= a subset of the "
-     "mesh's axes; jax 0.10's auto=)",
+     "mesh's axes)",
      "XLA's SPMD partitioner refuses the partition id by which our calls find their device"),
     ("an MPI without MPI_THREAD_MULTIPLE", "device threads would share MPI"),
 )

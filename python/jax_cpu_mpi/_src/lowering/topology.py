@@ -58,7 +58,7 @@ def _concrete_mesh(axis_context: SPMDAxisContext) -> jax.sharding.Mesh | None:
 
 def partially_manual(axis_context: object) -> bool:
     """Whether ``axis_context`` is a partially manual ``shard_map`` (some mesh axes left to
-    XLA's SPMD partitioner: ``axis_names=`` a subset, or jax 0.10's ``auto=``). XLA refuses
+    XLA's SPMD partitioner: ``axis_names=`` a subset, on jax 0.10.2 and 0.12). XLA refuses
     ``partition-id`` there ("PartitionId instruction is not supported for SPMD
     partitioning"), and our custom calls name their device by it."""
     if not isinstance(axis_context, SPMDAxisContext):
