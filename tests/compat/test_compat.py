@@ -48,6 +48,7 @@ JAX_NEEDS_ITSELF = frozenset({
     "jax._src.lax.parallel:precv_p",
     "jax._src.lax.parallel:single_side_collective_effect",
     "jax._src.lib.mlir.dialects:hlo",
+    "jax._src.lib.mlir.dialects:sdy",  # JAX lowers every program with Shardy's dialect
     "jax._src.sharding_impls:SPMDAxisContext",
     "jax._src.mesh:get_concrete_mesh",
     "jax._src.interpreters.mlir:register_lowering",

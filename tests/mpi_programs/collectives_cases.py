@@ -11,6 +11,7 @@ import functools
 import glob
 import json
 import os
+import re
 import tempfile
 
 import _mpi_common as common
@@ -399,6 +400,55 @@ except AssertionError as e:
     failures.append("nested psums")
     print(f"FAIL nested psums: {e}", flush=True)
 
+# ---- two sibling shard_maps in one jit, each with psums: each is an sdy.manual_computation
+# whose body reads nothing from outside, so the ordering pass carries the chain through one
+# more operand and result of each. Each device spins before its psums for a time set by its
+# axis index, longest first in one shard_map and last in the other, so the devices get to
+# the two shard_maps' psums in opposite orders unless the chain orders them.
+
+
+def _spin(v, turns):
+    m = jnp.full((32, 32), 0.01, v.dtype)
+    _, w = jax.lax.while_loop(lambda c: c[0] < turns,
+                              lambda c: (c[0] + 1, jnp.tanh(c[1] @ m)), (0, m))
+    return v + 0 * jnp.sum(w)
+
+
+def _sibling(scale, late):
+    def body(v):
+        i = jax.lax.axis_index("x")
+        a = jax.lax.psum(_spin(v * scale, 40 * (n - 1 - i if late else i)), "x")
+        return a + jax.lax.psum(a, "x")
+    return jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+
+
+f_siblings = jax.jit(lambda v: (_sibling(1, False)(v), _sibling(3, True)(v)))
+v_siblings = values("float32", (256,), 37)
+x_siblings = common.global_array(mesh, P("x"), v_siblings)
+lowered = f_siblings.lower(x_siblings)
+compiled = lowered.compile()
+for _ in range(20):
+    got_siblings = jax.block_until_ready(compiled(x_siblings))
+# Every psum but the first reads the one before it (an extra operand), in the module and
+# after XLA's compilation.
+operand_counts = [len(args.split(", ")) for args in re.findall(
+    r"jax_cpu_mpi_all_reduce\(([^)]*)\)", lowered.as_text())]
+compiled_counts = [len(args.split(", ")) for args in re.findall(
+    r"custom-call\(([^)]*)\), custom_call_target=\"jax_cpu_mpi_all_reduce\"",
+    compiled.as_text())]
+try:
+    assert operand_counts == [2, 3, 3, 3], f"psum operands in the module {operand_counts}"
+    assert sorted(compiled_counts) == [2, 3, 3, 3], f"compiled psum operands {compiled_counts}"
+    total = v_siblings.sum(0)
+    for got, scale in zip(got_siblings, (1, 3), strict=True):
+        np.testing.assert_allclose(common.gather(got),
+                                   np.broadcast_to((n + 1) * scale * total, (n, 256)),
+                                   rtol=1e-5, atol=1e-3)
+    print("ok   mpi  psums of two sibling shard_maps, chained, 20 rounds vs numpy", flush=True)
+except AssertionError as e:
+    failures.append("sibling shard_maps")
+    print(f"FAIL sibling shard_maps: {e}", flush=True)
+
 # ---- axis_index_groups and scan for all_gather / psum_scatter / all_to_all (and psum), in
 # one program per setting. The groups span processes and one lists its members out of
 # order (2 devices: [[1, 0]]; 4: [[0, 2], [3, 1]]), so the exchanges' positions are not
@@ -616,6 +666,42 @@ if n == 2 * jax.local_device_count() and jax.local_device_count() > 1:
         except AssertionError as e:
             failures.append(key)
             print(f"FAIL {key}: {e}", flush=True)
+
+# ---- a partially manual shard_map (axis_names= a subset): XLA's SPMD partitioner refuses
+# our calls' partition-id there, so they keep JAX's lowering, recorded as such, and the
+# program compiles and runs (it failed to compile before: "PartitionId instruction is not
+# supported for SPMD partitioning"). "d" is of size 1 with one device per process.
+mesh_pd = jax.make_mesh((2, n // 2), ("p", "d"))
+v = values("int32", (4, 3), 13)[:2]
+
+
+def partly_manual(setting: str) -> list:
+    config.configure(collectives=setting)
+
+    def body(a):
+        return (jax.lax.psum(a, "p"), jax.lax.all_gather(a, "p", axis=0, tiled=True),
+                jax.lax.ppermute(a, "p", [(0, 1), (1, 0)]))
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh_pd, in_specs=P("p"), out_specs=P("p"),
+                              axis_names={"p"}))
+    return [common.gather(r) for r in f(common.global_array(mesh_pd, P("p"), v))]
+
+
+before = lowering.decisions()
+try:
+    got, ref = partly_manual("mpi"), partly_manual("gloo")
+    new = {k: c - before.get(k, 0) for k, c in lowering.decisions().items()}
+    how = {h for (_, _, h), c in new.items() if c and "gloo" in h and "selects gloo" not in h}
+    assert how == {"gloo: partially manual shard_map (XLA refuses partition-id there)"}, new
+    assert not any(h == "mpi" and c for (_, _, h), c in new.items()), new
+    wants = [np.concatenate([v.sum(0, keepdims=True, dtype=np.int32)] * 2),
+             np.concatenate([v, v]), v[::-1]]
+    for name, g, r, w in zip(("psum", "all_gather", "ppermute"), got, ref, wants, strict=True):
+        check(f"partially manual shard_map {name} vs numpy", g[None], w, True)
+        check(f"partially manual shard_map {name} vs gloo", g[None], r, True)
+except Exception as e:  # a compile error is this case's failure
+    failures.append("partially manual shard_map")
+    print(f"FAIL partially manual shard_map: {type(e).__name__}: {str(e)[:400]}", flush=True)
 
 if failures:
     raise SystemExit(f"{len(failures)} failures: {failures}")

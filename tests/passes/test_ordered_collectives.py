@@ -101,3 +101,63 @@ def test_the_chain_goes_through_the_loop_and_the_conditional():
     assert operands[5][2] == f"{loop_result}#2"
     cond_result = re.search(r'(%\w+) = "stablehlo.if"', text).group(1)
     assert operands[6][2] == cond_result
+
+
+def _local_psum(out: str, x: str, type_: str) -> str:
+    call = _CALL.replace("tensor<4xf32>", type_)
+    return f"%p{out} = stablehlo.partition_id : tensor<ui32>\n      %{out} = " + call.format(
+        x=x, p=f"p{out}")
+
+
+def _shard_map(name: str, operand: str, body: str) -> str:
+    return (f'%{name} = sdy.manual_computation(%{operand}) in_shardings=[<@mesh, [{{"x"}}]>] '
+            f'out_shardings=[<@mesh, [{{"x"}}]>] manual_axes={{"x"}} '
+            f"(%x: tensor<2xf32>) {{\n      {body}\n    }} : (tensor<4xf32>) -> tensor<4xf32>")
+
+
+# Two sibling shard_maps (sdy.manual_computation: their bodies read nothing from outside),
+# the first before any other psum, the second after it, then a psum of main after both.
+_NL = "\n      "
+_FIRST = _local_psum("y", "x", "tensor<2xf32>") + _NL + "sdy.return %y : tensor<2xf32>"
+_SECOND = _NL.join([_local_psum("y", "x", "tensor<2xf32>"), _local_psum("z", "y", "tensor<2xf32>"),
+                    "sdy.return %z : tensor<2xf32>"])
+SIBLINGS = f"""
+module @m {{
+  sdy.mesh @mesh = <["x"=2]>
+  func.func public @main(%a: tensor<4xf32>) -> tensor<4xf32> {{
+    {_shard_map("m0", "a", _FIRST)}
+    {_shard_map("m1", "a", _SECOND)}
+    {_psum("c", "m1")}
+    %s = stablehlo.add %m0, %c : tensor<4xf32>
+    return %s : tensor<4xf32>
+  }}
+}}
+"""
+
+
+def test_the_chain_goes_through_sibling_shard_maps():
+    module = ir.Module.parse(SIBLINGS, context=make_ir_context())
+    assert ordered_collectives.order_collectives(module) == 3
+    module.operation.verify()
+    text = str(module)
+    first, second = re.findall(r"(%\w+):2 = sdy.manual_computation\(([^)]*)\) in_shardings="
+                               r"\[([^\]]*\]>(?:, <[^>]*>)*)\] out_shardings=\[(.*)\] manual",
+                               text)
+    # The first gets no operand (nothing before it), one more result: its psum's, replicated
+    # (each device keeps its own value, of the local type).
+    assert first[1] == "%arg0"
+    assert first[3].endswith(", <@mesh, [{}]>")
+    # The second reads that result, replicated, and gives out its own last psum's.
+    assert second[1] == f"%arg0, {first[0]}#1"
+    assert second[2].endswith(", <@mesh, [{}]>") and second[3].endswith(", <@mesh, [{}]>")
+    assert re.search(r"\(%arg1: tensor<2xf32>, (%arg2): tensor<2xf32>\)", text)
+    calls = re.findall(r"(%\w+) = stablehlo.custom_call @jax_cpu_mpi_all_reduce\(([^)]*)\)",
+                       text)
+    operands = [args.split(", ") for _, args in calls]
+    assert [len(o) for o in operands] == [2, 3, 3, 3]
+    # Inside the second, its first psum reads the block argument of the link; its second
+    # psum reads the first; main's last psum reads the second's link result.
+    assert operands[1][2] == "%arg2" and operands[2][2] == calls[1][0]
+    assert operands[3][2] == f"{second[0]}#1"
+    assert re.search(rf"sdy.return {calls[2][0]}, {calls[2][0]} :", text)
+    assert sorted(map(int, re.findall(r"site = (\d+)", text))) == [0, 1, 2, 3]

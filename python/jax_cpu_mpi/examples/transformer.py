@@ -386,8 +386,7 @@ def make_value_and_grad(parts: Parts, mesh: jax.sharding.Mesh, args: argparse.Na
     device. Left to the partitioner (a ``jax.vjp`` of the replicated embedding over sharded
     ids, Optax's norm over stage-sharded gradients) they become all-reduces XLA inserts after
     lowering, on its own collectives (gloo's TCP loop under ``mpirun``, between a process's
-    own devices too); in separate ``shard_map``s, two devices of a group could meet their
-    psums in opposite orders."""
+    own devices too)."""
     schedule = pipeline.schedule_by_name(args.schedule, args.virtual_stages)
     rep, data = P(), P(None, DATA)
     param_specs = {"embed": rep, "blocks": P(STAGE), "head": rep}

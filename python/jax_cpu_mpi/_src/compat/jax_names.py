@@ -508,6 +508,9 @@ default_lowerings = COLLECTIVES.need("jax._src.interpreters.mlir:_lowerings",
                                      check=is_instance_of("builtins:dict"))
 _need_all([COLLECTIVES], "jax._src.sharding_impls:SPMDAxisContext", check=is_type)
 # The ordering pass (passes/ordered_collectives.py) runs in the lowering hook.
+#: Shardy's MLIR bindings: the ordering pass chains sibling shard_maps (each a
+#: ``sdy.manual_computation``) by one more replicated operand and result.
+sdy = COLLECTIVES.need("jax._src.lib.mlir.dialects:sdy", check=is_module)
 _need_all([COLLECTIVES], "jax._src.interpreters.mlir:lower_jaxpr_to_module",
           check=has_params("module_name", "jaxpr", "platforms"))
 _need_all([COLLECTIVES], "jax._src.lib.mlir:ir", check=is_module)

@@ -8,7 +8,7 @@ change there too.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -127,4 +127,31 @@ def with_int_attribute(op: Any, name: str, value: int) -> Any:
     return ir.DictAttr.get(entries)
 
 
-BACKEND_CONFIG = _BACKEND_CONFIG
+def attribute_dict(op: Any) -> dict[str, Any]:
+    """An op's attributes, ``{name: MLIR attribute}`` (to recreate it with some changed)."""
+    return {a.name: a.attr for a in (op.attributes[i] for i in range(len(op.attributes)))}
+
+
+def with_extra_operands(op: Any, extra: Sequence[tuple[Any, Any]], config: Any) -> Any:
+    """Replaces the custom call ``op`` by the same call with ``extra`` more last operands,
+    ``(value, layout)`` each, and ``config`` as its backend_config; the uses of its results
+    go to the new call's. Returns the new call.
+
+    The module passes add operands that only order a call at run time (XLA CPU orders
+    custom calls by their buffers alone) or keep a buffer alive: an MLIR op's operand list
+    cannot grow in place, and ``operand_layouts`` must list one layout per operand.
+    """
+    attributes = attribute_dict(op)
+    attributes[_BACKEND_CONFIG] = config
+    if extra:
+        layouts = list(ir.ArrayAttr(op.attributes["operand_layouts"]))
+        attributes["operand_layouts"] = ir.ArrayAttr.get([*layouts, *(lay for _, lay in extra)])
+    new = ir.Operation.create(
+        "stablehlo.custom_call", results=[r.type for r in op.results],
+        operands=[*op.operands, *(value for value, _ in extra)], attributes=attributes,
+        loc=op.location, ip=ir.InsertionPoint(op))
+    for old, replacement in zip(op.results, new.results, strict=True):
+        old.replace_all_uses_with(replacement)
+    op.erase()
+    return new
+

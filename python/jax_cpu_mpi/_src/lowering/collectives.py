@@ -34,7 +34,7 @@ from jax_cpu_mpi._src.compat import ShapedArray, SPMDAxisContext, hlo, register_
 from jax_cpu_mpi._src.ffi.custom_calls import PRECV_TARGET, PSEND_TARGET
 from jax_cpu_mpi._src.ffi.registration import register_targets
 from jax_cpu_mpi._src.lowering import rules as p2p_rules
-from jax_cpu_mpi._src.lowering.topology import partition_tables
+from jax_cpu_mpi._src.lowering.topology import partially_manual, partition_tables
 from jax_cpu_mpi._src.runtime import config
 from jax_cpu_mpi._src.runtime import mpi as mpi_runtime
 
@@ -70,6 +70,9 @@ FALLBACKS: tuple[tuple[str, str], ...] = (
      "XLA's in-process all-reduce is already direct"),
     ("positional (integer) axes in the same psum", "JAX reduces those itself, first"),
     ("a program traced with an abstract mesh only", "which process runs each device is unknown"),
+    ("collectives (and ppermute) in a partially manual shard_map (axis_names= a subset of the "
+     "mesh's axes)",
+     "XLA's SPMD partitioner refuses the partition id by which our calls find their device"),
     ("an MPI without MPI_THREAD_MULTIPLE", "device threads would share MPI"),
 )
 
@@ -131,6 +134,8 @@ def _plan(ctx: Any, name: str, axes: tuple, axis_index_groups: Any) -> Any:
     axis_context = ctx.module_context.axis_context
     if not isinstance(axis_context, SPMDAxisContext):
         return "not in an SPMD (shard_map) context"
+    if partially_manual(axis_context):
+        return _PARTIALLY_MANUAL
     try:
         tables = partition_tables(axis_context, name)
     except (ValueError, NotImplementedError):
@@ -159,6 +164,8 @@ SITES = 16
 pending_for_pass = 0
 
 
+#: Why a collective in a partially manual shard_map keeps JAX's lowering (decisions, info).
+_PARTIALLY_MANUAL = "partially manual shard_map (XLA refuses partition-id there)"
 _SUB_BYTE = ("int4", "uint4", "int2", "uint2", "float4_e2m1fn")
 #: The most bytes one exchange's group may move (MPI's int counts and displacements).
 _MAX_BYTES = (1 << 31) - 1
@@ -213,6 +220,8 @@ def _ppermute_plan(ctx: Any, names: tuple, rest: dict) -> str | None:
     axis_context = ctx.module_context.axis_context
     if not isinstance(axis_context, SPMDAxisContext):
         return "not in an SPMD (shard_map) context"
+    if partially_manual(axis_context):
+        return _PARTIALLY_MANUAL
     try:
         tables = partition_tables(axis_context, "ppermute")
     except (ValueError, NotImplementedError):

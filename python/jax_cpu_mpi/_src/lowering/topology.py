@@ -56,6 +56,19 @@ def _concrete_mesh(axis_context: SPMDAxisContext) -> jax.sharding.Mesh | None:
     return None
 
 
+def partially_manual(axis_context: object) -> bool:
+    """Whether ``axis_context`` is a partially manual ``shard_map`` (some mesh axes left to
+    XLA's SPMD partitioner: ``axis_names=`` a subset, on jax 0.10.2 and 0.12). XLA refuses
+    ``partition-id`` there ("PartitionId instruction is not supported for SPMD
+    partitioning"), and our custom calls name their device by it."""
+    if not isinstance(axis_context, SPMDAxisContext):
+        return False
+    manual = frozenset(axis_context.manual_axes)
+    # Even auto axes of size 1 count: jax 0.12's partitioner then gives our side-effecting
+    # calls a replicated sharding, which it refuses too.
+    return bool(manual) and manual != frozenset(axis_context.mesh.axis_names)
+
+
 def partition_tables(axis_context: object, op_name: str) -> PartitionTables:
     """The routing tables for a psend/precv lowered in ``axis_context``."""
     if not isinstance(axis_context, SPMDAxisContext):

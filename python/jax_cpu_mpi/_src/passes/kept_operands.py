@@ -37,7 +37,6 @@ import numpy as np
 
 from jax_cpu_mpi._src.compat import ir
 from jax_cpu_mpi._src.ffi.custom_calls import (
-    BACKEND_CONFIG,
     GROUP_PAIRS,
     OPERAND_KEPT,
     PRECV_TARGET,
@@ -48,6 +47,7 @@ from jax_cpu_mpi._src.ffi.custom_calls import (
     operations,
     set_array_attribute,
     set_int_attribute,
+    with_extra_operands,
     with_int_attribute,
 )
 from jax_cpu_mpi._src.lowering import rules
@@ -115,20 +115,8 @@ def _rebuild_precv(precv: Any, extra: list[tuple[Any, Any]]) -> None:
     """Replaces ``precv`` by the same call with more last operands, ``(value, layout)`` each.
     The handler finishes any kept send of each such operand; for a value no psend sends
     that is a no-op, and the operand only orders the precv after it."""
-    named = [precv.attributes[i] for i in range(len(precv.attributes))]
-    attributes = {n.name: n.attr for n in named}
-    attributes[BACKEND_CONFIG] = with_int_attribute(
-        precv, OPERAND_KEPT, int_attribute(precv, OPERAND_KEPT) + len(extra))
-    layouts = list(ir.ArrayAttr(precv.attributes["operand_layouts"]))
-    layouts += [layout for _, layout in extra]
-    attributes["operand_layouts"] = ir.ArrayAttr.get(layouts)
-    new = ir.Operation.create(
-        "stablehlo.custom_call", results=[r.type for r in precv.results],
-        operands=[*precv.operands, *(value for value, _ in extra)], attributes=attributes,
-        loc=precv.location, ip=ir.InsertionPoint(precv))
-    for old, replacement in zip(precv.results, new.results, strict=True):
-        old.replace_all_uses_with(replacement)
-    precv.erase()
+    with_extra_operands(precv, extra, with_int_attribute(
+        precv, OPERAND_KEPT, int_attribute(precv, OPERAND_KEPT) + len(extra)))
 
 
 def _defined_in(value: Any, block: Any) -> Any | None:

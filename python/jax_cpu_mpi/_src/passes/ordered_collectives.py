@@ -21,6 +21,14 @@ through unchanged: the loop reads it, so it starts after that collective, and th
 collective of the body reads it. A conditional's branches read it from above. The next
 collective reads a result of the loop or conditional, which XLA writes when all of it has
 run.
+
+A ``shard_map`` is an ``sdy.manual_computation`` (the pass runs before Shardy's export),
+whose body reads nothing from outside it: two sibling ``shard_map``s of one ``jit`` would
+each chain only their own collectives, and the devices could run the two chains in opposite
+orders. So a manual computation takes the previous collective's result as one more operand
+and gives out its own last collective's as one more result, both replicated (each device
+keeps its own value, its local type the global one), and the chain runs through it as
+through a loop.
 """
 
 from __future__ import annotations
@@ -29,11 +37,12 @@ from typing import Any
 
 import numpy as np
 
-from jax_cpu_mpi._src.compat import ir
+from jax_cpu_mpi._src.compat import ir, sdy
 from jax_cpu_mpi._src.ffi.custom_calls import (
-    BACKEND_CONFIG,
+    attribute_dict,
     call_target,
     operations,
+    with_extra_operands,
     with_int_attribute,
 )
 from jax_cpu_mpi._src.lowering import collectives
@@ -162,19 +171,25 @@ def _link_to_result(op: Any) -> _Link | None:
 
 
 def _rebuild(op: Any, site: int, previous: _Link | None) -> Any:
-    named = [op.attributes[i] for i in range(len(op.attributes))]
-    attributes = {n.name: n.attr for n in named}
-    attributes[BACKEND_CONFIG] = with_int_attribute(op, "site", site)
-    operands = list(op.operands)
-    if previous is not None:
-        layouts = list(ir.ArrayAttr(op.attributes["operand_layouts"]))
-        layouts.append(previous[1])
-        attributes["operand_layouts"] = ir.ArrayAttr.get(layouts)
-        operands.append(previous[0])
+    return with_extra_operands(op, [previous] if previous is not None else [],
+                               with_int_attribute(op, "site", site))
+
+
+def _regrown(op: Any, operands: list[Any], attributes: dict[str, Any], returned: Any) -> Any:
+    """``op`` (an op with regions, their blocks given their new arguments already) rebuilt
+    with ``operands``, ``attributes`` and one more result, which its last region's
+    terminator gives as ``returned``; the uses of its results go to the new op's."""
     new = ir.Operation.create(
-        "stablehlo.custom_call", results=[r.type for r in op.results], operands=operands,
-        attributes=attributes, loc=op.location, ip=ir.InsertionPoint(op))
-    for old, replacement in zip(op.results, new.results, strict=True):
+        op.name, results=[*(r.type for r in op.results), returned.type], operands=operands,
+        attributes=attributes, regions=len(op.regions), loc=op.location,
+        ip=ir.InsertionPoint(op))
+    for old_region, new_region in zip(op.regions, new.regions, strict=True):
+        old_region.blocks[0].append_to(new_region)
+    terminator = list(new.regions[-1].blocks[0].operations)[-1].operation
+    ir.Operation.create(terminator.name, operands=[*terminator.operands, returned],
+                        loc=terminator.location, ip=ir.InsertionPoint(terminator))
+    terminator.erase()
+    for old, replacement in zip(op.results, new.results, strict=False):
         old.replace_all_uses_with(replacement)
     op.erase()
     return new
@@ -186,25 +201,9 @@ def _carry(loop: Any, link: _Link) -> tuple[Any, list[Any]]:
     that made it. Returns the new loop and that value's arguments in the condition and in
     the body."""
     value, _ = link
-    new = ir.Operation.create(
-        "stablehlo.while", results=[*(r.type for r in loop.results), value.type],
-        operands=[*loop.operands, value],
-        attributes={a.name: a.attr for a in (loop.attributes[i]
-                                             for i in range(len(loop.attributes)))},
-        regions=2, loc=loop.location, ip=ir.InsertionPoint(loop))
-    arguments = []
-    for old_region, new_region in zip(loop.regions, new.regions, strict=True):
-        block = old_region.blocks[0]
-        block.append_to(new_region)
-        arguments.append(block.add_argument(value.type, loop.location))
-    body = new.regions[1].blocks[0]
-    returned = list(body.operations)[-1].operation
-    ir.Operation.create("stablehlo.return", operands=[*returned.operands, arguments[1]],
-                        loc=returned.location, ip=ir.InsertionPoint(returned))
-    returned.erase()
-    for old, replacement in zip(loop.results, new.results, strict=False):
-        old.replace_all_uses_with(replacement)
-    loop.erase()
+    arguments = [region.blocks[0].add_argument(value.type, loop.location)
+                 for region in loop.regions]
+    new = _regrown(loop, [*loop.operands, value], attribute_dict(loop), arguments[1])
     return new, arguments
 
 
@@ -241,14 +240,65 @@ class _Chain:
                 self.block(region.blocks[0], inner)
             return (op.results[-1], previous[1]) if previous is not None else (
                 _link_to_result(op))
+        if op.name == "sdy.manual_computation" and (mesh := _mesh(op)) is not None:
+            return self.manual(op, mesh, previous)
         # A conditional's branches read values from above: each branch's first collective
-        # reads the previous one's result, so the conditional starts after it. Other ops
-        # with regions (the manual computation) start a chain of their own.
+        # reads the previous one's result, so the conditional starts after it. (A manual
+        # computation that names no mesh, which JAX does not lower, starts a chain of its
+        # own.)
         inner = previous if op.name in ("stablehlo.case", "stablehlo.if") else None
         for region in op.regions:
             for block in region.blocks:
                 self.block(block, inner)
         return _link_to_result(op) or previous
+
+    def manual(self, op: Any, mesh: Any, previous: _Link | None) -> _Link | None:
+        """Chain the body of ``op`` (an sdy.manual_computation over ``mesh``) after
+        ``previous``, through one more operand (a block argument in the body) and one more
+        result."""
+        body = op.regions[0].blocks[0]
+        inner = None
+        if previous is not None:
+            inner = body.add_argument(previous[0].type, op.location), previous[1]
+        last = self.block(body, inner)
+        if last is None:  # nothing in the body to carry out (never: a collective has one)
+            return previous
+        return _manual_link(op, mesh, previous, last)
+
+
+def _shardings(op: Any, name: str) -> list[Any]:
+    return list(sdy.TensorShardingPerValueAttr(op.attributes[name]).shardings)
+
+
+def _mesh(op: Any) -> Any | None:
+    """The mesh (or its name) of an sdy.manual_computation's shardings, None without any."""
+    shardings = [*_shardings(op, "in_shardings"), *_shardings(op, "out_shardings")]
+    return sdy.TensorShardingAttr(shardings[0]).mesh_or_ref if shardings else None
+
+
+def _replicated(mesh: Any, value: Any) -> Any:
+    """``value``'s sharding over ``mesh`` with every dimension replicated (closed)."""
+    rank = ir.RankedTensorType(value.type).rank
+    return sdy.TensorShardingAttr.get(
+        mesh, [sdy.DimensionShardingAttr.get([], is_closed=True) for _ in range(rank)])
+
+
+def _manual_link(op: Any, mesh: Any, previous: _Link | None, last: _Link) -> _Link:
+    """``op`` (an sdy.manual_computation whose body has just been chained, given one more
+    block argument if ``previous``) rebuilt with ``previous``'s value as one more operand
+    and ``last`` (a value of its body) as one more result; returns the link to that
+    result."""
+    attributes = attribute_dict(op)
+    ins, outs = _shardings(op, "in_shardings"), _shardings(op, "out_shardings")
+    operands = list(op.operands)
+    if previous is not None:
+        operands.append(previous[0])
+        ins.append(_replicated(mesh, previous[0]))
+    outs.append(_replicated(mesh, last[0]))
+    attributes["in_shardings"] = sdy.TensorShardingPerValueAttr.get(ins)
+    attributes["out_shardings"] = sdy.TensorShardingPerValueAttr.get(outs)
+    new = _regrown(op, operands, attributes, last[0])
+    return new.results[-1], last[1]
 
 
 def order_collectives(module: Any) -> int:
