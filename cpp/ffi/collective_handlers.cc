@@ -2,8 +2,9 @@
 //   1. the group's devices in this process meet (a round of a LocalRound, keyed by the
 //      group); the last to arrive leads: it reduces every local operand into its own output,
 //      in ascending partition order;
-//   2. the leader reduces that across the group's processes with one MPI_Iallreduce on the
-//      group's communicator (MpiTransport::Allreduce), polled against the deadline;
+//   2. the leader reduces that across the group's processes with one MPI all-reduce on the
+//      group's communicator (MpiTransport::Allreduce: a persistent request for small
+//      messages, else MPI_Iallreduce), polled against the deadline;
 //   3. the leader copies the result into the other local devices' outputs and ends the
 //      round. Every device of the group thus gets the same bits.
 // The reduction order is fixed: in process, partitions ascending; between processes, MPI's
@@ -401,7 +402,8 @@ ffi::Error Traced(Run&& run, ffi::Buffer<ffi::U32> partition, I64Span device_ind
 //   all_to_all:     in n blocks, out n blocks: out block j = member j's block (my position).
 // As for the all-reduce, the group's devices in this process meet, and the last to arrive
 // does the work of all of them with one MPI call per process (MPI_Iallgather(v),
-// MPI_Ireduce_scatter(_block), MPI_Ialltoall(v)), on the group's communicator, whose ranks
+// MPI_Ireduce_scatter(_block), MPI_Ialltoall(v); small ones whose processes have as many
+// members each as persistent requests), on the group's communicator, whose ranks
 // are the group's processes in ascending MPI rank. Each process sends its members' blocks
 // as one contiguous piece: where the group's order is not process by process (or a process
 // has several members), blocks are packed into and unpacked from a staging buffer.
@@ -761,7 +763,7 @@ ffi::Error LeadExchange(const ExchangeCall& c, const std::vector<const void*>& i
     const size_t moved = c.kind == Exchange::kAllToAll ? n * m * B : n * B;
     const auto deadline = DeadlineAfter(state.config.recv_timeout_s);
     Status s;
-    if (equal && moved <= MpiTransport::PersistentBytes()) {
+    if (equal && moved <= MpiTransport::kPersistentBytes) {
       s = PersistentExchange(c, *state.mpi, l, counts[0], send, recv, n * B, m * B,
                              deadline);
     } else {

@@ -162,7 +162,7 @@ Status MpiTransport::Allreduce(const std::string& key, const std::vector<int>& r
   constexpr int64_t kMaxCount = int64_t{1} << 30;
 #if MPI_VERSION >= 4
   // Small messages: MPICH's nonblocking schedule costs about as much as the message.
-  if (static_cast<size_t>(count * type_size) <= PersistentBytes()) {
+  if (static_cast<size_t>(count * type_size) <= kPersistentBytes) {
     PersistentId id;
     id.count = count;
     id.type = type;
