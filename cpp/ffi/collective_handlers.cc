@@ -553,17 +553,20 @@ Status PersistentExchange(const ExchangeCall& c, MpiTransport& mpi, const Layout
           },
           send, nullptr, recv, deadline);
     }
-    case Exchange::kAllToAll:
-      id.send_bytes = all * (own / c.block);  // every member's n blocks
-      id.recv_bytes = id.send_bytes;
+    case Exchange::kAllToAll: {
+      const bool in_place = send == MPI_IN_PLACE;
+      id.recv_bytes = all * (own / c.block);  // every member's n blocks
+      id.send_bytes = in_place ? 0 : id.recv_bytes;
       return mpi.PersistentCollective(
           c.site->key, l.ranks, "MPI_Alltoall (persistent)", id,
           [&id](MPI_Comm comm, void* sbuf, void* rbuf, MPI_Request* r) {
             const int count = static_cast<int>(id.count);
-            return MPI_Alltoall_init(sbuf, count, MPI_BYTE, rbuf, count, MPI_BYTE, comm,
-                                     MPI_INFO_NULL, r);
+            return MPI_Alltoall_init(id.send_bytes == 0 ? MPI_IN_PLACE : sbuf, count,
+                                     MPI_BYTE, rbuf, count, MPI_BYTE, comm, MPI_INFO_NULL,
+                                     r);
           },
-          send, nullptr, recv, deadline);
+          send, in_place ? recv : nullptr, recv, deadline);
+    }
   }
 #else
   (void)mpi, (void)l, (void)count, (void)send, (void)recv, (void)all, (void)own, (void)deadline;
@@ -736,6 +739,8 @@ ffi::Error LeadExchange(const ExchangeCall& c, const std::vector<const void*>& i
         send = send_stage;
         recv = recv_stage;
       }
+      // The operand's buffer is the result's (the lowering lets XLA alias them): in place.
+      if (send == recv) send = MPI_IN_PLACE;
       start = [&](MPI_Comm comm, MPI_Request* r) {
         if (equal) {
           return MPI_Ialltoall(send, counts[0], MPI_BYTE, recv, counts[0], MPI_BYTE, comm, r);
