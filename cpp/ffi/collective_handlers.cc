@@ -2,8 +2,9 @@
 //   1. the group's devices in this process meet (a round of a LocalRound, keyed by the
 //      group); the last to arrive leads: it reduces every local operand into its own output,
 //      in ascending partition order;
-//   2. the leader reduces that across the group's processes with one MPI_Iallreduce on the
-//      group's communicator (MpiTransport::Allreduce), polled against the deadline;
+//   2. the leader reduces that across the group's processes with one MPI all-reduce on the
+//      group's communicator (MpiTransport::Allreduce: a persistent request for small
+//      messages, else MPI_Iallreduce), polled against the deadline;
 //   3. the leader copies the result into the other local devices' outputs and ends the
 //      round. Every device of the group thus gets the same bits.
 // The reduction order is fixed: in process, partitions ascending; between processes, MPI's
@@ -158,47 +159,70 @@ bool FindGroup(I64Span groups, int64_t group_size, I64Span device_index,
   return false;
 }
 
-// A call site's group as this device sees it (FindGroup's result and the key with the
-// site), worked out at its first call on this device thread and looked up after: building
-// the key's string and the group's vectors at every call was a fifth of a small psum's time
-// on our side. An entry is found by its attributes, compared in full (a few integers), so
-// that another program's call site with the same number never takes it.
-struct SiteGroup {
+// A call site's attributes as this device sees them: its entry of a device thread's cache
+// (SiteEntry) is found by them, compared in full (a few integers), so that another
+// program's call site with the same number never takes it.
+struct SiteAttributes {
   int64_t site = 0, me = 0, group_size = 0;
+  int kind = -1;  // the exchange's (Exchange), -1 for the all-reduce
   std::vector<int64_t> groups, device_index, device_process;
-  bool found = false;
-  Group g;
 };
 
 bool Same(const std::vector<int64_t>& v, I64Span s) {
   return v.size() == s.size() && std::equal(v.begin(), v.end(), s.begin());
 }
 
-const SiteGroup& SiteGroupOf(I64Span groups, int64_t group_size, I64Span device_index,
-                             I64Span device_process, int64_t site, int64_t me) {
-  thread_local std::vector<std::unique_ptr<SiteGroup>> sites;  // most recent last
+// The entry of a call site, made by `make(attributes)` at its first call on this device
+// thread and looked up after: building its key's string and its vectors at every call was
+// a fifth of a small collective's time on our side.
+template <typename Entry, typename Make>
+Entry& SiteEntry(I64Span groups, int64_t group_size, I64Span device_index,
+                 I64Span device_process, int64_t site, int64_t me, int kind, Make&& make) {
+  thread_local std::vector<std::unique_ptr<Entry>> sites;  // most recent last
   for (auto it = sites.rbegin(); it != sites.rend(); ++it) {
-    const SiteGroup& e = **it;
-    if (e.site == site && e.me == me && e.group_size == group_size && Same(e.groups, groups) &&
-        Same(e.device_index, device_index) && Same(e.device_process, device_process)) {
-      return e;
+    const SiteAttributes& e = (*it)->attributes;
+    if (e.site == site && e.me == me && e.kind == kind && e.group_size == group_size &&
+        Same(e.groups, groups) && Same(e.device_index, device_index) &&
+        Same(e.device_process, device_process)) {
+      return **it;
     }
   }
-  auto e = std::make_unique<SiteGroup>();
-  e->site = site;
-  e->me = me;
-  e->group_size = group_size;
-  e->groups.assign(groups.begin(), groups.end());
-  e->device_index.assign(device_index.begin(), device_index.end());
-  e->device_process.assign(device_process.begin(), device_process.end());
-  e->found = FindGroup(groups, group_size, device_index, device_process, me, &e->g);
-  // Each call site of a program has its own communicator and local round: collectives
-  // that XLA runs in another order on another device or process never meet.
-  e->g.key += "#" + std::to_string(site);
+  SiteAttributes a;
+  a.site = site;
+  a.me = me;
+  a.group_size = group_size;
+  a.kind = kind;
+  a.groups.assign(groups.begin(), groups.end());
+  a.device_index.assign(device_index.begin(), device_index.end());
+  a.device_process.assign(device_process.begin(), device_process.end());
+  std::unique_ptr<Entry> e = make(std::move(a));
   constexpr size_t kSites = 256;  // a thread's distinct call sites, before the oldest goes
   if (sites.size() >= kSites) sites.erase(sites.begin());
   sites.push_back(std::move(e));
   return *sites.back();
+}
+
+// A call site's group (FindGroup's result and the key with the site).
+struct SiteGroup {
+  SiteAttributes attributes;
+  bool found = false;
+  Group g;
+};
+
+const SiteGroup& SiteGroupOf(I64Span groups, int64_t group_size, I64Span device_index,
+                             I64Span device_process, int64_t site, int64_t me) {
+  return SiteEntry<SiteGroup>(
+      groups, group_size, device_index, device_process, site, me, -1,
+      [&](SiteAttributes a) {
+        auto e = std::make_unique<SiteGroup>();
+        e->attributes = std::move(a);
+        e->found = FindGroup(groups, group_size, device_index, device_process, me, &e->g);
+        // Each call site of a program has its own communicator and local round:
+        // collectives that XLA runs in another order on another device or process never
+        // meet.
+        e->g.key.append("#").append(std::to_string(site));
+        return e;
+      });
 }
 
 std::string Peers(const MpiTransport& mpi, const std::vector<int>& ranks) {
@@ -378,7 +402,8 @@ ffi::Error Traced(Run&& run, ffi::Buffer<ffi::U32> partition, I64Span device_ind
 //   all_to_all:     in n blocks, out n blocks: out block j = member j's block (my position).
 // As for the all-reduce, the group's devices in this process meet, and the last to arrive
 // does the work of all of them with one MPI call per process (MPI_Iallgather(v),
-// MPI_Ireduce_scatter(_block), MPI_Ialltoall(v)), on the group's communicator, whose ranks
+// MPI_Ireduce_scatter(_block), MPI_Ialltoall(v); small ones whose processes have as many
+// members each as persistent requests), on the group's communicator, whose ranks
 // are the group's processes in ascending MPI rank. Each process sends its members' blocks
 // as one contiguous piece: where the group's order is not process by process (or a process
 // has several members), blocks are packed into and unpacked from a staging buffer.
@@ -431,13 +456,32 @@ Layout MakeLayout(const std::vector<int64_t>& row, I64Span device_process, int64
   return l;
 }
 
+// A call site's exchange as this device sees it (SiteEntry): the group's row, this
+// process's members and the key, and the leader's layout of the group over the transport's
+// ranks, with its counts and displacements for the site's block size.
+struct ExchangeSite {
+  SiteAttributes attributes;
+  std::vector<int64_t> row;        // the group's partitions, in group order
+  std::vector<int64_t> local;      // the group's partitions in this process, ascending
+  std::vector<int64_t> local_pos;  // their group positions
+  std::string key;
+  bool spans = false;              // the group spans processes
+  // Made at the first lead (LeadExchange), for the transport (`laid_out_for`) and block.
+  const MpiTransport* laid_out_for = nullptr;
+  bool laid_out = false;
+  size_t laid_out_block = 0;
+  ffi::DataType laid_out_type = ffi::DataType::INVALID;
+  Layout layout;
+  bool equal = true;  // every process has as many members
+  std::vector<int> counts, displs;
+};
+
 struct ExchangeCall {
   Exchange kind;
   ffi::DataType type;
   Reduction reduction;
   size_t block;  // bytes of one block
-  std::vector<int64_t> row;
-  std::string key;
+  ExchangeSite* site;
   std::string_view op, operand;
   int64_t me;
 };
@@ -463,26 +507,120 @@ class StagingBuffer {
   size_t size_ = 0;
 };
 
+// A small exchange whose processes have as many members each, as a persistent request
+// (MpiTransport::PersistentCollective): `count` is each process's block count (as the
+// nonblocking call takes it), `send` what this process sends (MPI_IN_PLACE: its part of
+// `recv` for an all_gather), `recv` where the result goes; `all` and `own` the bytes of all
+// processes' and of this process's members' blocks.
+Status PersistentExchange(const ExchangeCall& c, MpiTransport& mpi, const Layout& l, int count,
+                          const void* send, void* recv, size_t all, size_t own,
+                          std::chrono::steady_clock::time_point deadline) {
+#if MPI_VERSION >= 4
+  MpiTransport::PersistentId id;
+  id.kind = static_cast<int>(c.kind) + 1;  // the all-reduce's is 0
+  id.count = count;
+  const void* recv_init = nullptr;
+  switch (c.kind) {
+    case Exchange::kAllGather: {
+      const bool in_place = send == MPI_IN_PLACE;
+      id.send_bytes = in_place ? 0 : own;
+      id.recv_bytes = all;
+      if (in_place) recv_init = recv;  // this process's blocks are in place already
+      return mpi.PersistentCollective(
+          c.site->key, l.ranks, "MPI_Allgather (persistent)", id,
+          [&id](MPI_Comm comm, void* sbuf, void* rbuf, MPI_Request* r) {
+            const int count = static_cast<int>(id.count);
+            const bool in_place = id.send_bytes == 0;
+            return MPI_Allgather_init(in_place ? MPI_IN_PLACE : sbuf, in_place ? 0 : count,
+                                      MPI_BYTE, rbuf, count, MPI_BYTE, comm, MPI_INFO_NULL,
+                                      r);
+          },
+          send, recv_init, recv, deadline);
+    }
+    case Exchange::kReduceScatter: {
+      MPI_Datatype type = MPI_DATATYPE_NULL;
+      MPI_Op op = MPI_OP_NULL;
+      (void)MpiReduction(c.type, c.reduction, &type, &op);  // checked by the caller
+      id.type = type;
+      id.op = op;
+      id.send_bytes = all;
+      id.recv_bytes = own;
+      return mpi.PersistentCollective(
+          c.site->key, l.ranks, "MPI_Reduce_scatter_block (persistent)", id,
+          [&id](MPI_Comm comm, void* sbuf, void* rbuf, MPI_Request* r) {
+            return MPI_Reduce_scatter_block_init(sbuf, rbuf, static_cast<int>(id.count),
+                                                 id.type, id.op, comm, MPI_INFO_NULL, r);
+          },
+          send, nullptr, recv, deadline);
+    }
+    case Exchange::kAllToAll: {
+      const bool in_place = send == MPI_IN_PLACE;
+      id.recv_bytes = all * (own / c.block);  // every member's n blocks
+      id.send_bytes = in_place ? 0 : id.recv_bytes;
+      return mpi.PersistentCollective(
+          c.site->key, l.ranks, "MPI_Alltoall (persistent)", id,
+          [&id](MPI_Comm comm, void* sbuf, void* rbuf, MPI_Request* r) {
+            const int count = static_cast<int>(id.count);
+            return MPI_Alltoall_init(id.send_bytes == 0 ? MPI_IN_PLACE : sbuf, count,
+                                     MPI_BYTE, rbuf, count, MPI_BYTE, comm, MPI_INFO_NULL,
+                                     r);
+          },
+          send, in_place ? recv : nullptr, recv, deadline);
+    }
+  }
+#else
+  (void)mpi, (void)l, (void)count, (void)send, (void)recv, (void)all, (void)own, (void)deadline;
+#endif
+  return Status::Invalid(std::string(c.op) + ": no persistent " + std::string(c.operand));
+}
+
 // The leader's work. `in`/`out`: the local members' buffers, by ascending partition;
 // `local_pos`: their group positions.
 ffi::Error LeadExchange(const ExchangeCall& c, const std::vector<const void*>& in,
-                        const std::vector<void*>& out, const std::vector<int64_t>& local_pos,
-                        I64Span device_process) {
-  const size_t n = c.row.size(), B = c.block;
+                        const std::vector<void*>& out, I64Span device_process) {
+  ExchangeSite& site = *c.site;
+  const std::vector<int64_t>& local_pos = site.local_pos;
+  const size_t n = site.row.size(), B = c.block;
   Runtime& rt = Runtime::Get();
   const Runtime::State state = rt.state();
-  int64_t my_process = device_process[c.me];
-  bool spans = false;
-  for (int64_t p : c.row) spans = spans || device_process[p] != my_process;
+  const bool spans = site.spans;
   if (spans && !state.mpi) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       std::string(c.op) + ": the group spans processes, but this process has "
                       "no MPI communicator attached. Launch every process with mpirun/srun "
                       "and import jax_cpu_mpi before lowering the program.");
   }
-  const Layout l = MakeLayout(c.row, device_process, c.me, [&](int64_t process) {
-    return spans ? state.mpi->RankOfProcess(process) : 0;
-  });
+  // Every MPI count and displacement is an int (the lowering keeps larger ones on gloo).
+  if (n * n * B > static_cast<size_t>(INT_MAX)) {
+    return ffi::Error::InvalidArgument(std::string(c.op) + " of " + std::string(c.operand) +
+                                       ": more than 2 GiB in one collective over MPI");
+  }
+  if (!site.laid_out || site.laid_out_for != state.mpi.get() || site.laid_out_block != B ||
+      site.laid_out_type != c.type) {
+    site.layout = MakeLayout(site.row, device_process, c.me, [&](int64_t process) {
+      return spans ? state.mpi->RankOfProcess(process) : 0;
+    });
+    const Layout& l = site.layout;
+    const size_t Q = l.ranks.size(), m = l.positions[l.mine].size();
+    site.equal = true;
+    for (size_t q = 0; q < Q; ++q) site.equal = site.equal && l.positions[q].size() == m;
+    // As each kind passes them to MPI: bytes, except reduce_scatter's counts of elements.
+    const size_t unit = c.kind == Exchange::kReduceScatter ? B / ffi::ByteWidth(c.type) : B;
+    site.counts.assign(Q, 0);
+    site.displs.assign(Q, 0);
+    for (size_t q = 0; q < Q; ++q) {
+      const size_t blocks = c.kind == Exchange::kAllToAll ? l.positions[q].size() * m
+                                                           : l.positions[q].size();
+      const size_t before = c.kind == Exchange::kAllToAll ? l.first[q] * m : l.first[q];
+      site.counts[q] = static_cast<int>(blocks * unit);
+      site.displs[q] = static_cast<int>(before * unit);
+    }
+    site.laid_out_for = state.mpi.get();
+    site.laid_out_block = B;
+    site.laid_out_type = c.type;
+    site.laid_out = true;
+  }
+  const Layout& l = site.layout;
   const std::vector<int64_t>& mine = l.positions[l.mine];
   auto local_of = [&](int64_t position) {  // index into in/out of a local member
     return static_cast<size_t>(std::find(local_pos.begin(), local_pos.end(), position) -
@@ -490,11 +628,6 @@ ffi::Error LeadExchange(const ExchangeCall& c, const std::vector<const void*>& i
   };
   const size_t m = mine.size();
   const size_t Q = l.ranks.size();
-  // Every MPI count and displacement is an int (the lowering keeps larger ones on gloo).
-  if (n * n * B > static_cast<size_t>(INT_MAX)) {
-    return ffi::Error::InvalidArgument(std::string(c.op) + " of " + std::string(c.operand) +
-                                       ": more than 2 GiB in one collective over MPI");
-  }
   auto bytes = [](const void* p) { return static_cast<const std::byte*>(p); };
   auto wbytes = [](void* p) { return static_cast<std::byte*>(p); };
   thread_local StagingBuffer send_staging, recv_staging;
@@ -504,9 +637,9 @@ ffi::Error LeadExchange(const ExchangeCall& c, const std::vector<const void*>& i
   const void* send = nullptr;
   void* recv = nullptr;
   size_t local_copy = 0;  // one process: bytes to copy from send to recv instead of MPI
-  std::vector<int> counts(Q), displs(Q), rcounts(Q), rdispls(Q);
-  bool equal = true;
-  for (size_t q = 0; q < Q; ++q) equal = equal && l.positions[q].size() == m;
+  const std::vector<int>& counts = site.counts;  // of the site's layout, as MPI takes them
+  const std::vector<int>& displs = site.displs;
+  const bool equal = site.equal;
   const char* name = "";
   switch (c.kind) {
     case Exchange::kAllGather: {
@@ -516,10 +649,6 @@ ffi::Error LeadExchange(const ExchangeCall& c, const std::vector<const void*>& i
       } else {
         recv_stage = recv_staging.Get(n * B);
         recv = recv_stage;
-      }
-      for (size_t q = 0; q < Q; ++q) {
-        counts[q] = static_cast<int>(l.positions[q].size() * B);
-        displs[q] = static_cast<int>(l.first[q] * B);
       }
       if (m == 1 && spans && l.identity) {
         send = in[0];  // MPI reads the operand itself
@@ -576,7 +705,6 @@ ffi::Error LeadExchange(const ExchangeCall& c, const std::vector<const void*>& i
         return ffi::Error::InvalidArgument(std::string(c.op) + ": no MPI reduction for " +
                                            std::string(c.operand));
       }
-      for (size_t q = 0; q < Q; ++q) counts[q] = static_cast<int>(l.positions[q].size() * per);
       if (!spans) {
         local_copy = m * B;
       }
@@ -611,10 +739,8 @@ ffi::Error LeadExchange(const ExchangeCall& c, const std::vector<const void*>& i
         send = send_stage;
         recv = recv_stage;
       }
-      for (size_t q = 0; q < Q; ++q) {
-        counts[q] = static_cast<int>(l.positions[q].size() * m * B);
-        displs[q] = static_cast<int>(l.first[q] * m * B);
-      }
+      // The operand's buffer is the result's (the lowering lets XLA alias them): in place.
+      if (send == recv) send = MPI_IN_PLACE;
       start = [&](MPI_Comm comm, MPI_Request* r) {
         if (equal) {
           return MPI_Ialltoall(send, counts[0], MPI_BYTE, recv, counts[0], MPI_BYTE, comm, r);
@@ -640,9 +766,15 @@ ffi::Error LeadExchange(const ExchangeCall& c, const std::vector<const void*>& i
           recv_stage ? recv_staging.Owner() : nullptr);
     }
     const size_t moved = c.kind == Exchange::kAllToAll ? n * m * B : n * B;
-    Status s = state.mpi->Collective(c.key, l.ranks, name, start, moved,
-                                     DeadlineAfter(state.config.recv_timeout_s),
-                                     std::move(staged));
+    const auto deadline = DeadlineAfter(state.config.recv_timeout_s);
+    Status s;
+    if (equal && moved <= MpiTransport::kPersistentBytes) {
+      s = PersistentExchange(c, *state.mpi, l, counts[0], send, recv, n * B, m * B,
+                             deadline);
+    } else {
+      s = state.mpi->Collective(site.key, l.ranks, name, start, moved, deadline,
+                                std::move(staged));
+    }
     if (!s.ok()) return Failure(s, c.op, c.operand, c.me, state, l.ranks);
   }
   // Unpack into the outputs.
@@ -686,9 +818,9 @@ ffi::Error LeadExchange(const ExchangeCall& c, const std::vector<const void*>& i
 ffi::Error ExchangeCollective(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
                               ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> out,
                               I64Span groups, int64_t group_size, I64Span device_index,
-                              I64Span device_process, int64_t site, std::string_view kind,
-                              std::string_view reduction, std::string_view op,
-                              std::string_view operand) {
+                              I64Span device_process, int64_t site_number,
+                              std::string_view kind, std::string_view reduction,
+                              std::string_view op, std::string_view operand) {
   const int64_t me = static_cast<int64_t>(partition.typed_data()[0]);
   const int64_t n_dev = static_cast<int64_t>(device_index.size());
   if (me < 0 || me >= n_dev || static_cast<int64_t>(device_process.size()) != n_dev) {
@@ -705,16 +837,37 @@ ffi::Error ExchangeCollective(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
   c.op = op;
   c.operand = operand;
   c.me = me;
-  // The row of `me`, in group order.
-  const size_t rows = group_size > 0 ? groups.size() / group_size : 0;
-  for (size_t r = 0; r < rows && c.row.empty(); ++r) {
-    const int64_t* row = groups.begin() + r * group_size;
-    if (std::find(row, row + group_size, me) == row + group_size) continue;
-    for (int64_t i = 0; i < group_size; ++i) {
-      if (row[i] >= 0) c.row.push_back(row[i]);
-    }
-  }
-  const size_t n = c.row.size();
+  ExchangeSite& site = SiteEntry<ExchangeSite>(
+      groups, group_size, device_index, device_process, site_number, me,
+      static_cast<int>(c.kind), [&](SiteAttributes a) {
+        auto e = std::make_unique<ExchangeSite>();
+        e->attributes = std::move(a);
+        // The row of `me`, in group order.
+        const size_t rows = group_size > 0 ? groups.size() / group_size : 0;
+        for (size_t r = 0; r < rows && e->row.empty(); ++r) {
+          const int64_t* row = groups.begin() + r * group_size;
+          if (std::find(row, row + group_size, me) == row + group_size) continue;
+          for (int64_t i = 0; i < group_size; ++i) {
+            if (row[i] >= 0) e->row.push_back(row[i]);
+          }
+        }
+        for (int64_t p : e->row) {
+          if (device_process[p] == device_process[me]) e->local.push_back(p);
+          e->spans = e->spans || device_process[p] != device_process[me];
+        }
+        std::sort(e->local.begin(), e->local.end());
+        for (int64_t p : e->local) {
+          e->local_pos.push_back(std::find(e->row.begin(), e->row.end(), p) - e->row.begin());
+        }
+        std::ostringstream key;
+        key << kind << ':';
+        for (int64_t p : e->row) key << device_index[p] << ',';
+        key << '#' << site_number;
+        e->key = key.str();
+        return e;
+      });
+  c.site = &site;
+  const size_t n = site.row.size();
   const size_t in_bytes = x.size_bytes(), out_bytes = out->size_bytes();
   const size_t expect_out = c.kind == Exchange::kAllGather ? in_bytes * n
                             : c.kind == Exchange::kReduceScatter ? (n ? in_bytes / n : 0)
@@ -725,29 +878,13 @@ ffi::Error ExchangeCollective(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
                                 "the group");
   }
   c.block = c.kind == Exchange::kAllGather ? in_bytes : in_bytes / n;
-  std::vector<int64_t> local;  // ascending partitions of the group in this process
-  for (int64_t p : c.row) {
-    if (device_process[p] == device_process[me]) local.push_back(p);
+  if (site.local.size() == 1) {
+    return LeadExchange(c, {x.untyped_data()}, {out->untyped_data()}, device_process);
   }
-  std::sort(local.begin(), local.end());
-  std::vector<int64_t> local_pos;
-  for (int64_t p : local) {
-    local_pos.push_back(std::find(c.row.begin(), c.row.end(), p) - c.row.begin());
-  }
-  std::ostringstream key;
-  key << kind << ':';
-  for (int64_t p : c.row) key << device_index[p] << ',';
-  key << '#' << site;
-  c.key = key.str();
-  if (local.size() == 1) {
-    return LeadExchange(c, {x.untyped_data()}, {out->untyped_data()}, local_pos,
-                        device_process);
-  }
-  return MeetLocally(c.key, local, me, x.untyped_data(), out->untyped_data(), op, operand,
+  return MeetLocally(site.key, site.local, me, x.untyped_data(), out->untyped_data(), op,
+                     operand,
                      [&](const std::vector<const void*>& in, std::vector<void*>& outs,
-                         size_t /*pos*/) {
-                       return LeadExchange(c, in, outs, local_pos, device_process);
-                     });
+                         size_t /*pos*/) { return LeadExchange(c, in, outs, device_process); });
 }
 
 trace::Op TraceOp(std::string_view kind) {

@@ -16,11 +16,32 @@ namespace jcm {
 
 Status MpiTransport::GroupComm(const std::string& key, const std::vector<int>& ranks,
                                GroupEntry** out, std::chrono::steady_clock::time_point deadline) {
+  // The last groups this thread used, looked up without the lock and the map: a device
+  // thread runs the same few call sites over and over. Entries are never erased, and a
+  // transport's id is never reused, so a hit is always valid.
+  struct Recent {
+    uint64_t transport;
+    std::string key;
+    GroupEntry* entry;
+  };
+  thread_local std::vector<Recent> recent;  // most recent last
+  for (auto it = recent.rbegin(); it != recent.rend(); ++it) {
+    if (it->transport == id_ && it->key == key) {
+      *out = it->entry;
+      return Status::Ok();
+    }
+  }
+  auto remember = [&](GroupEntry* entry) {
+    constexpr size_t kRecent = 16;
+    if (recent.size() >= kRecent) recent.erase(recent.begin());
+    recent.push_back({id_, key, entry});
+  };
   {
     std::lock_guard<std::mutex> lock(group_comms_mu_);
     auto it = group_comms_.find(key);
     if (it != group_comms_.end()) {
       *out = it->second.get();
+      remember(*out);
       return Status::Ok();
     }
   }
@@ -94,6 +115,7 @@ Status MpiTransport::GroupComm(const std::string& key, const std::vector<int>& r
   auto& slot = group_comms_[key];
   slot = std::move(entry);
   *out = slot.get();
+  remember(*out);
   return Status::Ok();
 }
 
@@ -111,14 +133,15 @@ Status MpiTransport::PollCollective(MPI_Request* request, const char* name, size
     if (finished) return Status::Ok();
     // The clock every 16 polls: a small collective completes within a few, and reading the
     // clock at each was a tenth of its time on our side.
-    if ((polls & 15) == 0 && Expired(deadline)) {  // the deadline, or the exit's close
-      // A collective cannot be cancelled: the request may still write into its buffers.
-      Abandon(std::span<MPI_Request>(request, 1), std::move(keep_alive));
-      return Status::Timeout(std::string(name) + " did not complete");
-    }
-    if ((polls & 15) == 0 && broken()) {  // another operation abandoned a request: stop
-      Abandon(std::span<MPI_Request>(request, 1), std::move(keep_alive));
-      return Status::Invalid(kMpiBroken);
+    // The deadline (or the exit's close), or another operation abandoned a request.
+    if ((polls & 15) == 0) {
+      const bool expired = Expired(deadline);
+      if (expired || broken()) {
+        // A collective cannot be cancelled: the request may still write into its buffers.
+        Abandon(std::span<MPI_Request>(request, 1), std::move(keep_alive));
+        return expired ? Status::Timeout(std::string(name) + " did not complete")
+                       : Status::Invalid(kMpiBroken);
+      }
     }
     backoff.Pause();
   }
@@ -139,43 +162,20 @@ Status MpiTransport::Allreduce(const std::string& key, const std::vector<int>& r
   constexpr int64_t kMaxCount = int64_t{1} << 30;
 #if MPI_VERSION >= 4
   // Small messages: MPICH's nonblocking schedule costs about as much as the message.
-  constexpr int64_t kPersistentBytes = 4096;
-  if (count * type_size <= kPersistentBytes) {
-    const int n = static_cast<int>(count);
-    const size_t nbytes = static_cast<size_t>(count) * static_cast<size_t>(type_size);
-    auto& cache = group->persistent;
-    auto it = std::find_if(cache.begin(), cache.end(), [&](const PersistentAllreduce& p) {
-      return p.count == n && p.type == type && p.op == op;
-    });
-    {
-      std::unique_lock<std::mutex> lock = MpiCallLock();
-      if (it == cache.end()) {
-        constexpr size_t kPerGroup = 4;
-        if (cache.size() >= kPerGroup) {
-          (void)MPI_Request_free(&cache.front().request);  // inactive: freed at once
-          cache.erase(cache.begin());
-        }
-        std::shared_ptr<std::byte[]> mine(std::make_unique_for_overwrite<std::byte[]>(nbytes));
-        MPI_Request r = MPI_REQUEST_NULL;
-        int rc = MPI_Allreduce_init(MPI_IN_PLACE, mine.get(), n, type, op, group->comm,
-                                    MPI_INFO_NULL, &r);
-        if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Allreduce_init", rc);
-        cache.push_back({n, type, op, std::move(mine), r});
-        it = cache.end() - 1;
-      }
-      std::memcpy(it->buf.get(), send ? send : buf, nbytes);
-      if (int rc = MPI_Start(&it->request); rc != MPI_SUCCESS) {
-        return Status::MpiError("MPI_Start (MPI_Allreduce_init)", rc);
-      }
-    }
-    Status s = PollCollective(&it->request, "MPI_Allreduce (persistent)", nbytes, deadline,
-                              it->buf);
-    if (!s.ok()) {
-      if (it->request == MPI_REQUEST_NULL) cache.erase(it);  // abandoned at the deadline
-      return s;
-    }
-    std::memcpy(buf, it->buf.get(), nbytes);
-    return Status::Ok();
+  if (static_cast<size_t>(count * type_size) <= kPersistentBytes) {
+    PersistentId id;
+    id.count = count;
+    id.type = type;
+    id.op = op;
+    id.recv_bytes = static_cast<size_t>(count) * static_cast<size_t>(type_size);
+    // Captures one reference: std::function keeps it without allocating.
+    return PersistentOn(group, "MPI_Allreduce (persistent)", id,
+                        [&id](MPI_Comm comm, void*, void* recv, MPI_Request* r) {
+                          return MPI_Allreduce_init(MPI_IN_PLACE, recv,
+                                                    static_cast<int>(id.count), id.type, id.op,
+                                                    comm, MPI_INFO_NULL, r);
+                        },
+                        nullptr, send ? send : buf, buf, deadline);
   }
 #endif
   auto* bytes = static_cast<std::byte*>(buf);
@@ -214,6 +214,64 @@ Status MpiTransport::Collective(const std::string& key, const std::vector<int>& 
     }
   }
   return PollCollective(&request, name, bytes, deadline, std::move(keep_alive));
+}
+
+Status MpiTransport::PersistentCollective(
+    const std::string& key, const std::vector<int>& ranks, const char* name,
+    const PersistentId& id, const std::function<int(MPI_Comm, void*, void*, MPI_Request*)>& init,
+    const void* send, const void* recv_init, void* recv,
+    std::chrono::steady_clock::time_point deadline) {
+  if (Status s = Usable(); !s.ok()) return s;
+  GroupEntry* group = nullptr;
+  if (Status s = GroupComm(key, ranks, &group, deadline); !s.ok()) return s;
+  return PersistentOn(group, name, id, init, send, recv_init, recv, deadline);
+}
+
+Status MpiTransport::PersistentOn(
+    GroupEntry* group, const char* name, const PersistentId& id,
+    const std::function<int(MPI_Comm, void*, void*, MPI_Request*)>& init, const void* send,
+    const void* recv_init, void* recv, std::chrono::steady_clock::time_point deadline) {
+#if MPI_VERSION >= 4
+  auto& cache = group->persistent;
+  auto it = std::find_if(cache.begin(), cache.end(),
+                         [&](const PersistentCall& p) { return p.id == id; });
+  {
+    std::unique_lock<std::mutex> lock = MpiCallLock();
+    if (it == cache.end()) {
+      constexpr size_t kPerGroup = 4;
+      if (cache.size() >= kPerGroup) {
+        (void)MPI_Request_free(&cache.front().request);  // inactive: freed at once
+        cache.erase(cache.begin());
+      }
+      std::shared_ptr<std::byte[]> mine(
+          std::make_unique_for_overwrite<std::byte[]>(id.send_bytes + id.recv_bytes));
+      MPI_Request r = MPI_REQUEST_NULL;
+      if (int rc = init(group->comm, mine.get(), mine.get() + id.send_bytes, &r);
+          rc != MPI_SUCCESS) {
+        return Status::MpiError(name, rc);
+      }
+      cache.push_back({id, std::move(mine), r});
+      it = cache.end() - 1;
+    }
+    std::byte* const buf = it->buf.get();
+    if (id.send_bytes != 0) std::memcpy(buf, send, id.send_bytes);
+    if (recv_init != nullptr) std::memcpy(buf + id.send_bytes, recv_init, id.recv_bytes);
+    if (int rc = MPI_Start(&it->request); rc != MPI_SUCCESS) {
+      return Status::MpiError(std::string("MPI_Start (") + name + ")", rc);
+    }
+  }
+  Status s = PollCollective(&it->request, name, id.send_bytes + id.recv_bytes, deadline,
+                            it->buf);
+  if (!s.ok()) {
+    if (it->request == MPI_REQUEST_NULL) cache.erase(it);  // abandoned at the deadline
+    return s;
+  }
+  std::memcpy(recv, it->buf.get() + id.send_bytes, id.recv_bytes);
+  return Status::Ok();
+#else
+  (void)group, (void)id, (void)init, (void)send, (void)recv_init, (void)recv, (void)deadline;
+  return Status::Invalid(std::string(name) + ": persistent collectives need MPI 4");
+#endif
 }
 
 }  // namespace jcm

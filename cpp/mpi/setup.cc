@@ -133,7 +133,7 @@ Status MpiTransport::Create(MPI_Comm comm, std::vector<int> rank_of_process,
 MpiTransport::~MpiTransport() {
   if (!MpiIsUsable()) return;
   for (auto& [key, group] : group_comms_) {
-    for (PersistentAllreduce& p : group->persistent) {
+    for (PersistentCall& p : group->persistent) {
       if (p.request != MPI_REQUEST_NULL) (void)MPI_Request_free(&p.request);  // inactive
     }
     if (group->comm != MPI_COMM_NULL) (void)MPI_Comm_free(&group->comm);

@@ -240,6 +240,36 @@ class MpiTransport {
                     const std::function<int(MPI_Comm, MPI_Request*)>& start, size_t bytes,
                     std::chrono::steady_clock::time_point deadline,
                     std::shared_ptr<void> keep_alive = nullptr);
+  // A small collective as a persistent request (MPI 4's MPI_Allgather_init and the like:
+  // MPICH builds its schedule once, not at every call), on buffers of the transport's own:
+  // `send_bytes` from `send` are copied into its send buffer (0: the call is in place) and,
+  // if `recv_init`, `recv_bytes` from it into its receive buffer; `init(comm, send buffer,
+  // receive buffer, request)` creates the request at the first call of its kind on the
+  // group and returns its MPI error code; the result is copied from the receive buffer
+  // into `recv`. `id`: what tells the group's requests apart (the call and its counts,
+  // type and op), the same on every process at a call, since MPI matches the processes'
+  // requests in the order they are made. As Collective otherwise.
+  // The largest message (bytes moved by this process, the larger of sent and received) that
+  // goes as a persistent request: above it the copies in and out cost more than MPICH's
+  // schedule saves (an all-reduce of 32 KiB was no faster persistent). MPI 3 has none.
+#if MPI_VERSION >= 4
+  static constexpr size_t kPersistentBytes = 4096;
+#else
+  static constexpr size_t kPersistentBytes = 0;
+#endif
+  struct PersistentId {
+    int kind = 0;
+    int64_t count = 0;
+    MPI_Datatype type = MPI_DATATYPE_NULL;
+    MPI_Op op = MPI_OP_NULL;
+    size_t send_bytes = 0, recv_bytes = 0;
+    bool operator==(const PersistentId&) const = default;
+  };
+  Status PersistentCollective(
+      const std::string& key, const std::vector<int>& ranks, const char* name,
+      const PersistentId& id,
+      const std::function<int(MPI_Comm, void*, void*, MPI_Request*)>& init, const void* send,
+      const void* recv_init, void* recv, std::chrono::steady_clock::time_point deadline);
 
  private:
   // Rendezvous (see the top of this file): smallest message, the largest count of one
@@ -424,25 +454,27 @@ class MpiTransport {
   // mpi/collectives.cc: the parent of the groups' communicators (a duplicate made by
   // Create), and the communicator of each group key. group_comms_mu_ guards the map only
   // (never held while a communicator is created: two threads may create two at once).
-  // A group's communicator, and the persistent all-reduces of small messages started on it
-  // (MPI 4's MPI_Allreduce_init: the schedule is built once, not at every call). MPI fixes
-  // a persistent collective's buffer, and matches the processes' requests in the order
-  // they were made, so every process must make them at the same calls: a request reduces
-  // in place in a buffer of its own (the operand copied in, the result out), made for a
-  // count, type and op, which are the same on every process at a call. A few per group,
-  // the oldest freed first (the same on every process). Only the thread leading the group's
-  // round uses an entry, and rounds of one group never overlap.
-  struct PersistentAllreduce {
-    int count;
-    MPI_Datatype type;
-    MPI_Op op;
-    std::shared_ptr<std::byte[]> buf;  // kept with the request if it is abandoned
+  // A group's communicator, and the persistent collectives of small messages started on
+  // it (PersistentCollective). MPI fixes a persistent collective's buffers, and matches
+  // the processes' requests in the order they were made, so every process must make them
+  // at the same calls: a request works in buffers of its own (the operand copied in, the
+  // result out), made for an id that is the same on every process at a call. A few per
+  // group, the oldest freed first (the same on every process). Only the thread leading the
+  // group's round uses an entry, and rounds of one group never overlap.
+  struct PersistentCall {
+    PersistentId id;
+    std::shared_ptr<std::byte[]> buf;  // send, then receive; kept with an abandoned request
     MPI_Request request;  // inactive between calls
   };
   struct GroupEntry {
     MPI_Comm comm = MPI_COMM_NULL;
-    std::vector<PersistentAllreduce> persistent;
+    std::vector<PersistentCall> persistent;
   };
+  // PersistentCollective on the group's entry.
+  Status PersistentOn(GroupEntry* group, const char* name, const PersistentId& id,
+                      const std::function<int(MPI_Comm, void*, void*, MPI_Request*)>& init,
+                      const void* send, const void* recv_init, void* recv,
+                      std::chrono::steady_clock::time_point deadline);
   Status GroupComm(const std::string& key, const std::vector<int>& ranks, GroupEntry** out,
                    std::chrono::steady_clock::time_point deadline);
   // Polls `request` until it completes; at the deadline abandons it (with `keep_alive`).

@@ -218,6 +218,29 @@ exchange_case("all_to_all/float64/big/split=0/concat=1", values("float64", (n <<
               lambda v, i: np.concatenate([split(v[j], 0)[i] for j in range(n)], axis=1))
 
 
+# all_to_all of the leading axis goes in place (MPI_IN_PLACE) where XLA lets the result take
+# the operand's buffer: small (a persistent request) and large, and once with the operand
+# read after the call (XLA must keep it: the result may not overwrite it).
+def _a2a0(v, axis_name):
+    return jax.lax.all_to_all(v, axis_name, 0, 0, tiled=True)
+
+
+def _a2a0_ref(v, i):
+    return np.concatenate([split(v[j], 0)[i] for j in range(n)], axis=0)
+
+
+def _a2a0_reread(v, axis_name):
+    return _a2a0(v, axis_name) ^ v
+
+
+exchange_case("all_to_all/int32/(n*4,)/split=0/concat=0", values("int32", (n * 4,), seed),
+              _a2a0, _a2a0_ref)
+exchange_case("all_to_all/int32/big/split=0/concat=0", values("int32", (n << 16,), seed),
+              _a2a0, _a2a0_ref)
+exchange_case("all_to_all/int8/(n*8,)/split=0/concat=0/reread", values("int8", (n * 8,), seed),
+              _a2a0_reread, lambda v, i: _a2a0_ref(v, i) ^ v[i])
+
+
 def run_exchanges(setting: str, m, cases: dict) -> dict:
     axis = m.axis_names[0]
     return run_packed(setting, m, {k: e[0] for k, e in cases.items()},

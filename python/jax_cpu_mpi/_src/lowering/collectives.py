@@ -283,9 +283,9 @@ def _custom_call(ctx: Any, target: str, name: str, x: Any, in_aval: Any, out_ava
 
 
 def _exchange_call(ctx: Any, kind: str, name: str, x: Any, in_aval: Any, out_aval: Any,
-                   plan: Any, axes: tuple) -> Any:
+                   plan: Any, axes: tuple, in_place: bool = False) -> Any:
     return _custom_call(ctx, EXCHANGE_TARGET, name, x, in_aval, out_aval, plan, axes,
-                        kind=kind, reduction="sum")[0]
+                        in_place=in_place, kind=kind, reduction="sum")[0]
 
 
 def _exchange_plan(ctx: Any, name: str, axes: tuple, params: dict) -> Any:
@@ -336,6 +336,14 @@ def _make_exchange_rule(prim: Any, kind: str) -> Any:
             mid = aval.update(shape=(aval.shape[0] // n, *aval.shape[1:]))
             y = _exchange_call(ctx, kind, prim.name, x, aval, mid, plan, axes)
             y, mid = _transpose(ctx, y, mid, [perm.index(i) for i in range(len(perm))])
+        elif (params["split_axis"] == params["concat_axis"] == 0
+              and tuple(out_aval.shape) == tuple(aval.shape)):
+            # all_to_all of the leading axis: the blocks are contiguous as they are, and the
+            # result has the operand's shape, so the call takes the operand itself, in place
+            # (MPI_IN_PLACE) where the operand is dead afterwards: a scan's carry then needs
+            # no copy of the result into it at every step (XLA copies it after a reshape).
+            return [_exchange_call(ctx, kind, prim.name, x, aval, aval, plan, axes,
+                                   in_place=True)]
         else:  # all_to_all: block j of the result is member j's block of my position
             s, c = params["split_axis"], params["concat_axis"]
             others = [i for i in range(len(shape)) if i != s]
