@@ -98,13 +98,12 @@ LocalRound& Rounds() {
   return rounds.get();
 }
 
-// With JAX_CPU_MPI_WAIT=spin a device waiting for its group's leader yields its core in a
-// loop for up to kMeetYield before it sleeps on the slot's condition variable: it never
-// leaves its core idle in a short wait, and a sibling device thread or another process's
-// that shares the core runs at each yield. (A waiter that spins without yielding delays
-// the sibling it waits for whenever they share a core: 2 processes x 2 devices on 2 cores
-// measured 9 us a psum against 4.5 us.) Otherwise it sleeps at once: a thread woken from
-// a futex is scheduled ahead of busy ones on a loaded machine.
+// A device waiting for its group's leader yields its core in a loop for up to kMeetYield
+// before it sleeps on the slot's condition variable (JAX_CPU_MPI_WAIT=sleep: at once). A
+// sleeping device costs every round a futex wake and a reschedule, and its core may go
+// idle meanwhile; at each yield a sibling device thread, or another process's, that shares
+// the core runs instead. It never spins without yielding: that delays the sibling it
+// waits for whenever they share a core (CHANGELOG.md has the measurements).
 constexpr std::chrono::microseconds kMeetYield{1000};
 // How often a sleeping device looks whether the process closed at exit or another meeting
 // failed.
@@ -112,7 +111,7 @@ constexpr std::chrono::milliseconds kMeetCheck{50};
 
 bool MeetingYields() {
   const Runtime::State state = Runtime::Get().state();
-  return state.mpi && state.mpi->wait_choice().policy == WaitPolicy::kSpin;
+  return state.mpi && state.mpi->wait_choice().policy != WaitPolicy::kSleep;
 }
 
 // Yields until `done()` or kMeetYield has passed (no lock held).
