@@ -98,13 +98,22 @@ LocalRound& Rounds() {
   return rounds.get();
 }
 
-// A device waiting for its group's leader yields its core in a loop for up to kMeetYield
-// before it sleeps on the slot's condition variable (JAX_CPU_MPI_WAIT=sleep: at once). A
-// sleeping device costs every round a futex wake and a reschedule, and its core may go
-// idle meanwhile; at each yield a sibling device thread, or another process's, that shares
-// the core runs instead. It never spins without yielding: that delays the sibling it
-// waits for whenever they share a core (CHANGELOG.md has the measurements).
-constexpr std::chrono::microseconds kMeetYield{1000};
+// A device waiting for its group's leader yields its core in a loop before it sleeps on
+// the slot's condition variable (JAX_CPU_MPI_WAIT=sleep: at once). A sleeping device costs
+// every round a futex wake and a reschedule, and its core may go idle meanwhile; at each
+// yield a sibling device thread, or another process's, that shares the core may run
+// instead. It never spins without yielding: that delays the sibling it waits for whenever
+// they share a core. But a yield does not always hand the core over (the scheduler may
+// pick the yielding thread again, e.g. when the other thread has used more than its share),
+// and the thread it waits for then runs only once this one sleeps: so the time a thread
+// yields adapts, like an adaptive mutex's spin count. It grows after a wait that ended while
+// yielding, halves after one that had to sleep, and once below kMeetYieldMin the thread
+// sleeps at once, probing with kMeetYieldStart every kMeetProbe waits (CHANGELOG.md has
+// the measurements).
+constexpr int64_t kMeetYieldStartNs = 50'000;
+constexpr int64_t kMeetYieldMaxNs = 200'000;
+constexpr int64_t kMeetYieldMinNs = 2'000;
+constexpr uint32_t kMeetProbe = 32;
 // How often a sleeping device looks whether the process closed at exit or another meeting
 // failed.
 constexpr std::chrono::milliseconds kMeetCheck{50};
@@ -114,14 +123,29 @@ bool MeetingYields() {
   return state.mpi && state.mpi->wait_choice().policy != WaitPolicy::kSleep;
 }
 
-// Yields until `done()` or kMeetYield has passed (no lock held).
+// Yields until `done()` or this thread's current yield time has passed (no lock held),
+// and adapts that time to how the wait ended.
 template <typename Done>
 void YieldWhileNot(Done&& done) {
-  const auto until = std::chrono::steady_clock::now() + kMeetYield;
-  for (uint32_t polls = 1; !done(); ++polls) {
-    if ((polls & 15) == 0 && std::chrono::steady_clock::now() >= until) return;
+  thread_local int64_t budget_ns = kMeetYieldStartNs;
+  thread_local uint32_t asleep = 0;  // waits since the budget fell below the minimum
+  int64_t budget = budget_ns;
+  const bool probe = budget < kMeetYieldMinNs;
+  if (probe) {
+    if (++asleep % kMeetProbe != 0) return;
+    budget = kMeetYieldStartNs;
+  }
+  const auto start = std::chrono::steady_clock::now();
+  const auto until = start + std::chrono::nanoseconds(budget);
+  for (uint32_t polls = 1;; ++polls) {
+    if (done()) {
+      budget_ns = std::min(kMeetYieldMaxNs, budget + budget / 4);
+      return;
+    }
+    if ((polls & 15) == 0 && std::chrono::steady_clock::now() >= until) break;
     sched_yield();
   }
+  budget_ns = probe ? 0 : budget / 2;  // a failed probe sleeps at once again
 }
 
 ffi::Error MeetingFailedEarlier(std::string_view op, std::string_view operand, int64_t me) {

@@ -253,7 +253,8 @@ VARIABLES: tuple[Variable, ...] = (
              "waiter leaves the core to the thread it waits for); `spin`: always spin long "
              "(lowest latency on idle cores); `sleep`: always sleep soon. Unless `sleep`, a "
              "device that waits at a collective for the other devices of its process yields "
-             "its core for up to 1 ms before it sleeps (read when MPI is attached)", None,
+             "its core a while (at most 200 us, adapted to how its waits end) before it "
+             "sleeps (read when MPI is attached)", None,
              _choice(auto="sleep soon only when the node is oversubscribed",
                      spin="spin long", sleep="sleep soon")),
     Variable("JAX_CPU_MPI_TRACE", "runtime", "(off)",
