@@ -12,7 +12,11 @@
 // every rank the same bits).
 #include "ffi/collective_handlers.h"
 
+#include <sched.h>
+
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <climits>
 #include <cstddef>
 #include <functional>
@@ -47,9 +51,12 @@ class LocalRound {
   struct Slot {
     std::mutex mu;
     std::condition_variable cv;
-    uint64_t generation = 0;  // rounds completed
-    bool leading = false;     // the leader of the current round has started
+    // Rounds completed, and whether the leader of the current round has started: written
+    // under `mu`, read without it while a device yields.
+    std::atomic<uint64_t> generation{0};
+    std::atomic<bool> leading{false};
     int arrived = 0;
+    int sleepers = 0;  // devices waiting on `cv` (the leader wakes them only if any)
     std::vector<const void*> in;
     std::vector<void*> out;
     std::string error;  // of the last round ("" when it succeeded)
@@ -65,14 +72,89 @@ class LocalRound {
     return *slot;
   }
 
+  // A meeting that timed out: its devices no longer run the same collectives, and every
+  // call behind it would wait a whole timeout in turn (JAX keeps dozens in flight), so
+  // every later meeting of the process fails at once, naming this first one.
+  void Fail(const std::string& first) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failed_.load(std::memory_order_relaxed)) return;
+    first_failure_ = first;
+    failed_.store(true, std::memory_order_release);
+  }
+  bool failed() const { return failed_.load(std::memory_order_acquire); }
+  std::string first_failure() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return first_failure_;
+  }
+
  private:
   std::mutex mu_;
   std::map<std::string, std::unique_ptr<Slot>> slots_;  // never erased
+  std::atomic<bool> failed_{false};
+  std::string first_failure_;
 };
 
 LocalRound& Rounds() {
   static Immortal<LocalRound> rounds;
   return rounds.get();
+}
+
+// A device waiting for its group's leader yields its core in a loop before it sleeps on
+// the slot's condition variable (JAX_CPU_MPI_WAIT=sleep: at once). A sleeping device costs
+// every round a futex wake and a reschedule, and its core may go idle meanwhile; at each
+// yield a sibling device thread, or another process's, that shares the core may run
+// instead. It never spins without yielding: that delays the sibling it waits for whenever
+// they share a core. But a yield does not always hand the core over (the scheduler may
+// pick the yielding thread again, e.g. when the other thread has used more than its share),
+// and the thread it waits for then runs only once this one sleeps: so the time a thread
+// yields adapts, like an adaptive mutex's spin count. It grows after a wait that ended while
+// yielding, halves after one that had to sleep, and once below kMeetYieldMin the thread
+// sleeps at once, probing with kMeetYieldStart every kMeetProbe waits (CHANGELOG.md has
+// the measurements).
+constexpr int64_t kMeetYieldStartNs = 50'000;
+constexpr int64_t kMeetYieldMaxNs = 200'000;
+constexpr int64_t kMeetYieldMinNs = 2'000;
+constexpr uint32_t kMeetProbe = 32;
+// How often a sleeping device looks whether the process closed at exit or another meeting
+// failed.
+constexpr std::chrono::milliseconds kMeetCheck{50};
+
+bool MeetingYields() {
+  const Runtime::State state = Runtime::Get().state();
+  return state.mpi && state.mpi->wait_choice().policy != WaitPolicy::kSleep;
+}
+
+// Yields until `done()` or this thread's current yield time has passed (no lock held),
+// and adapts that time to how the wait ended.
+template <typename Done>
+void YieldWhileNot(Done&& done) {
+  thread_local int64_t budget_ns = kMeetYieldStartNs;
+  thread_local uint32_t asleep = 0;  // waits since the budget fell below the minimum
+  int64_t budget = budget_ns;
+  const bool probe = budget < kMeetYieldMinNs;
+  if (probe) {
+    if (++asleep % kMeetProbe != 0) return;
+    budget = kMeetYieldStartNs;
+  }
+  const auto start = std::chrono::steady_clock::now();
+  const auto until = start + std::chrono::nanoseconds(budget);
+  for (uint32_t polls = 1;; ++polls) {
+    if (done()) {
+      budget_ns = std::min(kMeetYieldMaxNs, budget + budget / 4);
+      return;
+    }
+    if ((polls & 15) == 0 && std::chrono::steady_clock::now() >= until) break;
+    sched_yield();
+  }
+  budget_ns = probe ? 0 : budget / 2;  // a failed probe sleeps at once again
+}
+
+ffi::Error MeetingFailedEarlier(std::string_view op, std::string_view operand, int64_t me) {
+  return ffi::Error::Internal(
+      std::string(op) + " of " + std::string(operand) + " on partition " +
+      std::to_string(me) + ": an earlier collective of this process timed out waiting for "
+      "the other devices of its group, so every later collective of this process fails at "
+      "once (end the job; the first error: " + Rounds().first_failure() + ")");
 }
 
 // The meeting of a group's devices in this process (`local`: their partitions, ascending;
@@ -81,50 +163,83 @@ LocalRound& Rounds() {
 // in `local`'s order and its own position `pos`; the others wait until it has finished and
 // return its result. A device whose peers do not all come by the deadline fails, naming
 // them (once the leader has started, the wait is as long as its work: its MPI wait has a
-// deadline of its own).
+// deadline of its own), and so does every later meeting of the process (LocalRound::Fail).
 template <typename Lead>
 ffi::Error MeetLocally(const std::string& key, const std::vector<int64_t>& local, int64_t me,
                        const void* x, void* y, std::string_view op, std::string_view operand,
                        Lead&& lead) {
+  LocalRound& rounds = Rounds();
+  if (rounds.failed()) [[unlikely]] return MeetingFailedEarlier(op, operand, me);
   const size_t pos = std::find(local.begin(), local.end(), me) - local.begin();
-  LocalRound::Slot& slot = Rounds().Get(key, local.size());
+  LocalRound::Slot& slot = rounds.Get(key, local.size());
   const double timeout_s = Runtime::Get().config().recv_timeout_s;
+  const auto deadline = DeadlineAfter(timeout_s);
   std::unique_lock<std::mutex> lock(slot.mu);
-  const uint64_t generation = slot.generation;
+  const uint64_t generation = slot.generation.load(std::memory_order_relaxed);
   slot.in[pos] = x;
   slot.out[pos] = y;
   if (++slot.arrived < static_cast<int>(local.size())) {
     trace::WaitTimer waited;  // the timeline's wait: until the leader has finished
     waited.Waiting();
-    const bool met = slot.cv.wait_until(lock, DeadlineAfter(timeout_s), [&] {
-      return slot.generation != generation || slot.leading;
-    });
-    if (!met) {
-      --slot.arrived;
-      std::ostringstream m;
-      m << op << " of " << operand << " on partition " << me << " waited " << timeout_s
-        << " s for the other devices of its group in this process (partitions";
-      for (int64_t p : local) m << ' ' << p;
-      m << "), and not all of them got there: every device of the mesh must run the same "
-           "collectives in the same order (set JAX_CPU_MPI_RECV_TIMEOUT to wait longer).";
-      return ffi::Error::Internal(m.str());
+    auto finished = [&] { return slot.generation.load(std::memory_order_acquire) != generation; };
+    if (MeetingYields()) {
+      lock.unlock();
+      YieldWhileNot(finished);
+      lock.lock();
     }
-    slot.cv.wait(lock, [&] { return slot.generation != generation; });
+    if (!finished()) {
+      ++slot.sleepers;
+      auto started = [&] {
+        return finished() || slot.leading.load(std::memory_order_relaxed) || rounds.failed();
+      };
+      // In slices, so that a wait also ends once the process closes at exit (Closing()).
+      while (!started() && !Expired(deadline)) {
+        slot.cv.wait_until(
+            lock, std::min(deadline, std::chrono::steady_clock::now() + kMeetCheck), started);
+      }
+      if (!finished() && !slot.leading.load(std::memory_order_relaxed)) {
+        --slot.sleepers;
+        --slot.arrived;
+        if (rounds.failed()) return MeetingFailedEarlier(op, operand, me);
+        std::ostringstream m;
+        m << op << " of " << operand << " on partition " << me << " waited " << timeout_s
+          << " s for the other devices of its group in this process (partitions";
+        for (int64_t p : local) m << ' ' << p;
+        m << "), and not all of them got there: every device of the mesh must run the same "
+             "collectives in the same order, and with several devices per process a few calls "
+             "in flight at most (JAX may queue a device's call behind the calls it already "
+             "runs: wait on a result every few calls); set JAX_CPU_MPI_RECV_TIMEOUT to wait "
+             "longer.";
+        rounds.Fail(m.str());
+        return ffi::Error::Internal(m.str());
+      }
+      slot.cv.wait(lock, finished);
+      --slot.sleepers;
+    }
     if (slot.error.empty()) return ffi::Error::Success();
     return ffi::Error::Internal(slot.error);
   }
-  slot.leading = true;
+  slot.leading.store(true, std::memory_order_relaxed);
   slot.arrived = 0;
-  std::vector<const void*> in = slot.in;
-  std::vector<void*> outs = slot.out;
+  // The round's operands and outputs, copied out of the slot (no allocation after the
+  // thread's first round): the next round may fill the slot once this one has ended.
+  thread_local std::vector<const void*> in;
+  thread_local std::vector<void*> outs;
+  in.assign(slot.in.begin(), slot.in.end());
+  outs.assign(slot.out.begin(), slot.out.end());
   lock.unlock();
   ffi::Error result = lead(in, outs, pos);
   lock.lock();
-  slot.error = result.failure() ? std::string(result.message()) : std::string();
-  slot.leading = false;
-  ++slot.generation;
+  if (result.failure()) {
+    slot.error = std::string(result.message());
+  } else if (!slot.error.empty()) {
+    slot.error.clear();
+  }
+  slot.leading.store(false, std::memory_order_relaxed);
+  slot.generation.fetch_add(1, std::memory_order_release);
+  const bool wake = slot.sleepers > 0;
   lock.unlock();
-  slot.cv.notify_all();
+  if (wake) slot.cv.notify_all();
   return result;
 }
 

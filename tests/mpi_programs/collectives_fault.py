@@ -2,7 +2,11 @@
 use: the group's communicator is never created) and then psum (an established
 communicator) fail within JAX_CPU_MPI_RECV_TIMEOUT with an error naming the collective and
 the peer, instead of hanging; a collective after that fails at once without calling MPI.
-Run by tests/runtime/test_collectives_mpi.py (JAX_CPU_MPI_RECV_TIMEOUT=3,
+With 2 devices per rank, a device of rank 0 that never joins its sibling's collective (a
+psum under a condition that only one of them takes) fails the sibling's meeting within the
+timeout too, and every later collective of the process fails at once: calls queued behind
+a dead meeting must not wait a whole timeout each (JAX keeps dozens in flight).
+Run by tests/runtime/test_collectives_mpi.py (2 devices per rank, JAX_CPU_MPI_RECV_TIMEOUT=3,
 JAX_CPU_MPI_ABORT_ON_ERROR=0)."""
 
 import time
@@ -53,4 +57,18 @@ else:
     # once without calling MPI.
     fails(lambda: f(x), "a collective ran after an abandoned one",
           ("psum", "earlier MPI operation of this process timed out"), 2, "refused at once")
+    if jax.local_device_count() > 1:
+
+        def first_device_only(v):
+            first = jax.lax.axis_index("x") == 0
+            return jax.lax.cond(first, lambda u: jax.lax.psum(u, "x"), lambda u: u, v)
+
+        h = jax.jit(jax.shard_map(first_device_only, mesh=mesh, in_specs=P("x"),
+                                  out_specs=P("x"), check_vma=False))
+        fails(lambda: h(x), "a meeting completed without its sibling device",
+              ("psum", "for the other devices of its group in this process"), 3 + 4,
+              "meeting raised as expected")
+        fails(lambda: f(x), "a collective waited after a dead meeting",
+              ("psum", "timed out waiting for the other devices of its group"), 2,
+              "meeting refused at once")
     common.ok()

@@ -251,8 +251,10 @@ VARIABLES: tuple[Variable, ...] = (
              "how a thread waiting for an MPI peer waits: `auto` spins long unless this "
              "node's ranks x devices outnumber its cores (then it sleeps soon, so that the "
              "waiter leaves the core to the thread it waits for); `spin`: always spin long "
-             "(lowest latency on idle cores); `sleep`: always sleep soon (read when MPI is "
-             "attached)", None,
+             "(lowest latency on idle cores); `sleep`: always sleep soon. Unless `sleep`, a "
+             "device that waits at a collective for the other devices of its process yields "
+             "its core a while (at most 200 us, adapted to how its waits end) before it "
+             "sleeps (read when MPI is attached)", None,
              _choice(auto="sleep soon only when the node is oversubscribed",
                      spin="spin long", sleep="sleep soon")),
     Variable("JAX_CPU_MPI_KEEP_FREED_MEMORY", "runtime", "0",

@@ -1,0 +1,139 @@
+"""A collective's steady cost apart from its program's launch, against the MPI call.
+
+Not a test: a measurement for the in-process meeting of a process's devices (several
+devices per rank). ``python -m jax_cpu_mpi.bench.collectives`` times one launch of a scan
+of ``--iters`` (20) collectives, so its per-op time holds a twentieth of the launch; here
+three programs per size, scans of 1, 20 and 200 collectives over MPI, launch in
+interleaved rounds, and the table gives
+
+* ``launch(1)``: one launch of a program of one collective (min and median of rounds);
+* ``per op @20``: the median launch of 20 over 20 (what the bench reports);
+* ``steady``: (median of 200 - median of 20) / 180, the collective without the launch;
+* ``mpi4py``: the same bytes per process with mpi4py's call in a loop (median of rounds).
+
+Usage (the build in the interpreter's environment; alternate two builds' launches for an
+A/B)::
+
+    mpirun -n 2 python benchmarks/collectives_launch.py --devices 2 --op psum \\
+        --sizes 8,4096,32768 --rounds 9 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+OPS = ("psum", "all_gather", "all_to_all")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, default=2, help="CPU devices per process")
+    parser.add_argument("--op", choices=OPS, default="psum")
+    parser.add_argument("--sizes", default="8,4096,32768",
+                        help="bytes per process (psum) or per device (the others), commas")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--out", default=None, help="directory for the JSON and the table")
+    args = parser.parse_args()
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={args.devices}")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jax_cpu_mpi  # noqa: F401  (registers the lowerings)
+
+    jax.distributed.initialize(cluster_detection_method="mpi4py")
+    from mpi4py import MPI
+
+    from jax_cpu_mpi import config
+
+    config.configure(collectives="mpi")
+    comm = MPI.COMM_WORLD
+    n = jax.device_count()
+    k = args.devices
+    mesh = jax.make_mesh((n,), ("x",))
+
+    def program(elements: int, iters: int):
+        def one(c):
+            if args.op == "psum":
+                return jax.lax.psum(c, "x")
+            if args.op == "all_gather":
+                return jax.lax.all_gather(c[: elements // n], "x", tiled=True)
+            return jax.lax.all_to_all(c, "x", 0, 0, tiled=True)
+
+        def body(v):
+            return jax.lax.scan(lambda c, _: (one(c), None), v, None, length=iters)[0]
+
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
+                                  check_vma=False))
+        x = jax.make_array_from_callback((n * elements,), NamedSharding(mesh, P("x")),
+                                         lambda idx: np.ones(elements, np.float32))
+        f(x).block_until_ready()  # compile and warm up
+        return f, x
+
+    def mpi_call(elements: int):
+        if args.op == "psum":
+            buf = np.ones(elements * k, np.float32)
+            out = np.empty_like(buf)
+            return lambda: comm.Allreduce(buf, out, op=MPI.SUM)
+        if args.op == "all_gather":
+            buf, out = np.ones(elements // n * k, np.float32), np.empty(elements, np.float32)
+            return lambda: comm.Allgather(buf, out)
+        buf = np.ones(elements * k, np.float32)
+        out = np.empty_like(buf)
+        return lambda: comm.Alltoall(buf, out)
+
+    rows = []
+    for size in (int(s) for s in args.sizes.split(",")):
+        if args.op == "psum":
+            elements = max(size // 4 // k, 1)
+        else:
+            elements = max(size // 4 // n, 1) * n
+        progs = {iters: program(elements, iters) for iters in (1, 20, 200)}
+        call = mpi_call(elements)
+        times: dict[object, list[float]] = {iters: [] for iters in progs}
+        times["mpi4py"] = []
+        for _ in range(args.rounds):
+            for iters, (f, x) in progs.items():
+                comm.Barrier()
+                t = time.perf_counter()
+                f(x).block_until_ready()
+                times[iters].append((time.perf_counter() - t) * 1e6)
+            comm.Barrier()
+            t = time.perf_counter()
+            for _ in range(20):
+                call()
+            times["mpi4py"].append((time.perf_counter() - t) * 1e6 / 20)
+        med = {key: float(np.median(v)) for key, v in times.items()}
+        row = {"op": args.op, "bytes": size, "devices_per_rank": k,
+               "launch1_min_us": min(times[1]), "launch1_med_us": med[1],
+               "per_op_at_20_us": med[20] / 20, "steady_us": (med[200] - med[20]) / 180,
+               "mpi4py_us": med["mpi4py"]}
+        rows.append(row)
+        if comm.Get_rank() == 0:
+            print(json.dumps(row), flush=True)
+    if comm.Get_rank() == 0:
+        table = ["| op | bytes | launch(1) min / med us | per op @20 us | steady us | "
+                 "mpi4py us | mpi4py / steady |", "|---|---|---|---|---|---|---|"]
+        for r in rows:
+            table.append(f"| {r['op']} | {r['bytes']} | {r['launch1_min_us']:.0f} / "
+                         f"{r['launch1_med_us']:.0f} | {r['per_op_at_20_us']:.1f} | "
+                         f"{r['steady_us']:.1f} | {r['mpi4py_us']:.1f} | "
+                         f"{r['mpi4py_us'] / max(r['steady_us'], 1e-9):.2f} |")
+        print("\n".join(table))
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            stem = os.path.join(args.out, f"{args.op}-{comm.Get_size()}x{k}")
+            with open(stem + ".json", "w") as fh:
+                json.dump({"rounds": args.rounds, "rows": rows}, fh, indent=1)
+            with open(stem + ".md", "w") as fh:
+                fh.write("\n".join(table) + "\n")
+
+
+if __name__ == "__main__":
+    main()
