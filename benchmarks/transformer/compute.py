@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
         notes = ["command: python benchmarks/transformer/compute.py " +
-                 " ".join(sys.argv[1:]), *([a.note] if a.note else [])]
+                 shlex.join(sys.argv[1:]), *([a.note] if a.note else [])]
         (out / "compute.md").write_text(
             "# The transformer's compute alone (one device, no pipeline)\n\n" +
             "\n".join(lines) + "\n\n## Notes\n\n" + "".join(f"- {n}\n" for n in notes))
