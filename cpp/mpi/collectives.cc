@@ -118,7 +118,8 @@ Status MpiTransport::PollCollective(MPI_Request* request, const char* name, size
     }
     if ((polls & 15) == 0 && broken()) {  // another operation abandoned a request: stop
       Abandon(std::span<MPI_Request>(request, 1), std::move(keep_alive));
-      return Status::Invalid(kMpiBroken);
+      (void)TakeAbandonedOnThisThread();  // an effect of the break, not its cause
+      return Status::Invalid(BrokenMessage());
     }
     backoff.Pause();
   }
