@@ -58,6 +58,8 @@ LONGEST_FILES = (
     "runtime/test_stress.py",
     "lowering/test_p2p_single_process.py",
     "docs/test_docs_build.py",
+    # Not long, but it waits for its build (started at collection) if handed out early.
+    "runtime/test_sanitizers.py",
 )
 
 

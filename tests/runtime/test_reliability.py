@@ -25,9 +25,8 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import background_builds
 import jax_cpu_mpi
-from conftest import make_mesh, newest_jax_only
+from conftest import make_mesh
 from jax_cpu_mpi import config
 from mpi_launcher import PROGRAMS, MpiRun, assert_mpi_ok, run_mpi
 
@@ -519,31 +518,3 @@ def test_rendezvous_on_many_channels_at_once(rendezvous_run):
 def test_rendezvous_launch_ends_cleanly(rendezvous_run):
     # After its cases, every rank exits 0 (the exit drains, nothing left in flight).
     assert_mpi_ok(rendezvous_run, 2)
-
-
-# --- 5. sanitizers --------------------------------------------------------------------------
-
-
-@newest_jax_only
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_extension_built_with_asan_and_ubsan_runs_clean():
-    """scripts/sanitize.sh QUICK=1: builds the extension with -DJAX_CPU_MPI_SANITIZE=ON and
-    runs the smoke tests (one process and mpirun -n 2) and the 8-device stress test under
-    ASan + UBSan; it fails on any sanitizer report. Without QUICK it runs more
-    (docs/development.md).
-
-    The build step (BUILD_ONLY=1) starts in the background, niced, when collection ends
-    (tests/background_builds.py); the script then runs in full with the same WORK
-    directory, so CMake finds the extension built (or rebuilds it, showing the error, if
-    that build failed)."""
-    missing = background_builds.sanitizer_build_missing()
-    if missing:
-        pytest.skip(missing)
-    started = background_builds.sanitized_extension()
-    started.wait(timeout=400)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(PYTHON=sys.executable, QUICK="1", WORK=str(started.workdir))
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "sanitize.sh")], env=env,
-                          capture_output=True, text=True, timeout=580, cwd=ROOT)
-    assert proc.returncode == 0 and "== sanitizers: clean" in proc.stdout, output_of(proc)
