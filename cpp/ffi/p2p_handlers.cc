@@ -463,8 +463,8 @@ ffi::Error Noted(ffi::Error result) {
 // What goes wrong with them is kept for the report at exit (the op's own error stands).
 ffi::Error Settled(ffi::Error result, int64_t run_id, ffi::Buffer<ffi::U32> partition) {
   if (!result.failure()) [[likely]] return result;
-  Runtime::Get().settle_run_after_failure(run_id,
-                                          static_cast<int64_t>(partition.typed_data()[0]));
+  Runtime::Get().settle_run_after_failure(
+      run_id, static_cast<int64_t>(partition.typed_data()[0]), result.message());
   return result;
 }
 

@@ -214,10 +214,15 @@ int Runtime::close(double wait_s) {
   return mpi_ops_active();
 }
 
-void Runtime::settle_run_after_failure(int64_t run_id, int64_t partition) {
+void Runtime::settle_run_after_failure(int64_t run_id, int64_t partition,
+                                       const std::string& error) {
   Status s = kept_sends_.FinishRun(
       run_id, partition, std::chrono::steady_clock::now() + kKeptSendGraceAfterFailure);
   if (!s.ok()) note_failed_op(s.message());
+  // After FinishRun: a kept send abandoned there broke the transport because of this op too.
+  if (MpiTransport::TakeAbandonedOnThisThread()) {
+    if (std::shared_ptr<MpiTransport> transport = mpi()) transport->NoteBreak(error);
+  }
 }
 
 void Runtime::note_failed_op(const std::string& error) {

@@ -44,7 +44,9 @@ class Runtime {
   // and the operands they kept alive are freed when the program ends. Finishes those sends
   // now (KeptSends::FinishRun), giving each at most kKeptSendGraceAfterFailure; what goes
   // wrong with them is kept for the report at exit (the op's own error stands).
-  void settle_run_after_failure(int64_t run_id, int64_t partition);
+  // If this op (or finishing its sends) abandoned an MPI request, its `error` is what broke
+  // the transport: every later cross-process op quotes it (MpiTransport::NoteBreak).
+  void settle_run_after_failure(int64_t run_id, int64_t partition, const std::string& error);
 
   // The MPI transport, or nullptr until Python attaches a communicator.
   std::shared_ptr<MpiTransport> mpi() const;

@@ -139,8 +139,9 @@ Status MpiTransport::PollCollective(MPI_Request* request, const char* name, size
       if (expired || broken()) {
         // A collective cannot be cancelled: the request may still write into its buffers.
         Abandon(std::span<MPI_Request>(request, 1), std::move(keep_alive));
-        return expired ? Status::Timeout(std::string(name) + " did not complete")
-                       : Status::Invalid(kMpiBroken);
+        if (expired) return Status::Timeout(std::string(name) + " did not complete");
+        (void)TakeAbandonedOnThisThread();  // an effect of the break, not its cause
+        return Status::Invalid(BrokenMessage());
       }
     }
     backoff.Pause();

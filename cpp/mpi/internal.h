@@ -27,11 +27,16 @@ inline bool MpiIsUsable() {
 }
 
 inline constexpr const char* kMpiNotUsable = "MPI is not initialized or already finalized";
+// MpiTransport::BrokenMessage: kMpiBroken, then what broke the transport (the error of the
+// operation that abandoned a request), or kMpiBrokenCauseUnknown while that operation has
+// not returned its error yet.
 inline constexpr const char* kMpiBroken =
     "an earlier MPI operation of this process timed out on a peer that stopped, and MPI "
     "cannot cancel it: any further MPI call could complete it into memory that is no longer "
-    "its buffer, so this process makes no more MPI calls. End the job (the first error names "
-    "the operation and the peer)";
+    "its buffer, so this process makes no more MPI calls. End the job";
+inline constexpr const char* kMpiBrokenCause = ". The operation that broke it: ";
+inline constexpr const char* kMpiBrokenCauseUnknown =
+    " (the first error of this process names the operation and the peer)";
 
 // Whether waits sleep soon (the node is oversubscribed, or JAX_CPU_MPI_WAIT=sleep): set by
 // MpiTransport::Create, read by every Backoff.

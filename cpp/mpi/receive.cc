@@ -4,6 +4,7 @@
 // of mpi/transport.h).
 #include <climits>
 #include <cstring>
+#include <utility>
 
 #include "mpi/internal.h"
 #include "mpi/transport.h"
@@ -115,9 +116,28 @@ Status MpiTransport::CancelWithGrace(std::span<MPI_Request> requests, size_t* ca
 
 Status MpiTransport::Usable() const {
   if (!MpiIsUsable()) return Status::Invalid(kMpiNotUsable);
-  if (broken()) return Status::Invalid(kMpiBroken);
+  if (broken()) return Status::Invalid(BrokenMessage());
   return Status::Ok();
 }
+
+namespace {
+// Set by Abandon, taken by the op layer when the op of this thread fails.
+thread_local bool t_abandoned = false;
+}  // namespace
+
+std::string MpiTransport::BrokenMessage() const {
+  std::string message = kMpiBroken;
+  std::lock_guard<std::mutex> lock(break_mu_);
+  if (break_cause_.empty()) return message + kMpiBrokenCauseUnknown;
+  return message + kMpiBrokenCause + break_cause_;
+}
+
+void MpiTransport::NoteBreak(std::string_view error) {
+  std::lock_guard<std::mutex> lock(break_mu_);
+  if (break_cause_.empty()) break_cause_ = error;
+}
+
+bool MpiTransport::TakeAbandonedOnThisThread() { return std::exchange(t_abandoned, false); }
 
 void MpiTransport::Abandon(std::span<MPI_Request> requests, std::shared_ptr<void> keep_alive) {
   // Neither waited on (it would never end) nor freed (MPI_Request_free would let MPI
@@ -129,6 +149,7 @@ void MpiTransport::Abandon(std::span<MPI_Request> requests, std::shared_ptr<void
     if (r != MPI_REQUEST_NULL) entry.requests.push_back(r);
     r = MPI_REQUEST_NULL;
   }
+  t_abandoned = true;
   std::lock_guard<std::mutex> lock(mu_);
   abandoned_.push_back(std::move(entry));
   broken_.store(true, std::memory_order_release);

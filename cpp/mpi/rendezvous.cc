@@ -138,7 +138,7 @@ Status MpiTransport::FinishDirect(const std::shared_ptr<DirectSend>& send,
     ++direct_sends_;
     return Status::Ok();
   }
-  if (!Expired(deadline)) return Status::Invalid(kMpiBroken);  // stopped by the break
+  if (!Expired(deadline)) return Status::Invalid(BrokenMessage());  // stopped by the break
   return Status::SendTimeout(
       "the receiver signalled that it was ready for this message, then did not take it "
       "before the timeout (JAX_CPU_MPI_RECV_TIMEOUT); did its process fail or exit?");

@@ -131,6 +131,16 @@ class MpiTransport {
   // after the first one failed): operations fail at once instead. The exit's drain still
   // meets the other ranks.
   Status Usable() const;
+  // Usable's error once broken: kMpiBroken, and the error of the operation that broke the
+  // transport (NoteBreak) so that every later error names the cause, not only its effect.
+  std::string BrokenMessage() const;
+  // Keeps `error`, the error of an operation that broke the transport, for BrokenMessage;
+  // only the first one counts (the others are effects of the same stopped peer).
+  void NoteBreak(std::string_view error);
+  // Whether this thread abandoned a request (Abandon) since the last call, which clears it:
+  // the op that failed on this thread is then the one that broke the transport. A thread
+  // flag, as only the op layer (cpp/ffi) knows the op and its peer, and only on failure.
+  static bool TakeAbandonedOnThisThread();
 
   int rank() const { return rank_; }
   int size() const { return size_; }
@@ -450,6 +460,8 @@ class MpiTransport {
   std::vector<std::shared_ptr<DirectSend>> direct_in_flight_;  // left in flight
   std::vector<Abandoned> abandoned_;  // never tested again, never freed
   std::atomic<bool> broken_{false};   // set once a request is abandoned
+  mutable std::mutex break_mu_;       // guards break_cause_ only (Usable runs under mu_)
+  std::string break_cause_;           // NoteBreak's first error
 
   // mpi/collectives.cc: the parent of the groups' communicators (a duplicate made by
   // Create), and the communicator of each group key. group_comms_mu_ guards the map only

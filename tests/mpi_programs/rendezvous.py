@@ -1,6 +1,9 @@
 """The rendezvous path of MPI messages (256 KiB and more): every way it can go.
 
-``rendezvous.py CASE`` under ``mpirun -n 2``:
+``rendezvous.py CASE[,CASE...]`` under ``mpirun -n 2``, the cases one after the other, each
+between ``== case NAME: start`` and ``== case NAME: done`` lines (tests/runtime/
+test_reliability.py runs the first three in one launch, with 4 devices per rank; the cases
+that say 1 device per rank use the first device of each rank):
 
 * ``paths`` (1 device per rank): the receiver ready first (the message goes straight from
   the operand: ``mpi_direct_sends`` grows, and the psend returns before it completes:
@@ -49,7 +52,7 @@ from jax.experimental import multihost_utils
 import jax_cpu_mpi
 from jax_cpu_mpi import config
 
-CASE = sys.argv[1]
+CASES = sys.argv[1].split(",")
 me = jax.process_index()
 FWD, BWD = [(0, 1)], [(1, 0)]
 
@@ -80,12 +83,19 @@ def one_way(mesh, n: int, recv_n: int | None = None):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
 
 
+def pair_mesh() -> jax.sharding.Mesh:
+    """The first device of each rank, as axis "x" (rank 0's first)."""
+    firsts = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+              for p in range(jax.process_count())]
+    return jax.sharding.Mesh(np.array(firsts), ("x",))
+
+
 def pattern(n: int, salt: int) -> np.ndarray:
     return ((np.arange(n, dtype=np.int64) * 7 + salt) % 251).astype(np.uint8)
 
 
 def run_paths() -> None:
-    mesh = jax.make_mesh((2,), ("x",))
+    mesh = pair_mesh()
     for n in (1 << 20, (8 << 20) + 4096):
         f = one_way(mesh, n)
         for mode, salt in (("receiver ready first", 1), ("receiver late", 2)):
@@ -247,7 +257,7 @@ def run_failed_before_precv(mesh, per: int) -> None:
 
 
 def run_never_received() -> None:
-    mesh = jax.make_mesh((2,), ("x",))
+    mesh = pair_mesh()
     n = 8 << 20
     x = common.global_array(mesh, P("x"), np.ones(2 * n, np.uint8))
     with config.overrides(gpu_parity=False):
@@ -280,7 +290,7 @@ def run_never_received() -> None:
 
 
 def run_exchange() -> None:
-    mesh = jax.make_mesh((2,), ("x",))
+    mesh = pair_mesh()
     cycle = [(0, 1), (1, 0)]
 
     def step_one_op(v):
@@ -355,7 +365,14 @@ def _send_only(v):
     return v
 
 
-{"paths": run_paths, "many-channels": run_many_channels, "exchange": run_exchange,
- "never-received": run_never_received}[CASE]()
-if CASE != "never-received":
+RUN = {"paths": run_paths, "many-channels": run_many_channels, "exchange": run_exchange,
+       "never-received": run_never_received}
+assert "never-received" not in CASES or CASES == ["never-received"], CASES  # it ends the job
+for case in CASES:
+    print(f"== case {case}: start", flush=True)
+    RUN[case]()
+    print(f"== case {case}: done", flush=True)
+    if case != CASES[-1]:
+        barrier(f"case {case} done")
+if CASES != ["never-received"]:
     common.ok()

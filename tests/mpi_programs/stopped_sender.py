@@ -21,8 +21,10 @@ time after it was posted (the announcement of the message has left by then). Ran
 
 In the last two a matched receive cannot be cancelled: rank 1 must still fail with the
 precv timeout error, within ``JAX_CPU_MPI_RECV_TIMEOUT`` and a grace period, and report the
-transport broken (``job_broken``). Its error is left uncaught: jax_cpu_mpi aborts the job
-(MPI_Abort), which must end the stopped rank 0 too.
+transport broken (``job_broken``); the program then runs again, and fails at once with the
+broken transport's error, which must name that first precv (printed as ``the next op failed
+at once: ...``). The first error is left uncaught: jax_cpu_mpi aborts the job (MPI_Abort),
+which must end the stopped rank 0 too.
 """
 
 from __future__ import annotations
@@ -93,6 +95,12 @@ try:
 except Exception as e:  # the error is the point of the test: show it, then let it abort
     print(f"process 1: failed after {time.perf_counter() - start:.1f} s, job_broken "
           f"{ext.job_broken()}: {type(e).__name__}: {e}", flush=True)
+    if ext.job_broken():
+        try:
+            jax.block_until_ready(compiled(x))
+        except jax.errors.JaxRuntimeError as later:
+            text = " ".join(str(later).split())
+            print(f"process 1: the next op failed at once: {text}", flush=True)
     raise
 print(f"process 1: completed after {time.perf_counter() - start:.1f} s, which it must not",
       flush=True)
