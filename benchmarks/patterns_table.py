@@ -20,10 +20,12 @@ import statistics
 import sys
 from pathlib import Path
 
-METHODS = ("mpi4py", "psend/scan", "psend2/scan", "ppermute/scan", "gloo/scan")
+METHODS = ("mpi4py", "psend/scan", "psend2/scan", "psend-donated/scan", "ppermute/scan",
+           "gloo/scan")
 #: Speed ratios (numerator, denominator, header): the first over the second.
 RATIOS = (("psend/scan", "mpi4py", "`psend/scan` / MPI"),
           ("psend2/scan", "mpi4py", "`psend2/scan` / MPI"),
+          ("psend-donated/scan", "mpi4py", "`psend-donated/scan` / MPI"),
           ("ppermute/scan", "psend/scan", "`ppermute/scan` / `psend/scan`"),
           ("ppermute/scan", "gloo/scan", "`ppermute/scan` / gloo"))
 TIMED = ("latency", "exchange", "ring")

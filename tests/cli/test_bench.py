@@ -256,3 +256,31 @@ def test_gpu_methods_run_their_programs_on_any_two_devices():
             m = methods.METHODS[name](methods.Context(session, plan, kind))
             assert (m.method, m.kind, m.mode, m.size) == (name, kind, "gpu", 64)
             assert m.valid and m.samples >= 2 and (m.seconds > 0).all(), (name, kind)
+
+
+def test_donated_pattern_program_receives_into_the_donated_buffer():
+    """psend-donated/scan's program on two devices of this process: each call's result takes
+    the donated buffer of the previous one (which is deleted) and holds what was received,
+    never what that buffer held: zeros where a device receives nothing (multi-pair's
+    sender)."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jax_cpu_mpi._src.runtime.config import overrides
+    from jax_cpu_mpi.bench.programs import AXIS
+
+    mesh = Mesh(np.array(jax.devices()[:2]), (AXIS,))
+    sharding = NamedSharding(mesh, P(AXIS))
+    halves = np.arange(1, 17, dtype=np.uint8).reshape(2, 8)
+    x = jax.device_put(halves.reshape(-1), sharding)
+    wanted = {"exchange": [halves[1], halves[0]], "multi-pair": [np.zeros(8, np.uint8), halves[0]]}
+    for kind, want in wanted.items():
+        fn = patterns.donated_scan_program(mesh, "psend", patterns.pairs(kind, 2), 3)
+        y = jax.device_put(np.full(16, 0xAB, np.uint8), sharding)
+        for _ in range(2):
+            with overrides(gpu_parity=False):  # the exchange is one op with a cycle
+                result = fn(x, y)
+            assert y.is_deleted(), kind
+            np.testing.assert_array_equal(np.asarray(result), np.concatenate(want), kind)
+            y = result

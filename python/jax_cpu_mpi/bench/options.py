@@ -35,6 +35,8 @@ LOCAL_METHODS = (
     "ppermute-local/scan",
     "jit-floor-local",
 )
+#: Measured only when named in --methods (patterns only): see bench/patterns.py.
+EXTRA_METHODS = ("psend-donated/scan",)
 GPU_METHODS = (
     "psend-nccl/call",
     "psend-nccl/scan",
@@ -42,7 +44,7 @@ GPU_METHODS = (
     "ppermute-nccl/scan",
     "jit-floor-gpu",
 )
-ALL_METHODS = MPI_METHODS + LOCAL_METHODS + GPU_METHODS
+ALL_METHODS = MPI_METHODS + LOCAL_METHODS + EXTRA_METHODS + GPU_METHODS
 KINDS = ("latency", "bandwidth", "bibw", "exchange", "ring", "multi-pair")
 #: ``--pattern`` names: OSU's and nccl-tests' (pingpong and bw are the kinds latency and
 #: bandwidth; the others are measured by :mod:`.patterns`).

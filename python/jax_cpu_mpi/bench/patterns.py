@@ -18,6 +18,9 @@ first device of every rank (all ranks of the job take part):
 Methods: ``psend/scan`` (one ``psend``/``precv`` with the pattern's pairs per step, steps in
 one jitted ``lax.scan``: what a CPU-only program writes), ``psend2/scan`` (the same step as
 two ops, one per direction: what a GPU-parity program and the pipeline executor write),
+``psend-donated/scan`` (``psend/scan`` whose result buffer is donated back to the next call as
+the scan's first result, so that XLA receives into the same, warm buffer at every call, as
+the MPI baseline does, instead of a fresh one: what XLA's per-call buffers cost),
 ``mpi4py`` (``Sendrecv`` per step, or windows of ``Isend``/``Irecv``), ``gloo/scan``
 (``jax.lax.ppermute`` with the same pairs, over gloo: JAX's path), ``ppermute/scan`` (the same
 ``ppermute`` over MPI: ``JAX_CPU_MPI_COLLECTIVES=mpi`` lowers it as our psend/precv) and,
@@ -33,6 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -46,7 +50,8 @@ from .stats import Measurement
 #: ``--pattern`` names measured here (pingpong and bw are the kinds latency/bandwidth).
 KINDS = ("bibw", "exchange", "ring", "multi-pair")
 #: Methods that measure these patterns, per platform.
-CPU_METHODS = ("mpi4py", "psend/scan", "psend2/scan", "gloo/scan", "ppermute/scan")
+CPU_METHODS = ("mpi4py", "psend/scan", "psend2/scan", "psend-donated/scan", "gloo/scan",
+               "ppermute/scan")
 GPU_METHODS = ("psend-nccl/scan", "ppermute-nccl/scan")
 METHODS = CPU_METHODS + GPU_METHODS
 
@@ -100,6 +105,18 @@ def _scan_program(mesh: Mesh, transport: str, perm: list[tuple[int, int]],
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
 
 
+def donated_scan_program(mesh: Mesh, transport: str, perm: list[tuple[int, int]],
+                         steps: int) -> Callable:
+    """``(x, y) -> y'``: the steps of :func:`_scan_program`, their results taking the buffer
+    of ``y`` (donated), so that a caller passing the last result back receives into the same
+    buffer at every call."""
+    def body(x, y):
+        return repeated_in_scan(lambda v: _step(transport, v, perm), x, steps, first=y)
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS), P(AXIS)),
+                                 out_specs=P(AXIS)), donate_argnums=1)
+
+
 def _expected_senders(perm: list[tuple[int, int]]) -> dict[int, int]:
     return {d: s for s, d in perm}
 
@@ -140,26 +157,35 @@ def _jax(ctx: Any, method: str, transport: str) -> Measurement:
     value = pattern(n)
     x = jax.make_array_from_callback((nranks * n,), NamedSharding(mesh, P(AXIS)),
                                      lambda index: value)
-    fn = _scan_program(mesh, transport, perm, steps)
+    donated = method == "psend-donated/scan"
+    fn = (donated_scan_program if donated else _scan_program)(mesh, transport, perm, steps)
     if transport == "psend":
         # One op with a cycle: fine on CPU (our transport), refused on GPU; lowered and
         # compiled with the GPU-parity check off, as a CPU-only program does.
         with overrides(gpu_parity=False):
-            fn = fn.lower(x).compile()
+            fn = fn.lower(*((x, x) if donated else (x,))).compile()
     elif method in _PPERMUTE_SETTING:
         # The setting is read when the program is lowered: under an MPI launcher ``auto``
         # would lower gloo/scan's ppermute over MPI too.
         with overrides(collectives=_PPERMUTE_SETTING[method]):
             fn = fn.lower(x).compile()
-    out: list[Any] = []
+    zeros = jax.jit(jnp.zeros_like, out_shardings=x.sharding)
+    # psend-donated/scan: the first call receives into a buffer of zeros, each next one into
+    # the buffer of the previous call's result.
+    out: list[Any] = [jax.block_until_ready(zeros(x))] if donated else []
 
     def step() -> None:
-        out[:] = [jax.block_until_ready(fn(x))]
+        out[:] = [jax.block_until_ready(fn(x, out[0]) if donated else fn(x))]
         if not _two_way(kind):
             session.barrier()  # the acknowledgement: every pair's window has arrived
 
     seconds = _timed(step, plan.scan_samples, plan.scan_warmup, session.barrier)
     seconds /= _per_message(kind, steps, nranks)
+    if donated:
+        # The check below reads a call into zeros: the timed calls' buffer held the pattern
+        # already, where a receive that did not happen would go unseen.
+        out[:] = [jax.block_until_ready(zeros(x))]
+        step()
     receivers = _expected_senders(perm)
     me = mesh.devices.reshape(-1)[session.rank]
     wrong = count_wrong(shard_on(out[0], me), value) if session.rank in receivers else 0
@@ -222,6 +248,8 @@ def _describe(method: str, kind: str) -> str:
         "psend/scan": "one psend/precv with the pattern's pairs per step, in a jitted lax.scan",
         "psend2/scan": "two psend/precv per step, one per direction (GPU-parity programs, "
                        "the pipeline executor), in a jitted lax.scan",
+        "psend-donated/scan": "psend/scan receiving into the buffer of the previous call's "
+                              "result, donated (warm memory, as MPI's receive buffer)",
         "gloo/scan": "jax.lax.ppermute over gloo with the same pairs, in a jitted lax.scan",
         "ppermute/scan": "jax.lax.ppermute over MPI (JAX_CPU_MPI_COLLECTIVES=mpi: our "
                          "psend/precv) with the same pairs, in a jitted lax.scan",
@@ -243,7 +271,8 @@ def measure(ctx: Any, method: str) -> Measurement:
     if method == "mpi4py":
         return _mpi4py(ctx)
     # On GPU a psend may not hold a cycle: one op per direction.
-    transport = {"psend/scan": "psend", "psend2/scan": "psend2", "gloo/scan": "ppermute",
+    transport = {"psend/scan": "psend", "psend2/scan": "psend2",
+                 "psend-donated/scan": "psend", "gloo/scan": "ppermute",
                  "ppermute/scan": "ppermute",
                  "psend-nccl/scan": "psend2", "ppermute-nccl/scan": "ppermute"}[method]
     return _jax(ctx, method, transport)

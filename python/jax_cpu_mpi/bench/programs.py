@@ -114,15 +114,17 @@ def ack(mesh: Mesh, transport: str) -> Callable:
 
 
 def repeated_in_scan(step: Callable[[jax.Array], jax.Array], x: jax.Array,
-                     steps: int) -> jax.Array:
+                     steps: int, first: jax.Array | None = None) -> jax.Array:
     """``step(x)`` run ``steps`` times in a ``lax.scan`` (the last result): each one on the
-    same ``x``, which a barrier keeps XLA from hoisting out of the loop as invariant."""
+    same ``x``, which a barrier keeps XLA from hoisting out of the loop as invariant.
+    ``first``: the result's value before the first step (``x`` if None), whose buffer the
+    results then take (a donated ``first`` is received into in place)."""
     def one(carry, _):
         source, _ = carry
         source = jax.lax.optimization_barrier(source)
         return (source, step(source)), None
 
-    (_, y), _ = jax.lax.scan(one, (x, x), None, length=steps)
+    (_, y), _ = jax.lax.scan(one, (x, x if first is None else first), None, length=steps)
     return y
 
 

@@ -16,7 +16,14 @@ import numpy as np
 from jax_cpu_mpi import _jax_cpu_mpi as ext
 
 from . import methods, patterns
-from .options import GPU_METHODS, LOCAL_METHODS, MPI_METHODS, Options, format_size
+from .options import (
+    EXTRA_METHODS,
+    GPU_METHODS,
+    LOCAL_METHODS,
+    MPI_METHODS,
+    Options,
+    format_size,
+)
 from .progress import Progress
 from .session import Session
 from .stats import Measurement
@@ -45,7 +52,7 @@ def _runnable(options: Options, session: Session, notes: list[str]) -> tuple[lis
     if skipped_gpu:
         notes.append(f"skipped (need --platform gpu): {', '.join(skipped_gpu)}")
     for m in chosen:
-        if m in MPI_METHODS and session.pair is not None:
+        if (m in MPI_METHODS or m in EXTRA_METHODS) and session.pair is not None:
             cross.append(m)
         elif m in LOCAL_METHODS and (session.local_pair is not None
                                          or m in ("memcpy", "hop-floor-local")):
