@@ -62,11 +62,18 @@ def main() -> None:
         def one(c):
             if args.op == "psum":
                 return jax.lax.psum(c, "x")
-            if args.op == "all_gather":
-                return jax.lax.all_gather(c[: elements // n], "x", tiled=True)
             return jax.lax.all_to_all(c, "x", 0, 0, tiled=True)
 
         def body(v):
+            if args.op == "all_gather":
+                # The operand and the result carried side by side, as in
+                # jax_cpu_mpi.bench.collectives (a slice of the result would be a copy).
+                def gather(carry, _):
+                    operand, _result = carry
+                    return (operand, jax.lax.all_gather(operand, "x", tiled=True)), None
+
+                start = (v[: elements // n], v)
+                return jax.lax.scan(gather, start, None, length=iters)[0][1]
             return jax.lax.scan(lambda c, _: (one(c), None), v, None, length=iters)[0]
 
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
