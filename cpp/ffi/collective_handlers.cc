@@ -120,10 +120,6 @@ constexpr uint32_t kMeetProbe = 32;
 // failed.
 constexpr std::chrono::milliseconds kMeetCheck{50};
 
-bool MeetingYields() {
-  const Runtime::State state = Runtime::Get().state();
-  return state.mpi && state.mpi->wait_choice().policy != WaitPolicy::kSleep;
-}
 
 // Yields until `done()` or this thread's current yield time has passed (no lock held),
 // and adapts that time to how the wait ended.
@@ -165,15 +161,23 @@ ffi::Error MeetingFailedEarlier(std::string_view op, std::string_view operand, i
 // return its result. A device whose peers do not all come by the deadline fails, naming
 // them (once the leader has started, the wait is as long as its work: its MPI wait has a
 // deadline of its own), and so does every later meeting of the process (LocalRound::Fail).
+// `site_slot`: the group's slot as the call site keeps it (found by `key` at the site's
+// first meeting on this thread; slots are never erased): a meeting takes no process-wide
+// lock.
 template <typename Lead>
-ffi::Error MeetLocally(const std::string& key, const std::vector<int64_t>& local, int64_t me,
-                       const void* x, void* y, std::string_view op, std::string_view operand,
-                       Lead&& lead) {
+ffi::Error MeetLocally(const std::string& key, LocalRound::Slot*& site_slot,
+                       const std::vector<int64_t>& local, int64_t me, const void* x, void* y,
+                       std::string_view op, std::string_view operand, Lead&& lead) {
   LocalRound& rounds = Rounds();
   if (rounds.failed()) [[unlikely]] return MeetingFailedEarlier(op, operand, me);
   const size_t pos = std::find(local.begin(), local.end(), me) - local.begin();
-  LocalRound::Slot& slot = rounds.Get(key, local.size());
-  const double timeout_s = Runtime::Get().config().recv_timeout_s;
+  if (site_slot == nullptr) site_slot = &rounds.Get(key, local.size());
+  LocalRound::Slot& slot = *site_slot;
+  // One look at the runtime (its lock is shared by every device thread): the deadline, and
+  // whether a waiting device yields before it sleeps (not under JAX_CPU_MPI_WAIT=sleep).
+  const Runtime::State state = Runtime::Get().state();
+  const double timeout_s = state.config.recv_timeout_s;
+  const bool yields = state.mpi && state.mpi->wait_choice().policy != WaitPolicy::kSleep;
   const auto deadline = DeadlineAfter(timeout_s);
   std::unique_lock<std::mutex> lock(slot.mu);
   const uint64_t generation = slot.generation.load(std::memory_order_relaxed);
@@ -183,7 +187,7 @@ ffi::Error MeetLocally(const std::string& key, const std::vector<int64_t>& local
     trace::WaitTimer waited;  // the timeline's wait: until the leader has finished
     waited.Waiting();
     auto finished = [&] { return slot.generation.load(std::memory_order_acquire) != generation; };
-    if (MeetingYields()) {
+    if (yields) {
       lock.unlock();
       YieldWhileNot(finished);
       lock.lock();
@@ -328,6 +332,7 @@ struct SiteGroup {
   const MpiTransport* ranks_for = nullptr;
   std::vector<int> ranks;
   MpiTransport::GroupHandle comm;
+  LocalRound::Slot* slot = nullptr;  // its meeting's (MeetLocally)
 };
 
 SiteGroup& SiteGroupOf(I64Span groups, int64_t group_size, I64Span device_index,
@@ -478,7 +483,8 @@ ffi::Error AllReduce(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
     return Lead(in, outs, x.element_type(), red, count, bytes, site_group, me, op, operand);
   }
 
-  return MeetLocally(g.key, g.local, me, x.untyped_data(), out->untyped_data(), op, operand,
+  return MeetLocally(g.key, site_group.slot, g.local, me, x.untyped_data(), out->untyped_data(),
+                     op, operand,
                      [&](const std::vector<const void*>& in, std::vector<void*>& outs,
                          size_t pos) {
                        // The leader's own output accumulates: it comes first among the
@@ -603,6 +609,7 @@ struct ExchangeSite {
   bool equal = true;  // every process has as many members
   std::vector<int> counts, displs;
   MpiTransport::GroupHandle comm;
+  LocalRound::Slot* slot = nullptr;  // its meeting's (MeetLocally)
 };
 
 struct ExchangeCall {
@@ -1017,8 +1024,8 @@ ffi::Error ExchangeCollective(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
     void* const outs[] = {out->untyped_data()};
     return LeadExchange(c, in, outs, device_process);
   }
-  return MeetLocally(site.key, site.local, me, x.untyped_data(), out->untyped_data(), op,
-                     operand,
+  return MeetLocally(site.key, site.slot, site.local, me, x.untyped_data(), out->untyped_data(),
+                     op, operand,
                      [&](const std::vector<const void*>& in, std::vector<void*>& outs,
                          size_t /*pos*/) { return LeadExchange(c, in, outs, device_process); });
 }
