@@ -120,7 +120,6 @@ constexpr uint32_t kMeetProbe = 32;
 // failed.
 constexpr std::chrono::milliseconds kMeetCheck{50};
 
-
 // Yields until `done()` or this thread's current yield time has passed (no lock held),
 // and adapts that time to how the wait ended.
 template <typename Done>
@@ -336,7 +335,7 @@ struct SiteGroup {
 };
 
 SiteGroup& SiteGroupOf(I64Span groups, int64_t group_size, I64Span device_index,
-                             I64Span device_process, int64_t site, int64_t me) {
+                       I64Span device_process, int64_t site, int64_t me) {
   return SiteEntry<SiteGroup>(
       groups, group_size, device_index, device_process, site, me, -1,
       [&](SiteAttributes a) {

@@ -141,8 +141,9 @@ Status MpiTransport::PollCollective(MPI_Request* request, const char* name, size
 }
 
 Status MpiTransport::Allreduce(const std::string& key, const std::vector<int>& ranks,
-                               GroupHandle& handle, const void* send, void* buf, int64_t count, MPI_Datatype type,
-                               MPI_Op op, std::chrono::steady_clock::time_point deadline) {
+                               GroupHandle& handle, const void* send, void* buf,
+                               int64_t count, MPI_Datatype type, MPI_Op op,
+                               std::chrono::steady_clock::time_point deadline) {
   if (Status s = Usable(); !s.ok()) return s;
   if (count == 0) return Status::Ok();  // the same shape on every rank: none calls MPI
   GroupEntry* group = nullptr;
@@ -211,7 +212,8 @@ Status MpiTransport::Collective(const std::string& key, const std::vector<int>& 
 
 Status MpiTransport::PersistentCollective(
     const std::string& key, const std::vector<int>& ranks, GroupHandle& handle,
-    const char* name, const PersistentId& id, const std::function<int(MPI_Comm, void*, void*, MPI_Request*)>& init,
+    const char* name, const PersistentId& id,
+    const std::function<int(MPI_Comm, void*, void*, MPI_Request*)>& init,
     const void* send, const void* recv_init, void* recv,
     std::chrono::steady_clock::time_point deadline) {
   if (Status s = Usable(); !s.ok()) return s;

@@ -248,8 +248,9 @@ class MpiTransport {
   // devices), so two groups that device threads of this process reduce at the same time
   // never share a communicator (MPI forbids interleaved collectives on one). The
   // communicator is split off at first use (MPI_Comm_create_group: collective over the
-  // group only). Nonblocking and polled: at the deadline the request is abandoned (MPI
-  // cannot cancel a collective; the transport is then broken) and a kTimeout returned.
+  // group only) and kept in `group`, the caller's handle. Nonblocking and polled: at the
+  // deadline the request is abandoned (MPI cannot cancel a collective; the transport is
+  // then broken) and a kTimeout returned.
   // `send`: the operand when it is not `buf` (nullptr: in place, the operand in `buf`).
   Status Allreduce(const std::string& key, const std::vector<int>& ranks, GroupHandle& group,
                    const void* send, void* buf, int64_t count, MPI_Datatype type, MPI_Op op,
@@ -292,8 +293,7 @@ class MpiTransport {
   };
   Status PersistentCollective(
       const std::string& key, const std::vector<int>& ranks, GroupHandle& group,
-      const char* name,
-      const PersistentId& id,
+      const char* name, const PersistentId& id,
       const std::function<int(MPI_Comm, void*, void*, MPI_Request*)>& init, const void* send,
       const void* recv_init, void* recv, std::chrono::steady_clock::time_point deadline);
 
