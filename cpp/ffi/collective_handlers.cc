@@ -236,7 +236,7 @@ ffi::Error MeetLocally(const std::string& key, LocalRound::Slot*& site_slot,
   lock.lock();
   if (result.failure()) {
     slot.error = std::string(result.message());
-  } else if (!slot.error.empty()) {
+  } else {
     slot.error.clear();
   }
   slot.leading.store(false, std::memory_order_relaxed);
