@@ -9,7 +9,11 @@ interleaved rounds, and the table gives
 * ``launch(1)``: one launch of a program of one collective (min and median of rounds);
 * ``per op @20``: the median launch of 20 over 20 (what the bench reports);
 * ``steady``: (median of 200 - median of 20) / 180, the collective without the launch;
-* ``mpi4py``: the same bytes per process with mpi4py's call in a loop (median of rounds).
+* ``mpi4py``: the same bytes per process with mpi4py's call in a loop (median of rounds);
+* with ``--timeline`` (one host), the steady cost split from one launch of the 200-op
+  program in the timeline (``jax_cpu_mpi.trace``), medians over process 0's calls:
+  ``call`` (a collective's slice: our handler and MPI), ``wait`` (of it, waiting for the
+  group) and ``between`` (from one call's end to the next one's start: XLA's loop).
 
 Usage (the build in the interpreter's environment; alternate two builds' launches for an
 A/B)::
@@ -21,11 +25,17 @@ A/B)::
 from __future__ import annotations
 
 import argparse
+import glob
+import itertools
 import json
 import os
+import shutil
+import tempfile
 import time
 
 OPS = ("psum", "all_gather", "all_to_all")
+#: The timeline's names of their slices.
+COLLECTIVES = ("all_reduce", "all_gather", "all_to_all")
 
 
 def main() -> None:
@@ -36,6 +46,8 @@ def main() -> None:
                         help="bytes per process (psum) or per device (the others), commas")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--out", default=None, help="directory for the JSON and the table")
+    parser.add_argument("--timeline", action="store_true",
+                        help="split the steady cost into the call and XLA's loop (one host)")
     args = parser.parse_args()
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={args.devices}")
@@ -45,7 +57,7 @@ def main() -> None:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    import jax_cpu_mpi  # noqa: F401  (registers the lowerings)
+    import jax_cpu_mpi  # registers the lowerings
 
     jax.distributed.initialize(cluster_detection_method="mpi4py")
     from mpi4py import MPI
@@ -62,11 +74,18 @@ def main() -> None:
         def one(c):
             if args.op == "psum":
                 return jax.lax.psum(c, "x")
-            if args.op == "all_gather":
-                return jax.lax.all_gather(c[: elements // n], "x", tiled=True)
             return jax.lax.all_to_all(c, "x", 0, 0, tiled=True)
 
         def body(v):
+            if args.op == "all_gather":
+                # The operand and the result carried side by side, as in
+                # jax_cpu_mpi.bench.collectives (a slice of the result would be a copy).
+                def gather(carry, _):
+                    operand, _result = carry
+                    return (operand, jax.lax.all_gather(operand, "x", tiled=True)), None
+
+                start = (v[: elements // n], v)
+                return jax.lax.scan(gather, start, None, length=iters)[0][1]
             return jax.lax.scan(lambda c, _: (one(c), None), v, None, length=iters)[0]
 
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
@@ -87,6 +106,36 @@ def main() -> None:
         buf = np.ones(elements * k, np.float32)
         out = np.empty_like(buf)
         return lambda: comm.Alltoall(buf, out)
+
+    def timeline_split(f, x) -> dict:
+        """One launch of ``f`` recorded: medians of process 0's collective slices, their
+        waits, and the gaps between a device's consecutive slices (rank 0's dict)."""
+        directory = comm.bcast(tempfile.mkdtemp() if comm.Get_rank() == 0 else None)
+        comm.Barrier()
+        with jax_cpu_mpi.trace(directory):
+            f(x).block_until_ready()
+        comm.Barrier()
+        if comm.Get_rank() != 0:
+            return {}
+        # Process 0's Chrome trace file (read_timeline merges psend/precv only): one slice
+        # per device and collective, with its wait.
+        calls = []
+        for path in glob.glob(os.path.join(directory, "process0-*.json")):
+            with open(path) as fh:
+                data = json.load(fh)
+            events = data["traceEvents"] if isinstance(data, dict) else data
+            calls += [e for e in events if e.get("ph") == "X" and e.get("name") in COLLECTIVES]
+        gaps = []
+        for device in {e["tid"] for e in calls}:
+            mine = sorted((e for e in calls if e["tid"] == device), key=lambda e: e["ts"])
+            gaps += [b["ts"] - (a["ts"] + a["dur"]) for a, b in itertools.pairwise(mine)]
+        shutil.rmtree(directory, ignore_errors=True)
+        if not calls:
+            return {"call_us": float("nan"), "call_wait_us": float("nan"),
+                    "between_us": float("nan")}
+        return {"call_us": float(np.median([e["dur"] for e in calls])),
+                "call_wait_us": float(np.median([e["args"]["wait_us"] for e in calls])),
+                "between_us": float(np.median(gaps)) if gaps else 0.0}
 
     rows = []
     for size in (int(s) for s in args.sizes.split(",")):
@@ -114,6 +163,8 @@ def main() -> None:
                "launch1_min_us": min(times[1]), "launch1_med_us": med[1],
                "per_op_at_20_us": med[20] / 20, "steady_us": (med[200] - med[20]) / 180,
                "mpi4py_us": med["mpi4py"]}
+        if args.timeline:
+            row.update(timeline_split(*progs[200]))
         rows.append(row)
         if comm.Get_rank() == 0:
             print(json.dumps(row), flush=True)
@@ -125,6 +176,11 @@ def main() -> None:
                          f"{r['launch1_med_us']:.0f} | {r['per_op_at_20_us']:.1f} | "
                          f"{r['steady_us']:.1f} | {r['mpi4py_us']:.1f} | "
                          f"{r['mpi4py_us'] / max(r['steady_us'], 1e-9):.2f} |")
+        if args.timeline:
+            table += ["", "| op | bytes | call us | of it wait us | between calls us |",
+                      "|---|---|---|---|---|"]
+            table += [f"| {r['op']} | {r['bytes']} | {r['call_us']:.2f} | "
+                      f"{r['call_wait_us']:.2f} | {r['between_us']:.2f} |" for r in rows]
         print("\n".join(table))
         if args.out:
             os.makedirs(args.out, exist_ok=True)

@@ -25,6 +25,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -119,11 +120,6 @@ constexpr uint32_t kMeetProbe = 32;
 // failed.
 constexpr std::chrono::milliseconds kMeetCheck{50};
 
-bool MeetingYields() {
-  const Runtime::State state = Runtime::Get().state();
-  return state.mpi && state.mpi->wait_choice().policy != WaitPolicy::kSleep;
-}
-
 // Yields until `done()` or this thread's current yield time has passed (no lock held),
 // and adapts that time to how the wait ended.
 template <typename Done>
@@ -164,15 +160,23 @@ ffi::Error MeetingFailedEarlier(std::string_view op, std::string_view operand, i
 // return its result. A device whose peers do not all come by the deadline fails, naming
 // them (once the leader has started, the wait is as long as its work: its MPI wait has a
 // deadline of its own), and so does every later meeting of the process (LocalRound::Fail).
+// `site_slot`: the group's slot as the call site keeps it (found by `key` at the site's
+// first meeting on this thread; slots are never erased): a meeting takes no process-wide
+// lock.
 template <typename Lead>
-ffi::Error MeetLocally(const std::string& key, const std::vector<int64_t>& local, int64_t me,
-                       const void* x, void* y, std::string_view op, std::string_view operand,
-                       Lead&& lead) {
+ffi::Error MeetLocally(const std::string& key, LocalRound::Slot*& site_slot,
+                       const std::vector<int64_t>& local, int64_t me, const void* x, void* y,
+                       std::string_view op, std::string_view operand, Lead&& lead) {
   LocalRound& rounds = Rounds();
   if (rounds.failed()) [[unlikely]] return MeetingFailedEarlier(op, operand, me);
   const size_t pos = std::find(local.begin(), local.end(), me) - local.begin();
-  LocalRound::Slot& slot = rounds.Get(key, local.size());
-  const double timeout_s = Runtime::Get().config().recv_timeout_s;
+  if (site_slot == nullptr) site_slot = &rounds.Get(key, local.size());
+  LocalRound::Slot& slot = *site_slot;
+  // One look at the runtime (its lock is shared by every device thread): the deadline, and
+  // whether a waiting device yields before it sleeps (not under JAX_CPU_MPI_WAIT=sleep).
+  const Runtime::State state = Runtime::Get().state();
+  const double timeout_s = state.config.recv_timeout_s;
+  const bool yields = state.mpi && state.mpi->wait_choice().policy != WaitPolicy::kSleep;
   const auto deadline = DeadlineAfter(timeout_s);
   std::unique_lock<std::mutex> lock(slot.mu);
   const uint64_t generation = slot.generation.load(std::memory_order_relaxed);
@@ -182,7 +186,7 @@ ffi::Error MeetLocally(const std::string& key, const std::vector<int64_t>& local
     trace::WaitTimer waited;  // the timeline's wait: until the leader has finished
     waited.Waiting();
     auto finished = [&] { return slot.generation.load(std::memory_order_acquire) != generation; };
-    if (MeetingYields()) {
+    if (yields) {
       lock.unlock();
       YieldWhileNot(finished);
       lock.lock();
@@ -232,7 +236,7 @@ ffi::Error MeetLocally(const std::string& key, const std::vector<int64_t>& local
   lock.lock();
   if (result.failure()) {
     slot.error = std::string(result.message());
-  } else if (!slot.error.empty()) {
+  } else {
     slot.error.clear();
   }
   slot.leading.store(false, std::memory_order_relaxed);
@@ -317,15 +321,21 @@ Entry& SiteEntry(I64Span groups, int64_t group_size, I64Span device_index,
   return *sites.back();
 }
 
-// A call site's group (FindGroup's result and the key with the site).
+// A call site's group (FindGroup's result and the key with the site), and what its leader
+// needs of the transport: the group's MPI ranks and its communicator (made at the first
+// lead, for the transport `ranks_for`).
 struct SiteGroup {
   SiteAttributes attributes;
   bool found = false;
   Group g;
+  const MpiTransport* ranks_for = nullptr;
+  std::vector<int> ranks;
+  MpiTransport::GroupHandle comm;
+  LocalRound::Slot* slot = nullptr;  // its meeting's (MeetLocally)
 };
 
-const SiteGroup& SiteGroupOf(I64Span groups, int64_t group_size, I64Span device_index,
-                             I64Span device_process, int64_t site, int64_t me) {
+SiteGroup& SiteGroupOf(I64Span groups, int64_t group_size, I64Span device_index,
+                       I64Span device_process, int64_t site, int64_t me) {
   return SiteEntry<SiteGroup>(
       groups, group_size, device_index, device_process, site, me, -1,
       [&](SiteAttributes a) {
@@ -375,9 +385,10 @@ ffi::Error Failure(const Status& s, std::string_view op, std::string_view operan
 }
 
 // Steps 1-3 above, as the leader: every local operand is in `in`, every output in `out`.
-ffi::Error Lead(const std::vector<const void*>& in, const std::vector<void*>& out,
+ffi::Error Lead(std::span<const void* const> in, std::span<void* const> out,
                 ffi::DataType type, Reduction reduction, size_t count, size_t bytes,
-                const Group& g, int64_t me, std::string_view op, std::string_view operand) {
+                SiteGroup& site, int64_t me, std::string_view op, std::string_view operand) {
+  const Group& g = site.g;
   void* acc = out[0];
   // One device here: MPI reads the operand itself (no copy into the output first).
   const bool mpi_reads_operand = in.size() == 1 && g.processes.size() > 1 && acc != in[0];
@@ -414,11 +425,16 @@ ffi::Error Lead(const std::vector<const void*>& in, const std::vector<void*>& ou
       return ffi::Error::InvalidArgument(std::string(op) + ": no MPI reduction for " +
                                          std::string(operand));
     }
-    std::vector<int> ranks;
-    for (int64_t p : g.processes) ranks.push_back(state.mpi->RankOfProcess(p));
-    std::sort(ranks.begin(), ranks.end());
+    if (site.ranks_for != state.mpi.get()) {
+      site.ranks.clear();
+      for (int64_t p : g.processes) site.ranks.push_back(state.mpi->RankOfProcess(p));
+      std::sort(site.ranks.begin(), site.ranks.end());
+      site.ranks_for = state.mpi.get();
+    }
+    const std::vector<int>& ranks = site.ranks;
     Runtime::MpiOpScope active;  // the exit keeps the transport until this returns
-    Status s = state.mpi->Allreduce(g.key, ranks, mpi_reads_operand ? in[0] : nullptr, acc,
+    Status s = state.mpi->Allreduce(g.key, ranks, site.comm,
+                                    mpi_reads_operand ? in[0] : nullptr, acc,
                                     static_cast<int64_t>(count), mpi_type, mpi_op,
                                     DeadlineAfter(state.config.recv_timeout_s));
     if (!s.ok()) return Failure(s, op, operand, me, state, ranks);
@@ -451,7 +467,7 @@ ffi::Error AllReduce(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
     return ffi::Error::Internal(std::string(op) + ": operand and result sizes differ");
   }
   const size_t count = x.element_count();
-  const SiteGroup& site_group =
+  SiteGroup& site_group =
       SiteGroupOf(groups, group_size, device_index, device_process, site, me);
   const Group& g = site_group.g;
   const bool found = site_group.found;
@@ -460,20 +476,22 @@ ffi::Error AllReduce(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
     if (out->untyped_data() != x.untyped_data()) std::memcpy(out->untyped_data(), x.untyped_data(), bytes);
     return ffi::Error::Success();
   }
-  if (g.local.size() == 1) {
-    return Lead({x.untyped_data()}, {out->untyped_data()}, x.element_type(), red, count, bytes,
-                g, me, op, operand);
+  if (g.local.size() == 1) {  // no meeting (spans over the arguments: no allocation)
+    const void* const in[] = {x.untyped_data()};
+    void* const outs[] = {out->untyped_data()};
+    return Lead(in, outs, x.element_type(), red, count, bytes, site_group, me, op, operand);
   }
 
-  return MeetLocally(g.key, g.local, me, x.untyped_data(), out->untyped_data(), op, operand,
+  return MeetLocally(g.key, site_group.slot, g.local, me, x.untyped_data(), out->untyped_data(),
+                     op, operand,
                      [&](const std::vector<const void*>& in, std::vector<void*>& outs,
                          size_t pos) {
                        // The leader's own output accumulates: it comes first among the
                        // outputs (any will do: all get the same bits), while operands stay
                        // in partition order.
                        std::swap(outs[0], outs[pos]);
-                       return Lead(in, outs, x.element_type(), red, count, bytes, g, me, op,
-                                   operand);
+                       return Lead(in, outs, x.element_type(), red, count, bytes, site_group,
+                                   me, op, operand);
                      });
 }
 
@@ -589,6 +607,8 @@ struct ExchangeSite {
   Layout layout;
   bool equal = true;  // every process has as many members
   std::vector<int> counts, displs;
+  MpiTransport::GroupHandle comm;
+  LocalRound::Slot* slot = nullptr;  // its meeting's (MeetLocally)
 };
 
 struct ExchangeCall {
@@ -642,7 +662,7 @@ Status PersistentExchange(const ExchangeCall& c, MpiTransport& mpi, const Layout
       id.recv_bytes = all;
       if (in_place) recv_init = recv;  // this process's blocks are in place already
       return mpi.PersistentCollective(
-          c.site->key, l.ranks, "MPI_Allgather (persistent)", id,
+          c.site->key, l.ranks, c.site->comm, "MPI_Allgather (persistent)", id,
           [&id](MPI_Comm comm, void* sbuf, void* rbuf, MPI_Request* r) {
             const int count = static_cast<int>(id.count);
             const bool in_place = id.send_bytes == 0;
@@ -661,7 +681,7 @@ Status PersistentExchange(const ExchangeCall& c, MpiTransport& mpi, const Layout
       id.send_bytes = all;
       id.recv_bytes = own;
       return mpi.PersistentCollective(
-          c.site->key, l.ranks, "MPI_Reduce_scatter_block (persistent)", id,
+          c.site->key, l.ranks, c.site->comm, "MPI_Reduce_scatter_block (persistent)", id,
           [&id](MPI_Comm comm, void* sbuf, void* rbuf, MPI_Request* r) {
             return MPI_Reduce_scatter_block_init(sbuf, rbuf, static_cast<int>(id.count),
                                                  id.type, id.op, comm, MPI_INFO_NULL, r);
@@ -673,7 +693,7 @@ Status PersistentExchange(const ExchangeCall& c, MpiTransport& mpi, const Layout
       id.recv_bytes = all * (own / c.block);  // every member's n blocks
       id.send_bytes = in_place ? 0 : id.recv_bytes;
       return mpi.PersistentCollective(
-          c.site->key, l.ranks, "MPI_Alltoall (persistent)", id,
+          c.site->key, l.ranks, c.site->comm, "MPI_Alltoall (persistent)", id,
           [&id](MPI_Comm comm, void* sbuf, void* rbuf, MPI_Request* r) {
             const int count = static_cast<int>(id.count);
             return MPI_Alltoall_init(id.send_bytes == 0 ? MPI_IN_PLACE : sbuf, count,
@@ -691,8 +711,8 @@ Status PersistentExchange(const ExchangeCall& c, MpiTransport& mpi, const Layout
 
 // The leader's work. `in`/`out`: the local members' buffers, by ascending partition;
 // `local_pos`: their group positions.
-ffi::Error LeadExchange(const ExchangeCall& c, const std::vector<const void*>& in,
-                        const std::vector<void*>& out, I64Span device_process) {
+ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
+                        std::span<void* const> out, I64Span device_process) {
   ExchangeSite& site = *c.site;
   const std::vector<int64_t>& local_pos = site.local_pos;
   const size_t n = site.row.size(), B = c.block;
@@ -748,7 +768,6 @@ ffi::Error LeadExchange(const ExchangeCall& c, const std::vector<const void*>& i
   thread_local StagingBuffer send_staging, recv_staging;
   std::byte* send_stage = nullptr;  // set where this call stages its blocks
   std::byte* recv_stage = nullptr;
-  std::function<int(MPI_Comm, MPI_Request*)> start;
   const void* send = nullptr;
   void* recv = nullptr;
   size_t local_copy = 0;  // one process: bytes to copy from send to recv instead of MPI
@@ -756,6 +775,8 @@ ffi::Error LeadExchange(const ExchangeCall& c, const std::vector<const void*>& i
   const std::vector<int>& displs = site.displs;
   const bool equal = site.equal;
   const char* name = "";
+  MPI_Datatype mpi_type = MPI_DATATYPE_NULL;  // reduce_scatter's reduction
+  MPI_Op mpi_op = MPI_OP_NULL;
   switch (c.kind) {
     case Exchange::kAllGather: {
       name = equal ? "MPI_Iallgather" : "MPI_Iallgatherv";
@@ -773,14 +794,6 @@ ffi::Error LeadExchange(const ExchangeCall& c, const std::vector<const void*>& i
         }
         send = MPI_IN_PLACE;
       }
-      start = [&](MPI_Comm comm, MPI_Request* r) {
-        const int sc = send == MPI_IN_PLACE ? 0 : counts[l.mine];
-        if (equal) {
-          return MPI_Iallgather(send, sc, MPI_BYTE, recv, counts[0], MPI_BYTE, comm, r);
-        }
-        return MPI_Iallgatherv(send, sc, MPI_BYTE, recv, counts.data(), displs.data(),
-                               MPI_BYTE, comm, r);
-      };
       break;
     }
     case Exchange::kReduceScatter: {
@@ -814,8 +827,6 @@ ffi::Error LeadExchange(const ExchangeCall& c, const std::vector<const void*>& i
         recv_stage = recv_staging.Get(m * B);
         recv = recv_stage;
       }
-      MPI_Datatype mpi_type = MPI_DATATYPE_NULL;
-      MPI_Op mpi_op = MPI_OP_NULL;
       if (spans && !MpiReduction(c.type, c.reduction, &mpi_type, &mpi_op)) {
         return ffi::Error::InvalidArgument(std::string(c.op) + ": no MPI reduction for " +
                                            std::string(c.operand));
@@ -823,12 +834,6 @@ ffi::Error LeadExchange(const ExchangeCall& c, const std::vector<const void*>& i
       if (!spans) {
         local_copy = m * B;
       }
-      start = [&, mpi_type, mpi_op](MPI_Comm comm, MPI_Request* r) {
-        if (equal) {
-          return MPI_Ireduce_scatter_block(send, recv, counts[0], mpi_type, mpi_op, comm, r);
-        }
-        return MPI_Ireduce_scatter(send, recv, counts.data(), mpi_type, mpi_op, comm, r);
-      };
       break;
     }
     case Exchange::kAllToAll: {
@@ -856,13 +861,6 @@ ffi::Error LeadExchange(const ExchangeCall& c, const std::vector<const void*>& i
       }
       // The operand's buffer is the result's (the lowering lets XLA alias them): in place.
       if (send == recv) send = MPI_IN_PLACE;
-      start = [&](MPI_Comm comm, MPI_Request* r) {
-        if (equal) {
-          return MPI_Ialltoall(send, counts[0], MPI_BYTE, recv, counts[0], MPI_BYTE, comm, r);
-        }
-        return MPI_Ialltoallv(send, counts.data(), displs.data(), MPI_BYTE, recv,
-                              counts.data(), displs.data(), MPI_BYTE, comm, r);
-      };
       break;
     }
   }
@@ -887,8 +885,35 @@ ffi::Error LeadExchange(const ExchangeCall& c, const std::vector<const void*>& i
       s = PersistentExchange(c, *state.mpi, l, counts[0], send, recv, n * B, m * B,
                              deadline);
     } else {
-      s = state.mpi->Collective(site.key, l.ranks, name, start, moved, deadline,
-                                std::move(staged));
+      // One lambda, passed by reference: a std::function made of a lambda with this many
+      // captures would allocate at every call.
+      auto start = [&](MPI_Comm comm, MPI_Request* r) {
+        switch (c.kind) {
+          case Exchange::kAllGather: {
+            const int sc = send == MPI_IN_PLACE ? 0 : counts[l.mine];
+            if (equal) {
+              return MPI_Iallgather(send, sc, MPI_BYTE, recv, counts[0], MPI_BYTE, comm, r);
+            }
+            return MPI_Iallgatherv(send, sc, MPI_BYTE, recv, counts.data(), displs.data(),
+                                   MPI_BYTE, comm, r);
+          }
+          case Exchange::kReduceScatter:
+            if (equal) {
+              return MPI_Ireduce_scatter_block(send, recv, counts[0], mpi_type, mpi_op, comm,
+                                               r);
+            }
+            return MPI_Ireduce_scatter(send, recv, counts.data(), mpi_type, mpi_op, comm, r);
+          case Exchange::kAllToAll:
+            break;
+        }
+        if (equal) {
+          return MPI_Ialltoall(send, counts[0], MPI_BYTE, recv, counts[0], MPI_BYTE, comm, r);
+        }
+        return MPI_Ialltoallv(send, counts.data(), displs.data(), MPI_BYTE, recv,
+                              counts.data(), displs.data(), MPI_BYTE, comm, r);
+      };
+      s = state.mpi->Collective(site.key, l.ranks, site.comm, name, std::ref(start), moved,
+                                deadline, std::move(staged));
     }
     if (!s.ok()) return Failure(s, c.op, c.operand, c.me, state, l.ranks);
   }
@@ -993,11 +1018,13 @@ ffi::Error ExchangeCollective(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
                                 "the group");
   }
   c.block = c.kind == Exchange::kAllGather ? in_bytes : in_bytes / n;
-  if (site.local.size() == 1) {
-    return LeadExchange(c, {x.untyped_data()}, {out->untyped_data()}, device_process);
+  if (site.local.size() == 1) {  // no meeting (spans over the arguments: no allocation)
+    const void* const in[] = {x.untyped_data()};
+    void* const outs[] = {out->untyped_data()};
+    return LeadExchange(c, in, outs, device_process);
   }
-  return MeetLocally(site.key, site.local, me, x.untyped_data(), out->untyped_data(), op,
-                     operand,
+  return MeetLocally(site.key, site.slot, site.local, me, x.untyped_data(), out->untyped_data(),
+                     op, operand,
                      [&](const std::vector<const void*>& in, std::vector<void*>& outs,
                          size_t /*pos*/) { return LeadExchange(c, in, outs, device_process); });
 }

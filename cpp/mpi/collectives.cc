@@ -15,26 +15,18 @@
 namespace jcm {
 
 Status MpiTransport::GroupComm(const std::string& key, const std::vector<int>& ranks,
-                               GroupEntry** out, std::chrono::steady_clock::time_point deadline) {
-  // The last groups this thread used, looked up without the lock and the map: a device
-  // thread runs the same few call sites over and over. Entries are never erased, and a
-  // transport's id is never reused, so a hit is always valid.
-  struct Recent {
-    uint64_t transport;
-    std::string key;
-    GroupEntry* entry;
-  };
-  thread_local std::vector<Recent> recent;  // most recent last
-  for (auto it = recent.rbegin(); it != recent.rend(); ++it) {
-    if (it->transport == id_ && it->key == key) {
-      *out = it->entry;
-      return Status::Ok();
-    }
+                               GroupHandle& handle, GroupEntry** out,
+                               std::chrono::steady_clock::time_point deadline) {
+  // The caller's handle: a device thread runs the same few call sites over and over, and
+  // each keeps its group. Entries are never erased, and a transport's id is never reused,
+  // so a handle of this transport is always valid.
+  if (handle.transport_ == id_) [[likely]] {
+    *out = handle.entry_;
+    return Status::Ok();
   }
   auto remember = [&](GroupEntry* entry) {
-    constexpr size_t kRecent = 16;
-    if (recent.size() >= kRecent) recent.erase(recent.begin());
-    recent.push_back({id_, key, entry});
+    handle.transport_ = id_;
+    handle.entry_ = entry;
   };
   {
     std::lock_guard<std::mutex> lock(group_comms_mu_);
@@ -149,12 +141,13 @@ Status MpiTransport::PollCollective(MPI_Request* request, const char* name, size
 }
 
 Status MpiTransport::Allreduce(const std::string& key, const std::vector<int>& ranks,
-                               const void* send, void* buf, int64_t count, MPI_Datatype type,
-                               MPI_Op op, std::chrono::steady_clock::time_point deadline) {
+                               GroupHandle& handle, const void* send, void* buf,
+                               int64_t count, MPI_Datatype type, MPI_Op op,
+                               std::chrono::steady_clock::time_point deadline) {
   if (Status s = Usable(); !s.ok()) return s;
   if (count == 0) return Status::Ok();  // the same shape on every rank: none calls MPI
   GroupEntry* group = nullptr;
-  if (Status s = GroupComm(key, ranks, &group, deadline); !s.ok()) return s;
+  if (Status s = GroupComm(key, ranks, handle, &group, deadline); !s.ok()) return s;
   int type_size = 0;
   if (int rc = MPI_Type_size(type, &type_size); rc != MPI_SUCCESS) {
     return Status::MpiError("MPI_Type_size", rc);
@@ -200,13 +193,13 @@ Status MpiTransport::Allreduce(const std::string& key, const std::vector<int>& r
 }
 
 Status MpiTransport::Collective(const std::string& key, const std::vector<int>& ranks,
-                                const char* name,
+                                GroupHandle& handle, const char* name,
                                 const std::function<int(MPI_Comm, MPI_Request*)>& start,
                                 size_t bytes, std::chrono::steady_clock::time_point deadline,
                                 std::shared_ptr<void> keep_alive) {
   if (Status s = Usable(); !s.ok()) return s;
   GroupEntry* group = nullptr;
-  if (Status s = GroupComm(key, ranks, &group, deadline); !s.ok()) return s;
+  if (Status s = GroupComm(key, ranks, handle, &group, deadline); !s.ok()) return s;
   MPI_Request request = MPI_REQUEST_NULL;
   {
     std::unique_lock<std::mutex> lock = MpiCallLock();
@@ -218,13 +211,14 @@ Status MpiTransport::Collective(const std::string& key, const std::vector<int>& 
 }
 
 Status MpiTransport::PersistentCollective(
-    const std::string& key, const std::vector<int>& ranks, const char* name,
-    const PersistentId& id, const std::function<int(MPI_Comm, void*, void*, MPI_Request*)>& init,
+    const std::string& key, const std::vector<int>& ranks, GroupHandle& handle,
+    const char* name, const PersistentId& id,
+    const std::function<int(MPI_Comm, void*, void*, MPI_Request*)>& init,
     const void* send, const void* recv_init, void* recv,
     std::chrono::steady_clock::time_point deadline) {
   if (Status s = Usable(); !s.ok()) return s;
   GroupEntry* group = nullptr;
-  if (Status s = GroupComm(key, ranks, &group, deadline); !s.ok()) return s;
+  if (Status s = GroupComm(key, ranks, handle, &group, deadline); !s.ok()) return s;
   return PersistentOn(group, name, id, init, send, recv_init, recv, deadline);
 }
 

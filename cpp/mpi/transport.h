@@ -108,6 +108,9 @@ struct WaitChoice {
 };
 
 class MpiTransport {
+ private:
+  struct GroupEntry;  // a group's communicator (below)
+
  public:
   // `comm` is duplicated again, so the transport owns its communicator; `rank_of_process`
   // maps jax.process_index() to the rank in `comm`. Fails if the duplication (collective)
@@ -228,17 +231,29 @@ class MpiTransport {
   uint64_t direct_sends() const;
   uint64_t staged_large_sends() const;
 
+  // A group's communicator as its caller keeps it from call to call (in a call site's entry
+  // of a device thread, which only that thread uses): the collectives below look the group
+  // up by its key once per transport and store it here; later calls take it without a
+  // lookup.
+  class GroupHandle {
+   private:
+    friend class MpiTransport;
+    uint64_t transport_ = 0;  // the transport `entry_` belongs to (0: none yet)
+    GroupEntry* entry_ = nullptr;
+  };
+
   // mpi/collectives.cc. Allreduce of `count` elements of `type` with `op`, in place in
   // `buf`, over the processes `ranks` (ranks of our communicator, ascending, this one
   // among them), on a communicator of the group's own: `key` names the group (its
   // devices), so two groups that device threads of this process reduce at the same time
   // never share a communicator (MPI forbids interleaved collectives on one). The
   // communicator is split off at first use (MPI_Comm_create_group: collective over the
-  // group only). Nonblocking and polled: at the deadline the request is abandoned (MPI
-  // cannot cancel a collective; the transport is then broken) and a kTimeout returned.
+  // group only) and kept in `group`, the caller's handle. Nonblocking and polled: at the
+  // deadline the request is abandoned (MPI cannot cancel a collective; the transport is
+  // then broken) and a kTimeout returned.
   // `send`: the operand when it is not `buf` (nullptr: in place, the operand in `buf`).
-  Status Allreduce(const std::string& key, const std::vector<int>& ranks, const void* send,
-                   void* buf, int64_t count, MPI_Datatype type, MPI_Op op,
+  Status Allreduce(const std::string& key, const std::vector<int>& ranks, GroupHandle& group,
+                   const void* send, void* buf, int64_t count, MPI_Datatype type, MPI_Op op,
                    std::chrono::steady_clock::time_point deadline);
   // Any other collective over the group `ranks` (as Allreduce: the group's own
   // communicator `key`, polled against the deadline, abandoned at it): `start` posts the
@@ -246,7 +261,8 @@ class MpiTransport {
   // and returns its MPI error code; `name` names it in errors. `keep_alive` owns the
   // call's buffers where the caller staged them: kept with the request if it is abandoned.
   // `bytes`: what the call moves from or to this process (the larger), for its wait.
-  Status Collective(const std::string& key, const std::vector<int>& ranks, const char* name,
+  Status Collective(const std::string& key, const std::vector<int>& ranks, GroupHandle& group,
+                    const char* name,
                     const std::function<int(MPI_Comm, MPI_Request*)>& start, size_t bytes,
                     std::chrono::steady_clock::time_point deadline,
                     std::shared_ptr<void> keep_alive = nullptr);
@@ -276,8 +292,8 @@ class MpiTransport {
     bool operator==(const PersistentId&) const = default;
   };
   Status PersistentCollective(
-      const std::string& key, const std::vector<int>& ranks, const char* name,
-      const PersistentId& id,
+      const std::string& key, const std::vector<int>& ranks, GroupHandle& group,
+      const char* name, const PersistentId& id,
       const std::function<int(MPI_Comm, void*, void*, MPI_Request*)>& init, const void* send,
       const void* recv_init, void* recv, std::chrono::steady_clock::time_point deadline);
 
@@ -487,8 +503,8 @@ class MpiTransport {
                       const std::function<int(MPI_Comm, void*, void*, MPI_Request*)>& init,
                       const void* send, const void* recv_init, void* recv,
                       std::chrono::steady_clock::time_point deadline);
-  Status GroupComm(const std::string& key, const std::vector<int>& ranks, GroupEntry** out,
-                   std::chrono::steady_clock::time_point deadline);
+  Status GroupComm(const std::string& key, const std::vector<int>& ranks, GroupHandle& handle,
+                   GroupEntry** out, std::chrono::steady_clock::time_point deadline);
   // Polls `request` until it completes; at the deadline abandons it (with `keep_alive`).
   Status PollCollective(MPI_Request* request, const char* name, size_t bytes,
                         std::chrono::steady_clock::time_point deadline,

@@ -75,8 +75,14 @@ def main() -> int:
     rank0 = comm.Get_rank() == 0
 
     def program(op: str, setting: str, elements: int):
-        """``iters`` of ``op`` in a scan; ``elements`` per device of the op's larger buffer
-        (the carry: the next op's operand is the last result, at most a slice of it)."""
+        """``iters`` of ``op`` in a scan; ``elements`` per device of the op's larger buffer.
+
+        psum and all_to_all keep the same shape: the next op's operand is the last result.
+        all_gather and psum_scatter change it, so their scan carries the operand and the
+        result side by side (the operand as a sharded parameter or a gradient would stay in
+        its own buffer in a real program): deriving the next operand from the result instead
+        (a slice, or an update of the operand's buffer) adds a copy of it at every op, which
+        MPI's call on its own buffers does not pay."""
         config.configure(collectives=setting)
         block = elements // n if op != "all_reduce" else elements
 
@@ -86,14 +92,21 @@ def main() -> int:
                 # MPI_Allreduce does not pay): ones grow to n ** iters, far below float32's
                 # range for the default 20.
                 return jax.lax.psum(c, "x")
-            if op == "all_gather":
-                return jax.lax.all_gather(c[:block], "x", tiled=True)
-            if op == "reduce_scatter":
-                part = jax.lax.psum_scatter(c, "x", tiled=True)
-                return jax.lax.dynamic_update_slice(c, part, (0,))
             return jax.lax.all_to_all(c, "x", 0, 0, tiled=True)
 
         def body(v):
+            if op in ("all_gather", "reduce_scatter"):
+                gather = op == "all_gather"
+
+                def carried(carry, _):
+                    operand, _result = carry
+                    result = (jax.lax.all_gather(operand, "x", tiled=True) if gather
+                              else jax.lax.psum_scatter(operand, "x", tiled=True))
+                    return (operand, result), None
+
+                start = (v[:block], v) if gather else (v, v[:block])
+                return jax.lax.scan(carried, start, None, length=args.iters)[0][1]
+
             def step(c, _):
                 return one(c), None
             return jax.lax.scan(step, v, None, length=args.iters)[0]

@@ -119,6 +119,20 @@ def _padded(groups: list[list[int]]) -> np.ndarray:
     return np.asarray(rows, dtype=np.int64).T.copy() if rows else np.zeros((0, 0), np.int64)
 
 
+def _spmd_context(ctx: Any, name: str) -> Any:
+    """``(axis_context, tables)`` of the ``shard_map`` that ``name`` is lowered in, or why
+    no call of ours can run there: every plan (collectives and ppermute) goes through it."""
+    axis_context = ctx.module_context.axis_context
+    if not isinstance(axis_context, SPMDAxisContext):
+        return "not in an SPMD (shard_map) context"
+    if partially_manual(axis_context):
+        return _PARTIALLY_MANUAL
+    try:
+        return axis_context, partition_tables(axis_context, name)
+    except (ValueError, NotImplementedError):
+        return "abstract mesh only"
+
+
 def _plan(ctx: Any, name: str, axes: tuple, axis_index_groups: Any) -> Any:
     """``(groups, tables)`` for our custom call, or the reason to keep JAX's lowering."""
     reduction = _REDUCTIONS.get(name)
@@ -131,15 +145,10 @@ def _plan(ctx: Any, name: str, axes: tuple, axis_index_groups: Any) -> Any:
         return f"no MPI reduction of {dtype} for {name}"
     if reduction is None and (dtype in _SUB_BYTE or np.dtype(ctx.avals_in[0].dtype).itemsize < 1):
         return f"sub-byte dtype {dtype}"
-    axis_context = ctx.module_context.axis_context
-    if not isinstance(axis_context, SPMDAxisContext):
-        return "not in an SPMD (shard_map) context"
-    if partially_manual(axis_context):
-        return _PARTIALLY_MANUAL
-    try:
-        tables = partition_tables(axis_context, name)
-    except (ValueError, NotImplementedError):
-        return "abstract mesh only"
+    context = _spmd_context(ctx, name)
+    if isinstance(context, str):
+        return context
+    axis_context, tables = context
     groups = [list(g) for g in compat.replica_groups(axis_context, tuple(axes),
                                                      axis_index_groups)]
     spans = any(np.unique(tables.device_process[list(g)]).size > 1 for g in groups if g)
@@ -217,15 +226,10 @@ def _ppermute_plan(ctx: Any, names: tuple, rest: dict) -> str | None:
         return "JAX_CPU_MPI_COLLECTIVES selects gloo"
     if rest.get("is_async"):
         return "asynchronous ppermute"
-    axis_context = ctx.module_context.axis_context
-    if not isinstance(axis_context, SPMDAxisContext):
-        return "not in an SPMD (shard_map) context"
-    if partially_manual(axis_context):
-        return _PARTIALLY_MANUAL
-    try:
-        tables = partition_tables(axis_context, "ppermute")
-    except (ValueError, NotImplementedError):
-        return "abstract mesh only"
+    context = _spmd_context(ctx, "ppermute")
+    if isinstance(context, str):
+        return context
+    axis_context, tables = context
     if not tables.spans_processes:
         return "inside one process"
     groups = compat.replica_groups(axis_context, names, None)
