@@ -82,7 +82,10 @@ def main() -> None:
                 # jax_cpu_mpi.bench.collectives (a slice of the result would be a copy).
                 def gather(carry, _):
                     operand, _result = carry
-                    return (operand, jax.lax.all_gather(operand, "x", tiled=True)), None
+                    # The barrier keeps XLA from hoisting the loop-invariant all-gather
+                    # out of the scan (it would for gloo's).
+                    result = jax.lax.all_gather(operand, "x", tiled=True)
+                    return jax.lax.optimization_barrier((operand, result)), None
 
                 start = (v[: elements // n], v)
                 return jax.lax.scan(gather, start, None, length=iters)[0][1]

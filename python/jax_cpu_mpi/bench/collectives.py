@@ -102,7 +102,10 @@ def main() -> int:
                     operand, _result = carry
                     result = (jax.lax.all_gather(operand, "x", tiled=True) if gather
                               else jax.lax.psum_scatter(operand, "x", tiled=True))
-                    return (operand, result), None
+                    # The barrier keeps the loop-invariant collective in the loop: without
+                    # it XLA hoists gloo's all-gather / reduce-scatter out of the scan and
+                    # runs it once (ours is a side-effecting call and stays either way).
+                    return jax.lax.optimization_barrier((operand, result)), None
 
                 start = (v[:block], v) if gather else (v, v[:block])
                 return jax.lax.scan(carried, start, None, length=args.iters)[0][1]
