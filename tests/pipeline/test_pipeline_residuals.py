@@ -105,6 +105,9 @@ def test_plan_keeps_each_forward_until_its_last_backward():
         plan = make_plan(schedule.bind(4, 8), remat=False)
         assert plan.kept_slots == max(schedule.bind(4, 8).peak_stash)
         kept_col = plan.actions[..., -1]
+        # No scratch slot: every cell, idle ones too, names one of the kept_slots slots (the
+        # executor allocates exactly that many).
+        assert ((kept_col >= 0) & (kept_col < plan.kept_slots)).all(), schedule
         table = schedule.bind(4, 8).table
         holder: dict[tuple[int, int], tuple[int, int, int]] = {}
         for t, row in enumerate(table):

@@ -167,3 +167,30 @@ def test_the_docs_generate_the_configuration_table_from_the_registry():
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         rows = re.findall(r"^\| `(JAX_CPU_MPI_[A-Z0-9_]+)` \|", path.read_text(), flags=re.M)
         assert not rows, f"{path.name} has a hand-made table of variables: {rows}"
+
+
+_FAULTS_OF_A_SECOND_BLOCK = """
+import resource
+import numpy as np
+import jax_cpu_mpi
+np.ones(64 << 20, np.uint8)  # allocated, filled and freed
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+np.ones(64 << 20, np.uint8)
+print("FAULTS", resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_keep_freed_memory_applies_in_one_process():
+    """JAX_CPU_MPI_KEEP_FREED_MEMORY=1 takes effect at import, without MPI: a second 64 MiB
+    block is served from what the first left (glibc's default maps it afresh: its pages are
+    faulted in again, 16,384 of them, or at least 32 where numpy gets transparent huge
+    pages)."""
+    faults = {}
+    for value in ("0", "1"):
+        proc = _python(_FAULTS_OF_A_SECOND_BLOCK, JAX_CPU_MPI_KEEP_FREED_MEMORY=value)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        faults[value] = int(proc.stdout.split("FAULTS")[1].split()[0])
+    assert faults["0"] >= 32, faults
+    assert faults["1"] < faults["0"] // 8, faults

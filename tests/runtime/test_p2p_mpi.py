@@ -15,7 +15,7 @@ pytestmark = pytest.mark.mpi
 @pytest.mark.parametrize("devices_per_process", [1, 2])
 def test_all_scenarios_over_mpi(devices_per_process):
     # One run with the freed memory kept, one with glibc's defaults (set either way: the
-    # default may change): the setting is applied when MPI is attached.
+    # default may change): the setting is applied at import and again when MPI is attached.
     keep = devices_per_process == 2
     run = run_mpi("p2p_semantics.py", nprocs=2, devices_per_process=devices_per_process,
                   timeout=220, env={"JAX_CPU_MPI_KEEP_FREED_MEMORY": "1" if keep else "0"})

@@ -42,6 +42,10 @@ def install() -> None:
         return
     try:
         config.apply()
+        # Here too, not only once MPI is attached: in one process XLA allocates a step's
+        # temporaries afresh as well (a pipeline's kept residuals: tens of MB per device).
+        if config.BY_NAME["JAX_CPU_MPI_KEEP_FREED_MEMORY"].read():
+            ext.keep_freed_memory()
     except config.ConfigError:
         # A bad JAX_CPU_MPI_* value: everything is still registered, so that the first
         # psend/precv lowering raises this error (config.current() in lowering/rules.py),

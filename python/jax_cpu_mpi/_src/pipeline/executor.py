@@ -658,7 +658,7 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
         ((zeros(x0, (M + 1,)),) if plan.input_grads else ()) + \
         ((zeros(loss_acc, (M + 1,)),) if loss_params is not None else ())
     kept = () if vjp is None else tuple(
-        zeros(leaf, (plan.kept_slots + 1,)) for leaf in (*vjp.kept, *vjp.mid))
+        zeros(leaf, (plan.kept_slots,)) for leaf in (*vjp.kept, *vjp.mid))
     carry = (stash, kept, (grads, vary(jnp.zeros((), jnp.float32), varying)), results)
     (_, _, (grads, loss), results), _ = jax.lax.scan(
         tick, carry, (jnp.asarray(table, np.int32), jnp.asarray(message_kind),

@@ -91,8 +91,10 @@ KEPT_ACTION_COST = {IDLE: 0.0, FORWARD: 1.0, FORWARD_LAST: 1.0, BACKWARD: 2.0,
 
 # Columns of Plan.actions[tick, stage, :]; slots are stash indices, Plan.slots the scratch
 # slot (written, never read). ``kept_slot``: with ``remat=False``, where the (microbatch,
-# chunk)'s residuals are kept from its forward to its last backward action (Plan.kept_slots
-# the scratch slot, and the only one with ``remat=True``).
+# chunk)'s residuals are kept from its forward to its last backward action; 0 in a cell
+# that keeps nothing (idle, or ``remat=True``). The kept residuals have no scratch slot: only
+# a forward writes them, into its own slot, so one would be a whole slot of every residual
+# (a fifth of them with 4 slots) zeroed every step for nothing.
 COLUMNS = ("branch", "microbatch", "virtual", "first", "x_slot", "g_slot", "out_slot",
            "kept_slot")
 
@@ -132,7 +134,7 @@ class Plan:
     packed: tuple[tuple[int, ...], ...]
     #: Whether the backward recomputes the forward (else it starts from kept residuals).
     remat: bool = True
-    #: Slots of kept residuals per stage (``remat=False``); index ``kept_slots`` is scratch.
+    #: Slots of kept residuals per stage (``remat=False``; 0 with remat).
     kept_slots: int = 0
 
     @property
@@ -334,7 +336,7 @@ def make_plan(schedule: Schedule, input_grads: bool = False, remat: bool = True)
 
     actions = np.zeros((T, P, len(COLUMNS)), np.int32)
     actions[..., COLUMNS.index("out_slot")] = scratch
-    actions[..., COLUMNS.index("kept_slot")] = kept_slots
+    actions[..., COLUMNS.index("kept_slot")] = 0
     for t, row in enumerate(table):
         for s, a in enumerate(row):
             if a is None:

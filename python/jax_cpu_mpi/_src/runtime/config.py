@@ -258,10 +258,12 @@ VARIABLES: tuple[Variable, ...] = (
              _choice(auto="sleep soon only when the node is oversubscribed",
                      spin="spin long", sleep="sleep soon")),
     Variable("JAX_CPU_MPI_KEEP_FREED_MEMORY", "runtime", "0",
-             "`1`: once MPI is attached, the process keeps the memory malloc frees (glibc: "
+             "`1`: the process keeps the memory malloc frees (glibc: "
              "`mallopt` `M_MMAP_MAX` 0 and `M_TRIM_THRESHOLD` 2 GiB), so that XLA's large "
              "per-call buffers are not page-faulted in, and zeroed by the kernel, again at "
-             "every call (docs \"Benchmarks\": the one-way large hop). Blocks of 64 MiB or "
+             "every call (docs \"Benchmarks\": the one-way large hop; \"Train a "
+             "transformer\": the kept residuals). Read at `import jax_cpu_mpi`, in one "
+             "process too, and again once MPI is attached. Blocks of 64 MiB or "
              "more that XLA's threads allocate still get fresh pages (a thread's malloc arena "
              "holds less), and what a block finds free depends on what ran before (docs "
              "\"Benchmarks\": the faults per hop, with and without). Cost: the process "
