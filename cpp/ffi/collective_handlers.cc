@@ -232,7 +232,7 @@ ffi::Error MeetLocally(const std::string& key, const std::vector<int64_t>& local
   lock.lock();
   if (result.failure()) {
     slot.error = std::string(result.message());
-  } else if (!slot.error.empty()) {
+  } else {
     slot.error.clear();
   }
   slot.leading.store(false, std::memory_order_relaxed);
