@@ -196,9 +196,10 @@ ffi::Error Psend(int64_t run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partiti
       Status done = mpi->FinishDirect(in_flight, deadline);
       // A deferred send that was staged (here, or by a receive loop or the progress
       // thread's watch, when its receiver came late) is done for this device, but its copy
-      // may not have moved yet: over TCP it moves only while this process calls MPI, and
-      // after this precv the device may not call MPI again (the peer then waited for it
-      // until its receive timeout), so the progress thread takes it on, as after a psend.
+      // may not have moved yet: it moves only while this process calls MPI (over TCP, and
+      // over UCX's shared memory on one node too), and after this precv the device may not
+      // call MPI again (the peer then waited for it until its receive timeout), so the
+      // progress thread takes it on, as after a psend.
       if (mpi->has_staged_sends()) Runtime::Get().mpi_send_in_flight();
       if (done.ok()) return done;
       if (!Closing()) Runtime::Get().note_unreachable_peer(dest);

@@ -85,8 +85,8 @@ void Runtime::WatchDeferred(std::unique_lock<std::mutex>& lock) {
     }
     lock.lock();
     if (staged) {
-      // A send staged for a late receiver (by this watch or a device thread) moves over
-      // TCP only while this process calls MPI: poll it now, not only once its precv runs.
+      // A send staged for a late receiver (by this watch or a device thread) moves only
+      // while this process calls MPI: poll it now, not only once its precv runs.
       progress_wanted_ = true;
       return;
     }
