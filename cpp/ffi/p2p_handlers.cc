@@ -194,6 +194,13 @@ ffi::Error Psend(int64_t run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partiti
                                               std::chrono::steady_clock::time_point deadline) {
       Runtime::MpiOpScope active;
       Status done = mpi->FinishDirect(in_flight, deadline);
+      // A deferred send that was staged (here, or by a receive loop or the progress
+      // thread's watch, when its receiver came late) is done for this device, but its copy
+      // may not have moved yet: it moves only while this process calls MPI (over TCP, and
+      // over UCX's shared memory on one node too), and after this precv the device may not
+      // call MPI again (the peer then waited for it until its receive timeout), so the
+      // progress thread takes it on, as after a psend.
+      if (mpi->has_staged_sends()) Runtime::Get().mpi_send_in_flight();
       if (done.ok()) return done;
       if (!Closing()) Runtime::Get().note_unreachable_peer(dest);
       std::ostringstream what;
@@ -203,7 +210,8 @@ ffi::Error Psend(int64_t run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partiti
       return done.WithPrefix(what.str());
     });
   }
-  // Only a staged send left in flight needs the progress thread: waking it after every
+  // Only a staged send left in flight needs the progress thread (the kept send's finish
+  // above wakes it for a deferred send staged later): waking it after every
   // psend (most small sends complete at once) costs a context switch per hop. A direct send
   // left in flight does not: the precv that keeps its operand finishes it (over TCP its
   // bytes may then move only once that precv runs, as when psend waited for them).

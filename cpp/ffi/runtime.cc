@@ -75,14 +75,21 @@ void Runtime::WatchDeferred(std::unique_lock<std::mutex>& lock) {
     }
     lock.unlock();
     std::shared_ptr<MpiTransport> transport = mpi();
-    bool deferred = false;
+    bool deferred = false, staged = false;
     if (transport) {
       // Errors belong to the deferred sends (their precvs report them).
       (void)transport->ProgressDeferred(
           std::chrono::steady_clock::now() + std::chrono::seconds(1), kDeferredWatchTick);
       deferred = transport->has_deferred_sends();
+      staged = transport->has_staged_sends();
     }
     lock.lock();
+    if (staged) {
+      // A send staged for a late receiver (by this watch or a device thread) moves only
+      // while this process calls MPI: poll it now, not only once its precv runs.
+      progress_wanted_ = true;
+      return;
+    }
     const auto now = std::chrono::steady_clock::now();
     const uint64_t made = deferred_made_.load();
     if (made != seen || deferred) {

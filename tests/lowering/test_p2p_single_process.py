@@ -245,3 +245,17 @@ def test_pytree_leaves_arrive_in_their_own_places(count):
         for _ in range(3):  # the order XLA picks may vary from run to run
             assert_equal(cases.pytree_leaves_in_place(make_mesh((4, "x")), gather,
                                                       count=count))
+
+
+
+def test_partially_manual_shard_map_is_refused_at_lowering():
+    # XLA's SPMD partitioner refuses the partition id our calls route by there: a clear
+    # error at lowering, naming the op and the axes, instead of XLA's RET_CHECK at compile.
+    mesh = make_mesh((2, "x"), (2, "y"))
+    f = jax.jit(jax.shard_map(lambda a: cases.sendrecv(a, "x", [(0, 1)]), mesh=mesh,
+                              in_specs=P("x"), out_specs=P("x"), axis_names={"x"}))
+    x = jax.device_put(jnp.arange(8.0), jax.sharding.NamedSharding(mesh, P("x")))
+    with pytest.raises(NotImplementedError, match=r"psend\(axis_name=\('x',\)\) is inside a "
+                       r"partially manual shard_map \(manual axes \('x',\) of the mesh's "
+                       r"\('x', 'y'\)\).*jax.lax.ppermute"):
+        f(x)

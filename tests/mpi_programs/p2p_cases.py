@@ -214,6 +214,59 @@ def two_way_exchange(mesh, gather: Gather, *, nbytes: int = 32 << 20):
     return got, want
 
 
+def late_receiver_exchange(mesh, gather: Gather, *, late: int, nbytes: int = 32 << 20,
+                           delay_s: float = 0.25):
+    """An exchange whose device ``late`` comes late: ``nbytes`` to it, 8 B back.
+
+    The other device's large psend waits for a receiver that is not ready until its patience
+    runs out and is staged; that device then receives its 8 B and its program ends while the
+    staged message is still on its way. Over TCP the message moves only while its process
+    calls MPI, so the progress thread must take it on (before, the late receiver waited for
+    it until the receive timeout). The delay is a host callback on ``late`` alone, before
+    both of its ops (their operands come out of it). The large block is made and checked
+    on the devices (got: each device's count of wrong elements), not gathered.
+    """
+    import time
+
+    axis = mesh.axis_names[0]
+    count = nbytes // 4
+    other = 1 - late
+    big_pairs, small_pairs = [(other, late)], [(late, other)]
+    b_full = np.array([5, 6, 7, 8], dtype=np.float32)
+    b = put(mesh, P(axis), b_full)
+
+    def block_of(index):  # device `index`'s large block: distinct values per device
+        return ((jax.lax.iota(np.int32, count) + index * count) % 1000).astype(np.float32)
+
+    def wait_if_late(index, big, small):
+        if int(index) == late:
+            time.sleep(delay_s)
+        return big, small
+
+    def body(small):
+        index = jax.lax.axis_index(axis)
+        big = block_of(index)
+        big, small = jax.pure_callback(
+            wait_if_late, (jax.ShapeDtypeStruct(big.shape, big.dtype),
+                           jax.ShapeDtypeStruct(small.shape, small.dtype)), index, big, small)
+        t_big = jax_cpu_mpi.psend(big, axis, big_pairs)
+        t_small = jax_cpu_mpi.psend(small, axis, small_pairs)
+        r_big = jax_cpu_mpi.precv(t_big, jax.ShapeDtypeStruct(big.shape, big.dtype), axis,
+                                  big_pairs)
+        r_small = jax_cpu_mpi.precv(t_small, jax.ShapeDtypeStruct(small.shape, small.dtype),
+                                    axis, small_pairs)
+        want_big = jnp.where(index == late, block_of(other), 0.0)
+        return jnp.sum(r_big != want_big, dtype=np.int32)[None], r_small
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axis),
+                              out_specs=(P(axis), P(axis)), check_vma=False))
+    wrong, r_small = f(b)
+    want_small = np.zeros_like(b_full).reshape(2, 2)
+    want_small[other] = b_full.reshape(2, 2)[late]
+    got = np.concatenate([gather(wrong).astype(np.float32), gather(r_small)])
+    return got, np.concatenate([np.zeros(2, np.float32), want_small.ravel()])
+
+
 def send_compute_send_back(mesh, gather: Gather):
     """JAX's two-device test: send, compute on the receiver, send the result back."""
     axis = mesh.axis_names[0]

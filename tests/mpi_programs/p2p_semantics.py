@@ -94,6 +94,12 @@ check("two-way 64 KiB exchange, sends first",
       cases.two_way_exchange(cross, gather, nbytes=64 << 10))
 check("two-way 32 MiB exchange, sends first",
       cases.two_way_exchange(cross, gather, nbytes=32 << 20))
+# Each direction's large send staged for a late receiver, its sender's program done before
+# the message has moved (only the progress thread then moves it: over TCP, and over UCX's
+# shared memory on one node too).
+for late in (1, 0):
+    check(f"32 MiB to a late receiver (device {late}), 8 B back",
+          cases.late_receiver_exchange(cross, gather, late=late))
 
 # How the transport chose to wait, with what this rank sees, for the test to check.
 print("wait " + json.dumps({"chosen": ext.mpi_wait(), "affinity": len(os.sched_getaffinity(0)),

@@ -39,7 +39,7 @@ from jax_cpu_mpi._src.compat import (
 )
 from jax_cpu_mpi._src.ffi.custom_calls import PRECV_TARGET, PSEND_TARGET, attributes
 from jax_cpu_mpi._src.ffi.registration import register_targets
-from jax_cpu_mpi._src.lowering.topology import partition_tables
+from jax_cpu_mpi._src.lowering.topology import partially_manual, partition_tables
 from jax_cpu_mpi._src.ops.p2p import check_perm_in_axis
 from jax_cpu_mpi._src.ops.primitives import precv_p, psend_p
 from jax_cpu_mpi._src.runtime import config, launchers
@@ -62,9 +62,30 @@ def _check_inside_shard_map(ctx: mlir.LoweringRuleContext, op_name: str, axis_na
             )
 
 
+def _check_fully_manual(ctx: mlir.LoweringRuleContext, op_name: str, axis_name) -> None:
+    """A partially manual shard_map (``axis_names=`` a subset of the mesh's axes): our calls
+    name their device by ``partition-id``, which XLA's SPMD partitioner refuses there (JAX's
+    GPU lowering emits ``stablehlo.send`` with pairs over the whole mesh instead). Raised
+    here, at lowering, rather than XLA's RET_CHECK at compile time."""
+    axis_context = ctx.module_context.axis_context
+    if not partially_manual(axis_context):
+        return
+    manual = tuple(name for name in axis_context.mesh.axis_names
+                   if name in axis_context.manual_axes)
+    raise NotImplementedError(
+        f"{op_name}(axis_name={tuple(axis_name)!r}) is inside a partially manual shard_map "
+        f"(manual axes {manual} of the mesh's {tuple(axis_context.mesh.axis_names)}): on CPU "
+        f"psend/precv are not supported there: XLA's SPMD partitioner refuses the partition "
+        f"id they route by. Make every mesh axis manual (shard_map without axis_names=, or "
+        f"with all of the mesh's axes), or use jax.lax.ppermute, which keeps JAX's own "
+        f"lowering there."
+    )
+
+
 def _routing(ctx: mlir.LoweringRuleContext, op_name: str, axis_name, perm):
     config.current()  # a bad JAX_CPU_MPI_* value raises its ConfigError here, not at import
     _check_inside_shard_map(ctx, op_name, axis_name)
+    _check_fully_manual(ctx, op_name, axis_name)
     # Before JAX's helper, which takes indices modulo the axis size (then IndexError, or a
     # wrong "sources and destinations must be unique"): jax.lax.psend is not checked when
     # traced, as jax_cpu_mpi.psend is (ops/p2p.py).
