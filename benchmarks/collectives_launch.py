@@ -63,6 +63,7 @@ def main() -> None:
     from mpi4py import MPI
 
     from jax_cpu_mpi import config
+    from jax_cpu_mpi.bench.programs import repeated_in_scan
 
     config.configure(collectives="mpi")
     comm = MPI.COMM_WORLD
@@ -78,17 +79,11 @@ def main() -> None:
 
         def body(v):
             if args.op == "all_gather":
-                # The operand and the result carried side by side, as in
-                # jax_cpu_mpi.bench.collectives (a slice of the result would be a copy).
-                def gather(carry, _):
-                    operand, _result = carry
-                    # The barrier keeps XLA from hoisting the loop-invariant all-gather
-                    # out of the scan (it would for gloo's).
-                    result = jax.lax.all_gather(operand, "x", tiled=True)
-                    return jax.lax.optimization_barrier((operand, result)), None
-
-                start = (v[: elements // n], v)
-                return jax.lax.scan(gather, start, None, length=iters)[0][1]
+                # The operand carried beside the result, as in jax_cpu_mpi.bench.collectives
+                # (a slice of the result would be a copy; the helper's barrier keeps XLA
+                # from hoisting gloo's loop-invariant all-gather out of the scan).
+                return repeated_in_scan(lambda o: jax.lax.all_gather(o, "x", tiled=True),
+                                        v[: elements // n], iters, first=v)
             return jax.lax.scan(lambda c, _: (one(c), None), v, None, length=iters)[0]
 
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"),

@@ -68,6 +68,7 @@ def main() -> int:
     from mpi4py import MPI
 
     from jax_cpu_mpi import config
+    from jax_cpu_mpi.bench.programs import repeated_in_scan
 
     comm = MPI.COMM_WORLD
     n = jax.device_count()
@@ -95,20 +96,15 @@ def main() -> int:
             return jax.lax.all_to_all(c, "x", 0, 0, tiled=True)
 
         def body(v):
-            if op in ("all_gather", "reduce_scatter"):
-                gather = op == "all_gather"
-
-                def carried(carry, _):
-                    operand, _result = carry
-                    result = (jax.lax.all_gather(operand, "x", tiled=True) if gather
-                              else jax.lax.psum_scatter(operand, "x", tiled=True))
-                    # The barrier keeps the loop-invariant collective in the loop: without
-                    # it XLA hoists gloo's all-gather / reduce-scatter out of the scan and
-                    # runs it once (ours is a side-effecting call and stays either way).
-                    return jax.lax.optimization_barrier((operand, result)), None
-
-                start = (v[:block], v) if gather else (v, v[:block])
-                return jax.lax.scan(carried, start, None, length=args.iters)[0][1]
+            # The operand carried beside the result (repeated_in_scan, as the patterns'
+            # programs): its barrier keeps XLA from hoisting gloo's then loop-invariant
+            # all-gather / reduce-scatter out of the scan (ours is a side-effecting call).
+            if op == "all_gather":
+                return repeated_in_scan(lambda o: jax.lax.all_gather(o, "x", tiled=True),
+                                        v[:block], args.iters, first=v)
+            if op == "reduce_scatter":
+                return repeated_in_scan(lambda o: jax.lax.psum_scatter(o, "x", tiled=True),
+                                        v, args.iters, first=v[:block])
 
             def step(c, _):
                 return one(c), None
