@@ -323,12 +323,12 @@ Entry& SiteEntry(I64Span groups, int64_t group_size, I64Span device_index,
 
 // A call site's group (FindGroup's result and the key with the site), and what its leader
 // needs of the transport: the group's MPI ranks and its communicator (made at the first
-// lead, for the transport `ranks_for`).
+// lead, for the transport whose id() is `ranks_for`).
 struct SiteGroup {
   SiteAttributes attributes;
   bool found = false;
   Group g;
-  const MpiTransport* ranks_for = nullptr;
+  uint64_t ranks_for = 0;  // MpiTransport::id(); 0: none yet
   std::vector<int> ranks;
   MpiTransport::GroupHandle comm;
   LocalRound::Slot* slot = nullptr;  // its meeting's (MeetLocally)
@@ -425,11 +425,11 @@ ffi::Error Lead(std::span<const void* const> in, std::span<void* const> out,
       return ffi::Error::InvalidArgument(std::string(op) + ": no MPI reduction for " +
                                          std::string(operand));
     }
-    if (site.ranks_for != state.mpi.get()) {
+    if (site.ranks_for != state.mpi->id()) {
       site.ranks.clear();
       for (int64_t p : g.processes) site.ranks.push_back(state.mpi->RankOfProcess(p));
       std::sort(site.ranks.begin(), site.ranks.end());
-      site.ranks_for = state.mpi.get();
+      site.ranks_for = state.mpi->id();
     }
     const std::vector<int>& ranks = site.ranks;
     Runtime::MpiOpScope active;  // the exit keeps the transport until this returns
@@ -599,8 +599,9 @@ struct ExchangeSite {
   std::vector<int64_t> local_pos;  // their group positions
   std::string key;
   bool spans = false;              // the group spans processes
-  // Made at the first lead (LeadExchange), for the transport (`laid_out_for`) and block.
-  const MpiTransport* laid_out_for = nullptr;
+  // Made at the first lead (LeadExchange), for the transport (its id(), `laid_out_for`)
+  // and block.
+  uint64_t laid_out_for = 0;
   bool laid_out = false;
   size_t laid_out_block = 0;
   ffi::DataType laid_out_type = ffi::DataType::INVALID;
@@ -730,7 +731,7 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
     return ffi::Error::InvalidArgument(std::string(c.op) + " of " + std::string(c.operand) +
                                        ": more than 2 GiB in one collective over MPI");
   }
-  if (!site.laid_out || site.laid_out_for != state.mpi.get() || site.laid_out_block != B ||
+  if (!site.laid_out || site.laid_out_for != state.mpi->id() || site.laid_out_block != B ||
       site.laid_out_type != c.type) {
     site.layout = MakeLayout(site.row, device_process, c.me, [&](int64_t process) {
       return spans ? state.mpi->RankOfProcess(process) : 0;
@@ -750,7 +751,7 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
       site.counts[q] = static_cast<int>(blocks * unit);
       site.displs[q] = static_cast<int>(before * unit);
     }
-    site.laid_out_for = state.mpi.get();
+    site.laid_out_for = state.mpi->id();
     site.laid_out_block = B;
     site.laid_out_type = c.type;
     site.laid_out = true;

@@ -152,6 +152,9 @@ class MpiTransport {
   const ClockOffset& clock_offset() const { return clock_offset_; }
   // How waits go, as Create chose.
   const WaitChoice& wait_choice() const { return wait_choice_; }
+  // Unique per transport in the process, never reused: what a cache of something derived
+  // from a transport keys on (an address can come back for a later transport).
+  uint64_t id() const { return id_; }
   // The MPI rank of a JAX process, or -1 if unknown.
   int RankOfProcess(int64_t process_index) const;
 
