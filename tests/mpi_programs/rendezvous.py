@@ -27,7 +27,7 @@ that say 1 device per rank use the first device of each rank):
 * ``exchange`` (1 device per rank): both ranks send and receive in the same step, one op
   with the cycle [(0, 1), (1, 0)] (GPU parity off) and two ops in opposite directions, in a
   ``lax.scan`` of 4 steps, at 8 B and 4 KiB (staged), 16 KiB and 100 KiB + 8 B (a cycle's
-  rendezvous below the one-way rendezvous size), 256 KiB, 1 MiB and 8 MiB + 4 KiB: a psend
+  rendezvous below the plain rendezvous size), 256 KiB, 1 MiB and 8 MiB + 4 KiB: a psend
   of the cycle that finds its receiver not ready defers its send to the receive loops, which
   post it straight from the operand once the ready signal comes (two ops: staged or direct,
   as one-way sends); every byte checked, each step's bytes differ.
