@@ -350,7 +350,12 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
   // (mpi/transport.h); a sender that never reads ready signals must get none (they would
   // pile up unread).
   const bool exchange = ReceivesInGroup(info, peer);
-  Status r = mpi->Recv(source, *tag, out->untyped_data(), bytes, operand, deadline, exchange);
+  // The op's psends are kept (their operands stay alive until a precv of the group finishes
+  // them) exactly when its precvs have group pairs (passes/kept_operands.py): the sender
+  // then takes the rendezvous path from a smaller size on (mpi/transport.h).
+  const bool sender_kept = info.group_pairs.size() > 0;
+  Status r = mpi->Recv(source, *tag, out->untyped_data(), bytes, operand, deadline, exchange,
+                       sender_kept);
   if (r.ok()) return ffi::Error::Success();
   if (r.code() == StatusCode::kSizeMismatch) {
     return ffi::Error::InvalidArgument(

@@ -10,7 +10,8 @@
 // description of its operand (dtype and shape: every staged message carries a hash of it,
 // mpi/framing.h), so that a float32[4] never lands in an int32[4] as garbage.
 //
-// Messages of kRendezvousMinBytes or more may skip the copy (rendezvous). Both ends number
+// Messages of kRendezvousMinBytes or more may skip the copy (rendezvous), and so may those
+// of kKeptRendezvousMinBytes or more whose psend's operand is kept (see Send). Both ends number
 // the messages of each channel (sequence numbers, one counter per direction and channel).
 // A receiver that reaches its precv before the message posts its receives straight into
 // its output buffer (on direct_comm_) and sends the sender a ready signal {sequence number,
@@ -207,8 +208,12 @@ class MpiTransport {
   // `exchange`: the sender's psend is one of a cycle (its op also receives there, with the
   // operand kept), so it defers from kExchangeRendezvousMinBytes on: the receive takes the
   // rendezvous path from that size too (the sender reads its ready signal).
+  // `sender_kept`: the sender's psend has its operand kept (Send's `kept`; the op's precvs
+  // finish it), so it takes the rendezvous path from kKeptRendezvousMinBytes on: so does
+  // the receive. Both ends must agree, or ready signals pile up unread (or never come).
   Status Recv(int source_rank, int tag, void* out, size_t bytes, std::string_view desc,
-              std::chrono::steady_clock::time_point deadline, bool exchange = false);
+              std::chrono::steady_clock::time_point deadline, bool exchange = false,
+              bool sender_kept = false);
 
   // At exit (collective over the communicator): completes every outstanding send and waits
   // for every rank to get there (joining them halfway to the deadline even with sends still
@@ -313,6 +318,14 @@ class MpiTransport {
   // before its send. Neither end copies, no send waits in a probe's unexpected-message
   // handshake (beyond MPI's eager size), and no progress thread is woken.
   static constexpr size_t kExchangeRendezvousMinBytes = size_t{16} << 10;
+  // A one-way psend whose operand is kept (`kept`: the precv that takes its token finishes
+  // the send) takes the rendezvous path from this size on too, not from kRendezvousMinBytes:
+  // MPICH sends such a message by its own rendezvous already (a single copy from 8 KiB on
+  // shared memory, MPIR_CVAR_CH4_IPC_CMA_P2P_THRESHOLD), so a receiver that is waiting saves
+  // the staging copy, and the progress thread, which a staged send wakes, is never woken:
+  // the direct send stays in flight for the kept operand's precv. A receiver that is not
+  // waiting still gets a staged copy, after the sender's short look for its ready signal.
+  static constexpr size_t kKeptRendezvousMinBytes = size_t{16} << 10;
   static constexpr size_t kStageStepBytes = size_t{128} << 10;
   // Smallest one-message payload received straight into the output (with its trailer
   // scattered apart by a datatype); smaller ones go through a buffer and one more copy.

@@ -9,8 +9,9 @@ takes the link down, kills a rank, or takes the link down and up again. Each ran
 its loop ends.
 
 BYTES (default 1024, a multiple of 4) is the size of the message, which picks the transport's
-path: below 256 KiB copy-and-Isend; from 256 KiB the rendezvous (direct from the operand when
-the receiver is ready first, else staged); staged messages of 4 MiB or more are chunked.
+path: below 16 KiB copy-and-Isend; from 16 KiB (the precv of each hop keeps its psend's
+operand) the rendezvous (direct from the operand when the receiver is ready first, else
+staged); staged messages of 4 MiB or more are chunked.
 DIRECTION says which way the BYTES go:
 
 * ``pingpong`` (default): both hops carry BYTES;

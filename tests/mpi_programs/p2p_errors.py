@@ -77,10 +77,11 @@ for send_count, recv_count in [(2 << 20, 6 << 18), (2 << 20, 8), (8, 2 << 20)]:
 
 
 # Same byte count, another dtype (int32) or shape (2 x n/2): float32[n] must not land as
-# garbage. Every path: 16 B (eager, one message with its envelope), 64 KiB (one message,
-# received straight into the output), 512 KiB and 8 MiB (rendezvous: with the receiver
-# first, its ready signal names another type, so the sender stages; otherwise staged, the
-# 8 MiB one as a chunk header and chunks). The sender first, then the receiver first.
+# garbage. Every path: 16 B (eager, one message with its envelope), 64 KiB (the rendezvous
+# of a psend whose precv keeps its operand: with the receiver first, its ready signal names
+# another type, so the sender stages, one message received straight into the output),
+# 512 KiB and 8 MiB (rendezvous, as 64 KiB; otherwise staged, the 8 MiB one as a chunk
+# header and chunks). The sender first, then the receiver first.
 def retyped(n, kind):
     want = (jax.ShapeDtypeStruct((n,), jnp.int32) if kind == "dtype"
             else jax.ShapeDtypeStruct((2, n // 2), jnp.float32))

@@ -1,4 +1,5 @@
-"""The rendezvous path of MPI messages (256 KiB and more): every way it can go.
+"""The rendezvous path of MPI messages (256 KiB and more, and from 16 KiB on for a psend
+whose operand a precv keeps): every way it can go.
 
 ``rendezvous.py CASE[,CASE...]`` under ``mpirun -n 2``, the cases one after the other, each
 between ``== case NAME: start`` and ``== case NAME: done`` lines (tests/runtime/
@@ -8,8 +9,10 @@ that say 1 device per rank use the first device of each rank):
 * ``paths`` (1 device per rank): the receiver ready first (the message goes straight from
   the operand: ``mpi_direct_sends`` grows, and the psend returns before it completes:
   ``kept_sends`` grows), the receiver later than the sender's grace
-  period (the message goes staged: ``mpi_staged_large_sends`` grows), at 1 MiB and at
-  8 MiB + 4 KiB (two direct counts would not matter there, the chunked staged path does);
+  period (the message goes staged: ``mpi_staged_large_sends`` grows), at 64 KiB + 8 B (a
+  one-way psend whose operand its precv keeps, below the plain rendezvous size), 1 MiB and
+  8 MiB + 4 KiB (two direct counts would not matter there, the chunked staged path does),
+  and at 8 KiB (below that size: staged whoever comes first, neither count moves);
   byte-count mismatches with the receiver ready first (the sender must stage, the receiver
   reports the same error as on the plain path, the sender does not hang), a 8 B message
   into a 8 MiB precv that is ready first (a ready signal the sender never reads), and
@@ -24,7 +27,7 @@ that say 1 device per rank use the first device of each rank):
 * ``exchange`` (1 device per rank): both ranks send and receive in the same step, one op
   with the cycle [(0, 1), (1, 0)] (GPU parity off) and two ops in opposite directions, in a
   ``lax.scan`` of 4 steps, at 8 B and 4 KiB (staged), 16 KiB and 100 KiB + 8 B (a cycle's
-  rendezvous below the one-way rendezvous size), 256 KiB, 1 MiB and 8 MiB + 4 KiB: a psend
+  rendezvous below the plain rendezvous size), 256 KiB, 1 MiB and 8 MiB + 4 KiB: a psend
   of the cycle that finds its receiver not ready defers its send to the receive loops, which
   post it straight from the operand once the ready signal comes (two ops: staged or direct,
   as one-way sends); every byte checked, each step's bytes differ.
@@ -96,7 +99,7 @@ def pattern(n: int, salt: int) -> np.ndarray:
 
 def run_paths() -> None:
     mesh = pair_mesh()
-    for n in (1 << 20, (8 << 20) + 4096):
+    for n in (8 << 10, (64 << 10) + 8, 1 << 20, (8 << 20) + 4096):
         f = one_way(mesh, n)
         for mode, salt in (("receiver ready first", 1), ("receiver late", 2)):
             x = common.global_array(mesh, P("x"), np.concatenate([pattern(n, salt)] * 2))
@@ -117,15 +120,18 @@ def run_paths() -> None:
                 # Ready first: straight from the operand, the psend returning while the
                 # receiver copies (the precv that takes its token finishes it).
                 want = (1, 0, 1) if mode == "receiver ready first" else (0, 1, 0)
+                if n < 16 << 10:  # the plain small path: copied, sent, never kept
+                    want = (0, 0, 0)
                 assert (direct, staged, kept) == want, (n, mode, direct, staged, kept)
                 assert jax_cpu_mpi.stats()["kept_sends_unfinished"] == 0
-            print(f"ok   {n} bytes, {mode}: {'direct' if mode.endswith('first') else 'staged'}",
-                  flush=True)
+            path = "direct" if mode.endswith("first") and n >= 16 << 10 else "staged"
+            print(f"ok   {n} bytes, {mode}: {path}", flush=True)
             barrier(f"{n} {mode} done")
 
     # Byte-count mismatches with the receiver ready first: the ready signal says another
     # count, so the sender stages; the receiver reports it as on the plain path.
-    for send_n, recv_n in ((8 << 20, 6 << 20), (8 << 20, 8), (8, 8 << 20)):
+    for send_n, recv_n in ((8 << 20, 6 << 20), (8 << 20, 8), (8, 8 << 20),
+                           (64 << 10, 48 << 10)):
         f = one_way(mesh, send_n, recv_n)
         x = common.global_array(mesh, P("x"), np.ones(2 * send_n, np.uint8))
         f.lower(x).compile()

@@ -6,7 +6,7 @@ psend hands its operand to a waiting receiver and returns, and the precv finishe
 (cpp/ffi/kept_sends.h). These tests pin where the pass applies (and where it must not), and
 that values, errors and the transports' state are what they are without it (the results
 are compared with lax.ppermute and with the pass switched off). Over MPI the same path is
-taken by every precv(psend(x)) of 256 KiB and more whose receiver is ready: see
+taken by every precv(psend(x)) of 16 KiB and more whose receiver is ready: see
 tests/mpi_programs/rendezvous.py and test_p2p_mpi.py.
 """
 

@@ -479,10 +479,11 @@ def test_rendezvous_direct_staged_and_mismatched_messages(rendezvous_run):
     run = rendezvous_run
     for rank in (0, 1):
         out = _case_output(run, "paths", rank)
-        for size in (1 << 20, (8 << 20) + 4096):
+        for size in ((64 << 10) + 8, 1 << 20, (8 << 20) + 4096):
             assert f"ok   {size} bytes, receiver ready first: direct" in out, run.report()
             assert f"ok   {size} bytes, receiver late: staged" in out, run.report()
-        assert out.count("ok   mismatch") == 3, run.report()
+        assert f"ok   {8 << 10} bytes, receiver ready first: staged" in out, run.report()
+        assert out.count("ok   mismatch") == 4, run.report()
         assert out.count("ok   channel after errors") == 3, run.report()
     assert "sender returned after" in _case_output(run, "paths", 0), run.report()
 
