@@ -330,11 +330,14 @@ bool MpiTransport::HasDeferredTo(int peer_rank) {
 Status MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out,
                                size_t bytes, uint64_t desc_hash,
                                std::chrono::steady_clock::time_point deadline) {
-  {
+  // In an exchange whose send to the peer is still deferred (see below), the ready signal
+  // goes first: the peer's send waits for it, and the loop below finds a staged message.
+  const bool send_first = HasDeferredTo(source_rank);
+  if (Status s = Usable(); !s.ok()) return s;
+  if (!send_first) {
     // Already sent staged (the sender did not find us ready): take it the plain way.
     int flag = 0;
     std::unique_lock<std::mutex> lock = MpiCallLock();
-    if (Status s = Usable(); !s.ok()) return s;
     int rc = MPI_Iprobe(source_rank, tag, comm_, &flag, MPI_STATUS_IGNORE);
     if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Iprobe", rc);
     if (flag) {
@@ -373,7 +376,7 @@ Status MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out
     }
     return Status::Ok();
   };
-  bool posted = !HasDeferredTo(source_rank);
+  bool posted = !send_first;
   if (posted) {
     if (Status s = post_receives(); !s.ok()) return s;
   }
