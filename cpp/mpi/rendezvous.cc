@@ -320,14 +320,24 @@ Status MpiTransport::ProgressDeferred(std::chrono::steady_clock::time_point dead
   return Status::Ok();
 }
 
+bool MpiTransport::HasDeferredTo(int peer_rank) {
+  if (deferred_count_.load(std::memory_order_acquire) == 0) return false;
+  std::lock_guard<std::mutex> lock(deferred_mu_);
+  return std::any_of(deferred_channels_.begin(), deferred_channels_.end(),
+                     [peer_rank](const ChannelState* ch) { return ch->peer_rank == peer_rank; });
+}
+
 Status MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out,
                                size_t bytes, uint64_t desc_hash,
                                std::chrono::steady_clock::time_point deadline) {
-  {
+  // In an exchange whose send to the peer is still deferred (see below), the ready signal
+  // goes first: the peer's send waits for it, and the loop below finds a staged message.
+  const bool send_first = HasDeferredTo(source_rank);
+  if (Status s = Usable(); !s.ok()) return s;
+  if (!send_first) {
     // Already sent staged (the sender did not find us ready): take it the plain way.
     int flag = 0;
     std::unique_lock<std::mutex> lock = MpiCallLock();
-    if (Status s = Usable(); !s.ok()) return s;
     int rc = MPI_Iprobe(source_rank, tag, comm_, &flag, MPI_STATUS_IGNORE);
     if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Iprobe", rc);
     if (flag) {
@@ -335,11 +345,19 @@ Status MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out
       return RecvStaged(source_rank, tag, out, bytes, desc_hash, deadline);
     }
   }
-  // Post the receives into the output, then tell the sender that we are ready.
+  // Post the receives into the output, then tell the sender that we are ready. In an
+  // exchange, while our own send to that peer is still deferred, the receives are posted
+  // only once it is posted (or staged), after the ready signal: MPI copies a message into a
+  // posted receive inside whichever MPI call sees it arrive (over shared memory, the whole
+  // payload at once), so a receive posted first could take the peer's message inside the
+  // probe that looks for its ready signal, and post our send only after that copy: one
+  // transfer after the other instead of both at once. MPI_Sendrecv starts its send before
+  // it waits for its receive. The peer's direct send (synchronous mode) waits unmatched
+  // until our receives are posted, and the ready signals do not depend on them.
   std::vector<MPI_Request> requests;
-  requests.reserve(bytes / kDirectChunkBytes + 1);
   auto* dst = static_cast<std::byte*>(out);
-  {
+  auto post_receives = [&]() -> Status {
+    requests.reserve(bytes / kDirectChunkBytes + 1);
     std::unique_lock<std::mutex> lock = MpiCallLock();
     for (size_t offset = 0; offset < bytes; offset += kDirectChunkBytes) {
       const size_t n = std::min(kDirectChunkBytes, bytes - offset);
@@ -356,6 +374,11 @@ Status MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out
         return Status::MpiError("MPI_Irecv", rc);
       }
     }
+    return Status::Ok();
+  };
+  bool posted = !send_first;
+  if (posted) {
+    if (Status s = post_receives(); !s.ok()) return s;
   }
   {
     ControlSend control;
@@ -380,11 +403,16 @@ Status MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out
   while (true) {
     // Our own deferred sends, as their receivers get ready: both directions at once.
     if (Status s = ProgressDeferred(deadline); !s.ok()) return s;
+    if (!posted && !HasDeferredTo(source_rank)) {
+      if (Status s = post_receives(); !s.ok()) return s;
+      posted = true;
+    }
     int done = 0, staged = 0;
     {
       std::unique_lock<std::mutex> lock = MpiCallLock();
-      int rc = MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
-                           MPI_STATUSES_IGNORE);
+      int rc = posted ? MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
+                                    MPI_STATUSES_IGNORE)
+                      : MPI_SUCCESS;
       if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Testall", rc);
       if (done) {  // straight into the output
         trace::NotePath(trace::Path::kDirect);
@@ -400,6 +428,12 @@ Status MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out
         if (Status s = ProgressLocked(); !s.ok()) return s;
       }
       timed_out = Expired(deadline);
+    }
+    if ((staged || timed_out) && !posted) {
+      // Posted now all the same: this message may wait unmatched as a direct one (a staged
+      // one is then the next message), and is taken below like any other.
+      if (Status s = post_receives(); !s.ok()) return s;
+      posted = true;
     }
     if (staged || timed_out) {
       // Either this message went staged (the sender did not see us in time; its direct

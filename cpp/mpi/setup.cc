@@ -178,7 +178,10 @@ MpiTransport::ChannelState& MpiTransport::Channel(int peer_rank, int tag) {
   {
     std::lock_guard<std::mutex> lock(channels_mu_);
     auto& slot = channels_[{peer_rank, tag}];
-    if (!slot) slot = std::make_unique<ChannelState>();
+    if (!slot) {
+      slot = std::make_unique<ChannelState>();
+      slot->peer_rank = peer_rank;
+    }
     channel = slot.get();
   }
   cache[next_slot] = {id_, peer_rank, tag, channel};

@@ -31,6 +31,9 @@
 // for a receiver that is not ready: it defers the send (DirectSend), and the receive loops
 // post it straight from the operand when the ready signal comes (ProgressDeferred), so both
 // directions move at once; the precv that keeps the operand stages what is still deferred.
+// A receive from a peer to which a send of ours is still deferred signals ready first and
+// posts its receives only once that send is posted (RecvLarge), so that MPI cannot copy the
+// peer's message in before our send has started.
 // XLA's thunk executor skips every thunk after one fails, so the precv that keeps the
 // operand may never run: an op of ours that fails finishes the kept sends of its program
 // run (XLA's RunId) before it returns, while their operands are still alive
@@ -361,6 +364,7 @@ class MpiTransport {
   // Per channel (peer rank, tag): one psend and one precv at a time, so that sequence
   // numbers follow the order of the messages on the wire. Locking: see the class comment.
   struct ChannelState {
+    int peer_rank = 0;  // set once by Channel()
     std::mutex send_mu;
     std::mutex recv_mu;
     uint64_t next_send_seq = 0;
@@ -466,6 +470,8 @@ class MpiTransport {
   // Looks for the ready signal of message `seq`: sets *ready and *receiver (its signal).
   Status PollReady(ChannelState& ch, uint64_t seq, int dest_rank, int tag, bool* ready,
                    ReadySignal* receiver, std::chrono::steady_clock::time_point deadline);
+  // Whether one of our sends to `peer_rank` is deferred now (cheap when none is).
+  bool HasDeferredTo(int peer_rank);
   Status RecvLarge(uint64_t seq, int source_rank, int tag, void* out, size_t bytes,
                    uint64_t desc_hash, std::chrono::steady_clock::time_point deadline);
 

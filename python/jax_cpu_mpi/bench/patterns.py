@@ -17,7 +17,9 @@ first device of every rank (all ranks of the job take part):
 
 Methods: ``psend/scan`` (one ``psend``/``precv`` with the pattern's pairs per step, steps in
 one jitted ``lax.scan``: what a CPU-only program writes), ``psend2/scan`` (the same step as
-two ops, one per direction: what a GPU-parity program and the pipeline executor write),
+two ops, one per direction: what a GPU-parity program and the pipeline executor write; each
+op's result stays in the loop carry, as a pipeline keeps each received buffer, and the two
+are combined once after the loop),
 ``psend-donated/scan`` (``psend/scan`` whose result buffer is donated back to the next call as
 the scan's first result, so that XLA receives into the same, warm buffer at every call, as
 the MPI baseline does, instead of a fresh one: what XLA's per-call buffers cost),
@@ -31,6 +33,8 @@ unchanged.
 
 from __future__ import annotations
 
+import functools
+import operator
 import time
 from collections.abc import Callable
 from typing import Any
@@ -80,27 +84,41 @@ def _mesh(session: Any) -> Mesh:
     return Mesh(np.array([first[p] for p in sorted(first)]), (AXIS,))
 
 
-def _step(transport: str, x: jax.Array, perm: list[tuple[int, int]]) -> jax.Array:
+def _halves(perm: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """psend2's ops: one per direction (a pair (s, d) goes with s < d or s > d)."""
+    up = [(s, d) for s, d in perm if s < d]
+    down = [(s, d) for s, d in perm if s > d]
+    return [half for half in (up, down) if half]
+
+
+def _step(transport: str, x: jax.Array, perm: list[tuple[int, int]]
+          ) -> jax.Array | tuple[jax.Array, ...]:
+    """One step's exchange of ``x``: the received array, or with ``psend2`` one array per op
+    (a device receives in at most one of them and gets zeros from the other)."""
     if transport == "ppermute":
         return jax.lax.ppermute(x, AXIS, perm)
     shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
     if transport == "psend":
-        y = precv(psend(x, AXIS, perm), shape, AXIS, perm)
-    else:  # psend2: one op per direction (a pair (s, d) goes with s < d or s > d)
-        up = [(s, d) for s, d in perm if s < d]
-        down = [(s, d) for s, d in perm if s > d]
-        halves = [half for half in (up, down) if half]
-        tokens = [psend(x, AXIS, half) for half in halves]
-        ys = [precv(t, shape, AXIS, half) for t, half in zip(tokens, halves, strict=True)]
-        # A device receives in at most one of the two: the other precv gives zeros.
-        y = ys[0] if len(ys) == 1 else ys[0] | ys[1]
-    return jax.lax.pcast(y, AXIS, to="varying")
+        return jax.lax.pcast(precv(psend(x, AXIS, perm), shape, AXIS, perm), AXIS, to="varying")
+    halves = _halves(perm)
+    tokens = [psend(x, AXIS, half) for half in halves]
+    return tuple(jax.lax.pcast(precv(t, shape, AXIS, half), AXIS, to="varying")
+                 for t, half in zip(tokens, halves, strict=True))
 
 
 def _scan_program(mesh: Mesh, transport: str, perm: list[tuple[int, int]],
                   steps: int) -> Callable:
     def body(x):
-        return repeated_in_scan(lambda v: _step(transport, v, perm), x, steps)
+        if transport != "psend2":
+            return repeated_in_scan(lambda v: _step(transport, v, perm), x, steps)
+        # Each op's result stays in the loop carry, as a pipeline keeps each received
+        # buffer, and the two are combined once after the loop (for the check). An OR of
+        # the two in every step was XLA work that MPI_Sendrecv's step does not have: a pass
+        # over three buffers which XLA also splits over its intra-op threads from 1 MiB
+        # (a wake-up of them per step, competing with both ranks' device threads).
+        ys = repeated_in_scan(lambda v: _step(transport, v, perm), x, steps,
+                              first=tuple(x for _ in _halves(perm)))
+        return functools.reduce(operator.or_, ys)
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
 

@@ -113,12 +113,13 @@ def ack(mesh: Mesh, transport: str) -> Callable:
     return _spmd(mesh, lambda y: _hop(transport, y[:ACK_BYTES], BACKWARD), 1)
 
 
-def repeated_in_scan(step: Callable[[jax.Array], jax.Array], x: jax.Array,
-                     steps: int, first: jax.Array | None = None) -> jax.Array:
+def repeated_in_scan(step: Callable[[jax.Array], Any], x: jax.Array,
+                     steps: int, first: Any = None) -> Any:
     """``step(x)`` run ``steps`` times in a ``lax.scan`` (the last result): each one on the
     same ``x``, which a barrier keeps XLA from hoisting out of the loop as invariant.
-    ``first``: the result's value before the first step (``x`` if None), whose buffer the
-    results then take (a donated ``first`` is received into in place)."""
+    ``first``: the result's value before the first step (``x`` if None; a tuple of arrays
+    like ``x`` where ``step`` returns a tuple), whose buffer the results then take (a
+    donated ``first`` is received into in place)."""
     def one(carry, _):
         source, _ = carry
         source = jax.lax.optimization_barrier(source)
