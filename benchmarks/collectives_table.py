@@ -74,7 +74,9 @@ def main(argv: list[str]) -> int:
     if not runs:
         raise SystemExit(f"{folder}: no *_perf-*.json")
     parts = [summary(runs)]
-    parts += [_table(r["op"], r["rows"], r["ranks"], r["devices_per_rank"]) for r in runs]
+    # Runs from before --warmup timed each launch right after the other methods' (0).
+    parts += [_table(r["op"], r["rows"], r["ranks"], r["devices_per_rank"], r.get("iters", 20),
+                     r.get("warmup", 0)) for r in runs]
     (folder / "collectives.md").write_text("\n\n".join(parts) + "\n")
     try:
         plot(runs, folder / "collectives.png")

@@ -19,6 +19,7 @@
 #include <chrono>
 #include <climits>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <condition_variable>
 #include <cstring>
@@ -710,6 +711,60 @@ Status PersistentExchange(const ExchangeCall& c, MpiTransport& mpi, const Layout
   return Status::Invalid(std::string(c.op) + ": no persistent " + std::string(c.operand));
 }
 
+// Above this many bytes per process a multi-device all_to_all goes straight between the
+// devices' buffers (MPI_Ialltoallw); below, making its datatypes costs more than the
+// copies through the staging buffers save (an 8 KiB exchange was slower this way, a 64 KiB
+// one no faster).
+constexpr size_t kScatteredAllToAllBytes = size_t{64} << 10;
+
+// Whether `n` bytes from `a` and from `b` overlap.
+bool Overlap(const void* a, const void* b, size_t n) {
+  const auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return x < y + n && y < x + n;
+}
+
+// Derived datatypes of one call, freed at the end of the scope.
+class ScopedDatatypes {
+ public:
+  ScopedDatatypes() = default;
+  ScopedDatatypes(const ScopedDatatypes&) = delete;
+  ScopedDatatypes& operator=(const ScopedDatatypes&) = delete;
+  ~ScopedDatatypes() {
+    for (MPI_Datatype& t : made_) MPI_Type_free(&t);
+    made_.clear();
+  }
+  // `*type`: the blocks of `block_bytes` that `each(block)` calls `block(address)` for, in
+  // that order, as one committed datatype relative to MPI_BOTTOM (adjacent blocks merged).
+  // Returns an MPI error code.
+  template <typename Each>
+  int Blocks(size_t block_bytes, MPI_Datatype* type, Each&& each) {
+    thread_local std::vector<int> lengths;
+    thread_local std::vector<MPI_Aint> where;
+    lengths.clear();
+    where.clear();
+    int rc = MPI_SUCCESS;
+    each([&](const void* p) {
+      MPI_Aint a = 0;
+      if (rc == MPI_SUCCESS) rc = MPI_Get_address(p, &a);
+      if (!where.empty() && where.back() + lengths.back() == a) {
+        lengths.back() += static_cast<int>(block_bytes);
+      } else {
+        where.push_back(a);
+        lengths.push_back(static_cast<int>(block_bytes));
+      }
+    });
+    if (rc != MPI_SUCCESS) return rc;
+    rc = MPI_Type_create_hindexed(static_cast<int>(lengths.size()), lengths.data(),
+                                  where.data(), MPI_BYTE, type);
+    if (rc != MPI_SUCCESS) return rc;
+    made_.push_back(*type);
+    return MPI_Type_commit(type);
+  }
+
+ private:
+  std::vector<MPI_Datatype> made_;
+};
+
 // The leader's work. `in`/`out`: the local members' buffers, by ascending partition;
 // `local_pos`: their group positions.
 ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
@@ -772,6 +827,9 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
   const void* send = nullptr;
   void* recv = nullptr;
   size_t local_copy = 0;  // one process: bytes to copy from send to recv instead of MPI
+  // all_to_all: MPI reads the operands (unless `send` is staged) and writes the outputs
+  // through a datatype per peer (MPI_BOTTOM-relative: the blocks' own addresses).
+  bool scattered = false;
   const std::vector<int>& counts = site.counts;  // of the site's layout, as MPI takes them
   const std::vector<int>& displs = site.displs;
   const bool equal = site.equal;
@@ -810,13 +868,24 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
           for (size_t i = 0; i < l.positions[q].size(); ++i) {
             std::byte* acc = send_stage + (l.first[q] + i) * B;
             const size_t at = static_cast<size_t>(l.positions[q][i]) * B;
-            std::memcpy(acc, bytes(in[0]) + at, B);
-            for (size_t k = 1; k < in.size(); ++k) {
-              if (!ReduceInto(c.type, c.reduction, acc, bytes(in[k]) + at, per)) {
-                return ffi::Error::InvalidArgument(std::string(c.op) +
-                                                   ": no in-process reduction for " +
-                                                   std::string(c.operand));
-              }
+            // The copy of the first operand and the first reduction in one pass over
+            // the memory (with 2 devices per process the whole of the local work).
+            size_t k = 1;
+            bool ok = true;
+            if (in.size() > 1) {
+              ok = ReduceTwo(c.type, c.reduction, acc, bytes(in[0]) + at, bytes(in[1]) + at,
+                             per);
+              k = 2;
+            } else {
+              std::memcpy(acc, bytes(in[0]) + at, B);
+            }
+            for (; ok && k < in.size(); ++k) {
+              ok = ReduceInto(c.type, c.reduction, acc, bytes(in[k]) + at, per);
+            }
+            if (!ok) {
+              return ffi::Error::InvalidArgument(std::string(c.op) +
+                                                 ": no in-process reduction for " +
+                                                 std::string(c.operand));
             }
           }
         }
@@ -839,15 +908,11 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
     }
     case Exchange::kAllToAll: {
       name = equal ? "MPI_Ialltoall" : "MPI_Ialltoallv";
-      if (m == 1 && l.identity) {
-        send = in[0];
-        recv = out[0];
-      } else {
-        // To communicator rank q: for each of q's positions i, my members' blocks i (my
-        // positions ascending); from q the same, so block (i, j) lands in member i's output
-        // as block j.
+      // To communicator rank q: for each of q's positions i, my members' blocks i (my
+      // positions ascending); from q the same, so block (i, j) lands in member i's output
+      // as block j. `pack` lays the blocks to send out so in a staging buffer.
+      auto pack = [&] {
         send_stage = send_staging.Get(n * m * B);
-        recv_stage = recv_staging.Get(n * m * B);
         std::byte* cursor = send_stage;
         for (size_t q = 0; q < Q; ++q) {
           for (int64_t i : l.positions[q]) {
@@ -858,10 +923,31 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
           }
         }
         send = send_stage;
+      };
+      if (m == 1 && l.identity) {
+        send = in[0];
+        recv = out[0];
+      } else if (spans && n * m * B > kScatteredAllToAllBytes) {
+        // MPI reads the blocks from the operands and writes them into the outputs itself
+        // (MPI_Ialltoallw, a datatype per peer of the blocks' addresses): no pack into a
+        // staging buffer and no unpack out of one, two passes over every byte the process
+        // holds, which took more than MPI's own exchange of the same bytes. Where an
+        // output is an operand's buffer (XLA may alias them), a block received would
+        // overwrite one not yet sent: the sends are then packed as before.
+        scattered = true;
+        name = "MPI_Ialltoallw";
+        bool aliased = false;
+        for (const void* a : in) {
+          for (const void* b : out) aliased = aliased || Overlap(a, b, n * B);
+        }
+        if (aliased) pack();
+      } else {
+        pack();
+        recv_stage = recv_staging.Get(n * m * B);
         recv = recv_stage;
       }
       // The operand's buffer is the result's (the lowering lets XLA alias them): in place.
-      if (send == recv) send = MPI_IN_PLACE;
+      if (!scattered && send == recv) send = MPI_IN_PLACE;
       break;
     }
   }
@@ -882,7 +968,62 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
     const size_t moved = c.kind == Exchange::kAllToAll ? n * m * B : n * B;
     const auto deadline = DeadlineAfter(state.config.recv_timeout_s);
     Status s;
-    if (equal && moved <= MpiTransport::kPersistentBytes) {
+    // The datatypes of a scattered all_to_all, freed when the call returns (MPI lets a
+    // request in flight, one abandoned at a timeout too, outlive its datatypes).
+    thread_local std::vector<MPI_Datatype> send_types, recv_types;
+    thread_local std::vector<int> send_counts, recv_counts, zeros;
+    ScopedDatatypes made;
+    if (scattered) {
+      // This process's own blocks, copied here once: through MPI (a local copy between
+      // two derived datatypes) they went through a buffer of MPI's, twice.
+      for (size_t ii = 0; ii < m; ++ii) {
+        for (size_t jj = 0; jj < m; ++jj) {
+          const std::byte* from =
+              send != nullptr
+                  ? send_stage + displs[l.mine] + (ii * m + jj) * B
+                  : bytes(in[local_of(mine[jj])]) + static_cast<size_t>(mine[ii]) * B;
+          std::memcpy(wbytes(out[local_of(mine[ii])]) + static_cast<size_t>(mine[jj]) * B,
+                      from, B);
+        }
+      }
+      if (send != nullptr) {
+        send_counts.assign(counts.begin(), counts.end());
+      } else {
+        send_counts.assign(Q, 1);
+      }
+      recv_counts.assign(Q, 1);
+      send_counts[l.mine] = recv_counts[l.mine] = 0;
+      zeros.assign(Q, 0);
+      send_types.assign(Q, MPI_BYTE);
+      recv_types.assign(Q, MPI_BYTE);
+      int rc = MPI_SUCCESS;
+      for (size_t q = 0; q < Q && rc == MPI_SUCCESS; ++q) {
+        if (q == static_cast<size_t>(l.mine)) continue;
+        const auto& theirs = l.positions[q];
+        if (send == nullptr) {
+          rc = made.Blocks(B, &send_types[q], [&](auto&& block) {
+            for (int64_t i : theirs) {
+              for (int64_t j : mine) {
+                block(bytes(in[local_of(j)]) + static_cast<size_t>(i) * B);
+              }
+            }
+          });
+        }
+        if (rc != MPI_SUCCESS) break;
+        rc = made.Blocks(B, &recv_types[q], [&](auto&& block) {
+          for (int64_t i : mine) {
+            for (int64_t j : theirs) {
+              block(wbytes(out[local_of(i)]) + static_cast<size_t>(j) * B);
+            }
+          }
+        });
+      }
+      if (rc != MPI_SUCCESS) {
+        return Failure(Status::MpiError("MPI_Type_create_hindexed", rc), c.op, c.operand,
+                       c.me, state, l.ranks);
+      }
+    }
+    if (!scattered && equal && moved <= MpiTransport::kPersistentBytes) {
       s = PersistentExchange(c, *state.mpi, l, counts[0], send, recv, n * B, m * B,
                              deadline);
     } else {
@@ -905,6 +1046,13 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
             }
             return MPI_Ireduce_scatter(send, recv, counts.data(), mpi_type, mpi_op, comm, r);
           case Exchange::kAllToAll:
+            if (scattered) {
+              const bool staged_send = send != nullptr;
+              return MPI_Ialltoallw(staged_send ? send : MPI_BOTTOM, send_counts.data(),
+                                    staged_send ? displs.data() : zeros.data(),
+                                    send_types.data(), MPI_BOTTOM, recv_counts.data(),
+                                    zeros.data(), recv_types.data(), comm, r);
+            }
             break;
         }
         if (equal) {
@@ -939,7 +1087,7 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
       }
       break;
     case Exchange::kAllToAll:
-      if (!(m == 1 && l.identity)) {
+      if (!scattered && !(m == 1 && l.identity)) {
         for (size_t q = 0; q < Q; ++q) {
           const auto& theirs = l.positions[q];
           for (size_t ii = 0; ii < m; ++ii) {

@@ -138,6 +138,9 @@ NB_MODULE(_jax_cpu_mpi, m) {
     d["node_ranks"] = w.node_ranks;
     d["cores"] = w.cores;
     d["sleeps_soon"] = w.sleeps_soon;
+    d["mode"] = w.sleeps_soon                         ? "soon"
+                : w.policy == jcm::WaitPolicy::kSpin ? "long"
+                                                      : "bounded";
     return d;
   }, "How the attached MPI transport waits for peers (empty when MPI is not attached).");
   m.def("mpi_attached", [] { return jcm::Runtime::Get().mpi() != nullptr; });
@@ -226,6 +229,9 @@ NB_MODULE(_jax_cpu_mpi, m) {
     // psends that returned with their operand still being read, finished by a later precv.
     d["kept_sends"] = rt.kept_sends().kept_total();
     d["kept_sends_unfinished"] = rt.kept_sends().pending();
+    // What the polling waits for MPI peers did (Backoff): load changes the times, not these.
+    d["wait_yields"] = jcm::WaitYields();
+    d["wait_sleeps"] = jcm::WaitSleeps();
     return d;
   });
 

@@ -38,9 +38,20 @@ inline constexpr const char* kMpiBrokenCause = ". The operation that broke it: "
 inline constexpr const char* kMpiBrokenCauseUnknown =
     " (the first error of this process names the operation and the peer)";
 
-// Whether waits sleep soon (the node is oversubscribed, or JAX_CPU_MPI_WAIT=sleep): set by
-// MpiTransport::Create, read by every Backoff.
-inline std::atomic<bool> g_wait_sleeps_soon{false};
+// How every Backoff of the process waits (set by MpiTransport::Create from JAX_CPU_MPI_WAIT
+// and the node; read by every Backoff):
+//   kBounded  (auto, a core per busy thread): spin a short time, yield a short time, then
+//             sleep in growing steps. Both phases are bounded by the clock, not by counts.
+//   kLong     (spin): spin, then yield for a long time before sleeping: the lowest latency
+//             when every waiter has a core of its own (ranks bound to cores).
+//   kSoon     (sleep, or more busy threads than cores): a few spins and yields, then sleep.
+enum class WaitMode : int { kBounded = 0, kLong = 1, kSoon = 2 };
+inline std::atomic<int> g_wait_mode{static_cast<int>(WaitMode::kBounded)};
+
+// Process-wide counts of what the waits did (jax_cpu_mpi.stats()): load does not change
+// them, so they show which phase a wait ended in where timings are noisy.
+inline std::atomic<uint64_t> g_wait_yields{0};
+inline std::atomic<uint64_t> g_wait_sleeps{0};
 
 // How many channel send locks this thread holds (MpiTransport::Send, and FinishDirect while
 // it completes a deferred send): ProgressDeferred does nothing then, as it would try-lock a
@@ -53,14 +64,23 @@ struct SendLockHeld {
   SendLockHeld& operator=(const SendLockHeld&) = delete;
 };
 
-// Adaptive wait used by every polling loop. Normally: spin first (lowest latency), then
-// yield the core, then sleep a little (long waits must not burn a core). When the node runs
-// more busy threads than it has cores, a spinning or yielding waiter takes the core its
-// sender needs (sched_yield hands it over only within one core's run queue): then spin a
-// little (a reply already on its way), yield a few times, and sleep in steps growing to
-// kMaxSleep, which frees the core for whole scheduler slices. A loop pauses only when it
-// found nothing yet: the time from its first pause on is the time the op waited
-// (trace::WaitTimer).
+// Adaptive wait used by every polling loop. A loop pauses only when it found nothing yet:
+// the time from its first pause on is the time the op waited (trace::WaitTimer).
+//
+// kBounded, the default of a node with a core per busy thread, spins for kSpinFor, yields
+// until kYieldUntil (1 ms), then sleeps in steps growing to kMaxSleep; the bounds are read from
+// the clock, because a poll's cost varies from tens of ns (a small message) to us (MPI
+// copying a large one inside MPI_Test). Unbound ranks are where the scheduler puts them,
+// and now and then it puts both busy threads of a pair on one core: a waiter that spins
+// (2000 polls, as kLong does) holds the core its peer needs until the scheduler preempts
+// it, 130-270 us an op where the same placement costs MPI's own blocking call 8-15 us; and
+// a yield hands the core only to a thread of its own core's run queue, never to one queued
+// on another core, which only a sleep lets an idle core pull over. The short spin keeps
+// the latency of ranks with a core each (it covers a small message's round trip); the
+// yields hand the core to a peer that shares it; the sleeps free it in long waits.
+// kLong (JAX_CPU_MPI_WAIT=spin) spins 2000 polls and then yields for a long time (200000
+// polls, hundreds of ms) before it sleeps. kSoon (JAX_CPU_MPI_WAIT=sleep, or more busy threads than cores) spins
+// a little (a reply already on its way), yields a few times and sleeps in growing steps.
 //
 // A wait for an MPI operation that moves many bytes (a collective) is given a busy time,
 // about as long as the bytes take (kBusyPerByte): until then it spins and yields but never
@@ -68,56 +88,107 @@ struct SendLockHeld {
 // copies run inside MPI_Test), so a sleep between two polls stalls the transfer itself.
 class Backoff {
  public:
-  Backoff() : sleeps_soon_(g_wait_sleeps_soon.load(std::memory_order_relaxed)) {}
+  using Clock = std::chrono::steady_clock;
+  Backoff() : mode_(static_cast<WaitMode>(g_wait_mode.load(std::memory_order_relaxed))) {}
   explicit Backoff(size_t bytes_in_flight) : Backoff() {
-    busy_ = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+    busy_ = std::chrono::duration_cast<Clock::duration>(
         kBusyPerByte * static_cast<double>(bytes_in_flight));
   }
+  Backoff(const Backoff&) = delete;
+  Backoff& operator=(const Backoff&) = delete;
 
   void Pause() {
     if (iterations_ == 0) waited_.Waiting();
     ++iterations_;
-    if (sleeps_soon_) {
-      if (iterations_ < kSoonSpins) return;
-      if (iterations_ < kSoonSpins + kSoonYields || Busy()) {
-        sched_yield();
+    switch (mode_) {
+      case WaitMode::kBounded: PauseBounded(); return;
+      case WaitMode::kSoon:
+        if (iterations_ < kSoonSpins) return;
+        if (iterations_ < kSoonSpins + kSoonYields || Busy()) {
+          Yield();
+          return;
+        }
+        Sleep();
         return;
-      }
-      slack_.Enable();
-      std::this_thread::sleep_for(sleep_);
-      sleep_ = std::min(sleep_ * 2, kMaxSleep);
-      return;
+      case WaitMode::kLong:
+        if (iterations_ < kLongSpins) return;
+        if (iterations_ < kLongYieldUntil || Busy()) {
+          Yield();
+          return;
+        }
+        slack_.Enable();
+        g_wait_sleeps.fetch_add(1, std::memory_order_relaxed);
+        std::this_thread::sleep_for(kMaxSleep);
+        return;
     }
-    if (iterations_ < 2000) return;
-    if (iterations_ < 200000 || Busy()) {
-      sched_yield();
-      return;
-    }
-    slack_.Enable();
-    std::this_thread::sleep_for(kMaxSleep);
   }
 
  private:
+  void PauseBounded() {
+    if (phase_ == Phase::kSpin) {
+      // The clock at the first pause, then every kClockEvery polls while spinning.
+      if (iterations_ == 1) {
+        start_ = Clock::now();
+        return;
+      }
+      if ((iterations_ % kClockEvery) != 0 || Clock::now() - start_ < kSpinFor) return;
+      phase_ = Phase::kYield;
+    }
+    if (phase_ == Phase::kYield) {
+      if (Clock::now() - start_ < kYieldUntil || Busy()) {
+        Yield();
+        return;
+      }
+      phase_ = Phase::kSleep;
+    }
+    Sleep();
+  }
+
+  static void Yield() {
+    g_wait_yields.fetch_add(1, std::memory_order_relaxed);
+    sched_yield();
+  }
+
+  void Sleep() {
+    slack_.Enable();
+    g_wait_sleeps.fetch_add(1, std::memory_order_relaxed);
+    std::this_thread::sleep_for(sleep_);
+    sleep_ = std::min(sleep_ * 2, kMaxSleep);
+  }
+
   // Whether the busy time has not run out yet (read from the clock only once the spins are
   // over, and only by a wait that has one).
   bool Busy() {
     if (busy_.count() == 0) return false;
-    const auto now = std::chrono::steady_clock::now();
-    if (busy_until_ == std::chrono::steady_clock::time_point{}) busy_until_ = now + busy_;
+    const auto now = Clock::now();
+    if (busy_until_ == Clock::time_point{}) busy_until_ = now + busy_;
     return now < busy_until_;
   }
 
   // 1 ns per byte: 1 GB/s, slower than any shared-memory or network MPI moves a collective.
   static constexpr std::chrono::duration<double, std::nano> kBusyPerByte{1.0};
+  // kBounded: a small message's round trip between ranks on their own cores is a few us,
+  // and kSpinFor covers it several times over. Up to kYieldUntil a yield costs a rank with
+  // a core of its own nothing (a syscall that finds no other thread) and answers sooner
+  // than a sleep; beyond it the wait is long (a peer computing, a pipeline's bubble) and a
+  // sleep's wakeup is small against it.
+  static constexpr std::chrono::microseconds kSpinFor{10};
+  static constexpr std::chrono::microseconds kYieldUntil{1000};
+  static constexpr uint64_t kClockEvery = 8;
+  static constexpr uint64_t kLongSpins = 2000;
+  static constexpr uint64_t kLongYieldUntil = 200000;
   static constexpr uint64_t kSoonSpins = 300;
   static constexpr uint64_t kSoonYields = 200;
   static constexpr std::chrono::microseconds kMaxSleep{50};
 
-  const bool sleeps_soon_;
+  enum class Phase { kSpin, kYield, kSleep };
+  const WaitMode mode_;
+  Phase phase_ = Phase::kSpin;
   uint64_t iterations_ = 0;
+  Clock::time_point start_{};
   std::chrono::microseconds sleep_{5};
-  std::chrono::steady_clock::duration busy_{0};
-  std::chrono::steady_clock::time_point busy_until_{};
+  Clock::duration busy_{0};
+  Clock::time_point busy_until_{};
   trace::WaitTimer waited_;
   FineTimerSlack slack_;  // the thread's own slack comes back when the wait ends
 };

@@ -92,7 +92,10 @@ Status MpiTransport::Create(MPI_Comm comm, std::vector<int> rank_of_process,
   t->id_ = ++last_id;
   // Chosen first: the duplications and the clock sync below wait too.
   t->wait_choice_ = ChooseWait(wait);
-  g_wait_sleeps_soon.store(t->wait_choice_.sleeps_soon, std::memory_order_relaxed);
+  const WaitMode mode = t->wait_choice_.sleeps_soon                        ? WaitMode::kSoon
+                        : t->wait_choice_.policy == WaitPolicy::kSpin ? WaitMode::kLong
+                                                                      : WaitMode::kBounded;
+  g_wait_mode.store(static_cast<int>(mode), std::memory_order_relaxed);
   if (Status s = DupWithDeadline(comm, &t->comm_, deadline); !s.ok()) return s;
   // Errors on our communicator come back as codes, never abort the job behind our back.
   int rc = MPI_Comm_set_errhandler(t->comm_, MPI_ERRORS_RETURN);
@@ -188,5 +191,8 @@ MpiTransport::ChannelState& MpiTransport::Channel(int peer_rank, int tag) {
   next_slot = (next_slot + 1) % kCached;
   return *channel;
 }
+
+uint64_t WaitYields() { return g_wait_yields.load(std::memory_order_relaxed); }
+uint64_t WaitSleeps() { return g_wait_sleeps.load(std::memory_order_relaxed); }
 
 }  // namespace jcm

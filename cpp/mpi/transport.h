@@ -97,8 +97,13 @@ namespace jcm {
 //   read without a lock, broken_ is an atomic.
 // How the transport's polling loops wait for a peer (JAX_CPU_MPI_WAIT): kAuto spins briefly
 // and then sleeps soon when this node runs more busy threads (ranks x devices) than it has
-// cores, and spins long otherwise; kSpin always spins long; kSleep always sleeps soon.
+// cores, and otherwise spins and yields for a bounded time before it sleeps; kSpin spins and
+// yields long; kSleep always sleeps soon (Backoff in mpi/internal.h).
 enum class WaitPolicy { kAuto, kSpin, kSleep };
+
+// Yields and sleeps of every polling wait of the process so far (jax_cpu_mpi.stats()).
+uint64_t WaitYields();
+uint64_t WaitSleeps();
 
 // What Create learned about the node, and the wait it chose.
 struct WaitChoice {

@@ -17,6 +17,7 @@ import p2p_cases as cases
 
 from jax_cpu_mpi import _jax_cpu_mpi as ext
 from jax_cpu_mpi import config
+from jax_cpu_mpi import stats as jax_cpu_mpi_stats
 
 config.configure(gpu_parity=False)
 n = jax.device_count()
@@ -104,6 +105,9 @@ for late in (1, 0):
 # How the transport chose to wait, with what this rank sees, for the test to check.
 print("wait " + json.dumps({"chosen": ext.mpi_wait(), "affinity": len(os.sched_getaffinity(0)),
                             "local_devices": jax.local_device_count()}), flush=True)
+# What this rank's waits for its peer did so far (the late receivers above waited).
+stats = jax_cpu_mpi_stats()
+print("waits " + json.dumps({k: stats[k] for k in ("wait_yields", "wait_sleeps")}), flush=True)
 
 
 

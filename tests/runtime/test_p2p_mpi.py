@@ -32,6 +32,12 @@ def test_all_scenarios_over_mpi(devices_per_process):
         assert chosen["local_devices"] == seen["local_devices"] == devices_per_process
         assert chosen["cores"] == seen["affinity"], run.report()
         assert chosen["sleeps_soon"] == (2 * devices_per_process > seen["affinity"])
+        # JAX_CPU_MPI_WAIT=auto: a node with a core per busy thread gets the bounded wait
+        # (spin, then yield, then sleep, each phase bounded by the clock), never the long one.
+        assert chosen["mode"] == ("soon" if chosen["sleeps_soon"] else "bounded"), run.report()
+        # The counts of what the waits did are in stats(), and a run of psend/precv waited.
+        counts = json.loads(next(x for x in rank_lines if x.startswith("waits "))[6:])
+        assert counts["wait_yields"] + counts["wait_sleeps"] > 0, run.report()
         # A 64 MiB block allocated again after one was freed: kept, none of its 16384 pages
         # faults again; glibc's default maps it afresh (16384 faults, 32 with huge pages).
         faults = json.loads(next(x for x in rank_lines if x.startswith("malloc "))[7:])

@@ -83,7 +83,8 @@ def features() -> list[dict[str, object]]:
 
 
 def stats() -> dict[str, int]:
-    """Counters of this process: queued in-process messages, undelivered MPI sends."""
+    """Counters of this process: queued in-process messages, undelivered MPI sends, the
+    yields and sleeps of the waits for MPI peers."""
     return dict(ext.stats())
 
 

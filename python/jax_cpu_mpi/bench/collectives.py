@@ -9,7 +9,11 @@ Run under an MPI launcher, e.g.
 Each size runs ``--rounds`` interleaved rounds (gloo, mpi, mpi4py, then again), each round
 timing ``--iters`` collectives: a jitted ``lax.scan`` of psums for JAX (one dispatch per
 round, the per-op time is the round's time over ``--iters``), a loop of the MPI call for
-mpi4py. Reported: the median per-op time over rounds, nccl-tests' ``algbw`` (bytes / time)
+mpi4py. In each round every method first runs ``--warmup`` untimed launches (loops of
+calls for mpi4py) of its own, as nccl-tests warms up before it times: the first launch of a
+2-device program after another method ran (gloo's round, or a pause) took several times a
+warm one's, and that cost is the launch's, not the collective's. Reported: the median per-op
+time over rounds, nccl-tests' ``algbw`` (bytes / time)
 and ``busbw`` (``algbw * 2 (P - 1) / P`` for all_reduce, ``algbw * (P - 1) / P`` for the
 others, P ranks). The size is nccl-tests': all_reduce the buffer, all_gather the gathered
 output, reduce_scatter the input, alltoall the buffer (per device; all_reduce per process).
@@ -28,6 +32,8 @@ import time
 
 #: Benchmark -> (JAX collective, mpi4py call, busbw factor of P ranks).
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "alltoall")
+#: What runs each op: JAX's collective over gloo, over MPI (ours), and mpi4py's call.
+METHODS = ("gloo", "mpi", "mpi4py")
 
 
 def _busbw_factor(op: str, ranks: int) -> float:
@@ -42,7 +48,15 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--min-bytes", type=int, default=8)
     p.add_argument("--max-bytes", type=int, default=64 << 20)
     p.add_argument("--factor", type=int, default=8, help="size step (multiplicative)")
-    p.add_argument("--iters", type=int, default=20, help="collectives per timed round")
+    p.add_argument("--iters", type=int, default=20,
+                   help="collectives per timed round: JAX's are one launch of a jitted scan "
+                        "of this many (gloo's and ours alike), so a per-op time holds "
+                        "1/iters of a launch; raise it to see the collective's own cost")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed launches (mpi4py: loops) of a method right before each of "
+                        "its timed ones, in every round")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help=f"comma-separated, of {', '.join(METHODS)}")
     p.add_argument("--rounds", type=int, default=7, help="interleaved rounds per size")
     p.add_argument("--ops", default=",".join(OPS),
                    help=f"comma-separated, of {', '.join(OPS)}")
@@ -151,6 +165,9 @@ def main() -> int:
         return (time.perf_counter() - t) / args.iters
 
     ranks = comm.Get_size()
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods or any(m not in METHODS for m in methods):
+        raise SystemExit(f"--methods: {args.methods!r} is not a list of {', '.join(METHODS)}")
     for op in [o.strip() for o in args.ops.split(",") if o.strip()]:
         if op not in OPS:
             raise SystemExit(f"--ops: unknown {op!r} (of {', '.join(OPS)})")
@@ -163,15 +180,24 @@ def main() -> int:
             else:
                 elements = max(size // 4 // n, 1) * n  # per device, n blocks
                 nbytes = elements * 4
-            gloo, ours = program(op, "gloo", elements), program(op, "mpi", elements)
-            call = mpi4py_call(op, elements)
-            call()
-            times: dict[str, list[float]] = {"gloo": [], "mpi": [], "mpi4py": []}
+            timers = {}
+            for m in methods:
+                if m == "mpi4py":
+                    call = mpi4py_call(op, elements)
+                    call()
+                    timers[m] = lambda call=call: time_mpi4py(call)
+                else:
+                    f, x = program(op, m, elements)
+                    timers[m] = lambda f=f, x=x: time_jax(f, x)
+            times: dict[str, list[float]] = {m: [] for m in methods}
             for _ in range(args.rounds):
-                times["gloo"].append(time_jax(*gloo))
-                times["mpi"].append(time_jax(*ours))
-                times["mpi4py"].append(time_mpi4py(call))
+                for m in methods:
+                    for _ in range(args.warmup):
+                        timers[m]()
+                    times[m].append(timers[m]())
             medians = {k: float(np.median(v)) for k, v in times.items()}
+            # A method left out is a blank column (NaN in the JSON).
+            medians.update({m: float("nan") for m in METHODS if m not in medians})
             factor = _busbw_factor(op, ranks)
             row = {"bytes": nbytes, "count": nbytes // 4, "type": "float32", "devices": n,
                    **{f"{k}_us": v * 1e6 for k, v in medians.items()},
@@ -185,14 +211,15 @@ def main() -> int:
                 print(op, _line(row), flush=True)
             size *= args.factor
         if rank0:
-            table = _table(op, rows, ranks, args.devices)
+            table = _table(op, rows, ranks, args.devices, args.iters, args.warmup)
             print(table)
             if args.out:
                 os.makedirs(args.out, exist_ok=True)
                 stem = f"{op}_perf-{ranks}x{args.devices}"
                 with open(os.path.join(args.out, stem + ".json"), "w") as fh:
                     json.dump({"op": op, "ranks": ranks, "devices_per_rank": args.devices,
-                               "iters": args.iters, "rounds": args.rounds, "rows": rows},
+                               "iters": args.iters, "rounds": args.rounds,
+                               "warmup": args.warmup, "rows": rows},
                               fh, indent=1)
                 with open(os.path.join(args.out, stem + ".md"), "w") as fh:
                     fh.write(table + "\n")
@@ -210,11 +237,15 @@ _WHAT = {"all_reduce": ("psum", "MPI_Allreduce", "2(P-1)/P"),
          "alltoall": ("all_to_all", "MPI_Alltoall", "(P-1)/P")}
 
 
-def _table(op: str, rows: list[dict], ranks: int, devices: int) -> str:
+def _table(op: str, rows: list[dict], ranks: int, devices: int, iters: int,
+           warmup: int) -> str:
     jax_op, mpi_op, factor = _WHAT[op]
     head = (f"{op}_perf: {jax_op} of float32 against {mpi_op} (mpi4py), {ranks} ranks x "
             f"{devices} device(s); time per op (median of rounds), algbw and busbw (busbw = "
-            f"algbw * {factor}, P ranks) in GB/s\n\n"
+            f"algbw * {factor}, P ranks) in GB/s. A round of gloo or ours is one launch of a "
+            f"jitted scan of {iters} ops (`--iters`), so their time per op holds 1/{iters} of "
+            f"a launch; mpi4py's is a loop of {iters} calls; each timed after "
+            f"{warmup} untimed one(s) of its own (`--warmup`)\n\n"
             "| size (B) | count | type | gloo us | gloo busbw | MPI (ours) us | ours busbw | "
             "mpi4py us | mpi4py busbw | ours / mpi4py speed | gloo / ours time |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|")

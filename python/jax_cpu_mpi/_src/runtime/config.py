@@ -248,15 +248,18 @@ VARIABLES: tuple[Variable, ...] = (
              _choice(auto="JAX's primitives while JAX has them",
                      ours="jax_cpu_mpi's always")),
     Variable("JAX_CPU_MPI_WAIT", "runtime", "auto",
-             "how a thread waiting for an MPI peer waits: `auto` spins long unless this "
-             "node's ranks x devices outnumber its cores (then it sleeps soon, so that the "
-             "waiter leaves the core to the thread it waits for); `spin`: always spin long "
-             "(lowest latency on idle cores); `sleep`: always sleep soon. Unless `sleep`, a "
+             "how a thread waiting for an MPI peer waits: `auto` spins 10 us, yields its "
+             "core up to 1 ms, then sleeps, unless this node's ranks x devices outnumber its "
+             "cores (then it sleeps soon, so that the waiter leaves the core to the thread it "
+             "waits for); `spin`: spin (2000 polls) and yield long (hundreds of ms) before "
+             "sleeping, for ranks bound each to its own core; `sleep`: always sleep soon "
+             "(`jax_cpu_mpi.stats()` counts the waits' yields and sleeps). Unless `sleep`, a "
              "device that waits at a collective for the other devices of its process yields "
              "its core a while (at most 200 us, adapted to how its waits end) before it "
              "sleeps (read when MPI is attached)", None,
-             _choice(auto="sleep soon only when the node is oversubscribed",
-                     spin="spin long", sleep="sleep soon")),
+             _choice(auto="spin briefly, yield, then sleep; sleep soon when the node is "
+                          "oversubscribed",
+                     spin="spin and yield long", sleep="sleep soon")),
     Variable("JAX_CPU_MPI_KEEP_FREED_MEMORY", "runtime", "0",
              "`1`: the process keeps the memory malloc frees (glibc: "
              "`mallopt` `M_MMAP_MAX` 0 and `M_TRIM_THRESHOLD` 2 GiB), so that XLA's large "
