@@ -16,10 +16,14 @@ warm one's, and that cost is the launch's, not the collective's. Reported: the m
 time over rounds, nccl-tests' ``algbw`` (bytes / time)
 and ``busbw`` (``algbw * 2 (P - 1) / P`` for all_reduce, ``algbw * (P - 1) / P`` for the
 others, P ranks). The size is nccl-tests': all_reduce the buffer, all_gather the gathered
-output, reduce_scatter the input, alltoall the buffer (per device; all_reduce per process).
+output, reduce_scatter the input, alltoall the buffer (per device).
 
-``--devices k`` runs k CPU devices per process; the psum then spans all P x k devices and
-is compared with mpi4py's Allreduce of the same bytes per process.
+``--devices k`` runs k CPU devices per process. The psum then spans all P x k devices and
+is compared with mpi4py's Allreduce of one device's bytes: the k devices of a process reduce
+among themselves first, so that is what the process's one MPI call moves, and what an
+all_reduce of the same operand moves with one device per rank. The others are compared with
+the MPI call on the bytes the process's devices hold together (all_gather: the k blocks of
+the process; reduce_scatter and alltoall: k buffers).
 """
 
 from __future__ import annotations
@@ -140,10 +144,11 @@ def main() -> int:
 
     def mpi4py_call(op: str, elements: int):
         """The MPI call of one process, on the bytes our collective gives MPI: the process's
-        devices meet first, so one rank sends what its k devices hold together."""
+        devices meet first, so one rank sends what its k devices hold together, except for
+        all_reduce, whose k devices reduce in process to one device's bytes first."""
         k = args.devices
         if op == "all_reduce":
-            buf = np.ones(elements * k, np.float32)
+            buf = np.ones(elements, np.float32)
             out = np.empty_like(buf)
             return lambda: comm.Allreduce(buf, out, op=MPI.SUM)
         block = elements // n
@@ -175,8 +180,8 @@ def main() -> int:
         size = args.min_bytes
         while size <= args.max_bytes:
             if op == "all_reduce":
-                elements = max(size // 4 // args.devices, 1)  # per device
-                nbytes = elements * 4 * args.devices  # per process, as MPI_Allreduce's
+                elements = max(size // 4, 1)  # per device, as MPI_Allreduce's per rank
+                nbytes = elements * 4
             else:
                 elements = max(size // 4 // n, 1) * n  # per device, n blocks
                 nbytes = elements * 4
@@ -245,7 +250,12 @@ def _table(op: str, rows: list[dict], ranks: int, devices: int, iters: int,
             f"algbw * {factor}, P ranks) in GB/s. A round of gloo or ours is one launch of a "
             f"jitted scan of {iters} ops (`--iters`), so their time per op holds 1/{iters} of "
             f"a launch; mpi4py's is a loop of {iters} calls; each timed after "
-            f"{warmup} untimed one(s) of its own (`--warmup`)\n\n"
+            f"{warmup} untimed one(s) of its own (`--warmup`)"
+            + ("" if devices == 1 else
+               f". Sizes per device; mpi4py's call moves what the process's one MPI call "
+               f"moves: for all_reduce one device's bytes (the {devices} devices reduce in "
+               f"process first), for the others the bytes of all {devices} devices")
+            + "\n\n"
             "| size (B) | count | type | gloo us | gloo busbw | MPI (ours) us | ours busbw | "
             "mpi4py us | mpi4py busbw | ours / mpi4py speed | gloo / ours time |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|")
