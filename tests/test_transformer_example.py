@@ -105,6 +105,48 @@ def test_the_clip_is_optaxs_given_the_norm_or_not(max_norm):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6)
 
 
+
+def test_the_blocks_ops_are_flaxs_and_jaxs():
+    """The example's own forms of its ops give what they replace: ``Linear`` (its kernel
+    gradient from a transposed copy) ``nnx.Linear``'s values and gradients, and
+    ``causal_attention`` ``jax.nn.dot_product_attention(is_causal=True)``'s. The pipeline's
+    check cannot see a wrong gradient here: its reference runs the same ops."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jax_cpu_mpi.examples import transformer
+
+    ours = transformer.Linear(16, 24, rngs=nnx.Rngs(0))
+    flax_linear = nnx.Linear(16, 24, rngs=nnx.Rngs(0))
+    graph, params = nnx.split(ours)
+    flax_graph, _ = nnx.split(flax_linear)
+    x = jax.random.normal(jax.random.key(1), (3, 5, 16))
+    dy = jax.random.normal(jax.random.key(2), (3, 5, 24))
+
+    def grads(graph):
+        y, vjp = jax.vjp(lambda p, x: nnx.merge(graph, p)(x), params, x)
+        return y, vjp(dy)
+
+    for g, w in zip(jax.tree.leaves(grads(graph)), jax.tree.leaves(grads(flax_graph)),
+                    strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+    q, k, v, dout = (jax.random.normal(jax.random.key(i), (2, 8, 2, 4)) for i in range(4))
+    for f in (transformer.causal_attention,
+              lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)):
+        out, vjp = jax.vjp(f, q, k, v)
+        if f is transformer.causal_attention:
+            got = [out, *vjp(dout)]
+        else:
+            want = [out, *vjp(dout)]
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+    # Causal: an output does not depend on later positions.
+    later = k.at[:, 4:].set(jnp.zeros_like(k[:, 4:]))
+    np.testing.assert_array_equal(np.asarray(transformer.causal_attention(q, later, v)[:, :4]),
+                                  np.asarray(transformer.causal_attention(q, k, v)[:, :4]))
+
 @pytest.mark.mpi
 @pytest.mark.timeout(600)
 def test_mpirun_n2x2devices_trains_and_checkpoints(tmp_path):

@@ -225,24 +225,67 @@ class Embedding(nnx.Module):
         return self.tokens(ids) + self.positions(jnp.arange(ids.shape[-1]))
 
 
+@jax.custom_vjp
+def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:
+    """``x @ kernel + bias`` over the last axis of ``x``: :class:`Linear`'s product."""
+    return jnp.dot(x, kernel) + bias
+
+
+def _dense_forward(x: jax.Array, kernel: jax.Array, bias: jax.Array
+                   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    return dense(x, kernel, bias), (x, kernel)
+
+
+def _dense_backward(saved: tuple[jax.Array, jax.Array], dy: jax.Array
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    x, kernel = saved
+    rows, dy_rows = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+    # The kernel's gradient is x^T dy, a product over the tokens. XLA:CPU gives a dot that
+    # contracts its left operand's first axis to Eigen, which packs it slowly; transposed
+    # into a buffer of its own first (the barrier keeps XLA from folding the transpose
+    # back into the dot), the same product is one YNNPACK takes, cheaper than Eigen's
+    # by more than the copy costs.
+    dkernel = jnp.dot(jax.lax.optimization_barrier(rows.T), dy_rows)
+    return jnp.dot(dy, kernel.T), dkernel, dy_rows.sum(axis=0)
+
+
+dense.defvjp(_dense_forward, _dense_backward)
+
+
+class Linear(nnx.Linear):
+    """``nnx.Linear`` (the same parameters, init and tree) through :func:`dense`."""
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return dense(x, self.kernel[...], self.bias[...])
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal softmax attention over ``[..., T, heads, head width]`` (the layout of
+    ``jax.nn.dot_product_attention``, whose XLA form costs more on CPU here)."""
+    T, D = q.shape[-3], q.shape[-1]
+    logits = jnp.einsum("...thd,...shd->...hts", q, k) / jnp.sqrt(D).astype(q.dtype)
+    logits = jnp.where(jnp.tril(jnp.ones((T, T), bool)), logits, -1e30)
+    return jnp.einsum("...hts,...shd->...thd", jax.nn.softmax(logits, axis=-1), v)
+
+
 class Block(nnx.Module):
     """A pre-norm transformer block: causal self-attention, then an MLP, each residual."""
 
     def __init__(self, width: int, heads: int, dropout: float, rngs: nnx.Rngs) -> None:
         self.heads = heads
         self.norm1 = nnx.LayerNorm(width, rngs=rngs)
-        self.qkv = nnx.Linear(width, 3 * width, rngs=rngs)
-        self.proj = nnx.Linear(width, width, rngs=rngs)
+        self.qkv = Linear(width, 3 * width, rngs=rngs)
+        self.proj = Linear(width, width, rngs=rngs)
         self.norm2 = nnx.LayerNorm(width, rngs=rngs)
-        self.up = nnx.Linear(width, 4 * width, rngs=rngs)
-        self.down = nnx.Linear(4 * width, width, rngs=rngs)
+        self.up = Linear(width, 4 * width, rngs=rngs)
+        self.down = Linear(4 * width, width, rngs=rngs)
         self.drop = nnx.Dropout(dropout)
 
     def __call__(self, x: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
         *lead, T, W = x.shape
         q, k, v = jnp.split(self.qkv(self.norm1(x)), 3, axis=-1)
         heads = lambda a: a.reshape(*lead, T, self.heads, W // self.heads)  # noqa: E731
-        att = jax.nn.dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+        att = causal_attention(heads(q), heads(k), heads(v))
         x = x + self.drop(self.proj(att.reshape(*lead, T, W)), rngs=rngs,
                           deterministic=rngs is None)
         h = self.down(jax.nn.gelu(self.up(self.norm2(x))))
@@ -254,7 +297,7 @@ class Head(nnx.Module):
 
     def __init__(self, width: int, vocab: int, rngs: nnx.Rngs) -> None:
         self.norm = nnx.LayerNorm(width, rngs=rngs)
-        self.out = nnx.Linear(width, vocab, rngs=rngs)
+        self.out = Linear(width, vocab, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.out(self.norm(x))
