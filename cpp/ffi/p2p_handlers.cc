@@ -345,16 +345,13 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
     return ffi::Error::Internal(std::string(op) + ": no MPI rank known for " +
                                 ProcessSuffix(info, peer));
   }
-  // The sender also receives in the op's group (the same on every device): its psend
-  // defers from a smaller size on and then waits for this receive's ready signal
-  // (mpi/transport.h); a sender that never reads ready signals must get none (they would
-  // pile up unread).
-  const bool exchange = ReceivesInGroup(info, peer);
   // The op's psends are kept (their operands stay alive until a precv of the group finishes
-  // them) exactly when its precvs have group pairs (passes/kept_operands.py): the sender
-  // then takes the rendezvous path from a smaller size on (mpi/transport.h).
+  // them; where the sender also receives in the group, they defer) exactly when its precvs
+  // have group pairs (passes/kept_operands.py): the sender then takes the rendezvous path
+  // from a smaller size on and reads this receive's ready signal (mpi/transport.h); a
+  // sender that never reads ready signals must get none (they would pile up unread).
   const bool sender_kept = info.group_pairs.size() > 0;
-  Status r = mpi->Recv(source, *tag, out->untyped_data(), bytes, operand, deadline, exchange,
+  Status r = mpi->Recv(source, *tag, out->untyped_data(), bytes, operand, deadline,
                        sender_kept);
   if (r.ok()) return ffi::Error::Success();
   if (r.code() == StatusCode::kSizeMismatch) {

@@ -13,14 +13,13 @@ namespace jcm {
 
 Status MpiTransport::Recv(int source_rank, int tag, void* out, size_t bytes,
                           std::string_view desc, std::chrono::steady_clock::time_point deadline,
-                          bool exchange, bool sender_kept) {
+                          bool sender_kept) {
   ChannelState& ch = Channel(source_rank, tag);
   std::lock_guard<std::mutex> channel_lock(ch.recv_mu);
   const uint64_t seq = ch.next_recv_seq++;  // every message counts, whatever its size
   trace::NoteSeq(seq);
   const uint64_t desc_hash = DescriptionHash(desc);
-  if (bytes >= kRendezvousMinBytes || (exchange && bytes >= kExchangeRendezvousMinBytes) ||
-      (sender_kept && bytes >= kKeptRendezvousMinBytes)) {
+  if (bytes >= kRendezvousMinBytes || (sender_kept && bytes >= kKeptRendezvousMinBytes)) {
     return RecvLarge(seq, source_rank, tag, out, bytes, desc_hash, deadline);
   }
   return RecvStaged(source_rank, tag, out, bytes, desc_hash, deadline);

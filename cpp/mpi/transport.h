@@ -213,15 +213,12 @@ class MpiTransport {
                           std::chrono::nanoseconds min_age = std::chrono::nanoseconds{0});
   // kSizeMismatch or kTypeMismatch (with the sender's byte count and description) when the
   // message is not a `desc` ("int32[4]") of `bytes` bytes; the message is consumed anyway.
-  // `exchange`: the sender's psend is one of a cycle (its op also receives there, with the
-  // operand kept), so it defers from kExchangeRendezvousMinBytes on: the receive takes the
-  // rendezvous path from that size too (the sender reads its ready signal).
   // `sender_kept`: the sender's psend has its operand kept (Send's `kept`; the op's precvs
-  // finish it), so it takes the rendezvous path from kKeptRendezvousMinBytes on: so does
-  // the receive. Both ends must agree, or ready signals pile up unread (or never come).
+  // finish it, and in a cycle it defers), so it takes the rendezvous path from
+  // kKeptRendezvousMinBytes on: so does the receive. Both ends must agree, or ready signals
+  // pile up unread (or never come).
   Status Recv(int source_rank, int tag, void* out, size_t bytes, std::string_view desc,
-              std::chrono::steady_clock::time_point deadline, bool exchange = false,
-              bool sender_kept = false);
+              std::chrono::steady_clock::time_point deadline, bool sender_kept = false);
 
   // At exit (collective over the communicator): completes every outstanding send and waits
   // for every rank to get there (joining them halfway to the deadline even with sends still
@@ -319,20 +316,18 @@ class MpiTransport {
   // how many bytes a staging sender copies between two looks for the ready signal.
   static constexpr size_t kRendezvousMinBytes = size_t{256} << 10;
   static constexpr size_t kDirectChunkBytes = size_t{256} << 20;
-  // In a cycle (a psend whose op also receives: may_defer; the precv whose sender's op does:
-  // Recv's `exchange`), messages from this size on take the rendezvous path too: the psend
+  // A psend whose operand is kept (`kept`: the precv that takes its token finishes the
+  // send; Recv's `sender_kept`) takes the rendezvous path from this size on, not from
+  // kRendezvousMinBytes. In a cycle (a psend whose op also receives: may_defer) the psend
   // defers, each receiver posts its receive into its output and signals, and the receive
   // loops then post the sends straight from the operands, as MPI_Sendrecv posts its receive
-  // before its send. Neither end copies, no send waits in a probe's unexpected-message
-  // handshake (beyond MPI's eager size), and no progress thread is woken.
-  static constexpr size_t kExchangeRendezvousMinBytes = size_t{16} << 10;
-  // A one-way psend whose operand is kept (`kept`: the precv that takes its token finishes
-  // the send) takes the rendezvous path from this size on too, not from kRendezvousMinBytes:
-  // MPICH sends such a message by its own rendezvous already (a single copy from 8 KiB on
-  // shared memory, MPIR_CVAR_CH4_IPC_CMA_P2P_THRESHOLD), so a receiver that is waiting saves
-  // the staging copy, and the progress thread, which a staged send wakes, is never woken:
-  // the direct send stays in flight for the kept operand's precv. A receiver that is not
-  // waiting still gets a staged copy, after the sender's short look for its ready signal.
+  // before its send: neither end copies, no send waits in a probe's unexpected-message
+  // handshake (beyond MPI's eager size). One-way, MPICH sends such a message by its own
+  // rendezvous already (a single copy from 8 KiB on shared memory,
+  // MPIR_CVAR_CH4_IPC_CMA_P2P_THRESHOLD), so a receiver that is waiting saves the staging
+  // copy; the direct send stays in flight for the kept operand's precv, and a receiver that
+  // is not waiting gets a staged copy after the sender's short look for its ready signal.
+  // Either way no progress thread is woken, as a staged send wakes it.
   static constexpr size_t kKeptRendezvousMinBytes = size_t{16} << 10;
   static constexpr size_t kStageStepBytes = size_t{128} << 10;
   // Smallest one-message payload received straight into the output (with its trailer
