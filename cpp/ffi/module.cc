@@ -138,9 +138,11 @@ NB_MODULE(_jax_cpu_mpi, m) {
     d["node_ranks"] = w.node_ranks;
     d["cores"] = w.cores;
     d["sleeps_soon"] = w.sleeps_soon;
-    d["mode"] = w.sleeps_soon                         ? "soon"
-                : w.policy == jcm::WaitPolicy::kSpin ? "long"
-                                                      : "bounded";
+    switch (w.mode()) {
+      case jcm::WaitMode::kBounded: d["mode"] = "bounded"; break;
+      case jcm::WaitMode::kLong: d["mode"] = "long"; break;
+      case jcm::WaitMode::kSoon: d["mode"] = "soon"; break;
+    }
     return d;
   }, "How the attached MPI transport waits for peers (empty when MPI is not attached).");
   m.def("mpi_attached", [] { return jcm::Runtime::Get().mpi() != nullptr; });

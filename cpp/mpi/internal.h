@@ -14,6 +14,7 @@
 #include "common/config.h"
 #include "common/timer_slack.h"
 #include "common/trace.h"
+#include "mpi/transport.h"  // WaitMode
 
 namespace jcm {
 
@@ -38,14 +39,13 @@ inline constexpr const char* kMpiBrokenCause = ". The operation that broke it: "
 inline constexpr const char* kMpiBrokenCauseUnknown =
     " (the first error of this process names the operation and the peer)";
 
-// How every Backoff of the process waits (set by MpiTransport::Create from JAX_CPU_MPI_WAIT
-// and the node; read by every Backoff):
+// How every Backoff of the process waits (a WaitMode, mpi/transport.h; set by
+// MpiTransport::Create from JAX_CPU_MPI_WAIT and the node; read by every Backoff):
 //   kBounded  (auto, a core per busy thread): spin a short time, yield a short time, then
 //             sleep in growing steps. Both phases are bounded by the clock, not by counts.
 //   kLong     (spin): spin, then yield for a long time before sleeping: the lowest latency
 //             when every waiter has a core of its own (ranks bound to cores).
 //   kSoon     (sleep, or more busy threads than cores): a few spins and yields, then sleep.
-enum class WaitMode : int { kBounded = 0, kLong = 1, kSoon = 2 };
 inline std::atomic<int> g_wait_mode{static_cast<int>(WaitMode::kBounded)};
 
 // Process-wide counts of what the waits did (jax_cpu_mpi.stats()): load does not change
@@ -89,7 +89,10 @@ struct SendLockHeld {
 class Backoff {
  public:
   using Clock = std::chrono::steady_clock;
-  Backoff() : mode_(static_cast<WaitMode>(g_wait_mode.load(std::memory_order_relaxed))) {}
+  Backoff()
+      : mode_(static_cast<WaitMode>(g_wait_mode.load(std::memory_order_relaxed))),
+        // kLong sleeps only after hundreds of ms of yields: in whole kMaxSleep steps.
+        sleep_(mode_ == WaitMode::kLong ? kMaxSleep : kFirstSleep) {}
   explicit Backoff(size_t bytes_in_flight) : Backoff() {
     busy_ = std::chrono::duration_cast<Clock::duration>(
         kBusyPerByte * static_cast<double>(bytes_in_flight));
@@ -116,9 +119,7 @@ class Backoff {
           Yield();
           return;
         }
-        slack_.Enable();
-        g_wait_sleeps.fetch_add(1, std::memory_order_relaxed);
-        std::this_thread::sleep_for(kMaxSleep);
+        Sleep();  // its first step is kMaxSleep already (the constructor)
         return;
     }
   }
@@ -179,6 +180,7 @@ class Backoff {
   static constexpr uint64_t kLongYieldUntil = 200000;
   static constexpr uint64_t kSoonSpins = 300;
   static constexpr uint64_t kSoonYields = 200;
+  static constexpr std::chrono::microseconds kFirstSleep{5};
   static constexpr std::chrono::microseconds kMaxSleep{50};
 
   enum class Phase { kSpin, kYield, kSleep };
@@ -186,7 +188,7 @@ class Backoff {
   Phase phase_ = Phase::kSpin;
   uint64_t iterations_ = 0;
   Clock::time_point start_{};
-  std::chrono::microseconds sleep_{5};
+  std::chrono::microseconds sleep_;
   Clock::duration busy_{0};
   Clock::time_point busy_until_{};
   trace::WaitTimer waited_;

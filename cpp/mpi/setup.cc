@@ -92,10 +92,7 @@ Status MpiTransport::Create(MPI_Comm comm, std::vector<int> rank_of_process,
   t->id_ = ++last_id;
   // Chosen first: the duplications and the clock sync below wait too.
   t->wait_choice_ = ChooseWait(wait);
-  const WaitMode mode = t->wait_choice_.sleeps_soon                        ? WaitMode::kSoon
-                        : t->wait_choice_.policy == WaitPolicy::kSpin ? WaitMode::kLong
-                                                                      : WaitMode::kBounded;
-  g_wait_mode.store(static_cast<int>(mode), std::memory_order_relaxed);
+  g_wait_mode.store(static_cast<int>(t->wait_choice_.mode()), std::memory_order_relaxed);
   if (Status s = DupWithDeadline(comm, &t->comm_, deadline); !s.ok()) return s;
   // Errors on our communicator come back as codes, never abort the job behind our back.
   int rc = MPI_Comm_set_errhandler(t->comm_, MPI_ERRORS_RETURN);

@@ -100,6 +100,10 @@ namespace jcm {
 // cores, and otherwise spins and yields for a bounded time before it sleeps; kSpin spins and
 // yields long; kSleep always sleeps soon (Backoff in mpi/internal.h).
 enum class WaitPolicy { kAuto, kSpin, kSleep };
+// What a policy comes to on this node (Backoff in mpi/internal.h says how each one waits):
+// kBounded (auto, a core per busy thread), kLong (spin), kSoon (sleep, or more busy threads
+// than cores).
+enum class WaitMode : int { kBounded = 0, kLong = 1, kSoon = 2 };
 
 // Yields and sleeps of every polling wait of the process so far (jax_cpu_mpi.stats()).
 uint64_t WaitYields();
@@ -114,6 +118,12 @@ struct WaitChoice {
                           // affinity masks; 0: unknown, this process's own are used)
   int cores = 1;          // node_cores, or this process's own (filled in by Create)
   bool sleeps_soon = false;
+
+  // How every polling wait of the process then behaves (Backoff, mpi/internal.h).
+  WaitMode mode() const {
+    if (sleeps_soon) return WaitMode::kSoon;
+    return policy == WaitPolicy::kSpin ? WaitMode::kLong : WaitMode::kBounded;
+  }
 };
 
 class MpiTransport {
