@@ -133,13 +133,13 @@ def test_the_blocks_ops_are_flaxs_and_jaxs():
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
 
     q, k, v, dout = (jax.random.normal(jax.random.key(i), (2, 8, 2, 4)) for i in range(4))
-    for f in (transformer.causal_attention,
-              lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)):
+
+    def value_and_grads(f):
         out, vjp = jax.vjp(f, q, k, v)
-        if f is transformer.causal_attention:
-            got = [out, *vjp(dout)]
-        else:
-            want = [out, *vjp(dout)]
+        return [out, *vjp(dout)]
+
+    got = value_and_grads(transformer.causal_attention)
+    want = value_and_grads(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
     # Causal: an output does not depend on later positions.
