@@ -123,7 +123,7 @@ namespace {
 // longer; one that had to yield halves it, and below kCollectiveSpinMin the wait yields at
 // once, trying the whole spin again every kCollectiveSpinProbe waits. Only for waits of up
 // to kAdaptiveSpinBytes: in a larger one MPI_Test itself moves the bytes, and the spin
-// there is the transfer.
+// there is the transfer. JAX_CPU_MPI_WAIT=spin keeps its long spin.
 constexpr int64_t kCollectiveSpinMaxNs = 10'000;
 constexpr int64_t kCollectiveSpinMinNs = 500;
 constexpr uint32_t kCollectiveSpinProbe = 32;
@@ -154,7 +154,7 @@ Status MpiTransport::PollCollective(MPI_Request* request, const char* name, size
                                     std::shared_ptr<void> keep_alive) {
   Backoff backoff(bytes);
   thread_local AdaptiveSpin adaptive;
-  const bool adapts = bytes <= kAdaptiveSpinBytes;
+  const bool adapts = bytes <= kAdaptiveSpinBytes && !backoff.spins_long();
   const int64_t spin_ns = adapts ? adaptive.Begin() : -1;
   bool spinning = adapts;
   std::chrono::steady_clock::time_point spin_start{};
