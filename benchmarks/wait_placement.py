@@ -9,12 +9,16 @@ several times slower. Forcing that placement makes it reproducible: run the rank
       JAX_CPU_MPI_WAIT=$w taskset -c 0 mpirun -n 2 python benchmarks/wait_placement.py
     done
 
+With ``--devices 2`` (unbound, no taskset) it shows the in-process meeting's wait as well:
+one involuntary switch an op where each process's two device threads take turns on a core.
+
 (``spin`` is the long spin and yield, ``auto`` the default; on a node with more busy threads
 than cores ``auto`` sleeps soon, as ``sleep`` does). Per size, rank 0 prints a psum's time
-per op (one launch of a jitted scan of ``--iters`` psums, 1 device per rank, median over
-``--rounds``) next to mpi4py's ``Allreduce`` of the same bytes in the same rounds, and per
-op: the process's voluntary and involuntary context switches (all its threads, from
-``/proc``) and the yields and sleeps of our waits (``jax_cpu_mpi.stats()``). The counts do
+per op (one launch of a jitted scan of ``--iters`` psums, ``--devices`` per rank, median over
+``--rounds``; ``--op all_to_all`` for an all_to_all) next to mpi4py's ``Allreduce`` (or
+``Alltoall``) of what the process's one MPI call moves, in the same rounds, and per op:
+the process's voluntary and involuntary context switches (all its threads, from ``/proc``)
+and the yields and sleeps of our waits (``jax_cpu_mpi.stats()``). The counts do
 not depend on the machine's load the way the times do.
 """
 
@@ -47,7 +51,13 @@ def main() -> None:
     parser.add_argument("--sizes", default="8,4096,262144", help="bytes per rank, commas")
     parser.add_argument("--iters", type=int, default=200, help="psums per launch")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--devices", type=int, default=1,
+                        help="CPU devices per rank (2: the in-process meeting's wait too)")
+    parser.add_argument("--op", choices=("psum", "all_to_all"), default="psum",
+                        help="all_to_all: tiled, of the leading axis, against MPI_Alltoall")
     args = parser.parse_args()
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={args.devices}")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
     import numpy as np
@@ -68,17 +78,31 @@ def main() -> None:
         stats = jax_cpu_mpi.stats()
         return (*context_switches(), stats["wait_yields"], stats["wait_sleeps"])
 
+    def one(c):
+        if args.op == "psum":
+            return jax.lax.psum(c, "x")
+        return jax.lax.all_to_all(c, "x", 0, 0, tiled=True)
+
     for size in (int(s) for s in args.sizes.split(",")):
-        elements = max(size // 4, 1)
+        # Bytes per device; an all_to_all's operand splits into a block per device.
+        elements = max(size // 4, 1) if args.op == "psum" else max(size // 4 // n, 1) * n
         f = jax.jit(jax.shard_map(
-            lambda v: jax.lax.scan(lambda c, _: (jax.lax.psum(c, "x"), None), v, None,
+            lambda v: jax.lax.scan(lambda c, _: (one(c), None), v, None,
                                    length=args.iters)[0],
             mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
         x = jax.make_array_from_callback((n * elements,), NamedSharding(mesh, P("x")),
                                          lambda idx, e=elements: np.ones(e, np.float32))
         f(x).block_until_ready()  # compile and warm up
-        buf = np.ones(elements, np.float32)
+        # mpi4py moves what our process's one MPI call moves: one device's bytes for a
+        # psum (the devices reduce in process first), every local device's for all_to_all.
+        buf = np.ones(elements * (1 if args.op == "psum" else args.devices), np.float32)
         out = np.empty_like(buf)
+        if args.op == "psum":
+            def call(b=buf, o=out) -> None:
+                comm.Allreduce(b, o, op=MPI.SUM)
+        else:
+            def call(b=buf, o=out) -> None:
+                comm.Alltoall(b, o)
         ours, theirs, per_op = [], [], []
         for _ in range(args.rounds):
             comm.Barrier()
@@ -90,12 +114,13 @@ def main() -> None:
             comm.Barrier()
             t = time.perf_counter()
             for _ in range(args.iters):
-                comm.Allreduce(buf, out, op=MPI.SUM)
+                call()
             theirs.append((time.perf_counter() - t) / args.iters * 1e6)
         if comm.Get_rank() == 0:
             vol, invol, yields, sleeps = np.median(np.array(per_op), axis=0)
-            print(f"{size} B: psum {np.median(ours):.1f} us/op (min {min(ours):.1f}), "
-                  f"mpi4py {np.median(theirs):.1f} us/op (min {min(theirs):.1f}); per psum: "
+            print(f"{size} B: {args.op} x{args.devices} {np.median(ours):.1f} us/op (min "
+                  f"{min(ours):.1f}), mpi4py {np.median(theirs):.1f} us/op (min "
+                  f"{min(theirs):.1f}); per op: "
                   f"{vol:.2f} voluntary, {invol:.2f} involuntary switches, {yields:.1f} "
                   f"yields, {sleeps:.2f} sleeps", flush=True)
 

@@ -59,6 +59,10 @@ class LocalRound {
     std::atomic<bool> leading{false};
     int arrived = 0;
     int sleepers = 0;  // devices waiting on `cv` (the leader wakes them only if any)
+    // The CPU each device (by position) last ran on, as it arrived or left (-1: unknown):
+    // read without a lock by a device deciding how to wait (MeetLocally).
+    std::unique_ptr<std::atomic<int>[]> cpu;
+    size_t members = 0;
     std::vector<const void*> in;
     std::vector<void*> out;
     std::string error;  // of the last round ("" when it succeeded)
@@ -68,6 +72,9 @@ class LocalRound {
     auto& slot = slots_[key];
     if (!slot) {
       slot = std::make_unique<Slot>();
+      slot->members = members;
+      slot->cpu = std::make_unique<std::atomic<int>[]>(members);
+      for (size_t i = 0; i < members; ++i) slot->cpu[i].store(-1, std::memory_order_relaxed);
       slot->in.resize(members);
       slot->out.resize(members);
     }
@@ -113,6 +120,17 @@ LocalRound& Rounds() {
 // yielding, halves after one that had to sleep, and once below kMeetYieldMin the thread
 // sleeps at once, probing with kMeetYieldStart every kMeetProbe waits (CHANGELOG.md has
 // the measurements).
+// On a node with more busy threads than cores (WaitChoice::sleeps_soon), a device yields
+// only while another device of its group last ran on its own core: a yield then hands that
+// core to the device it waits for (with 2 ranks x 2 devices on 2 cores, each process's two
+// device threads taking turns on one core, one context switch an op). Where the others run
+// on other cores, its yields only pass the core back and forth with another process's
+// threads, which may be yielding too, while the leader it waits for shares its core with
+// the leader of the other process, whose MPI wait spins; no core ever goes idle, so the
+// scheduler never moves them apart, and the placement held for whole runs (an 8 B psum took
+// 35-45 us an op instead of 3, with 3-12 involuntary context switches an op instead of 1).
+// Sleeping there leaves the core to the other process's thread, or idle, and the scheduler
+// then moves a thread over.
 constexpr int64_t kMeetYieldStartNs = 50'000;
 constexpr int64_t kMeetYieldMaxNs = 200'000;
 constexpr int64_t kMeetYieldMinNs = 2'000;
@@ -146,6 +164,15 @@ void YieldWhileNot(Done&& done) {
   budget_ns = probe ? 0 : budget / 2;  // a failed probe sleeps at once again
 }
 
+// Whether another device of the slot last ran on `cpu` (`pos`: this device's position).
+bool SharesCpu(const LocalRound::Slot& slot, size_t pos, int cpu) {
+  if (cpu < 0) return true;  // unknown: as if shared
+  for (size_t i = 0; i < slot.members; ++i) {
+    if (i != pos && slot.cpu[i].load(std::memory_order_relaxed) == cpu) return true;
+  }
+  return false;
+}
+
 ffi::Error MeetingFailedEarlier(std::string_view op, std::string_view operand, int64_t me) {
   return ffi::Error::Internal(
       std::string(op) + " of " + std::string(operand) + " on partition " +
@@ -174,11 +201,15 @@ ffi::Error MeetLocally(const std::string& key, LocalRound::Slot*& site_slot,
   if (site_slot == nullptr) site_slot = &rounds.Get(key, local.size());
   LocalRound::Slot& slot = *site_slot;
   // One look at the runtime (its lock is shared by every device thread): the deadline, and
-  // whether a waiting device yields before it sleeps (not under JAX_CPU_MPI_WAIT=sleep).
+  // whether a waiting device yields before it sleeps (not under JAX_CPU_MPI_WAIT=sleep),
+  // and whether the node has fewer cores than busy threads (then only beside a sibling).
   const Runtime::State state = Runtime::Get().state();
   const double timeout_s = state.config.recv_timeout_s;
   const bool yields = state.mpi && state.mpi->wait_choice().policy != WaitPolicy::kSleep;
+  const bool oversubscribed = state.mpi && state.mpi->wait_choice().sleeps_soon;
   const auto deadline = DeadlineAfter(timeout_s);
+  const int my_cpu = sched_getcpu();
+  slot.cpu[pos].store(my_cpu, std::memory_order_relaxed);
   std::unique_lock<std::mutex> lock(slot.mu);
   const uint64_t generation = slot.generation.load(std::memory_order_relaxed);
   slot.in[pos] = x;
@@ -187,7 +218,7 @@ ffi::Error MeetLocally(const std::string& key, LocalRound::Slot*& site_slot,
     trace::WaitTimer waited;  // the timeline's wait: until the leader has finished
     waited.Waiting();
     auto finished = [&] { return slot.generation.load(std::memory_order_acquire) != generation; };
-    if (yields) {
+    if (yields && (!oversubscribed || SharesCpu(slot, pos, my_cpu))) {
       lock.unlock();
       YieldWhileNot(finished);
       lock.lock();
@@ -221,6 +252,7 @@ ffi::Error MeetLocally(const std::string& key, LocalRound::Slot*& site_slot,
       slot.cv.wait(lock, finished);
       --slot.sleepers;
     }
+    slot.cpu[pos].store(sched_getcpu(), std::memory_order_relaxed);
     if (slot.error.empty()) return ffi::Error::Success();
     return ffi::Error::Internal(slot.error);
   }
@@ -245,6 +277,7 @@ ffi::Error MeetLocally(const std::string& key, LocalRound::Slot*& site_slot,
   const bool wake = slot.sleepers > 0;
   lock.unlock();
   if (wake) slot.cv.notify_all();
+  slot.cpu[pos].store(sched_getcpu(), std::memory_order_relaxed);
   return result;
 }
 

@@ -111,10 +111,53 @@ Status MpiTransport::GroupComm(const std::string& key, const std::vector<int>& r
   return Status::Ok();
 }
 
+namespace {
+
+// How long a small collective's wait spins before it yields, per thread, adapted like an
+// adaptive mutex's spin count. The peer's reply takes a round trip of a few us when each
+// rank has a core; but where the scheduler put both ranks on one core (unbound ranks now
+// and then, a node with more busy threads than cores) the peer runs only once this thread
+// yields, so every poll of the spin is lost: it was most of a small collective's time
+// there (the wait's own spin, kSpinFor or kSoonSpins polls, against MPICH's blocking
+// call, which yields sooner). A wait that ends while spinning lets the next spin a little
+// longer; one that had to yield halves it, and below kCollectiveSpinMin the wait yields at
+// once, trying the whole spin again every kCollectiveSpinProbe waits. Only for waits of up
+// to kAdaptiveSpinBytes: in a larger one MPI_Test itself moves the bytes, and the spin
+// there is the transfer. JAX_CPU_MPI_WAIT=spin keeps its long spin.
+constexpr int64_t kCollectiveSpinMaxNs = 10'000;
+constexpr int64_t kCollectiveSpinMinNs = 500;
+constexpr uint32_t kCollectiveSpinProbe = 32;
+constexpr size_t kAdaptiveSpinBytes = size_t{64} << 10;
+
+class AdaptiveSpin {
+ public:
+  // The spin of this wait, in ns (0: yield at once).
+  int64_t Begin() {
+    if (budget_ns_ >= kCollectiveSpinMinNs) return budget_ns_;
+    return ++skipped_ % kCollectiveSpinProbe == 0 ? kCollectiveSpinMaxNs : 0;
+  }
+  void End(int64_t spun_ns, bool in_spin) {
+    if (spun_ns == 0) return;  // no spin: nothing learned
+    budget_ns_ = in_spin ? std::min(kCollectiveSpinMaxNs, spun_ns + spun_ns / 4)
+                         : spun_ns / 2;
+  }
+
+ private:
+  int64_t budget_ns_ = kCollectiveSpinMaxNs;
+  uint32_t skipped_ = 0;
+};
+
+}  // namespace
+
 Status MpiTransport::PollCollective(MPI_Request* request, const char* name, size_t bytes,
                                     std::chrono::steady_clock::time_point deadline,
                                     std::shared_ptr<void> keep_alive) {
   Backoff backoff(bytes);
+  thread_local AdaptiveSpin adaptive;
+  const bool adapts = bytes <= kAdaptiveSpinBytes && !backoff.spins_long();
+  const int64_t spin_ns = adapts ? adaptive.Begin() : -1;
+  bool spinning = adapts;
+  std::chrono::steady_clock::time_point spin_start{};
   for (uint32_t polls = 1;; ++polls) {
     int finished = 0;
     {
@@ -122,7 +165,10 @@ Status MpiTransport::PollCollective(MPI_Request* request, const char* name, size
       int rc = MPI_Test(request, &finished, MPI_STATUS_IGNORE);
       if (rc != MPI_SUCCESS) return Status::MpiError(std::string(name) + " (test)", rc);
     }
-    if (finished) return Status::Ok();
+    if (finished) {
+      if (adapts) adaptive.End(spin_ns, spinning);
+      return Status::Ok();
+    }
     // The clock every 16 polls: a small collective completes within a few, and reading the
     // clock at each was a tenth of its time on our side.
     // The deadline (or the exit's close), or another operation abandoned a request.
@@ -135,6 +181,20 @@ Status MpiTransport::PollCollective(MPI_Request* request, const char* name, size
         (void)TakeAbandonedOnThisThread();  // an effect of the break, not its cause
         return Status::Invalid(BrokenMessage());
       }
+    }
+    if (spinning) {
+      // The clock at the first poll that found nothing, then every 16 polls.
+      if (polls == 1) {
+        spin_start = std::chrono::steady_clock::now();
+        backoff.Waiting();
+      }
+      if (spin_ns > 0 && ((polls & 15) != 0 ||
+                          std::chrono::steady_clock::now() - spin_start <
+                              std::chrono::nanoseconds(spin_ns))) {
+        continue;
+      }
+      spinning = false;
+      backoff.SkipSpin();
     }
     backoff.Pause();
   }

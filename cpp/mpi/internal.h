@@ -100,6 +100,24 @@ class Backoff {
   Backoff(const Backoff&) = delete;
   Backoff& operator=(const Backoff&) = delete;
 
+  // Whether this wait spins long (JAX_CPU_MPI_WAIT=spin: ranks bound to a core each).
+  bool spins_long() const { return mode_ == WaitMode::kLong; }
+
+  // The wait begins (the timeline's wait), for a caller that spins before its first Pause.
+  void Waiting() { waited_.Waiting(); }
+
+  // Ends the spin: the next pauses yield, then sleep, as after a whole spin (the caller
+  // spun by a budget of its own).
+  void SkipSpin() {
+    waited_.Waiting();
+    iterations_ = std::max<uint64_t>(iterations_, mode_ == WaitMode::kLong ? kLongSpins
+                                                                          : kSoonSpins);
+    if (mode_ == WaitMode::kBounded && phase_ == Phase::kSpin) {
+      phase_ = Phase::kYield;
+      start_ = Clock::now() - kSpinFor;
+    }
+  }
+
   void Pause() {
     if (iterations_ == 0) waited_.Waiting();
     ++iterations_;

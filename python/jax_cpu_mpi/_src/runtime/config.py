@@ -253,10 +253,13 @@ VARIABLES: tuple[Variable, ...] = (
              "cores (then it sleeps soon, so that the waiter leaves the core to the thread it "
              "waits for); `spin`: spin (2000 polls) and yield long (hundreds of ms) before "
              "sleeping, for ranks bound each to its own core; `sleep`: always sleep soon "
-             "(`jax_cpu_mpi.stats()` counts the waits' yields and sleeps). Unless `sleep`, a "
-             "device that waits at a collective for the other devices of its process yields "
-             "its core a while (at most 200 us, adapted to how its waits end) before it "
-             "sleeps (read when MPI is attached)", None,
+             "(`jax_cpu_mpi.stats()` counts the waits' yields and sleeps). A small "
+             "collective's wait spins at most 10 us, less where its waits end only once it "
+             "yields (ranks sharing a core). Unless `sleep`, a device that waits at a "
+             "collective for the other devices of its process yields its core a while (at "
+             "most 200 us, adapted to how its waits end) before it sleeps; on a node with "
+             "more busy threads than cores only while another of those devices last ran on "
+             "its core (read when MPI is attached)", None,
              _choice(auto="spin briefly, yield, then sleep; sleep soon when the node is "
                           "oversubscribed",
                      spin="spin and yield long", sleep="sleep soon")),
