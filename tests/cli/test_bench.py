@@ -284,3 +284,37 @@ def test_donated_pattern_program_receives_into_the_donated_buffer():
             assert y.is_deleted(), kind
             np.testing.assert_array_equal(np.asarray(result), np.concatenate(want), kind)
             y = result
+
+
+def test_pattern_program_copies_nothing_into_its_loop_carry():
+    """psend/scan's and psend2/scan's programs on two devices of this process run their first
+    step before the loop: XLA copies no operand into the loop's carry at every call (a pass
+    over the message that raw MPI's loop does not have), and the result is still each
+    device's message (zeros where a device receives nothing, multi-pair's sender; psend2
+    ORs its two ops' results, of which a device receives in one)."""
+    import re
+
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jax_cpu_mpi._src.runtime.config import overrides
+    from jax_cpu_mpi.bench.programs import AXIS
+
+    mesh = Mesh(np.array(jax.devices()[:2]), (AXIS,))
+    halves = (np.arange(1, 4097) % 251).astype(np.uint8).reshape(2, 2048)
+    x = jax.device_put(halves.reshape(-1), NamedSharding(mesh, P(AXIS)))
+    wanted = {"exchange": [halves[1], halves[0]],
+              "multi-pair": [np.zeros(2048, np.uint8), halves[0]]}
+    for transport in ("psend", "psend2"):
+        for kind, want in wanted.items():
+            with overrides(gpu_parity=False):  # the exchange is one op with a cycle
+                fn = patterns._scan_program(mesh, transport, patterns.pairs(kind, 2), 4)
+                compiled = fn.lower(x).compile()
+                result = compiled(x)
+            entry = compiled.as_text().split("ENTRY", 1)[1]
+            copies = [line for line in entry.splitlines()
+                      if re.search(r"= u8\[2048\]\{0\} copy\(", line)]
+            assert not copies, (transport, kind, copies)
+            np.testing.assert_array_equal(np.asarray(result), np.concatenate(want),
+                                          (transport, kind))
