@@ -4,13 +4,16 @@
         python benchmarks/donated_ab.py --kind exchange --sizes 64K,1M,16M,64M --rounds 15
 
 Program A is the benchmark's own (``psend/scan`` of ``--pattern``, or the one-way hop's
-ping-pong scan with ``--kind pingpong``): each call copies ``x`` into a fresh loop carry and
-receives into XLA's fresh per-call buffers. Program B is the same scan whose results are
+ping-pong scan with ``--kind pingpong``): each call receives into XLA's fresh per-call
+buffers (the ping-pong scan also copies ``x`` into a fresh loop carry; the patterns' scan
+runs its first step before the loop instead). Program B is the same scan whose results are
 donated back to the next call (``donate_argnums``), so that it receives into the same buffer
-at every call, as the MPI baseline receives into one warm buffer. Both are compiled in one
-process and their calls alternate, so that a loaded machine slows both alike; each rank
-prints the median time per step (per hop), the minor page faults per step and B's time over
-A's. docs/benchmarks.md ("Fresh buffers against a warm one") quotes its figures.
+at every call, as the MPI baseline receives into one warm buffer. With ``--kind`` a pattern,
+program C is the patterns' scan as it was before that change: its carry starts from ``x``,
+which every call copies into the carry. All are compiled in one process and their calls
+alternate, so that a loaded machine slows them alike; each rank prints the median time per
+step (per hop), the minor page faults per step and B's (and C's) time over A's.
+docs/benchmarks.md ("Fresh buffers against a warm one") quotes its figures.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ def _pingpong_donated(mesh, hops: int) -> Callable:
 
 
 def _programs(session, kind: str, n: int, steps: int):
-    """(run A, run B, check B's result) for one size."""
+    """(run A, run B, check B's result, run C or None) for one size."""
     if kind == "pingpong":
         mesh = programs.mesh_of(session.pair)
         x = programs.sharded_pattern(mesh, n)
@@ -63,7 +66,7 @@ def _programs(session, kind: str, n: int, steps: int):
             shard = programs.shard_on(state[0], session.pair[0])
             return shard is None or bool((np.asarray(shard) == programs.pattern(n)).all())
 
-        return (lambda: jax.block_until_ready(fresh(x))), run_b, check
+        return (lambda: jax.block_until_ready(fresh(x))), run_b, check, None
 
     mesh = patterns._mesh(session)
     perm = patterns.pairs(kind, session.nranks)
@@ -73,6 +76,10 @@ def _programs(session, kind: str, n: int, steps: int):
     with overrides(gpu_parity=False):  # one op with a cycle, as a CPU-only program
         fresh = patterns._scan_program(mesh, "psend", perm, steps).lower(x).compile()
         donated = patterns.donated_scan_program(mesh, "psend", perm, steps).lower(x, x).compile()
+        carry_copy = jax.jit(jax.shard_map(
+            lambda v: programs.repeated_in_scan(
+                lambda u: patterns._step("psend", u, perm), v, steps),
+            mesh=mesh, in_specs=P(programs.AXIS), out_specs=P(programs.AXIS))).lower(x).compile()
     state = [jax.block_until_ready(jnp.zeros_like(x))]
     two_way = kind != "multi-pair"
 
@@ -86,13 +93,18 @@ def _programs(session, kind: str, n: int, steps: int):
         if not two_way:
             session.barrier()
 
+    def run_c() -> None:
+        jax.block_until_ready(carry_copy(x))
+        if not two_way:
+            session.barrier()
+
     def check() -> bool:
         if session.rank not in {d for _, d in perm}:
             return True
         me = mesh.devices.reshape(-1)[session.rank]
         return programs.count_wrong(programs.shard_on(state[0], me), value) == 0
 
-    return run_a, run_b, check
+    return run_a, run_b, check, run_c
 
 
 def main() -> None:
@@ -109,13 +121,14 @@ def main() -> None:
     for n in (parse_bytes(s) for s in args.sizes.split(",")):
         budget = parse_bytes(args.step_bytes) // (2 if args.kind == "multi-pair" else 1)
         steps = max(2, min(64, budget // n)) & ~1
-        run_a, run_b, check = _programs(session, args.kind, n, steps)
-        for run in (run_a, run_b, run_a, run_b):  # compile, warm up
+        run_a, run_b, check, run_c = _programs(session, args.kind, n, steps)
+        runs = [("a", run_a), ("b", run_b)] + ([("c", run_c)] if run_c else [])
+        for _, run in runs + runs:  # compile, warm up
             run()
-        times: dict[str, list[float]] = {"a": [], "b": []}
-        faults: dict[str, list[int]] = {"a": [], "b": []}
+        times: dict[str, list[float]] = {name: [] for name, _ in runs}
+        faults: dict[str, list[int]] = {name: [] for name, _ in runs}
         for _ in range(args.rounds):
-            for name, run in (("a", run_a), ("b", run_b)):
+            for name, run in runs:
                 session.barrier()
                 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 start = time.perf_counter()
@@ -124,9 +137,15 @@ def main() -> None:
                 faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
         a, b = (float(np.median(times[k])) / steps for k in ("a", "b"))
         fa, fb = (float(np.median(faults[k])) / steps for k in ("a", "b"))
-        print(f"rank {session.rank} {args.kind} {n} B, {steps} steps per call: "
-              f"fresh {a * 1e6:.1f} us/step ({fa:.0f} faults), donated {b * 1e6:.1f} us/step "
-              f"({fb:.0f} faults), donated/fresh x{b / a:.3f}, checked {check()}", flush=True)
+        line = (f"rank {session.rank} {args.kind} {n} B, {steps} steps per call: "
+                f"fresh {a * 1e6:.1f} us/step ({fa:.0f} faults), donated {b * 1e6:.1f} us/step "
+                f"({fb:.0f} faults), donated/fresh x{b / a:.3f}")
+        if run_c:
+            c = float(np.median(times["c"])) / steps
+            fc = float(np.median(faults["c"])) / steps
+            line += (f", carry copied from x {c * 1e6:.1f} us/step ({fc:.0f} faults), "
+                     f"carry-copy/fresh x{c / a:.3f}")
+        print(f"{line}, checked {check()}", flush=True)
 
 
 if __name__ == "__main__":
