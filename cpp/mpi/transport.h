@@ -31,9 +31,10 @@
 // for a receiver that is not ready: it defers the send (DirectSend), and the receive loops
 // post it straight from the operand when the ready signal comes (ProgressDeferred), so both
 // directions move at once; the precv that keeps the operand stages what is still deferred.
-// A receive from a peer to which a send of ours is still deferred signals ready first and
-// posts its receives only once that send is posted (RecvLarge), so that MPI cannot copy the
-// peer's message in before our send has started.
+// A receive made while a send of ours is deferred (to its peer, or in a ring to the next
+// rank) signals ready first and posts its receives only once the sends deferred before it are
+// posted (RecvLarge), so that MPI cannot copy the peer's message in before our send has
+// started.
 // XLA's thunk executor skips every thunk after one fails, so the precv that keeps the
 // operand may never run: an op of ours that fails finishes the kept sends of its program
 // run (XLA's RunId) before it returns, while their operands are still alive
