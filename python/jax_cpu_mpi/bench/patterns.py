@@ -48,7 +48,7 @@ from jax.sharding import PartitionSpec as P
 from jax_cpu_mpi._src.ops.p2p import precv, psend
 from jax_cpu_mpi._src.runtime.config import overrides
 
-from .programs import AXIS, count_wrong, pattern, repeated_in_scan, shard_on
+from .programs import AXIS, count_wrong, first_then_scan, pattern, repeated_in_scan, shard_on
 from .stats import Measurement
 
 #: ``--pattern`` names measured here (pingpong and bw are the kinds latency/bandwidth).
@@ -106,30 +106,17 @@ def _step(transport: str, x: jax.Array, perm: list[tuple[int, int]]
                  for t, half in zip(tokens, halves, strict=True))
 
 
-def _first_then_scan(step: Callable[[jax.Array], Any], x: jax.Array, steps: int) -> Any:
-    """``steps`` steps of ``step(x)``: the first one before the loop, the others in a
-    ``lax.scan`` (:func:`repeated_in_scan`) whose carry starts from the first one's result.
-
-    A loop carry that starts from ``x`` itself is a copy of ``x`` into the carry's buffer
-    at every call (XLA cannot update ``x``, a parameter, in place), which MPI's loop does
-    not have: at 64 MiB a 64 MiB copy into the call's fresh output buffer, whose pages fault
-    in, per call. Started from the first step's result, the call's output buffer is the
-    first receive's, as in a program that receives once per call."""
-    first = step(x)
-    return first if steps == 1 else repeated_in_scan(step, x, steps - 1, first=first)
-
-
 def _scan_program(mesh: Mesh, transport: str, perm: list[tuple[int, int]],
                   steps: int) -> Callable:
     def body(x):
         if transport != "psend2":
-            return _first_then_scan(lambda v: _step(transport, v, perm), x, steps)
+            return first_then_scan(lambda v: _step(transport, v, perm), x, steps)
         # Each op's result stays in the loop carry, as a pipeline keeps each received
         # buffer, and the two are combined once after the loop (for the check). An OR of
         # the two in every step was XLA work that MPI_Sendrecv's step does not have: a pass
         # over three buffers which XLA also splits over its intra-op threads from 1 MiB
         # (a wake-up of them per step, competing with both ranks' device threads).
-        ys = _first_then_scan(lambda v: _step(transport, v, perm), x, steps)
+        ys = first_then_scan(lambda v: _step(transport, v, perm), x, steps)
         return functools.reduce(operator.or_, ys)
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
