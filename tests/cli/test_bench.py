@@ -318,3 +318,37 @@ def test_pattern_program_copies_nothing_into_its_loop_carry():
             assert not copies, (transport, kind, copies)
             np.testing.assert_array_equal(np.asarray(result), np.concatenate(want),
                                           (transport, kind))
+
+
+def test_hop_programs_copy_nothing_into_their_loop_carry():
+    """The one-way hop's ping-pong scan and the stream's scan (psend/scan, ppermute/scan) run
+    their first step before the loop: XLA copies no operand into the loop's carry at every
+    call (a pass over the message that raw MPI's loop does not have), and each device still
+    ends with what it received (the ping-pong: the message back on device 0 and the one
+    device 1 received; the stream: the message on device 1, the acknowledgement on 0)."""
+    import re
+
+    import jax
+
+    from jax_cpu_mpi.bench import programs
+
+    mesh = programs.mesh_of(tuple(jax.devices()[:2]))
+    n = 2048
+    x = programs.sharded_pattern(mesh, n)
+    message, zeros = programs.pattern(n), np.zeros(n, np.uint8)
+    ack = np.concatenate([programs.pattern(n)[:programs.ACK_BYTES],
+                          np.zeros(programs.ACK_BYTES, np.uint8)])
+    for transport in ("psend", "ppermute"):
+        for name, fn, want in (
+                ("pingpong", programs.pingpong_scan(mesh, transport, 8),
+                 [np.concatenate([message, zeros]), np.concatenate([zeros, message])]),
+                ("stream", programs.stream_scan(mesh, transport, 8),
+                 [np.concatenate([zeros, message]), ack])):
+            compiled = fn.lower(x).compile()
+            results = compiled(x)
+            entry = compiled.as_text().split("ENTRY", 1)[1]
+            copies = [line for line in entry.splitlines()
+                      if re.search(rf"= u8\[{n}\]\{{0\}} copy\(", line)]
+            assert not copies, (transport, name, copies)
+            for got, expected in zip(results, want, strict=True):
+                np.testing.assert_array_equal(np.asarray(got), expected, (transport, name))
