@@ -352,3 +352,41 @@ def test_hop_programs_copy_nothing_into_their_loop_carry():
             assert not copies, (transport, name, copies)
             for got, expected in zip(results, want, strict=True):
                 np.testing.assert_array_equal(np.asarray(got), expected, (transport, name))
+
+
+def test_multi_pair_windows_end_in_acknowledgements():
+    """multi-pair as osu_mbw_mr: windows of messages, each followed by a 4-byte
+    acknowledgement back from the receiver, several windows per call. On two devices of this
+    process: the receiver ends with the message, the sender with the acknowledgement (the
+    message's first bytes); the call copies no operand into a loop carry; and the compiled
+    program moves a message of the acknowledgement's 4 bytes."""
+    import re
+
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jax_cpu_mpi._src.runtime.config import overrides
+    from jax_cpu_mpi.bench.programs import AXIS
+
+    mesh = Mesh(np.array(jax.devices()[:2]), (AXIS,))
+    halves = (np.arange(1, 4097) % 251).astype(np.uint8).reshape(2, 2048)
+    x = jax.device_put(halves.reshape(-1), NamedSharding(mesh, P(AXIS)))
+    k = patterns.ACK_BYTES
+    want_ack = np.concatenate([halves[0][:k], np.zeros(k, np.uint8)])
+    perm = patterns.pairs("multi-pair", 2)
+    for transport in ("psend", "psend2", "ppermute"):
+        with overrides(gpu_parity=False):
+            fn = patterns.window_program(mesh, transport, perm, window=4, windows=3)
+            compiled = fn.lower(x).compile()
+            y, ack = compiled(x)
+        text = compiled.as_text()
+        entry = text.split("ENTRY", 1)[1]
+        copies = [line for line in entry.splitlines()
+                  if re.search(r"= u8\[2048\]\{0\} copy\(", line)]
+        assert not copies, (transport, copies)
+        np.testing.assert_array_equal(np.asarray(y),
+                                      np.concatenate([np.zeros(2048, np.uint8), halves[0]]),
+                                      transport)
+        np.testing.assert_array_equal(np.asarray(ack), want_ack, transport)
+        assert re.search(rf"u8\[{k}\]", text), transport  # the acknowledgement's message
