@@ -194,6 +194,11 @@ def window_program(mesh: Mesh, transport: str, perm: list[tuple[int, int]], wind
                    donate_argnums=1 if donated else ())
 
 
+def _windows(kind: str, steps: int, windows: int) -> dict[str, int]:
+    """multi-pair's windows per sample and messages per window (the report's window)."""
+    return dict(windows=windows, window=steps // windows) if kind == "multi-pair" else {}
+
+
 def _expected_senders(perm: list[tuple[int, int]]) -> dict[int, int]:
     return {d: s for s, d in perm}
 
@@ -277,7 +282,7 @@ def _jax(ctx: Any, method: str, transport: str) -> Measurement:
                        warmup=plan.scan_warmup, messages_per_sample=steps, wrong=wrong,
                        mode="gpu" if session.platform == "gpu" else "mpi",
                        description=_describe(method, kind),
-                       extra=dict(steps=steps, ranks=nranks, windows=windows))
+                       extra=dict(steps=steps, ranks=nranks, **_windows(kind, steps, windows)))
 
 
 def _mpi4py(ctx: Any) -> Measurement:
@@ -318,7 +323,7 @@ def _mpi4py(ctx: Any) -> Measurement:
     return Measurement(method="mpi4py", kind=kind, size=n, seconds=seconds,
                        warmup=plan.scan_warmup, messages_per_sample=steps, wrong=wrong,
                        mode="mpi", description=_describe("mpi4py", kind),
-                       extra=dict(steps=steps, ranks=nranks, windows=windows))
+                       extra=dict(steps=steps, ranks=nranks, **_windows(kind, steps, windows)))
 
 
 def _describe(method: str, kind: str) -> str:
