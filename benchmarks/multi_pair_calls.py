@@ -3,10 +3,12 @@
     mpirun -n 2 -genv GLIBC_TUNABLES glibc.malloc.hugetlb=1 \\
         python benchmarks/multi_pair_calls.py --sizes 8,64K --rounds 9
 
-One sample of ``--pattern multi-pair`` (OSU's ``osu_mbw_mr``) is a window of one-way
-messages and an acknowledgement: for ``psend/scan`` one call of the benchmark's jitted scan
-(``patterns._scan_program``) and the barrier after it, for ``mpi4py`` a window of
-``Isend``/``Irecv`` and an 8-byte reply. Both are timed here with two windows (``--windows``,
+This times ``--pattern multi-pair``'s former sample, one window of one-way messages and an
+acknowledgement: for ``psend/scan`` one call of the jitted scan (``patterns._scan_program``)
+and the barrier after it, for ``mpi4py`` a window of ``Isend``/``Irecv`` and an 8-byte
+reply. (The benchmark now runs several windows per call, each acknowledged by a message,
+as ``osu_mbw_mr`` does; ``benchmarks/multi_pair_ab.py`` sets the two side by side.)
+Both are timed here with two windows (``--windows``,
 16 and 128 messages), their calls interleaved in rounds in one process so that load slows
 them alike; the line through the two medians gives the cost of one sample apart from its
 messages (per call) and the cost of one more message (per message). Each rank also times an
