@@ -4,12 +4,15 @@
         python benchmarks/donated_ab.py --kind exchange --sizes 64K,1M,16M,64M --rounds 15
 
 Program A is the benchmark's own (``psend/scan`` of ``--pattern``, or the one-way hop's
-ping-pong scan with ``--kind pingpong``): each call copies ``x`` into a fresh loop carry and
-receives into XLA's fresh per-call buffers. Program B is the same scan whose results are
-donated back to the next call (``donate_argnums``), so that it receives into the same buffer
-at every call, as the MPI baseline receives into one warm buffer. Both are compiled in one
-process and their calls alternate, so that a loaded machine slows both alike; each rank
-prints the median time per step (per hop), the minor page faults per step and B's time over
+ping-pong scan with ``--kind pingpong``): each call receives into XLA's fresh per-call
+buffers (both scans run their first step before the loop instead of copying ``x`` into a
+fresh loop carry). Program B is the same scan whose results are donated back to the next
+call (``donate_argnums``), so that it receives into the same buffer at every call, as the
+MPI baseline receives into one warm buffer. Program C is the scan as it was before the
+first step moved out of the loop: its carry starts from ``x`` (the ping-pong's from
+``(x, x)``), which every call copies into the carry. All are compiled in one process and
+their calls alternate, so that a loaded machine slows them alike; each rank prints the
+median time per step (per hop), the minor page faults per step and B's and C's time over
 A's. docs/benchmarks.md ("Fresh buffers against a warm one") quotes its figures.
 """
 
@@ -47,8 +50,24 @@ def _pingpong_donated(mesh, hops: int) -> Callable:
                                  out_specs=(spec, spec)), donate_argnums=(0, 1))
 
 
+def _pingpong_carry_copy(mesh, hops: int) -> Callable:
+    """The ping-pong scan as it was before its first round trip ran before the loop: the
+    carry starts from ``(x, x)``, which every call copies into the loop's buffers."""
+    def body(x):
+        def round_trip(carry, _):
+            z, _ = carry
+            y = programs._hop("psend", z, programs.FORWARD)
+            return (programs._hop("psend", y, programs.BACKWARD), y), None
+
+        (z, y), _ = jax.lax.scan(round_trip, (x, x), None, length=hops // 2)
+        return z, y
+
+    spec = P(programs.AXIS)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=(spec, spec)))
+
+
 def _programs(session, kind: str, n: int, steps: int):
-    """(run A, run B, check B's result) for one size."""
+    """(run A, run B, check B's result, run C or None) for one size."""
     if kind == "pingpong":
         mesh = programs.mesh_of(session.pair)
         x = programs.sharded_pattern(mesh, n)
@@ -63,7 +82,9 @@ def _programs(session, kind: str, n: int, steps: int):
             shard = programs.shard_on(state[0], session.pair[0])
             return shard is None or bool((np.asarray(shard) == programs.pattern(n)).all())
 
-        return (lambda: jax.block_until_ready(fresh(x))), run_b, check
+        carry_copy = _pingpong_carry_copy(mesh, steps)
+        return ((lambda: jax.block_until_ready(fresh(x))), run_b, check,
+                lambda: jax.block_until_ready(carry_copy(x)))
 
     mesh = patterns._mesh(session)
     perm = patterns.pairs(kind, session.nranks)
@@ -73,6 +94,10 @@ def _programs(session, kind: str, n: int, steps: int):
     with overrides(gpu_parity=False):  # one op with a cycle, as a CPU-only program
         fresh = patterns._scan_program(mesh, "psend", perm, steps).lower(x).compile()
         donated = patterns.donated_scan_program(mesh, "psend", perm, steps).lower(x, x).compile()
+        carry_copy = jax.jit(jax.shard_map(
+            lambda v: programs.repeated_in_scan(
+                lambda u: patterns._step("psend", u, perm), v, steps),
+            mesh=mesh, in_specs=P(programs.AXIS), out_specs=P(programs.AXIS))).lower(x).compile()
     state = [jax.block_until_ready(jnp.zeros_like(x))]
     two_way = kind != "multi-pair"
 
@@ -86,13 +111,18 @@ def _programs(session, kind: str, n: int, steps: int):
         if not two_way:
             session.barrier()
 
+    def run_c() -> None:
+        jax.block_until_ready(carry_copy(x))
+        if not two_way:
+            session.barrier()
+
     def check() -> bool:
         if session.rank not in {d for _, d in perm}:
             return True
         me = mesh.devices.reshape(-1)[session.rank]
         return programs.count_wrong(programs.shard_on(state[0], me), value) == 0
 
-    return run_a, run_b, check
+    return run_a, run_b, check, run_c
 
 
 def main() -> None:
@@ -109,13 +139,14 @@ def main() -> None:
     for n in (parse_bytes(s) for s in args.sizes.split(",")):
         budget = parse_bytes(args.step_bytes) // (2 if args.kind == "multi-pair" else 1)
         steps = max(2, min(64, budget // n)) & ~1
-        run_a, run_b, check = _programs(session, args.kind, n, steps)
-        for run in (run_a, run_b, run_a, run_b):  # compile, warm up
+        run_a, run_b, check, run_c = _programs(session, args.kind, n, steps)
+        runs = [("a", run_a), ("b", run_b)] + ([("c", run_c)] if run_c else [])
+        for _, run in runs + runs:  # compile, warm up
             run()
-        times: dict[str, list[float]] = {"a": [], "b": []}
-        faults: dict[str, list[int]] = {"a": [], "b": []}
+        times: dict[str, list[float]] = {name: [] for name, _ in runs}
+        faults: dict[str, list[int]] = {name: [] for name, _ in runs}
         for _ in range(args.rounds):
-            for name, run in (("a", run_a), ("b", run_b)):
+            for name, run in runs:
                 session.barrier()
                 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 start = time.perf_counter()
@@ -124,9 +155,15 @@ def main() -> None:
                 faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
         a, b = (float(np.median(times[k])) / steps for k in ("a", "b"))
         fa, fb = (float(np.median(faults[k])) / steps for k in ("a", "b"))
-        print(f"rank {session.rank} {args.kind} {n} B, {steps} steps per call: "
-              f"fresh {a * 1e6:.1f} us/step ({fa:.0f} faults), donated {b * 1e6:.1f} us/step "
-              f"({fb:.0f} faults), donated/fresh x{b / a:.3f}, checked {check()}", flush=True)
+        line = (f"rank {session.rank} {args.kind} {n} B, {steps} steps per call: "
+                f"fresh {a * 1e6:.1f} us/step ({fa:.0f} faults), donated {b * 1e6:.1f} us/step "
+                f"({fb:.0f} faults), donated/fresh x{b / a:.3f}")
+        if run_c:
+            c = float(np.median(times["c"])) / steps
+            fc = float(np.median(faults["c"])) / steps
+            line += (f", carry copied from x {c * 1e6:.1f} us/step ({fc:.0f} faults), "
+                     f"carry-copy/fresh x{c / a:.3f}")
+        print(f"{line}, checked {check()}", flush=True)
 
 
 if __name__ == "__main__":

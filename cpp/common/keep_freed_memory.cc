@@ -2,8 +2,14 @@
 
 #include <climits>  // first: a C library header defines __GLIBC__ where it is glibc
 
+#include <cstdint>
+#include <fstream>
+
 #if defined(__GLIBC__)
 #include <malloc.h>
+#endif
+#if defined(__linux__)
+#include <sys/mman.h>
 #endif
 
 namespace jcm {
@@ -19,6 +25,32 @@ bool KeepFreedMemory() {
   return no_mmap && no_trim;
 #else
   return false;
+#endif
+}
+
+namespace {
+
+// The size of a transparent huge page (PMD size), or 0 where the kernel has none.
+size_t HugePageBytes() {
+  size_t bytes = 0;
+  std::ifstream in("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size");
+  if (!(in >> bytes) || bytes == 0 || (bytes & (bytes - 1)) != 0) return 0;
+  return bytes;
+}
+
+}  // namespace
+
+void AdviseHugePages(void* data, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  static const size_t huge = HugePageBytes();
+  if (huge == 0) return;
+  const uintptr_t start = reinterpret_cast<uintptr_t>(data);
+  const uintptr_t begin = (start + huge - 1) & ~(huge - 1);
+  const uintptr_t end = (start + bytes) & ~(huge - 1);
+  if (end > begin) (void)madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+  (void)data;
+  (void)bytes;
 #endif
 }
 

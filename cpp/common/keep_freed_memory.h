@@ -10,10 +10,25 @@
 // the process keeps the peak of its heap (what was ever allocated at once) for its lifetime.
 #pragma once
 
+#include <cstddef>
+
 namespace jcm {
 
 // Applies the settings (mallopt M_MMAP_MAX 0 and M_TRIM_THRESHOLD at its maximum); false
 // where the C library is not glibc, or it refused one of them.
 bool KeepFreedMemory();
+
+// Blocks at least this large may be fresh maps at every call even with KeepFreedMemory: a
+// thread's arena (where XLA's executing threads allocate) grows by heaps of at most 64 MiB,
+// and glibc maps a block that does not fit one afresh, and unmaps it when it is freed (and
+// without KeepFreedMemory, every block from 32 MiB up, where glibc caps its mmap threshold).
+inline constexpr size_t kFreshMapMinBytes = size_t{32} << 20;
+
+// Asks the kernel to back [data, data + bytes) with transparent huge pages where the range
+// covers whole ones (madvise MADV_HUGEPAGE; Linux with THP "madvise" or "always"). For a
+// buffer about to be written for the first time (a large output XLA allocated afresh) that is
+// one page fault per huge page instead of one per 4 KiB page; the kernel zeroes the same
+// bytes either way. A hint only: the contents do not change, and failures are ignored.
+void AdviseHugePages(void* data, size_t bytes);
 
 }  // namespace jcm

@@ -20,6 +20,7 @@
 #include <string_view>
 
 #include "ffi/p2p_handlers.h"
+#include "common/keep_freed_memory.h"
 #include "common/trace.h"
 #include "ffi/runtime.h"
 #include "local/zero_fill.h"
@@ -351,6 +352,9 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
   // from a smaller size on and reads this receive's ready signal (mpi/transport.h); a
   // sender that never reads ready signals must get none (they would pile up unread).
   const bool sender_kept = info.group_pairs.size() > 0;
+  // A large output is likely a fresh map (common/keep_freed_memory.h) that MPI's copy would
+  // otherwise fault in a 4 KiB page at a time, inside the transfer.
+  if (bytes >= kFreshMapMinBytes) AdviseHugePages(out->untyped_data(), bytes);
   Status r = mpi->Recv(source, *tag, out->untyped_data(), bytes, operand, deadline,
                        sender_kept);
   if (r.ok()) return ffi::Error::Success();

@@ -188,6 +188,7 @@ Status MpiTransport::SendLarge(ChannelState& ch, uint64_t seq, int dest_rank, in
     ch.deferred = send;
     {
       std::lock_guard<std::mutex> lock(deferred_mu_);
+      ch.deferred_id = ++last_deferred_id_;
       deferred_channels_.push_back(&ch);
       deferred_count_.store(deferred_channels_.size(), std::memory_order_release);
     }
@@ -294,10 +295,15 @@ Status MpiTransport::ProgressDeferred(std::chrono::steady_clock::time_point dead
     return Status::Ok();
   }
   if (Status s = Usable(); !s.ok()) return s;
-  std::vector<ChannelState*> channels;
+  // A copy of the list, as posting a send unlinks it under deferred_mu_; kept in this
+  // thread's buffer, since the receive loops call this at every poll while a send is
+  // deferred and a fresh vector would be a malloc each time. Moved out and back, so that a
+  // nested call (none today: t_send_locks stops it) would only allocate.
+  thread_local std::vector<ChannelState*> t_channels;
+  std::vector<ChannelState*> channels = std::move(t_channels);
   {
     std::lock_guard<std::mutex> lock(deferred_mu_);
-    channels = deferred_channels_;
+    channels.assign(deferred_channels_.begin(), deferred_channels_.end());
   }
   for (ChannelState* ch : channels) {
     std::unique_lock<std::mutex> channel_lock(ch->send_mu, std::try_to_lock);
@@ -317,22 +323,32 @@ Status MpiTransport::ProgressDeferred(std::chrono::steady_clock::time_point dead
     }
     if (!s.ok()) FailDeferred(d, s);
   }
+  t_channels = std::move(channels);
   return Status::Ok();
 }
 
-bool MpiTransport::HasDeferredTo(int peer_rank) {
-  if (deferred_count_.load(std::memory_order_acquire) == 0) return false;
+uint64_t MpiTransport::DeferredMark() {
+  if (deferred_count_.load(std::memory_order_acquire) == 0) return 0;
+  std::lock_guard<std::mutex> lock(deferred_mu_);
+  return deferred_channels_.empty() ? 0 : last_deferred_id_;
+}
+
+bool MpiTransport::HasDeferredUpTo(uint64_t mark) {
+  if (mark == 0 || deferred_count_.load(std::memory_order_acquire) == 0) return false;
   std::lock_guard<std::mutex> lock(deferred_mu_);
   return std::any_of(deferred_channels_.begin(), deferred_channels_.end(),
-                     [peer_rank](const ChannelState* ch) { return ch->peer_rank == peer_rank; });
+                     [mark](const ChannelState* ch) { return ch->deferred_id <= mark; });
 }
 
 Status MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out,
                                size_t bytes, uint64_t desc_hash,
                                std::chrono::steady_clock::time_point deadline) {
-  // In an exchange whose send to the peer is still deferred (see below), the ready signal
-  // goes first: the peer's send waits for it, and the loop below finds a staged message.
-  const bool send_first = HasDeferredTo(source_rank);
+  // While a send of ours is still deferred (see below), the ready signal goes first: the
+  // peer's send waits for it, and the loop below finds a staged message. Only the sends
+  // deferred before this receive count (in an exchange or a ring, its own op's psend), so
+  // that sends which other device threads keep deferring cannot hold it back for ever.
+  const uint64_t deferred_mark = DeferredMark();
+  const bool send_first = deferred_mark != 0;
   if (Status s = Usable(); !s.ok()) return s;
   if (!send_first) {
     // Already sent staged (the sender did not find us ready): take it the plain way.
@@ -346,14 +362,16 @@ Status MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out
     }
   }
   // Post the receives into the output, then tell the sender that we are ready. In an
-  // exchange, while our own send to that peer is still deferred, the receives are posted
-  // only once it is posted (or staged), after the ready signal: MPI copies a message into a
-  // posted receive inside whichever MPI call sees it arrive (over shared memory, the whole
-  // payload at once), so a receive posted first could take the peer's message inside the
-  // probe that looks for its ready signal, and post our send only after that copy: one
-  // transfer after the other instead of both at once. MPI_Sendrecv starts its send before
-  // it waits for its receive. The peer's direct send (synchronous mode) waits unmatched
-  // until our receives are posted, and the ready signals do not depend on them.
+  // exchange or a ring, while our own send is still deferred (to this peer or, in a ring of
+  // more than 2 ranks, to the next one), the receives are posted only once it is posted (or
+  // staged), after the ready signal: MPI copies a message into a posted receive inside
+  // whichever MPI call sees it arrive (over shared memory, the whole payload at once), so a
+  // receive posted first could take the peer's message inside the probe that looks for our
+  // receiver's ready signal, and post our send only after that copy: one transfer after the
+  // other instead of both at once (in a ring, each rank's send waiting for its previous
+  // rank's copy). MPI_Sendrecv starts its send before it waits for its receive. The peer's
+  // direct send (synchronous mode) waits unmatched until our receives are posted, and the
+  // ready signals do not depend on them: every rank of a ring signals before it waits.
   std::vector<MPI_Request> requests;
   auto* dst = static_cast<std::byte*>(out);
   auto post_receives = [&]() -> Status {
@@ -403,7 +421,7 @@ Status MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out
   while (true) {
     // Our own deferred sends, as their receivers get ready: both directions at once.
     if (Status s = ProgressDeferred(deadline); !s.ok()) return s;
-    if (!posted && !HasDeferredTo(source_rank)) {
+    if (!posted && !HasDeferredUpTo(deferred_mark)) {
       if (Status s = post_receives(); !s.ok()) return s;
       posted = true;
     }

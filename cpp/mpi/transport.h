@@ -31,9 +31,10 @@
 // for a receiver that is not ready: it defers the send (DirectSend), and the receive loops
 // post it straight from the operand when the ready signal comes (ProgressDeferred), so both
 // directions move at once; the precv that keeps the operand stages what is still deferred.
-// A receive from a peer to which a send of ours is still deferred signals ready first and
-// posts its receives only once that send is posted (RecvLarge), so that MPI cannot copy the
-// peer's message in before our send has started.
+// A receive made while a send of ours is deferred (to its peer, or in a ring to the next
+// rank) signals ready first and posts its receives only once the sends deferred before it are
+// posted (RecvLarge), so that MPI cannot copy the peer's message in before our send has
+// started.
 // XLA's thunk executor skips every thunk after one fails, so the precv that keeps the
 // operand may never run: an op of ours that fails finishes the kept sends of its program
 // run (XLA's RunId) before it returns, while their operands are still alive
@@ -382,6 +383,7 @@ class MpiTransport {
     bool has_early_ready = false;  // a ready signal for a later message
     ReadySignal early_ready;
     std::shared_ptr<DirectSend> deferred;  // a deferred send of this channel, if any
+    uint64_t deferred_id = 0;  // under deferred_mu_: when it was deferred (DeferredMark)
   };
   struct ControlSend {
     std::unique_ptr<ReadySignal> signal;
@@ -480,8 +482,10 @@ class MpiTransport {
   // Looks for the ready signal of message `seq`: sets *ready and *receiver (its signal).
   Status PollReady(ChannelState& ch, uint64_t seq, int dest_rank, int tag, bool* ready,
                    ReadySignal* receiver, std::chrono::steady_clock::time_point deadline);
-  // Whether one of our sends to `peer_rank` is deferred now (cheap when none is).
-  bool HasDeferredTo(int peer_rank);
+  // The id of the latest send deferred (0 if none is deferred now), and whether a send
+  // deferred no later than `mark` is still deferred (cheap when none is).
+  uint64_t DeferredMark();
+  bool HasDeferredUpTo(uint64_t mark);
   Status RecvLarge(uint64_t seq, int source_rank, int tag, void* out, size_t bytes,
                    uint64_t desc_hash, std::chrono::steady_clock::time_point deadline);
 
@@ -554,6 +558,7 @@ class MpiTransport {
   // its size for the lock-free check of the receive loops.
   std::mutex deferred_mu_;
   std::vector<ChannelState*> deferred_channels_;
+  uint64_t last_deferred_id_ = 0;  // under deferred_mu_: ids of deferred sends, from 1
   std::atomic<size_t> deferred_count_{0};
 };
 

@@ -284,3 +284,109 @@ def test_donated_pattern_program_receives_into_the_donated_buffer():
             assert y.is_deleted(), kind
             np.testing.assert_array_equal(np.asarray(result), np.concatenate(want), kind)
             y = result
+
+
+def test_pattern_program_copies_nothing_into_its_loop_carry():
+    """psend/scan's and psend2/scan's programs on two devices of this process run their first
+    step before the loop: XLA copies no operand into the loop's carry at every call (a pass
+    over the message that raw MPI's loop does not have), and the result is still each
+    device's message (zeros where a device receives nothing, multi-pair's sender; psend2
+    ORs its two ops' results, of which a device receives in one)."""
+    import re
+
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jax_cpu_mpi._src.runtime.config import overrides
+    from jax_cpu_mpi.bench.programs import AXIS
+
+    mesh = Mesh(np.array(jax.devices()[:2]), (AXIS,))
+    halves = (np.arange(1, 4097) % 251).astype(np.uint8).reshape(2, 2048)
+    x = jax.device_put(halves.reshape(-1), NamedSharding(mesh, P(AXIS)))
+    wanted = {"exchange": [halves[1], halves[0]],
+              "multi-pair": [np.zeros(2048, np.uint8), halves[0]]}
+    for transport in ("psend", "psend2"):
+        for kind, want in wanted.items():
+            with overrides(gpu_parity=False):  # the exchange is one op with a cycle
+                fn = patterns._scan_program(mesh, transport, patterns.pairs(kind, 2), 4)
+                compiled = fn.lower(x).compile()
+                result = compiled(x)
+            entry = compiled.as_text().split("ENTRY", 1)[1]
+            copies = [line for line in entry.splitlines()
+                      if re.search(r"= u8\[2048\]\{0\} copy\(", line)]
+            assert not copies, (transport, kind, copies)
+            np.testing.assert_array_equal(np.asarray(result), np.concatenate(want),
+                                          (transport, kind))
+
+
+def test_hop_programs_copy_nothing_into_their_loop_carry():
+    """The one-way hop's ping-pong scan and the stream's scan (psend/scan, ppermute/scan) run
+    their first step before the loop: XLA copies no operand into the loop's carry at every
+    call (a pass over the message that raw MPI's loop does not have), and each device still
+    ends with what it received (the ping-pong: the message back on device 0 and the one
+    device 1 received; the stream: the message on device 1, the acknowledgement on 0)."""
+    import re
+
+    import jax
+
+    from jax_cpu_mpi.bench import programs
+
+    mesh = programs.mesh_of(tuple(jax.devices()[:2]))
+    n = 2048
+    x = programs.sharded_pattern(mesh, n)
+    message, zeros = programs.pattern(n), np.zeros(n, np.uint8)
+    ack = np.concatenate([programs.pattern(n)[:programs.ACK_BYTES],
+                          np.zeros(programs.ACK_BYTES, np.uint8)])
+    for transport in ("psend", "ppermute"):
+        for name, fn, want in (
+                ("pingpong", programs.pingpong_scan(mesh, transport, 8),
+                 [np.concatenate([message, zeros]), np.concatenate([zeros, message])]),
+                ("stream", programs.stream_scan(mesh, transport, 8),
+                 [np.concatenate([zeros, message]), ack])):
+            compiled = fn.lower(x).compile()
+            results = compiled(x)
+            entry = compiled.as_text().split("ENTRY", 1)[1]
+            copies = [line for line in entry.splitlines()
+                      if re.search(rf"= u8\[{n}\]\{{0\}} copy\(", line)]
+            assert not copies, (transport, name, copies)
+            for got, expected in zip(results, want, strict=True):
+                np.testing.assert_array_equal(np.asarray(got), expected, (transport, name))
+
+
+def test_multi_pair_windows_end_in_acknowledgements():
+    """multi-pair as osu_mbw_mr: windows of messages, each followed by a 4-byte
+    acknowledgement back from the receiver, several windows per call. On two devices of this
+    process: the receiver ends with the message, the sender with the acknowledgement (the
+    message's first bytes); the call copies no operand into a loop carry; and the compiled
+    program moves a message of the acknowledgement's 4 bytes."""
+    import re
+
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jax_cpu_mpi._src.runtime.config import overrides
+    from jax_cpu_mpi.bench.programs import AXIS
+
+    mesh = Mesh(np.array(jax.devices()[:2]), (AXIS,))
+    halves = (np.arange(1, 4097) % 251).astype(np.uint8).reshape(2, 2048)
+    x = jax.device_put(halves.reshape(-1), NamedSharding(mesh, P(AXIS)))
+    k = patterns.ACK_BYTES
+    want_ack = np.concatenate([halves[0][:k], np.zeros(k, np.uint8)])
+    perm = patterns.pairs("multi-pair", 2)
+    for transport in ("psend", "psend2", "ppermute"):
+        with overrides(gpu_parity=False):
+            fn = patterns.window_program(mesh, transport, perm, window=4, windows=3)
+            compiled = fn.lower(x).compile()
+            y, ack = compiled(x)
+        text = compiled.as_text()
+        entry = text.split("ENTRY", 1)[1]
+        copies = [line for line in entry.splitlines()
+                  if re.search(r"= u8\[2048\]\{0\} copy\(", line)]
+        assert not copies, (transport, copies)
+        np.testing.assert_array_equal(np.asarray(y),
+                                      np.concatenate([np.zeros(2048, np.uint8), halves[0]]),
+                                      transport)
+        np.testing.assert_array_equal(np.asarray(ack), want_ack, transport)
+        assert re.search(rf"u8\[{k}\]", text), transport  # the acknowledgement's message

@@ -11,8 +11,13 @@ first device of every rank (all ranks of the job take part):
   from the previous one in the same step; the same sample and columns;
 * ``bibw`` (OSU's ``osu_bibw``): a window of messages each way between ranks 0 and 1; the
   bandwidth counts both directions (``2 x window x size / time``);
-* ``multi-pair`` (OSU's ``osu_mbw_mr``): the first half of the ranks each stream a window to
-  their partner in the second half, then get an acknowledgement; the bandwidth and message
+* ``multi-pair`` (OSU's ``osu_mbw_mr``): the first half of the ranks each stream windows to
+  their partner in the second half. A *window*, as ``osu_mbw_mr`` defines it: ``window``
+  messages from the sender (``window`` ``Isend`` calls, then ``Waitall``), then a 4-byte
+  acknowledgement back from the receiver, a message the sender's next window waits for.
+  Several windows run in one call (a ``lax.scan`` over windows; ``mpi4py``: a loop), with
+  no barrier between them (only before the timed calls, as OSU's ``MPI_Barrier`` before its
+  timed loop); the sample is a call's time over its messages, and the bandwidth and message
   rate are the pairs' sum.
 
 Methods: ``psend/scan`` (one ``psend``/``precv`` with the pattern's pairs per step, steps in
@@ -48,7 +53,7 @@ from jax.sharding import PartitionSpec as P
 from jax_cpu_mpi._src.ops.p2p import precv, psend
 from jax_cpu_mpi._src.runtime.config import overrides
 
-from .programs import AXIS, count_wrong, pattern, repeated_in_scan, shard_on
+from .programs import AXIS, count_wrong, first_then_scan, pattern, repeated_in_scan, shard_on
 from .stats import Measurement
 
 #: ``--pattern`` names measured here (pingpong and bw are the kinds latency/bandwidth).
@@ -110,14 +115,13 @@ def _scan_program(mesh: Mesh, transport: str, perm: list[tuple[int, int]],
                   steps: int) -> Callable:
     def body(x):
         if transport != "psend2":
-            return repeated_in_scan(lambda v: _step(transport, v, perm), x, steps)
+            return first_then_scan(lambda v: _step(transport, v, perm), x, steps)
         # Each op's result stays in the loop carry, as a pipeline keeps each received
         # buffer, and the two are combined once after the loop (for the check). An OR of
         # the two in every step was XLA work that MPI_Sendrecv's step does not have: a pass
         # over three buffers which XLA also splits over its intra-op threads from 1 MiB
         # (a wake-up of them per step, competing with both ranks' device threads).
-        ys = repeated_in_scan(lambda v: _step(transport, v, perm), x, steps,
-                              first=tuple(x for _ in _halves(perm)))
+        ys = first_then_scan(lambda v: _step(transport, v, perm), x, steps)
         return functools.reduce(operator.or_, ys)
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
@@ -133,6 +137,66 @@ def donated_scan_program(mesh: Mesh, transport: str, perm: list[tuple[int, int]]
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS), P(AXIS)),
                                  out_specs=P(AXIS)), donate_argnums=1)
+
+
+#: Bytes of multi-pair's acknowledgement, a message back from each receiver to its sender
+#: after every window (osu_mbw_mr's ``MPI_Send(s_buf, 4, ...)``).
+ACK_BYTES = 4
+
+
+def windows_per_call(plan: Any) -> int:
+    """Multi-pair's windows in one call: as many messages per call as the other patterns'
+    scans (``plan.hops``), in windows of ``plan.window``, so that the call's own cost fades
+    as it does for them (OSU times ``loop`` windows in one region)."""
+    return max(1, plan.hops // plan.window)
+
+
+def window_program(mesh: Mesh, transport: str, perm: list[tuple[int, int]], window: int,
+                   windows: int, donated: bool = False) -> Callable:
+    """multi-pair as ``osu_mbw_mr`` defines it: ``windows`` windows in one call, each
+    ``window`` messages from every sender to its receiver, then an acknowledgement of
+    :data:`ACK_BYTES` back from every receiver, which the sender's next window waits for.
+
+    ``x -> (y, ack)`` (with ``donated``, ``(x, y) -> (y', ack)``, ``y`` donated as in
+    :func:`donated_scan_program`): ``y`` the last window's last message on every receiver,
+    ``ack`` the last acknowledgement on every sender. The first window runs before the
+    windows' loop (:func:`first_then_scan`), whose carry then starts from its results."""
+    back = [(d, s) for s, d in perm]
+
+    def step(v):
+        return _step(transport, v, perm)
+
+    def one(received):
+        # Every pair goes one way, so psend2 has one op and one result.
+        return received[0] if isinstance(received, tuple) else received
+
+    def acknowledged(y):
+        return one(_step(transport, one(y)[:ACK_BYTES], back))
+
+    def body(x, *y0):
+        y = (repeated_in_scan(step, x, window, first=y0[0]) if y0
+             else first_then_scan(step, x, window))
+        carry = (y, acknowledged(y))
+        if windows > 1:
+            def next_window(carry, _):
+                y, ack = carry
+                # The window's sends wait for the previous window's acknowledgement.
+                source, _ = jax.lax.optimization_barrier((x, ack))
+                y = repeated_in_scan(step, source, window, first=y)
+                return (y, acknowledged(y)), None
+
+            carry, _ = jax.lax.scan(next_window, carry, None, length=windows - 1)
+        y, ack = carry
+        return one(y), ack
+
+    specs = (P(AXIS), P(AXIS)) if donated else P(AXIS)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(AXIS), P(AXIS))),
+                   donate_argnums=1 if donated else ())
+
+
+def _windows(kind: str, steps: int, windows: int) -> dict[str, int]:
+    """multi-pair's windows per sample and messages per window (the report's window)."""
+    return dict(windows=windows, window=steps // windows) if kind == "multi-pair" else {}
 
 
 def _expected_senders(perm: list[tuple[int, int]]) -> dict[int, int]:
@@ -171,12 +235,17 @@ def _jax(ctx: Any, method: str, transport: str) -> Measurement:
     n, nranks = plan.size, session.nranks
     mesh = _mesh(session)
     perm = pairs(kind, nranks)
-    steps = plan.hops if _two_way(kind) else plan.window
     value = pattern(n)
     x = jax.make_array_from_callback((nranks * n,), NamedSharding(mesh, P(AXIS)),
                                      lambda index: value)
     donated = method == "psend-donated/scan"
-    fn = (donated_scan_program if donated else _scan_program)(mesh, transport, perm, steps)
+    windows = 1 if _two_way(kind) else windows_per_call(plan)
+    if _two_way(kind):
+        steps = plan.hops
+        fn = (donated_scan_program if donated else _scan_program)(mesh, transport, perm, steps)
+    else:
+        steps = plan.window * windows
+        fn = window_program(mesh, transport, perm, plan.window, windows, donated)
     if transport == "psend":
         # One op with a cycle: fine on CPU (our transport), refused on GPU; lowered and
         # compiled with the GPU-parity check off, as a CPU-only program does.
@@ -193,9 +262,9 @@ def _jax(ctx: Any, method: str, transport: str) -> Measurement:
     out: list[Any] = [jax.block_until_ready(zeros(x))] if donated else []
 
     def step() -> None:
-        out[:] = [jax.block_until_ready(fn(x, out[0]) if donated else fn(x))]
-        if not _two_way(kind):
-            session.barrier()  # the acknowledgement: every pair's window has arrived
+        result = jax.block_until_ready(fn(x, out[0]) if donated else fn(x))
+        # multi-pair: (the receivers' message, the senders' acknowledgement).
+        out[:] = list(result) if isinstance(result, tuple) else [result]
 
     seconds = _timed(step, plan.scan_samples, plan.scan_warmup, session.barrier)
     seconds /= _per_message(kind, steps, nranks)
@@ -207,10 +276,13 @@ def _jax(ctx: Any, method: str, transport: str) -> Measurement:
     receivers = _expected_senders(perm)
     me = mesh.devices.reshape(-1)[session.rank]
     wrong = count_wrong(shard_on(out[0], me), value) if session.rank in receivers else 0
+    if len(out) > 1 and session.rank in {s for s, _ in perm}:
+        wrong += count_wrong(shard_on(out[1], me)[:ACK_BYTES], value[:ACK_BYTES])
     return Measurement(method=method, kind=kind, size=n, seconds=seconds,
                        warmup=plan.scan_warmup, messages_per_sample=steps, wrong=wrong,
                        mode="gpu" if session.platform == "gpu" else "mpi",
-                       description=_describe(method, kind), extra=dict(steps=steps, ranks=nranks))
+                       description=_describe(method, kind),
+                       extra=dict(steps=steps, ranks=nranks, **_windows(kind, steps, windows)))
 
 
 def _mpi4py(ctx: Any) -> Measurement:
@@ -222,8 +294,9 @@ def _mpi4py(ctx: Any) -> Measurement:
     dest = [d for s, d in perm if s == rank]
     source = [s for s, d in perm if d == rank]
     send, recv = pattern(n), np.zeros(n, np.uint8)
-    steps = plan.hops if kind in ("exchange", "ring") else plan.window
-    ack = np.zeros(8, np.uint8)
+    windows = windows_per_call(plan) if kind == "multi-pair" else 1
+    steps = plan.hops if kind in ("exchange", "ring") else plan.window * windows
+    ack = np.zeros(ACK_BYTES, np.uint8)
 
     if kind in ("exchange", "ring"):
         def step() -> None:
@@ -231,15 +304,18 @@ def _mpi4py(ctx: Any) -> Measurement:
                 if dest and source:
                     comm.Sendrecv(send, dest[0], 5, recv, source[0], 5)
     else:  # windows of Isend/Irecv (osu_bibw both ways; osu_mbw_mr one way, then an ack)
+        window = steps // windows
+
         def step() -> None:
-            reqs = [comm.Irecv(recv, s, 6) for s in source for _ in range(steps)]
-            reqs += [comm.Isend(send, d, 6) for d in dest for _ in range(steps)]
-            MPI.Request.Waitall(reqs)
-            if kind == "multi-pair":
-                if source:
-                    comm.Send(ack, source[0], 7)
-                if dest:
-                    comm.Recv(ack, dest[0], 7)
+            for _ in range(windows):
+                reqs = [comm.Irecv(recv, s, 6) for s in source for _ in range(window)]
+                reqs += [comm.Isend(send, d, 6) for d in dest for _ in range(window)]
+                MPI.Request.Waitall(reqs)
+                if kind == "multi-pair":
+                    if source:
+                        comm.Send(ack, source[0], 7)
+                    if dest:
+                        comm.Recv(ack, dest[0], 7)
 
     seconds = _timed(step, plan.scan_samples, plan.scan_warmup, session.barrier)
     seconds /= _per_message(kind, steps, nranks)
@@ -247,7 +323,7 @@ def _mpi4py(ctx: Any) -> Measurement:
     return Measurement(method="mpi4py", kind=kind, size=n, seconds=seconds,
                        warmup=plan.scan_warmup, messages_per_sample=steps, wrong=wrong,
                        mode="mpi", description=_describe("mpi4py", kind),
-                       extra=dict(steps=steps, ranks=nranks))
+                       extra=dict(steps=steps, ranks=nranks, **_windows(kind, steps, windows)))
 
 
 def _describe(method: str, kind: str) -> str:
@@ -258,8 +334,9 @@ def _describe(method: str, kind: str) -> str:
                 "one step (nccl-tests sendrecv_perf); time per step",
         "bibw": "a window of messages each way between ranks 0 and 1 (OSU osu_bibw); "
                 "bandwidth of both directions",
-        "multi-pair": "the first half of the ranks stream a window to the second half, then "
-                      "an acknowledgement (OSU osu_mbw_mr); aggregate bandwidth",
+        "multi-pair": "the first half of the ranks stream windows to the second half, each "
+                      "window followed by a 4-byte acknowledgement back (OSU osu_mbw_mr); "
+                      "aggregate bandwidth",
     }[kind]
     how = {
         "mpi4py": "raw MPI (mpi4py Sendrecv, or windows of Isend/Irecv)",

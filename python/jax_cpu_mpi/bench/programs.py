@@ -6,7 +6,8 @@ way, with ``psend``+``precv`` (this package on CPU, NCCL on GPU) or with ``pperm
 
 * ``pingpong``: a hop 0 -> 1 then a hop 1 -> 0 (one round trip), returning ``(z, y)``:
   ``z`` is what came back to device 0 and ``y`` what device 1 received;
-* ``pingpong_scan``: ``hops / 2`` round trips inside one ``lax.scan`` (what pipelines do);
+* ``pingpong_scan``: ``hops / 2`` round trips, the first before a ``lax.scan`` of the others
+  (what pipelines do);
 * ``one_way`` + ``ack``: one message 0 -> 1 per call; a few bytes back once the window of
   calls is done;
 * ``stream_scan``: a window of hops 0 -> 1 inside one ``lax.scan``, then the acknowledgement.
@@ -94,12 +95,19 @@ def pingpong(mesh: Mesh, transport: str) -> Callable:
 
 def pingpong_scan(mesh: Mesh, transport: str, hops: int) -> Callable:
     def body(x):
-        def round_trip(carry, _):
-            z, _ = carry
+        def round_trip(z):
             y = _hop(transport, z, FORWARD)
-            return (_hop(transport, y, BACKWARD), y), None
+            return _hop(transport, y, BACKWARD), y
 
-        (z, y), _ = jax.lax.scan(round_trip, (x, x), None, length=hops // 2)
+        # The first round trip runs before the loop and its results start the carry: a
+        # carry that starts from x is a copy of x (a parameter, which XLA cannot update in
+        # place) into the call's fresh carry buffer at every call, and a second copy for y,
+        # passes over the message whose pages fault in and that MPI's loop does not have.
+        first = round_trip(x)
+        if hops // 2 <= 1:
+            return first
+        (z, y), _ = jax.lax.scan(lambda carry, _: (round_trip(carry[0]), None), first, None,
+                                 length=hops // 2 - 1)
         return z, y
 
     return _spmd(mesh, body, 2)
@@ -129,9 +137,22 @@ def repeated_in_scan(step: Callable[[jax.Array], Any], x: jax.Array,
     return y
 
 
+def first_then_scan(step: Callable[[jax.Array], Any], x: jax.Array, steps: int) -> Any:
+    """``steps`` steps of ``step(x)``: the first one before the loop, the others in a
+    ``lax.scan`` (:func:`repeated_in_scan`) whose carry starts from the first one's result.
+
+    A loop carry that starts from ``x`` itself is a copy of ``x`` into the carry's buffer
+    at every call (XLA cannot update ``x``, a parameter, in place), which MPI's loop does
+    not have: a pass over the message into the call's fresh output buffer, whose pages
+    fault in, per call. Started from the first step's result, the call's output buffer is
+    the first receive's, as in a program that receives once per call."""
+    first = step(x)
+    return first if steps <= 1 else repeated_in_scan(step, x, steps - 1, first=first)
+
+
 def stream_scan(mesh: Mesh, transport: str, window: int) -> Callable:
     def body(x):
-        y = repeated_in_scan(lambda v: _hop(transport, v, FORWARD), x, window)
+        y = first_then_scan(lambda v: _hop(transport, v, FORWARD), x, window)
         return y, _hop(transport, y[:ACK_BYTES], BACKWARD)
 
     return _spmd(mesh, body, 2)
