@@ -9,7 +9,9 @@ interleaved rounds, and the table gives
 * ``launch(1)``: one launch of a program of one collective (min and median of rounds);
 * ``per op @20``: the median launch of 20 over 20 (what the bench reports);
 * ``steady``: (median of 200 - median of 20) / 180, the collective without the launch;
-* ``mpi4py``: the same bytes per process with mpi4py's call in a loop (median of rounds);
+* ``mpi4py``: what the process's one MPI call moves, with mpi4py's call in a loop (median of
+  rounds): for psum one device's bytes (its k devices reduce in process first), for the
+  others all k devices' bytes;
 * with ``--timeline`` (one host), the steady cost split from one launch of the 200-op
   program in the timeline (``jax_cpu_mpi.trace``), medians over process 0's calls:
   ``call`` (a collective's slice: our handler and MPI), ``wait`` (of it, waiting for the
@@ -95,7 +97,9 @@ def main() -> None:
 
     def mpi_call(elements: int):
         if args.op == "psum":
-            buf = np.ones(elements * k, np.float32)
+            # One device's bytes, as the bench compares: the k devices of a process reduce
+            # in process first, and the one MPI call moves what is left, one device's bytes.
+            buf = np.ones(elements, np.float32)
             out = np.empty_like(buf)
             return lambda: comm.Allreduce(buf, out, op=MPI.SUM)
         if args.op == "all_gather":
