@@ -123,11 +123,15 @@ namespace {
 // longer; one that had to yield halves it, and below kCollectiveSpinMin the wait yields at
 // once, trying the whole spin again every kCollectiveSpinProbe waits. Only for waits of up
 // to kAdaptiveSpinBytes: in a larger one MPI_Test itself moves the bytes, and the spin
-// there is the transfer. JAX_CPU_MPI_WAIT=spin keeps its long spin.
+// there is the transfer. From 16 KiB (beyond MPICH's eager cells) a wait with each rank on
+// its own core already outlasts the spin often enough to halve it away: with 2 devices per
+// rank on a quiet 2-core node the 16-64 KiB psum then yielded 4-5 times an op, 9-11
+// context switches instead of 1 (benchmarks/wait_placement.py --devices 2), where the
+// fixed spin kept 1. JAX_CPU_MPI_WAIT=spin keeps its long spin.
 constexpr int64_t kCollectiveSpinMaxNs = 10'000;
 constexpr int64_t kCollectiveSpinMinNs = 500;
 constexpr uint32_t kCollectiveSpinProbe = 32;
-constexpr size_t kAdaptiveSpinBytes = size_t{64} << 10;
+constexpr size_t kAdaptiveSpinBytes = size_t{8} << 10;
 
 class AdaptiveSpin {
  public:
