@@ -34,16 +34,21 @@ from jax_cpu_mpi.bench import patterns, programs
 from jax_cpu_mpi.bench import session as bench_session
 
 
+def _round_trips(z0: jax.Array, y0: jax.Array, hops: int) -> tuple[jax.Array, jax.Array]:
+    """``hops // 2`` ping-pong round trips in a scan whose carry ``(z, y)`` starts from
+    ``(z0, y0)``."""
+    def round_trip(carry, _):
+        z, _ = carry
+        y = programs._hop("psend", z, programs.FORWARD)
+        return (programs._hop("psend", y, programs.BACKWARD), y), None
+
+    return jax.lax.scan(round_trip, (z0, y0), None, length=hops // 2)[0]
+
+
 def _pingpong_donated(mesh, hops: int) -> Callable:
     """The ping-pong scan of programs.pingpong_scan from donated carries ``(z, y)``."""
     def body(z0, y0):
-        def round_trip(carry, _):
-            z, _ = carry
-            y = programs._hop("psend", z, programs.FORWARD)
-            return (programs._hop("psend", y, programs.BACKWARD), y), None
-
-        (z, y), _ = jax.lax.scan(round_trip, (z0, y0), None, length=hops // 2)
-        return z, y
+        return _round_trips(z0, y0, hops)
 
     spec = P(programs.AXIS)
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec),
@@ -54,13 +59,7 @@ def _pingpong_carry_copy(mesh, hops: int) -> Callable:
     """The ping-pong scan as it was before its first round trip ran before the loop: the
     carry starts from ``(x, x)``, which every call copies into the loop's buffers."""
     def body(x):
-        def round_trip(carry, _):
-            z, _ = carry
-            y = programs._hop("psend", z, programs.FORWARD)
-            return (programs._hop("psend", y, programs.BACKWARD), y), None
-
-        (z, y), _ = jax.lax.scan(round_trip, (x, x), None, length=hops // 2)
-        return z, y
+        return _round_trips(x, x, hops)
 
     spec = P(programs.AXIS)
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=(spec, spec)))

@@ -286,13 +286,22 @@ def test_donated_pattern_program_receives_into_the_donated_buffer():
             y = result
 
 
+def _entry_copies(compiled, n: int) -> list[str]:
+    """The copies of a whole u8[n] message in a compiled program's entry computation (the
+    loop carry's copy of the operand, when the scan starts from it)."""
+    import re
+
+    entry = compiled.as_text().split("ENTRY", 1)[1]
+    return [line for line in entry.splitlines()
+            if re.search(rf"= u8\[{n}\]\{{0\}} copy\(", line)]
+
+
 def test_pattern_program_copies_nothing_into_its_loop_carry():
     """psend/scan's and psend2/scan's programs on two devices of this process run their first
     step before the loop: XLA copies no operand into the loop's carry at every call (a pass
     over the message that raw MPI's loop does not have), and the result is still each
     device's message (zeros where a device receives nothing, multi-pair's sender; psend2
     ORs its two ops' results, of which a device receives in one)."""
-    import re
 
     import jax
     from jax.sharding import Mesh, NamedSharding
@@ -312,9 +321,7 @@ def test_pattern_program_copies_nothing_into_its_loop_carry():
                 fn = patterns._scan_program(mesh, transport, patterns.pairs(kind, 2), 4)
                 compiled = fn.lower(x).compile()
                 result = compiled(x)
-            entry = compiled.as_text().split("ENTRY", 1)[1]
-            copies = [line for line in entry.splitlines()
-                      if re.search(r"= u8\[2048\]\{0\} copy\(", line)]
+            copies = _entry_copies(compiled, 2048)
             assert not copies, (transport, kind, copies)
             np.testing.assert_array_equal(np.asarray(result), np.concatenate(want),
                                           (transport, kind))
@@ -326,7 +333,6 @@ def test_hop_programs_copy_nothing_into_their_loop_carry():
     call (a pass over the message that raw MPI's loop does not have), and each device still
     ends with what it received (the ping-pong: the message back on device 0 and the one
     device 1 received; the stream: the message on device 1, the acknowledgement on 0)."""
-    import re
 
     import jax
 
@@ -346,9 +352,7 @@ def test_hop_programs_copy_nothing_into_their_loop_carry():
                  [np.concatenate([zeros, message]), ack])):
             compiled = fn.lower(x).compile()
             results = compiled(x)
-            entry = compiled.as_text().split("ENTRY", 1)[1]
-            copies = [line for line in entry.splitlines()
-                      if re.search(rf"= u8\[{n}\]\{{0\}} copy\(", line)]
+            copies = _entry_copies(compiled, n)
             assert not copies, (transport, name, copies)
             for got, expected in zip(results, want, strict=True):
                 np.testing.assert_array_equal(np.asarray(got), expected, (transport, name))
