@@ -1,10 +1,10 @@
 """The rendezvous path of MPI messages (256 KiB and more, and from 16 KiB on for a psend
 whose operand a precv keeps): every way it can go.
 
-``rendezvous.py CASE[,CASE...]`` under ``mpirun -n 2``, the cases one after the other, each
-between ``== case NAME: start`` and ``== case NAME: done`` lines (tests/runtime/
-test_reliability.py runs the first three in one launch, with 4 devices per rank; the cases
-that say 1 device per rank use the first device of each rank):
+``rendezvous.py CASE[,CASE...]`` under ``mpirun -n 2`` (``ring``: ``-n 3``), the cases one
+after the other, each between ``== case NAME: start`` and ``== case NAME: done`` lines
+(tests/runtime/test_reliability.py runs the first three in one launch, with 4 devices per
+rank; the cases that say 1 device per rank use the first device of each rank):
 
 * ``paths`` (1 device per rank): the receiver ready first (the message goes straight from
   the operand: ``mpi_direct_sends`` grows, and the psend returns before it completes:
@@ -34,6 +34,10 @@ that say 1 device per rank use the first device of each rank):
   Then byte-count mismatches in a cycle (each side waits for another size than the other
   sends, small or large): both precvs report the mismatch instead of waiting for a ready
   signal that never comes, and the channel still delivers both ways afterwards.
+* ``ring`` (1 device per rank, run under ``mpirun -n 3``): every rank sends to the next and
+  receives from the previous one, one op with the ring's cycle and one op per pair, in a
+  ``lax.scan`` of 4 steps, at 8 B to 8 MiB + 4 KiB: a receive whose own deferred send goes
+  to another rank than it receives from; every byte checked, some sends direct.
 * ``never-received``: rank 0's psend of 8 MiB returns although rank 1 never posts the
   precv; rank 0's precv of a reply that never comes fails after the timeout; at exit rank 0
   meets rank 1 (waiting at its exit) in the exit barrier with its send undelivered, reports
@@ -42,6 +46,8 @@ that say 1 device per rank use the first device of each rank):
 
 from __future__ import annotations
 
+import functools
+import operator
 import sys
 import time
 
@@ -366,13 +372,69 @@ def run_exchange() -> None:
     print("ok   exchange after mismatches", flush=True)
 
 
+def run_ring() -> None:
+    """Every rank sends to the next and receives from the previous one (a ring of all the
+    job's ranks, 1 device each): one op with the ring's cycle (GPU parity off) and one op per
+    pair, in a ``lax.scan`` of 4 steps, each step's message differing. With 3 ranks or more a
+    receive's own deferred send goes to another peer than the one it receives from: the
+    receive waits for the sends deferred before it (mpi/transport.h) and posts its receives
+    once they have started, and every byte must still arrive."""
+    mesh = pair_mesh()
+    ranks = jax.process_count()
+    ring = [(i, (i + 1) % ranks) for i in range(ranks)]
+    steps = 4
+
+    def step_one_op(v):
+        like = jax.ShapeDtypeStruct(v.shape, v.dtype)
+        return jax_cpu_mpi.precv(jax_cpu_mpi.psend(v, "x", ring), like, "x", ring)
+
+    def step_op_per_pair(v):
+        like = jax.ShapeDtypeStruct(v.shape, v.dtype)
+        tokens = [jax_cpu_mpi.psend(v, "x", [pair]) for pair in ring]
+        # A device is the destination of one pair; the others' precvs give it zeros.
+        got = [jax_cpu_mpi.precv(t, like, "x", [pair])
+               for t, pair in zip(tokens, ring, strict=True)]
+        return functools.reduce(operator.or_, got)
+
+    def scanned(step):
+        def body(v):
+            def one(c, _):
+                got = jax.lax.pcast(step(c), "x", to="varying")
+                return got + jnp.uint8(1), None
+
+            return jax.lax.scan(one, v, None, length=steps)[0]
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+
+    direct_before = counters()[0]
+    for name, step in (("one op", step_one_op), ("op per pair", step_op_per_pair)):
+        with config.overrides(gpu_parity=False):
+            f = scanned(step)
+            for n in (8, 16 << 10, (100 << 10) + 8, 1 << 20, (8 << 20) + 4096):
+                x = common.global_array(
+                    mesh, P("x"), np.concatenate([pattern(n, 20 + r) for r in range(ranks)]))
+                for _ in range(2):
+                    got = local(jax.block_until_ready(f(x)))
+                    # After `steps` shifts each device holds the block that started `steps`
+                    # ranks before it, each step adding 1.
+                    origin = (me - steps) % ranks
+                    np.testing.assert_array_equal(got, pattern(n, 20 + origin) + np.uint8(steps),
+                                                  err_msg=(name, n))
+                print(f"ok   ring of {ranks} {name} {n} bytes", flush=True)
+                barrier(f"ring {name} {n}")
+    direct = counters()[0] - direct_before
+    # The deferred sends of the cycle went straight from their operands, at least some.
+    assert direct > 0, jax_cpu_mpi.stats()
+    print(f"ok   ring of {ranks}: {direct} direct sends", flush=True)
+
+
 def _send_only(v):
     jax_cpu_mpi.psend(v, "x", FWD)  # side-effecting: stays in the program
     return v
 
 
 RUN = {"paths": run_paths, "many-channels": run_many_channels, "exchange": run_exchange,
-       "never-received": run_never_received}
+       "ring": run_ring, "never-received": run_never_received}
 assert "never-received" not in CASES or CASES == ["never-received"], CASES  # it ends the job
 for case in CASES:
     print(f"== case {case}: start", flush=True)

@@ -505,6 +505,22 @@ def test_rendezvous_exchanges_both_ways_at_once(rendezvous_run):
 
 
 @pytest.mark.mpi
+@pytest.mark.timeout(240)
+def test_rendezvous_in_a_ring_of_three_ranks():
+    """A ring of 3 ranks (each sends to the next, receives from the previous; one op with
+    the cycle, one op per pair): a receive's own deferred send goes to another rank than
+    the one it receives from, which 2 ranks never reach; every byte arrives, some direct."""
+    run = run_mpi("rendezvous.py", "ring", nprocs=3, devices_per_process=1, timeout=200)
+    assert_mpi_ok(run, 3)
+    for rank in range(3):
+        out = _case_output(run, "ring", rank)
+        for name in ("one op", "op per pair"):
+            for size in (8, 16 << 10, (100 << 10) + 8, 1 << 20, (8 << 20) + 4096):
+                assert f"ok   ring of 3 {name} {size} bytes" in out, run.report()
+        assert "direct sends" in out, run.report()
+
+
+@pytest.mark.mpi
 @pytest.mark.timeout(RENDEZVOUS_TIMEOUT + 30)
 def test_rendezvous_on_many_channels_at_once(rendezvous_run):
     run = rendezvous_run
