@@ -96,8 +96,11 @@ def python_messages() -> dict[str, str]:
 
 
 def _cpp_code(text: str) -> str:
+    """The code without comments and without `#include` lines (a header's quoted path is
+    not a message)."""
     text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
-    return "\n".join(re.sub(r"//.*$", "", line) for line in text.splitlines())
+    return "\n".join(re.sub(r"//.*$", "", line) for line in text.splitlines()
+                     if not line.lstrip().startswith("#include"))
 
 
 _LITERAL = r'"((?:[^"\\]|\\.)*)"'
