@@ -61,8 +61,8 @@ class LocalRound {
     int sleepers = 0;  // devices waiting on `cv` (the leader wakes them only if any)
     // The CPU each device (by position) last ran on, as it arrived or left (-1: unknown):
     // read without a lock by a device deciding how to wait (MeetLocally).
+    // As many as `in` (set once, with the slot).
     std::unique_ptr<std::atomic<int>[]> cpu;
-    size_t members = 0;
     std::vector<const void*> in;
     std::vector<void*> out;
     std::string error;  // of the last round ("" when it succeeded)
@@ -72,7 +72,6 @@ class LocalRound {
     auto& slot = slots_[key];
     if (!slot) {
       slot = std::make_unique<Slot>();
-      slot->members = members;
       slot->cpu = std::make_unique<std::atomic<int>[]>(members);
       for (size_t i = 0; i < members; ++i) slot->cpu[i].store(-1, std::memory_order_relaxed);
       slot->in.resize(members);
@@ -167,7 +166,8 @@ void YieldWhileNot(Done&& done) {
 // Whether another device of the slot last ran on `cpu` (`pos`: this device's position).
 bool SharesCpu(const LocalRound::Slot& slot, size_t pos, int cpu) {
   if (cpu < 0) return true;  // unknown: as if shared
-  for (size_t i = 0; i < slot.members; ++i) {
+  // in's size is set with the slot and never changes: readable without its lock.
+  for (size_t i = 0; i < slot.in.size(); ++i) {
     if (i != pos && slot.cpu[i].load(std::memory_order_relaxed) == cpu) return true;
   }
   return false;

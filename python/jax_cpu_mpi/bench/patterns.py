@@ -239,11 +239,11 @@ def _jax(ctx: Any, method: str, transport: str) -> Measurement:
     x = jax.make_array_from_callback((nranks * n,), NamedSharding(mesh, P(AXIS)),
                                      lambda index: value)
     donated = method == "psend-donated/scan"
-    windows = 1 if _two_way(kind) else windows_per_call(plan)
     if _two_way(kind):
-        steps = plan.hops
+        windows, steps = 1, plan.hops
         fn = (donated_scan_program if donated else _scan_program)(mesh, transport, perm, steps)
     else:
+        windows = windows_per_call(plan)
         steps = plan.window * windows
         fn = window_program(mesh, transport, perm, plan.window, windows, donated)
     if transport == "psend":
