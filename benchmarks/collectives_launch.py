@@ -38,6 +38,8 @@ import time
 OPS = ("psum", "all_gather", "all_to_all")
 #: The timeline's names of their slices.
 COLLECTIVES = ("all_reduce", "all_gather", "all_to_all")
+#: Each op's benchmark in jax_cpu_mpi.bench.collectives (its MPI call: mpi_call).
+BENCHMARK = {"psum": "all_reduce", "all_gather": "all_gather", "all_to_all": "alltoall"}
 
 
 def main() -> None:
@@ -65,6 +67,7 @@ def main() -> None:
     from mpi4py import MPI
 
     from jax_cpu_mpi import config
+    from jax_cpu_mpi.bench.collectives import mpi_call
     from jax_cpu_mpi.bench.programs import repeated_in_scan
 
     config.configure(collectives="mpi")
@@ -94,20 +97,6 @@ def main() -> None:
                                          lambda idx: np.ones(elements, np.float32))
         f(x).block_until_ready()  # compile and warm up
         return f, x
-
-    def mpi_call(elements: int):
-        if args.op == "psum":
-            # One device's bytes, as the bench compares: the k devices of a process reduce
-            # in process first, and the one MPI call moves what is left, one device's bytes.
-            buf = np.ones(elements, np.float32)
-            out = np.empty_like(buf)
-            return lambda: comm.Allreduce(buf, out, op=MPI.SUM)
-        if args.op == "all_gather":
-            buf, out = np.ones(elements // n * k, np.float32), np.empty(elements, np.float32)
-            return lambda: comm.Allgather(buf, out)
-        buf = np.ones(elements * k, np.float32)
-        out = np.empty_like(buf)
-        return lambda: comm.Alltoall(buf, out)
 
     def timeline_split(f, x) -> dict:
         """One launch of ``f`` recorded: medians of process 0's collective slices, their
@@ -146,7 +135,8 @@ def main() -> None:
         else:
             elements = max(size // 4 // n, 1) * n
         progs = {iters: program(elements, iters) for iters in (1, 20, 200)}
-        call = mpi_call(elements)
+        # What the process's one MPI call moves (bench.collectives.mpi_call).
+        call = mpi_call(comm, BENCHMARK[args.op], elements, n, k)
         times: dict[object, list[float]] = {iters: [] for iters in progs}
         times["mpi4py"] = []
         for _ in range(args.rounds):

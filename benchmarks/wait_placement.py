@@ -65,6 +65,7 @@ def main() -> None:
     from jax.sharding import PartitionSpec as P
 
     import jax_cpu_mpi
+    from jax_cpu_mpi.bench.collectives import mpi_call
 
     jax.distributed.initialize(cluster_detection_method="mpi4py")
     from mpi4py import MPI
@@ -95,14 +96,8 @@ def main() -> None:
         f(x).block_until_ready()  # compile and warm up
         # mpi4py moves what our process's one MPI call moves: one device's bytes for a
         # psum (the devices reduce in process first), every local device's for all_to_all.
-        buf = np.ones(elements * (1 if args.op == "psum" else args.devices), np.float32)
-        out = np.empty_like(buf)
-        if args.op == "psum":
-            def call(b=buf, o=out) -> None:
-                comm.Allreduce(b, o, op=MPI.SUM)
-        else:
-            def call(b=buf, o=out) -> None:
-                comm.Alltoall(b, o)
+        call = mpi_call(comm, "all_reduce" if args.op == "psum" else "alltoall", elements, n,
+                        args.devices)
         ours, theirs, per_op = [], [], []
         for _ in range(args.rounds):
             comm.Barrier()

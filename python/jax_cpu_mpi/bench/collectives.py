@@ -33,11 +33,42 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 #: Benchmark -> (JAX collective, mpi4py call, busbw factor of P ranks).
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "alltoall")
 #: What runs each op: JAX's collective over gloo, over MPI (ours), and mpi4py's call.
 METHODS = ("gloo", "mpi", "mpi4py")
+
+
+def mpi_call(comm: Any, op: str, elements: int, devices: int,
+             devices_per_rank: int) -> Callable[[], None]:
+    """One process's MPI call (mpi4py, on ``comm``) that a benchmark of ``op`` (one of
+    :data:`OPS`) compares with: the bytes our collective gives MPI. ``elements``: float32 per
+    device of the op's larger buffer, ``devices`` in the whole mesh. The process's
+    ``devices_per_rank`` devices meet first, so one rank sends what they hold together,
+    except for all_reduce, whose devices reduce in process to one device's bytes first."""
+    import numpy as np
+    from mpi4py import MPI
+
+    k = devices_per_rank
+    if op == "all_reduce":
+        buf = np.ones(elements, np.float32)
+        out = np.empty_like(buf)
+        return lambda: comm.Allreduce(buf, out, op=MPI.SUM)
+    block = elements // devices
+    if op == "all_gather":
+        buf, out = np.ones(block * k, np.float32), np.empty(elements, np.float32)
+        return lambda: comm.Allgather(buf, out)
+    if op == "reduce_scatter":
+        buf, out = np.ones(elements, np.float32), np.empty(block * k, np.float32)
+        return lambda: comm.Reduce_scatter_block(buf, out, op=MPI.SUM)
+    if op != "alltoall":
+        raise ValueError(f"mpi_call: no MPI call for {op!r}; one of {OPS}")
+    buf = np.ones(elements * k, np.float32)
+    out = np.empty_like(buf)
+    return lambda: comm.Alltoall(buf, out)
 
 
 def _busbw_factor(op: str, ranks: int) -> float:
@@ -142,26 +173,6 @@ def main() -> int:
         f(x).block_until_ready()
         return (time.perf_counter() - t) / args.iters
 
-    def mpi4py_call(op: str, elements: int):
-        """The MPI call of one process, on the bytes our collective gives MPI: the process's
-        devices meet first, so one rank sends what its k devices hold together, except for
-        all_reduce, whose k devices reduce in process to one device's bytes first."""
-        k = args.devices
-        if op == "all_reduce":
-            buf = np.ones(elements, np.float32)
-            out = np.empty_like(buf)
-            return lambda: comm.Allreduce(buf, out, op=MPI.SUM)
-        block = elements // n
-        if op == "all_gather":
-            buf, out = np.ones(block * k, np.float32), np.empty(elements, np.float32)
-            return lambda: comm.Allgather(buf, out)
-        if op == "reduce_scatter":
-            buf, out = np.ones(elements, np.float32), np.empty(block * k, np.float32)
-            return lambda: comm.Reduce_scatter_block(buf, out, op=MPI.SUM)
-        buf = np.ones(elements * k, np.float32)
-        out = np.empty_like(buf)
-        return lambda: comm.Alltoall(buf, out)
-
     def time_mpi4py(call) -> float:
         comm.Barrier()
         t = time.perf_counter()
@@ -188,7 +199,7 @@ def main() -> int:
             timers = {}
             for m in methods:
                 if m == "mpi4py":
-                    call = mpi4py_call(op, elements)
+                    call = mpi_call(comm, op, elements, n, args.devices)
                     call()
                     timers[m] = lambda call=call: time_mpi4py(call)
                 else:
