@@ -67,7 +67,7 @@ def _variants(session, n: int, window: int, windows: int
             (lambda: jax.block_until_ready(osu(x)), window * windows),
         "mpi4py, former (1 window + 8 B ack)": (lambda: mpi(1, 8), window),
         f"mpi4py, osu_mbw_mr ({windows} windows + 4 B acks)":
-            (lambda: mpi(windows, patterns.ACK_BYTES), window * windows),
+            (lambda: mpi(windows, patterns.WINDOW_ACK_BYTES), window * windows),
     }
 
 

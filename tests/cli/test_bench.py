@@ -376,7 +376,7 @@ def test_multi_pair_windows_end_in_acknowledgements():
     mesh = Mesh(np.array(jax.devices()[:2]), (AXIS,))
     halves = (np.arange(1, 4097) % 251).astype(np.uint8).reshape(2, 2048)
     x = jax.device_put(halves.reshape(-1), NamedSharding(mesh, P(AXIS)))
-    k = patterns.ACK_BYTES
+    k = patterns.WINDOW_ACK_BYTES
     want_ack = np.concatenate([halves[0][:k], np.zeros(k, np.uint8)])
     perm = patterns.pairs("multi-pair", 2)
     for transport in ("psend", "psend2", "ppermute"):

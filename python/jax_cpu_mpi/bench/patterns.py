@@ -140,8 +140,9 @@ def donated_scan_program(mesh: Mesh, transport: str, perm: list[tuple[int, int]]
 
 
 #: Bytes of multi-pair's acknowledgement, a message back from each receiver to its sender
-#: after every window (osu_mbw_mr's ``MPI_Send(s_buf, 4, ...)``).
-ACK_BYTES = 4
+#: after every window (osu_mbw_mr's ``MPI_Send(s_buf, 4, ...)``); the hop's acknowledgement
+#: after its window of calls is programs.ACK_BYTES.
+WINDOW_ACK_BYTES = 4
 
 
 def windows_per_call(plan: Any) -> int:
@@ -155,7 +156,7 @@ def window_program(mesh: Mesh, transport: str, perm: list[tuple[int, int]], wind
                    windows: int, donated: bool = False) -> Callable:
     """multi-pair as ``osu_mbw_mr`` defines it: ``windows`` windows in one call, each
     ``window`` messages from every sender to its receiver, then an acknowledgement of
-    :data:`ACK_BYTES` back from every receiver, which the sender's next window waits for.
+    :data:`WINDOW_ACK_BYTES` back from every receiver, which the sender's next window waits for.
 
     ``x -> (y, ack)`` (with ``donated``, ``(x, y) -> (y', ack)``, ``y`` donated as in
     :func:`donated_scan_program`): ``y`` the last window's last message on every receiver,
@@ -171,7 +172,7 @@ def window_program(mesh: Mesh, transport: str, perm: list[tuple[int, int]], wind
         return received[0] if isinstance(received, tuple) else received
 
     def acknowledged(y):
-        return one(_step(transport, one(y)[:ACK_BYTES], back))
+        return one(_step(transport, one(y)[:WINDOW_ACK_BYTES], back))
 
     def body(x, *y0):
         y = (repeated_in_scan(step, x, window, first=y0[0]) if y0
@@ -277,7 +278,7 @@ def _jax(ctx: Any, method: str, transport: str) -> Measurement:
     me = mesh.devices.reshape(-1)[session.rank]
     wrong = count_wrong(shard_on(out[0], me), value) if session.rank in receivers else 0
     if len(out) > 1 and session.rank in {s for s, _ in perm}:
-        wrong += count_wrong(shard_on(out[1], me)[:ACK_BYTES], value[:ACK_BYTES])
+        wrong += count_wrong(shard_on(out[1], me)[:WINDOW_ACK_BYTES], value[:WINDOW_ACK_BYTES])
     return Measurement(method=method, kind=kind, size=n, seconds=seconds,
                        warmup=plan.scan_warmup, messages_per_sample=steps, wrong=wrong,
                        mode="gpu" if session.platform == "gpu" else "mpi",
@@ -296,7 +297,7 @@ def _mpi4py(ctx: Any) -> Measurement:
     send, recv = pattern(n), np.zeros(n, np.uint8)
     windows = windows_per_call(plan) if kind == "multi-pair" else 1
     steps = plan.hops if kind in ("exchange", "ring") else plan.window * windows
-    ack = np.zeros(ACK_BYTES, np.uint8)
+    ack = np.zeros(WINDOW_ACK_BYTES, np.uint8)
 
     if kind in ("exchange", "ring"):
         def step() -> None:
