@@ -301,6 +301,19 @@ def run_never_received() -> None:
     common.ok()
 
 
+def scanned(mesh, step, steps: int = 4):
+    """``steps`` of ``step`` in a jitted ``lax.scan`` over ``mesh``, each step adding 1 to
+    what it received, so that each step's message differs."""
+    def body(v):
+        def one(c, _):
+            got = jax.lax.pcast(step(c), "x", to="varying")
+            return got + jnp.uint8(1), None
+
+        return jax.lax.scan(one, v, None, length=steps)[0]
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+
+
 def run_exchange() -> None:
     mesh = pair_mesh()
     cycle = [(0, 1), (1, 0)]
@@ -315,19 +328,9 @@ def run_exchange() -> None:
         # The device that is not a destination of a pair gets zeros from its precv.
         return (jax_cpu_mpi.precv(t1, like, "x", FWD) | jax_cpu_mpi.precv(t2, like, "x", BWD))
 
-    def scanned(step):
-        def body(v):
-            def one(c, _):
-                got = jax.lax.pcast(step(c), "x", to="varying")
-                return got + jnp.uint8(1), None  # each step's message differs
-
-            return jax.lax.scan(one, v, None, length=4)[0]
-
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-
     for name, step in (("one op", step_one_op), ("two ops", step_two_ops)):
         with config.overrides(gpu_parity=False):
-            f = scanned(step)
+            f = scanned(mesh, step)
             for n in (8, 4 << 10, 16 << 10, (100 << 10) + 8, 256 << 10, 1 << 20,
                       (8 << 20) + 4096):
                 x = common.global_array(mesh, P("x"),
@@ -364,7 +367,7 @@ def run_exchange() -> None:
             raise AssertionError("a precv of another size must fail")
         barrier(f"cycle mismatch {send_n} {recv_n} done")
     with config.overrides(gpu_parity=False):
-        f = scanned(step_one_op)
+        f = scanned(mesh, step_one_op)
         n = 1 << 20
         x = common.global_array(mesh, P("x"), np.concatenate([pattern(n, 7), pattern(n, 8)]))
         got = local(jax.block_until_ready(f(x)))
@@ -396,20 +399,10 @@ def run_ring() -> None:
                for t, pair in zip(tokens, ring, strict=True)]
         return functools.reduce(operator.or_, got)
 
-    def scanned(step):
-        def body(v):
-            def one(c, _):
-                got = jax.lax.pcast(step(c), "x", to="varying")
-                return got + jnp.uint8(1), None
-
-            return jax.lax.scan(one, v, None, length=steps)[0]
-
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-
     direct_before = counters()[0]
     for name, step in (("one op", step_one_op), ("op per pair", step_op_per_pair)):
         with config.overrides(gpu_parity=False):
-            f = scanned(step)
+            f = scanned(mesh, step, steps)
             for n in (8, 16 << 10, (100 << 10) + 8, 1 << 20, (8 << 20) + 4096):
                 x = common.global_array(
                     mesh, P("x"), np.concatenate([pattern(n, 20 + r) for r in range(ranks)]))
