@@ -149,6 +149,13 @@ def _measure(session: Any, args: argparse.Namespace, n: int, variants: Variants)
                 wrong[name] += check(result)
     lines = []
     for name in variants:
+        kind, method = name.split()
+        if method != "mpi4py" and f"{kind} mpi4py" in variants:
+            # The speed against MPI: the median over rounds of the ratio within each round,
+            # as the benchmark's targets take it (a change of load moves both sides).
+            ratios = [m / t for m, t in zip(times[f"{kind} mpi4py"], times[name], strict=True)]
+            lines.append(f"rank {session.rank} {n:>9} B  {kind} {method} speed against "
+                         f"mpi4py: x{np.median(ratios):.2f}")
         med = {k: float(np.median([c[k] for c in counts[name]])) for k in counts[name][0]}
         lines.append(f"rank {session.rank} {n:>9} B  {name:22s} "
                      f"{np.median(times[name]) * 1e6:9.2f} us/message "
