@@ -108,7 +108,8 @@ def test_the_clip_is_optaxs_given_the_norm_or_not(max_norm):
 
 def test_the_blocks_ops_are_flaxs_and_jaxs():
     """The example's own forms of its ops give what they replace: ``Linear`` (its kernel
-    gradient from a transposed copy) ``nnx.Linear``'s values and gradients, and
+    gradient from a transposed copy, or contracted in place) ``nnx.Linear``'s values and
+    gradients, and
     ``causal_attention`` ``jax.nn.dot_product_attention(is_causal=True)``'s. The pipeline's
     check cannot see a wrong gradient here: its reference runs the same ops."""
     import jax
@@ -117,20 +118,23 @@ def test_the_blocks_ops_are_flaxs_and_jaxs():
 
     from jax_cpu_mpi.examples import transformer
 
-    ours = transformer.Linear(16, 24, rngs=nnx.Rngs(0))
-    flax_linear = nnx.Linear(16, 24, rngs=nnx.Rngs(0))
-    graph, params = nnx.split(ours)
-    flax_graph, _ = nnx.split(flax_linear)
-    x = jax.random.normal(jax.random.key(1), (3, 5, 16))
-    dy = jax.random.normal(jax.random.key(2), (3, 5, 24))
+    # Both forms of the kernel gradient: from the transposed copy (input narrower than
+    # the output) and contracted in place (wider).
+    for features_in, features_out in [(16, 24), (24, 16)]:
+        ours = transformer.Linear(features_in, features_out, rngs=nnx.Rngs(0))
+        flax_linear = nnx.Linear(features_in, features_out, rngs=nnx.Rngs(0))
+        graph, params = nnx.split(ours)
+        flax_graph, _ = nnx.split(flax_linear)
+        x = jax.random.normal(jax.random.key(1), (3, 5, features_in))
+        dy = jax.random.normal(jax.random.key(2), (3, 5, features_out))
 
-    def grads(graph):
-        y, vjp = jax.vjp(lambda p, x: nnx.merge(graph, p)(x), params, x)
-        return y, vjp(dy)
+        def grads(graph, params=params, x=x, dy=dy):
+            y, vjp = jax.vjp(lambda p, x: nnx.merge(graph, p)(x), params, x)
+            return y, vjp(dy)
 
-    for g, w in zip(jax.tree.leaves(grads(graph)), jax.tree.leaves(grads(flax_graph)),
-                    strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+        for g, w in zip(jax.tree.leaves(grads(graph)), jax.tree.leaves(grads(flax_graph)),
+                        strict=True):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
 
     q, k, v, dout = (jax.random.normal(jax.random.key(i), (2, 8, 2, 4)) for i in range(4))
 

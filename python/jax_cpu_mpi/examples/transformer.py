@@ -244,8 +244,14 @@ def _dense_backward(saved: tuple[jax.Array, jax.Array], dy: jax.Array
     # contracts its left operand's first axis to Eigen, which packs it slowly; transposed
     # into a buffer of its own first (the barrier keeps XLA from folding the transpose
     # back into the dot), the same product is one YNNPACK takes, cheaper than Eigen's
-    # by more than the copy costs.
-    dkernel = jnp.dot(jax.lax.optimization_barrier(rows.T), dy_rows)
+    # by more than the copy costs. Not when the input is wider than the output (the
+    # MLP's down projection, [tokens, 4 x width]): XLA writes that transposed copy one
+    # strided column at a time, fused with the GELU that produced x, and it then costs
+    # more than the product itself; Eigen contracting the token axis in place is cheaper.
+    if rows.shape[1] > dy_rows.shape[1]:
+        dkernel = jax.lax.dot_general(rows, dy_rows, (((0,), (0,)), ((), ())))
+    else:
+        dkernel = jnp.dot(jax.lax.optimization_barrier(rows.T), dy_rows)
     return jnp.dot(dy, kernel.T), dkernel, dy_rows.sum(axis=0)
 
 
