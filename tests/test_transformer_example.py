@@ -151,6 +151,37 @@ def test_the_blocks_ops_are_flaxs_and_jaxs():
     np.testing.assert_array_equal(np.asarray(transformer.causal_attention(q, later, v)[:, :4]),
                                   np.asarray(transformer.causal_attention(q, k, v)[:, :4]))
 
+def test_the_dropout_keeps_its_rate_scale_and_keys():
+    """The example's ``Dropout`` (two elements' 16 bits from each random word): it keeps
+    ``1 - rate`` of the elements, scaled so the mean is kept, the same mask for the same
+    key and another for another key, an odd width too, and nothing without a key."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jax_cpu_mpi.examples import transformer
+
+    drop = transformer.Dropout(0.25)
+    assert isinstance(drop, nnx.Dropout)
+    x = jnp.ones((64, 32, 129), jnp.float32)
+    y = np.asarray(drop(x, rngs=nnx.Rngs(dropout=0)))
+    kept = y != 0
+    # 264,192 elements: the kept fraction's standard deviation is about 8.4e-4.
+    assert abs(kept.mean() - 0.75) < 5e-3, kept.mean()
+    np.testing.assert_allclose(y[kept], 65536 / round(0.75 * 65536), rtol=1e-6)
+    assert abs(y.mean() - 1.0) < 1e-2
+    # Both halves of the words, and the odd last element, are used.
+    for part in (kept[..., :65], kept[..., 65:], kept[..., -1]):
+        assert abs(part.mean() - 0.75) < 2e-2
+    assert np.array_equal(np.asarray(drop(x, rngs=nnx.Rngs(dropout=0))), y)
+    other = np.asarray(drop(x, rngs=nnx.Rngs(dropout=1))) != 0
+    assert 0.3 < (other != kept).mean() < 0.45  # 2 x 0.75 x 0.25 of them differ
+    # The two halves of a word are not the same draw.
+    assert (kept[..., :64] != kept[..., 65:129]).mean() > 0.3
+    assert drop(x, deterministic=True) is x
+    with pytest.raises(ValueError, match="no rngs"):
+        drop(x)
+
+
 @pytest.mark.mpi
 @pytest.mark.timeout(600)
 def test_mpirun_n2x2devices_trains_and_checkpoints(tmp_path):

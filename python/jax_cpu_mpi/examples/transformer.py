@@ -274,6 +274,49 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     return jnp.einsum("...hts,...shd->...thd", jax.nn.softmax(logits, axis=-1), v)
 
 
+class Dropout(nnx.Dropout):
+    """``nnx.Dropout`` (the same attributes and tree) whose mask costs half the random bits.
+
+    ``nnx.Dropout`` draws a 32-bit word (threefry) for every element and keeps the element
+    where the uniform float made of it is below ``1 - rate``. Here each word of
+    ``jax.random.bits`` (the same key, half as many words) gives two elements their 16
+    bits each: threefry's bits were the larger part of dropout's cost, drawn in every
+    forward and again in the forward that remat forms in the backward. The keep
+    probability is ``1 - rate`` rounded to a multiple of 2^-16 (``nnx.Dropout``'s float
+    comparison rounds it to 2^-23), and the kept elements are scaled by its inverse, so
+    the mean is kept exactly. The pipeline's check compares the same ``Block`` on one
+    device, so it sees the same masks; ``tests/test_transformer_example.py`` checks the
+    masks' rate, scale and keys."""
+
+    def __call__(self, inputs: jax.Array, *, deterministic: bool | None = None,
+                 rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None) -> jax.Array:
+        if self.broadcast_dims:
+            raise NotImplementedError("transformer.Dropout: broadcast_dims is not supported; "
+                                      "use nnx.Dropout")
+        deterministic = self.deterministic if deterministic is None else deterministic
+        if deterministic or self.rate == 0.0:
+            return inputs
+        rngs = self.rngs if rngs is None else rngs
+        if isinstance(rngs, nnx.Rngs):
+            key = rngs[self.rng_collection]()
+        elif isinstance(rngs, nnx.RngStream):
+            key = rngs()
+        elif isinstance(rngs, jax.Array):
+            key = rngs
+        else:
+            raise ValueError(f"transformer.Dropout: no rngs (got {type(rngs).__name__}); pass "
+                             "rngs=nnx.Rngs(dropout=...), an RngStream or a key, or "
+                             "deterministic=True")
+        *lead, width = inputs.shape
+        halves = -(-width // 2)
+        words = jax.random.bits(key, (*lead, halves), jnp.uint32)
+        bits = jnp.concatenate([words & 0xFFFF, words >> 16], axis=-1)[..., :width]
+        threshold = max(1, round((1.0 - self.rate) * 65536))
+        keep = bits < jnp.uint32(threshold)
+        scale = jnp.asarray(65536 / threshold, inputs.dtype)
+        return jax.lax.select(keep, inputs * scale, jnp.zeros_like(inputs))
+
+
 class Block(nnx.Module):
     """A pre-norm transformer block: causal self-attention, then an MLP, each residual."""
 
@@ -285,7 +328,7 @@ class Block(nnx.Module):
         self.norm2 = nnx.LayerNorm(width, rngs=rngs)
         self.up = Linear(width, 4 * width, rngs=rngs)
         self.down = Linear(4 * width, width, rngs=rngs)
-        self.drop = nnx.Dropout(dropout)
+        self.drop = Dropout(dropout)
 
     def __call__(self, x: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
         *lead, T, W = x.shape
