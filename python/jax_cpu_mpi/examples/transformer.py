@@ -538,18 +538,26 @@ def reference_value_and_grad(parts: Parts, args: argparse.Namespace
 
 
 def make_train_step(value_and_grad: Callable[..., Any], optimizer: optax.GradientTransformation,
-                    shardings: tuple[PyTree, PyTree, Any]
+                    shardings: tuple[PyTree, PyTree, Any], seed: int
                     ) -> Callable[..., tuple[PyTree, PyTree, jax.Array]]:
     """The jitted step (``value_and_grad``: :func:`make_value_and_grad` ``with_norm``, whose
     norm the clipping takes); its results keep the parameters' and optimizer state's
-    shardings (``shardings``), so the next step runs the same compiled program."""
+    shardings (``shardings``), so the next step runs the same compiled program.
+
+    ``step(params, opt_state, ids, targets, index)``: ``index`` is the step's number, and
+    its dropout key ``fold_in(key(seed), index)`` is drawn inside the step. A key drawn
+    outside would be an array on one device that every step first copied to the whole mesh
+    (JAX's Python path for an argument on other devices than the program's)."""
     @partial(jax.jit, out_shardings=shardings, donate_argnums=(0, 1))
     def step(params: PyTree, opt_state: PyTree, ids: jax.Array, targets: jax.Array,
-             key: jax.Array) -> tuple[PyTree, PyTree, jax.Array]:
+             index: jax.Array) -> tuple[PyTree, PyTree, jax.Array]:
+        key = jax.random.fold_in(jax.random.key(seed), index)
         loss, grads, norm = value_and_grad(params, ids, targets, key)
         updates, opt_state = optimizer.update(grads, opt_state, params, global_norm=norm)
         return optax.apply_updates(params, updates), opt_state, loss
-    return step
+
+    return lambda params, opt_state, ids, targets, index: step(
+        params, opt_state, ids, targets, np.uint32(index))
 
 
 def init_opt_state(optimizer: optax.GradientTransformation, params: PyTree,
@@ -797,7 +805,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     train_step = make_train_step(
         make_value_and_grad(parts, mesh, args, with_norm=True), optimizer,
-        (shardings, jax.tree.map(lambda a: a.sharding, opt_state), NamedSharding(mesh, P())))
+        (shardings, jax.tree.map(lambda a: a.sharding, opt_state), NamedSharding(mesh, P())),
+        args.seed)
     # The validation loss without dropout (no key); the pipeline forms gradients too.
     evaluate = jax.jit(lambda p, ids, t: value_and_grad(p, ids, t, None)[0])
     losses: list[float] = []
@@ -811,8 +820,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ids, targets = batch_at(text.train, args.seed, i, B, T)
         start = time.perf_counter()
         params, opt_state, loss = train_step(params, opt_state, microbatches(ids),
-                                             microbatches(targets),
-                                             jax.random.fold_in(base_key, i))
+                                             microbatches(targets), i)
         loss = float(host(loss))
         seconds = time.perf_counter() - start
         if i > step0:
