@@ -108,7 +108,8 @@ def test_the_clip_is_optaxs_given_the_norm_or_not(max_norm):
 
 def test_the_blocks_ops_are_flaxs_and_jaxs():
     """The example's own forms of its ops give what they replace: ``Linear`` (its kernel
-    gradient from a transposed copy) ``nnx.Linear``'s values and gradients, and
+    gradient from a transposed copy, or contracted in place) ``nnx.Linear``'s values and
+    gradients, and
     ``causal_attention`` ``jax.nn.dot_product_attention(is_causal=True)``'s. The pipeline's
     check cannot see a wrong gradient here: its reference runs the same ops."""
     import jax
@@ -117,20 +118,23 @@ def test_the_blocks_ops_are_flaxs_and_jaxs():
 
     from jax_cpu_mpi.examples import transformer
 
-    ours = transformer.Linear(16, 24, rngs=nnx.Rngs(0))
-    flax_linear = nnx.Linear(16, 24, rngs=nnx.Rngs(0))
-    graph, params = nnx.split(ours)
-    flax_graph, _ = nnx.split(flax_linear)
-    x = jax.random.normal(jax.random.key(1), (3, 5, 16))
-    dy = jax.random.normal(jax.random.key(2), (3, 5, 24))
+    # Both forms of the kernel gradient: from the transposed copy (input narrower than
+    # the output) and contracted in place (wider).
+    for features_in, features_out in [(16, 24), (24, 16)]:
+        ours = transformer.Linear(features_in, features_out, rngs=nnx.Rngs(0))
+        flax_linear = nnx.Linear(features_in, features_out, rngs=nnx.Rngs(0))
+        graph, params = nnx.split(ours)
+        flax_graph, _ = nnx.split(flax_linear)
+        x = jax.random.normal(jax.random.key(1), (3, 5, features_in))
+        dy = jax.random.normal(jax.random.key(2), (3, 5, features_out))
 
-    def grads(graph):
-        y, vjp = jax.vjp(lambda p, x: nnx.merge(graph, p)(x), params, x)
-        return y, vjp(dy)
+        def grads(graph, params=params, x=x, dy=dy):
+            y, vjp = jax.vjp(lambda p, x: nnx.merge(graph, p)(x), params, x)
+            return y, vjp(dy)
 
-    for g, w in zip(jax.tree.leaves(grads(graph)), jax.tree.leaves(grads(flax_graph)),
-                    strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+        for g, w in zip(jax.tree.leaves(grads(graph)), jax.tree.leaves(grads(flax_graph)),
+                        strict=True):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
 
     q, k, v, dout = (jax.random.normal(jax.random.key(i), (2, 8, 2, 4)) for i in range(4))
 
@@ -146,6 +150,37 @@ def test_the_blocks_ops_are_flaxs_and_jaxs():
     later = k.at[:, 4:].set(jnp.zeros_like(k[:, 4:]))
     np.testing.assert_array_equal(np.asarray(transformer.causal_attention(q, later, v)[:, :4]),
                                   np.asarray(transformer.causal_attention(q, k, v)[:, :4]))
+
+def test_the_dropout_keeps_its_rate_scale_and_keys():
+    """The example's ``Dropout`` (two elements' 16 bits from each random word): it keeps
+    ``1 - rate`` of the elements, scaled so the mean is kept, the same mask for the same
+    key and another for another key, an odd width too, and nothing without a key."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jax_cpu_mpi.examples import transformer
+
+    drop = transformer.Dropout(0.25)
+    assert isinstance(drop, nnx.Dropout)
+    x = jnp.ones((64, 32, 129), jnp.float32)
+    y = np.asarray(drop(x, rngs=nnx.Rngs(dropout=0)))
+    kept = y != 0
+    # 264,192 elements: the kept fraction's standard deviation is about 8.4e-4.
+    assert abs(kept.mean() - 0.75) < 5e-3, kept.mean()
+    np.testing.assert_allclose(y[kept], 65536 / round(0.75 * 65536), rtol=1e-6)
+    assert abs(y.mean() - 1.0) < 1e-2
+    # Both halves of the words, and the odd last element, are used.
+    for part in (kept[..., :65], kept[..., 65:], kept[..., -1]):
+        assert abs(part.mean() - 0.75) < 2e-2
+    assert np.array_equal(np.asarray(drop(x, rngs=nnx.Rngs(dropout=0))), y)
+    other = np.asarray(drop(x, rngs=nnx.Rngs(dropout=1))) != 0
+    assert 0.3 < (other != kept).mean() < 0.45  # 2 x 0.75 x 0.25 of them differ
+    # The two halves of a word are not the same draw.
+    assert (kept[..., :64] != kept[..., 65:129]).mean() > 0.3
+    assert drop(x, deterministic=True) is x
+    with pytest.raises(ValueError, match="no rngs"):
+        drop(x)
+
 
 @pytest.mark.mpi
 @pytest.mark.timeout(600)

@@ -101,7 +101,8 @@ def main(argv: list[str]) -> int:
 
     train_step = ex.make_train_step(
         ex.make_value_and_grad(parts, mesh, args, with_norm=True), optimizer,
-        (shardings, jax.tree.map(lambda a: a.sharding, opt_state), NamedSharding(mesh, P())))
+        (shardings, jax.tree.map(lambda a: a.sharding, opt_state), NamedSharding(mesh, P())),
+        args.seed)
     steps = int(own.get("--warmup-steps", "2")) + args.steps
     # The batches on the devices before the clock starts, as the torch side's.
     batches = [tuple(map(microbatches, ex.batch_at(text.train, args.seed, i, B, T)))
@@ -116,8 +117,7 @@ def main(argv: list[str]) -> int:
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("step")
         start = time.perf_counter()
-        params, opt_state, loss = train_step(params, opt_state, x, y,
-                                             jax.random.fold_in(base_key, i))
+        params, opt_state, loss = train_step(params, opt_state, x, y, i)
         float(ex.host(loss))
         if i >= steps - args.steps:
             seconds.append(time.perf_counter() - start)

@@ -244,8 +244,14 @@ def _dense_backward(saved: tuple[jax.Array, jax.Array], dy: jax.Array
     # contracts its left operand's first axis to Eigen, which packs it slowly; transposed
     # into a buffer of its own first (the barrier keeps XLA from folding the transpose
     # back into the dot), the same product is one YNNPACK takes, cheaper than Eigen's
-    # by more than the copy costs.
-    dkernel = jnp.dot(jax.lax.optimization_barrier(rows.T), dy_rows)
+    # by more than the copy costs. Not when the input is wider than the output (the
+    # MLP's down projection, [tokens, 4 x width]): XLA writes that transposed copy one
+    # strided column at a time, fused with the GELU that produced x, and it then costs
+    # more than the product itself; Eigen contracting the token axis in place is cheaper.
+    if rows.shape[1] > dy_rows.shape[1]:
+        dkernel = jax.lax.dot_general(rows, dy_rows, (((0,), (0,)), ((), ())))
+    else:
+        dkernel = jnp.dot(jax.lax.optimization_barrier(rows.T), dy_rows)
     return jnp.dot(dy, kernel.T), dkernel, dy_rows.sum(axis=0)
 
 
@@ -268,6 +274,49 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     return jnp.einsum("...hts,...shd->...thd", jax.nn.softmax(logits, axis=-1), v)
 
 
+class Dropout(nnx.Dropout):
+    """``nnx.Dropout`` (the same attributes and tree) whose mask costs half the random bits.
+
+    ``nnx.Dropout`` draws a 32-bit word (threefry) for every element and keeps the element
+    where the uniform float made of it is below ``1 - rate``. Here each word of
+    ``jax.random.bits`` (the same key, half as many words) gives two elements their 16
+    bits each: threefry's bits were the larger part of dropout's cost, drawn in every
+    forward and again in the forward that remat forms in the backward. The keep
+    probability is ``1 - rate`` rounded to a multiple of 2^-16 (``nnx.Dropout``'s float
+    comparison rounds it to 2^-23), and the kept elements are scaled by its inverse, so
+    the mean is kept exactly. The pipeline's check compares the same ``Block`` on one
+    device, so it sees the same masks; ``tests/test_transformer_example.py`` checks the
+    masks' rate, scale and keys."""
+
+    def __call__(self, inputs: jax.Array, *, deterministic: bool | None = None,
+                 rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None) -> jax.Array:
+        if self.broadcast_dims:
+            raise NotImplementedError("transformer.Dropout: broadcast_dims is not supported; "
+                                      "use nnx.Dropout")
+        deterministic = self.deterministic if deterministic is None else deterministic
+        if deterministic or self.rate == 0.0:
+            return inputs
+        rngs = self.rngs if rngs is None else rngs
+        if isinstance(rngs, nnx.Rngs):
+            key = rngs[self.rng_collection]()
+        elif isinstance(rngs, nnx.RngStream):
+            key = rngs()
+        elif isinstance(rngs, jax.Array):
+            key = rngs
+        else:
+            raise ValueError(f"transformer.Dropout: no rngs (got {type(rngs).__name__}); pass "
+                             "rngs=nnx.Rngs(dropout=...), an RngStream or a key, or "
+                             "deterministic=True")
+        *lead, width = inputs.shape
+        halves = -(-width // 2)
+        words = jax.random.bits(key, (*lead, halves), jnp.uint32)
+        bits = jnp.concatenate([words & 0xFFFF, words >> 16], axis=-1)[..., :width]
+        threshold = max(1, round((1.0 - self.rate) * 65536))
+        keep = bits < jnp.uint32(threshold)
+        scale = jnp.asarray(65536 / threshold, inputs.dtype)
+        return jax.lax.select(keep, inputs * scale, jnp.zeros_like(inputs))
+
+
 class Block(nnx.Module):
     """A pre-norm transformer block: causal self-attention, then an MLP, each residual."""
 
@@ -279,7 +328,7 @@ class Block(nnx.Module):
         self.norm2 = nnx.LayerNorm(width, rngs=rngs)
         self.up = Linear(width, 4 * width, rngs=rngs)
         self.down = Linear(4 * width, width, rngs=rngs)
-        self.drop = nnx.Dropout(dropout)
+        self.drop = Dropout(dropout)
 
     def __call__(self, x: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
         *lead, T, W = x.shape
@@ -489,18 +538,26 @@ def reference_value_and_grad(parts: Parts, args: argparse.Namespace
 
 
 def make_train_step(value_and_grad: Callable[..., Any], optimizer: optax.GradientTransformation,
-                    shardings: tuple[PyTree, PyTree, Any]
+                    shardings: tuple[PyTree, PyTree, Any], seed: int
                     ) -> Callable[..., tuple[PyTree, PyTree, jax.Array]]:
     """The jitted step (``value_and_grad``: :func:`make_value_and_grad` ``with_norm``, whose
     norm the clipping takes); its results keep the parameters' and optimizer state's
-    shardings (``shardings``), so the next step runs the same compiled program."""
+    shardings (``shardings``), so the next step runs the same compiled program.
+
+    ``step(params, opt_state, ids, targets, index)``: ``index`` is the step's number, and
+    its dropout key ``fold_in(key(seed), index)`` is drawn inside the step. A key drawn
+    outside would be an array on one device that every step first copied to the whole mesh
+    (JAX's Python path for an argument on other devices than the program's)."""
     @partial(jax.jit, out_shardings=shardings, donate_argnums=(0, 1))
     def step(params: PyTree, opt_state: PyTree, ids: jax.Array, targets: jax.Array,
-             key: jax.Array) -> tuple[PyTree, PyTree, jax.Array]:
+             index: jax.Array) -> tuple[PyTree, PyTree, jax.Array]:
+        key = jax.random.fold_in(jax.random.key(seed), index)
         loss, grads, norm = value_and_grad(params, ids, targets, key)
         updates, opt_state = optimizer.update(grads, opt_state, params, global_norm=norm)
         return optax.apply_updates(params, updates), opt_state, loss
-    return step
+
+    return lambda params, opt_state, ids, targets, index: step(
+        params, opt_state, ids, targets, np.uint32(index))
 
 
 def init_opt_state(optimizer: optax.GradientTransformation, params: PyTree,
@@ -748,7 +805,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     train_step = make_train_step(
         make_value_and_grad(parts, mesh, args, with_norm=True), optimizer,
-        (shardings, jax.tree.map(lambda a: a.sharding, opt_state), NamedSharding(mesh, P())))
+        (shardings, jax.tree.map(lambda a: a.sharding, opt_state), NamedSharding(mesh, P())),
+        args.seed)
     # The validation loss without dropout (no key); the pipeline forms gradients too.
     evaluate = jax.jit(lambda p, ids, t: value_and_grad(p, ids, t, None)[0])
     losses: list[float] = []
@@ -762,8 +820,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ids, targets = batch_at(text.train, args.seed, i, B, T)
         start = time.perf_counter()
         params, opt_state, loss = train_step(params, opt_state, microbatches(ids),
-                                             microbatches(targets),
-                                             jax.random.fold_in(base_key, i))
+                                             microbatches(targets), i)
         loss = float(host(loss))
         seconds = time.perf_counter() - start
         if i > step0:
