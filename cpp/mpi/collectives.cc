@@ -165,12 +165,12 @@ Status MpiTransport::PollCollective(MPI_Request* request, const char* name, size
   // where both ranks share a core, every handshake waited out this rank's whole spin
   // (kSpinFor in kBounded, kSoonSpins polls in kSoon) before the peer could run: that
   // spin was what all_gather / all_to_all of 32 KiB to 2 MiB lost to MPI's blocking call
-  // there (a polled MPI_Iallgather in C with and without it, and the collectives
-  // benchmark under taskset: docs/benchmarks.md). With a core per rank a large wait
-  // outlasts the spin and halves it away as well (its polls are the transfer's own, and a
-  // yield there finds no other thread to run), while a wait that ends within the spin
-  // keeps it. Not with several devices per process: there a yield hands the core to a
-  // sibling device thread (above).
+  // there (benchmarks/polled_wait.c: a polled MPI_Iallgather with and without it; and
+  // benchmarks/wait_placement.py --op all_gather under taskset: docs/benchmarks.md). With
+  // a core per rank a large wait outlasts the spin and halves it away as well (its polls
+  // are the transfer's own, and a yield there finds no other thread to run), while a wait
+  // that ends within the spin keeps it. Not with several devices per process: there a
+  // yield hands the core to a sibling device thread (above).
   thread_local AdaptiveSpin adaptive, adaptive_large;
   const bool small = bytes <= kAdaptiveSpinBytes;
   const bool adapts =
