@@ -15,8 +15,9 @@ one involuntary switch an op where each process's two device threads take turns 
 (``spin`` is the long spin and yield, ``auto`` the default; on a node with more busy threads
 than cores ``auto`` sleeps soon, as ``sleep`` does). Per size, rank 0 prints a psum's time
 per op (one launch of a jitted scan of ``--iters`` psums, ``--devices`` per rank, median over
-``--rounds``; ``--op all_to_all`` for an all_to_all) next to mpi4py's ``Allreduce`` (or
-``Alltoall``) of what the process's one MPI call moves, in the same rounds, and per op:
+``--rounds``; ``--op all_to_all`` or ``all_gather`` for those, as the collectives benchmark
+runs them) next to mpi4py's ``Allreduce`` (or ``Alltoall``, ``Allgather``) of what the
+process's one MPI call moves, in the same rounds, and per op:
 the process's voluntary and involuntary context switches (all its threads, from ``/proc``)
 and the yields and sleeps of our waits (``jax_cpu_mpi.stats()``). The counts do
 not depend on the machine's load the way the times do.
@@ -53,8 +54,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--devices", type=int, default=1,
                         help="CPU devices per rank (2: the in-process meeting's wait too)")
-    parser.add_argument("--op", choices=("psum", "all_to_all"), default="psum",
-                        help="all_to_all: tiled, of the leading axis, against MPI_Alltoall")
+    parser.add_argument("--op", choices=("psum", "all_to_all", "all_gather"), default="psum",
+                        help="all_to_all: tiled, of the leading axis, against MPI_Alltoall; "
+                             "all_gather: tiled, the size its gathered result, against "
+                             "MPI_Allgather")
     args = parser.parse_args()
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={args.devices}")
@@ -66,6 +69,7 @@ def main() -> None:
 
     import jax_cpu_mpi
     from jax_cpu_mpi.bench.collectives import mpi_call
+    from jax_cpu_mpi.bench.programs import repeated_in_scan
 
     jax.distributed.initialize(cluster_detection_method="mpi4py")
     from mpi4py import MPI
@@ -84,20 +88,27 @@ def main() -> None:
             return jax.lax.psum(c, "x")
         return jax.lax.all_to_all(c, "x", 0, 0, tiled=True)
 
+    def scan(v, block: int):
+        if args.op == "all_gather":
+            # The operand beside the result, as the collectives benchmark's program.
+            return repeated_in_scan(lambda o: jax.lax.all_gather(o, "x", tiled=True),
+                                    v[:block], args.iters, first=v)
+        return jax.lax.scan(lambda c, _: (one(c), None), v, None, length=args.iters)[0]
+
     for size in (int(s) for s in args.sizes.split(",")):
-        # Bytes per device; an all_to_all's operand splits into a block per device.
+        # Bytes per device; an all_to_all's operand (an all_gather's result) splits into a
+        # block per device.
         elements = max(size // 4, 1) if args.op == "psum" else max(size // 4 // n, 1) * n
         f = jax.jit(jax.shard_map(
-            lambda v: jax.lax.scan(lambda c, _: (one(c), None), v, None,
-                                   length=args.iters)[0],
+            lambda v, b=elements // n: scan(v, b),
             mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
         x = jax.make_array_from_callback((n * elements,), NamedSharding(mesh, P("x")),
                                          lambda idx, e=elements: np.ones(e, np.float32))
         f(x).block_until_ready()  # compile and warm up
         # mpi4py moves what our process's one MPI call moves: one device's bytes for a
-        # psum (the devices reduce in process first), every local device's for all_to_all.
-        call = mpi_call(comm, "all_reduce" if args.op == "psum" else "alltoall", elements, n,
-                        args.devices)
+        # psum (the devices reduce in process first), every local device's for the others.
+        bench_op = {"psum": "all_reduce", "all_to_all": "alltoall"}.get(args.op, args.op)
+        call = mpi_call(comm, bench_op, elements, n, args.devices)
         ours, theirs, per_op = [], [], []
         for _ in range(args.rounds):
             comm.Barrier()

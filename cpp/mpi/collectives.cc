@@ -121,13 +121,13 @@ namespace {
 // there (the wait's own spin, kSpinFor or kSoonSpins polls, against MPICH's blocking
 // call, which yields sooner). A wait that ends while spinning lets the next spin a little
 // longer; one that had to yield halves it, and below kCollectiveSpinMin the wait yields at
-// once, trying the whole spin again every kCollectiveSpinProbe waits. Only for waits of up
-// to kAdaptiveSpinBytes: in a larger one MPI_Test itself moves the bytes, and the spin
-// there is the transfer. From 16 KiB (beyond MPICH's eager cells) a wait with each rank on
-// its own core already outlasts the spin often enough to halve it away: with 2 devices per
-// rank on a quiet 2-core node the 16-64 KiB psum then yielded 4-5 times an op, 9-11
-// context switches instead of 1 (benchmarks/wait_placement.py --devices 2), where the
-// fixed spin kept 1. JAX_CPU_MPI_WAIT=spin keeps its long spin.
+// once, trying the whole spin again every kCollectiveSpinProbe waits. With several devices
+// per process only for waits of up to kAdaptiveSpinBytes (with one, larger waits adapt a
+// budget of their own: PollCollective). From 16 KiB (beyond MPICH's eager cells) a wait
+// with each rank on its own core already outlasts the spin often enough to halve it away:
+// with 2 devices per rank on a quiet 2-core node the 16-64 KiB psum then yielded 4-5 times
+// an op, 9-11 context switches instead of 1 (benchmarks/wait_placement.py --devices 2),
+// where the fixed spin kept 1. JAX_CPU_MPI_WAIT=spin keeps its long spin.
 constexpr int64_t kCollectiveSpinMaxNs = 10'000;
 constexpr int64_t kCollectiveSpinMinNs = 500;
 constexpr uint32_t kCollectiveSpinProbe = 32;
@@ -157,9 +157,26 @@ Status MpiTransport::PollCollective(MPI_Request* request, const char* name, size
                                     std::chrono::steady_clock::time_point deadline,
                                     std::shared_ptr<void> keep_alive) {
   Backoff backoff(bytes);
-  thread_local AdaptiveSpin adaptive;
-  const bool adapts = bytes <= kAdaptiveSpinBytes && !backoff.spins_long();
-  const int64_t spin_ns = adapts ? adaptive.Begin() : -1;
+  // A larger wait adapts its spin too where the process has one device, with a budget of
+  // its own (a thread that alternates small and large collectives keeps the small ones'
+  // spin). MPICH's own blocking wait polls and yields as soon as a poll moved nothing
+  // (MPID_Progress_wait). Beyond its CMA threshold (8 KiB) a collective is a few
+  // handshakes around one process_vm_readv per peer, each run by an MPI_Test of one side:
+  // where both ranks share a core, every handshake waited out this rank's whole spin
+  // (kSpinFor in kBounded, kSoonSpins polls in kSoon) before the peer could run: that
+  // spin was what all_gather / all_to_all of 32 KiB to 2 MiB lost to MPI's blocking call
+  // there (benchmarks/polled_wait.c: a polled MPI_Iallgather with and without it; and
+  // benchmarks/wait_placement.py --op all_gather under taskset: docs/benchmarks.md). With
+  // a core per rank a large wait outlasts the spin and halves it away as well (its polls
+  // are the transfer's own, and a yield there finds no other thread to run), while a wait
+  // that ends within the spin keeps it. Not with several devices per process: there a
+  // yield hands the core to a sibling device thread (above).
+  thread_local AdaptiveSpin adaptive, adaptive_large;
+  const bool small = bytes <= kAdaptiveSpinBytes;
+  const bool adapts =
+      !backoff.spins_long() && (small || wait_choice_.local_devices == 1);
+  AdaptiveSpin& spin = small ? adaptive : adaptive_large;
+  const int64_t spin_ns = adapts ? spin.Begin() : -1;
   bool spinning = adapts;
   std::chrono::steady_clock::time_point spin_start{};
   for (uint32_t polls = 1;; ++polls) {
@@ -170,7 +187,7 @@ Status MpiTransport::PollCollective(MPI_Request* request, const char* name, size
       if (rc != MPI_SUCCESS) return Status::MpiError(std::string(name) + " (test)", rc);
     }
     if (finished) {
-      if (adapts) adaptive.End(spin_ns, spinning);
+      if (adapts) spin.End(spin_ns, spinning);
       return Status::Ok();
     }
     // The clock every 16 polls: a small collective completes within a few, and reading the

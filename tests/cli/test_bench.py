@@ -239,6 +239,55 @@ def test_two_ranks_run_every_method(tmp_path):
     _check_results(results, methods, tmp_path, two_way=patterns.KINDS)
 
 
+@pytest.mark.mpi
+@pytest.mark.timeout(150)
+def test_two_ranks_run_the_collectives_benchmark(tmp_path):
+    """``python -m jax_cpu_mpi.bench.collectives``: every op's table and JSON, a row per
+    size with every method's time finite. 8 B goes through the persistent calls, 64 KiB
+    through the nonblocking ones polled by the collectives' own wait (beyond
+    MpiTransport::kPersistentBytes and the adaptive spin's sizes)."""
+    from jax_cpu_mpi.bench import collectives as bench_collectives
+
+    sizes = [8, 64 << 10]
+    run = run_mpi("jax_cpu_mpi.bench.collectives", "--devices", "1", "--min-bytes", "8",
+                  "--max-bytes", str(sizes[-1]), "--factor", str(sizes[-1] // 8),
+                  "--iters", "3", "--rounds", "2", "--warmup", "1", "--out", str(tmp_path),
+                  nprocs=2, timeout=120, module=True)
+    assert run.returncode == 0, run.report()
+    printed = run.by_rank()[0]
+    columns = ["size (B)", "count", "type", "gloo us", "gloo busbw", "MPI (ours) us",
+               "ours busbw", "mpi4py us", "mpi4py busbw", "ours / mpi4py speed",
+               "gloo / ours time"]
+    for op in bench_collectives.OPS:
+        data = json.loads((tmp_path / f"{op}_perf-2x1.json").read_text())
+        assert (data["op"], data["ranks"], data["devices_per_rank"]) == (op, 2, 1), data
+        assert (data["iters"], data["rounds"], data["warmup"]) == (3, 2, 1), data
+        assert [r["bytes"] for r in data["rows"]] == sizes, data["rows"]
+        factor = (2 if op == "all_reduce" else 1) * (2 - 1) / 2
+        for r in data["rows"]:
+            assert (r["count"], r["type"], r["devices"]) == (r["bytes"] // 4, "float32", 2)
+            for m in bench_collectives.METHODS:
+                us = r[f"{m}_us"]
+                assert np.isfinite(us) and us > 0, (op, m, r)
+                assert r[f"{m}_algbw_GBps"] == pytest.approx(r["bytes"] / us / 1e3), (op, m)
+                assert r[f"{m}_busbw_GBps"] == pytest.approx(
+                    r[f"{m}_algbw_GBps"] * factor), (op, m)
+            assert r["mpi_vs_mpi4py"] == pytest.approx(r["mpi4py_us"] / r["mpi_us"])
+            assert r["gloo_vs_mpi"] == pytest.approx(r["gloo_us"] / r["mpi_us"])
+            assert any(line.split()[:2] == [op, str(r["bytes"])] for line in printed), (
+                op, r["bytes"], printed)
+        table = (tmp_path / f"{op}_perf-2x1.md").read_text().splitlines()
+        assert table[0].startswith(f"{op}_perf: ") and "2 ranks x 1 device(s)" in table[0]
+        head = table.index("| " + " | ".join(columns) + " |")
+        body = [line for line in table[head + 2:] if line.startswith("|")]
+        cells = [[c.strip() for c in line.strip("|").split("|")] for line in body]
+        assert [int(row[0]) for row in cells] == sizes, table
+        for row in cells:
+            assert len(row) == len(columns) and row[2] == "float32", row
+            values = [float(c) for i, c in enumerate(row) if i != 2]
+            assert all(np.isfinite(v) for v in values), row
+
+
 def test_gpu_methods_run_their_programs_on_any_two_devices():
     """The --platform gpu methods are the CPU programs on other devices: run them here on two
     CPU devices (JAX's NCCL lowering needs GPUs, this package's lowering stands in)."""
