@@ -49,6 +49,10 @@ Status MpiTransport::ProgressLocked() {
   // also moves them along whenever anything else polls: a precv, the progress thread).
   for (auto it = direct_in_flight_.begin(); it != direct_in_flight_.end();) {
     DirectSend& send = **it;
+    // Before the test, not after: one test's progress can move the rest of the message
+    // (UCX over TCP pushes all the socket takes), so a send first tested late could
+    // complete without ever being seen incomplete, and the stop would never land.
+    StopMidSendForTest::Check(send.posted_for_test);
     int done = 0;
     int rc = MPI_Testall(static_cast<int>(send.requests.size()), send.requests.data(), &done,
                          MPI_STATUSES_IGNORE);
@@ -59,12 +63,12 @@ Status MpiTransport::ProgressLocked() {
       ++direct_sends_;
       it = direct_in_flight_.erase(it);
     } else {
-      StopMidSendForTest::Check(send.posted_for_test);
       ++it;
     }
   }
   // Sends to different peers complete in any order: test them all.
   for (auto it = pending_.begin(); it != pending_.end();) {
+    StopMidSendForTest::Check(it->posted_for_test);  // before the test: as above
     int done = 0;
     int rc = MPI_Testall(static_cast<int>(it->requests.size()), it->requests.data(), &done,
                          MPI_STATUSES_IGNORE);
@@ -74,7 +78,6 @@ Status MpiTransport::ProgressLocked() {
       ++sends_completed_;
       it = pending_.erase(it);
     } else {
-      StopMidSendForTest::Check(it->posted_for_test);
       ++it;
     }
   }

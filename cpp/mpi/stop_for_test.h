@@ -15,8 +15,8 @@ class StopMidSendForTest {
  public:
   using Clock = std::chrono::steady_clock;
 
-  // The next send of at least `min_bytes` stops the process at the first test that finds
-  // it incomplete `after` or more after it was posted. A message whose receiver has matched
+  // The next send of at least `min_bytes` stops the process at the first test of it, while
+  // it is not known complete, `after` or more after it was posted. A message whose receiver has matched
   // it is then flowing: the stop lands in its middle. min_bytes 0 disarms.
   static void Arm(size_t min_bytes, std::chrono::microseconds after) {
     after_us_.store(after.count(), std::memory_order_relaxed);
@@ -31,7 +31,7 @@ class StopMidSendForTest {
     return Clock::now();
   }
 
-  // When a send posted at `posted` (Posted's answer) is found incomplete.
+  // Before a send posted at `posted` (Posted's answer), not yet known complete, is tested.
   static void Check(Clock::time_point posted) {
     if (posted == Clock::time_point{}) return;
     const std::chrono::microseconds after(after_us_.load(std::memory_order_relaxed));

@@ -5,8 +5,9 @@
 stopped sender's memory itself (CMA), over a network it cannot, which is the case to test.
 A small ``UCX_RNDV_THRESH`` makes every payload above a few KiB move only once the sender
 answers the receiver's match (rendezvous). Rank 0 stops itself with
-``_stop_mid_next_mpi_send``: at the first test of its send that finds it incomplete some
-time after it was posted (the announcement of the message has left by then). Rank 0 sends
+``_stop_mid_next_mpi_send``: at the first test of its send, not yet known complete, some
+time after it was posted, before that test moves more of it (the announcement of the
+message has left by then). Rank 0 sends
 ``N`` bytes to rank 1:
 
 * ``eager`` (8 B): an 8 B message is never in the middle (it leaves whole, or not at all),
