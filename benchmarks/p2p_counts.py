@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_cpu_mpi
 from jax_cpu_mpi._src.runtime.config import overrides, parse_bytes
-from jax_cpu_mpi.bench import patterns, programs
+from jax_cpu_mpi.bench import methods, patterns, programs
 from jax_cpu_mpi.bench import session as bench_session
 
 #: jax_cpu_mpi.stats() counters reported per message.
@@ -55,8 +55,6 @@ Variants = dict[str, tuple[Callable[[], Any], int, Callable[[Any], int] | None]]
 
 
 def _variants(session: Any, args: argparse.Namespace, n: int) -> Variants:
-    from mpi4py import MPI
-
     comm, rank, nranks = session.comm, session.rank, session.nranks
     mesh = patterns._mesh(session)
     me = mesh.devices.reshape(-1)[rank]
@@ -78,16 +76,11 @@ def _variants(session: Any, args: argparse.Namespace, n: int) -> Variants:
             fn = patterns.window_program(mesh, "psend", perm, args.window,
                                          args.windows).lower(x).compile()
 
+        ack = np.zeros(patterns.WINDOW_ACK_BYTES, np.uint8)
+
         def mpi_windows() -> None:
-            ack = np.zeros(patterns.WINDOW_ACK_BYTES, np.uint8)
-            for _ in range(args.windows):
-                reqs = [comm.Irecv(recv, s, 6) for s in source for _ in range(args.window)]
-                reqs += [comm.Isend(send, d, 6) for d in dest for _ in range(args.window)]
-                MPI.Request.Waitall(reqs)
-                if source:
-                    comm.Send(ack, source[0], 7)
-                if dest:
-                    comm.Recv(ack, dest[0], 7)
+            patterns.mpi_windows(comm, send, recv, source, dest, args.window, args.windows,
+                                 ack)
 
         messages = args.window * args.windows * max(1, nranks // 2)
         out["multi-pair psend/scan"] = (lambda: jax.block_until_ready(fn(x))[0], messages,
@@ -96,14 +89,11 @@ def _variants(session: Any, args: argparse.Namespace, n: int) -> Variants:
     if "hop" in kinds and nranks == 2:
         hop = programs.pingpong_scan(mesh, "psend", args.hops)
 
+        round_trip = methods.mpi_round_trip(comm, rank, send, recv)
+
         def mpi_hops() -> None:
             for _ in range(args.hops // 2):
-                if rank == 0:
-                    comm.Send(send, 1, 8)
-                    comm.Recv(recv, 1, 8)
-                else:
-                    comm.Recv(recv, 0, 8)
-                    comm.Send(recv, 0, 8)
+                round_trip()
 
         # (z, y): z is what came back to device 0, y what device 1 received.
         out["hop psend/scan"] = (lambda: jax.block_until_ready(hop(x))[rank], args.hops, check)

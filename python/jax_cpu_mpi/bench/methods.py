@@ -244,6 +244,22 @@ def jit_floor_gpu(ctx: Context) -> Measurement:
 # --------------------------------------------------------------------------- raw MPI, numpy
 
 
+def mpi_round_trip(comm: Any, rank: int, send: np.ndarray, recv: np.ndarray
+                   ) -> Callable[[], None]:
+    """One round trip of raw MPI between ranks 0 and 1 of ``comm``: rank 0 sends ``send``
+    and receives into ``recv``; rank 1 receives into ``recv`` and sends it back."""
+    peer = 1 - rank
+    if rank == 0:
+        def step() -> None:
+            comm.Send(send, peer, 1)
+            comm.Recv(recv, peer, 1)
+    else:
+        def step() -> None:
+            comm.Recv(recv, peer, 1)
+            comm.Send(recv, peer, 1)
+    return step
+
+
 def mpi4py_p2p(ctx: Context) -> Measurement:
     """mpi4py Send/Recv on numpy buffers: ping-pong, or a window of Isend + acknowledgement."""
     session, plan, n = ctx.session, ctx.plan, ctx.plan.size
@@ -255,14 +271,7 @@ def mpi4py_p2p(ctx: Context) -> Measurement:
     peer = 1 - rank
 
     if ctx.kind == "latency":
-        if rank == 0:
-            def step() -> None:
-                comm.Send(send, peer, 1)
-                comm.Recv(recv, peer, 1)
-        else:
-            def step() -> None:
-                comm.Recv(recv, peer, 1)
-                comm.Send(recv, peer, 1)
+        step = mpi_round_trip(comm, rank, send, recv)
         seconds = _timed(step, plan.iters, plan.warmup, session.barrier) / 2
         return _measurement(ctx, "mpi4py", seconds, plan.warmup, 2, count_wrong(recv, send),
                             "mpi", "mpi4py comm.Send/comm.Recv of numpy buffers "
