@@ -18,9 +18,12 @@ orders wait for each other), and a callee called twice would give both calls one
 Loops and conditionals are blocks of their own too; the chain goes through them. A
 ``stablehlo.while`` carries the previous collective's result as one more loop value, passed
 through unchanged: the loop reads it, so it starts after that collective, and the first
-collective of the body reads it. A conditional's branches read it from above. The next
-collective reads a result of the loop or conditional, which XLA writes when all of it has
-run.
+collective of the body reads it. The loop then carries one more value out, an s32 token
+that an order-token call at the end of the body computes from the body's last collective,
+and the next collective reads it: XLA writes a loop's results when all of it has run, and a
+custom call's result is one it can neither fold nor replace by the value before the loop.
+A conditional's branches read the previous result from above, and the next collective
+reads a result of the conditional.
 
 A ``shard_map`` is an ``sdy.manual_computation`` (the pass runs before Shardy's export),
 whose body reads nothing from outside it: two sibling ``shard_map``s of one ``jit`` would
@@ -39,6 +42,7 @@ import numpy as np
 
 from jax_cpu_mpi._src.compat import ir, sdy
 from jax_cpu_mpi._src.ffi.custom_calls import (
+    ORDER_TOKEN_TARGET,
     attribute_dict,
     call_target,
     operations,
@@ -207,6 +211,43 @@ def _carry(loop: Any, link: _Link) -> tuple[Any, list[Any]]:
     return new, arguments
 
 
+def _token_out(loop: Any, last: _Link) -> _Link:
+    """``loop`` (a stablehlo.while whose body has just been chained, ``last`` its body's
+    last collective) rebuilt with one more loop value: an s32 token, 0 before the loop, that
+    the body sets from ``last`` with an order-token call. Returns the link to the loop's
+    token result, which the next collective after the loop reads.
+
+    Neither a value the loop passes through unchanged nor the loop's trip counter will do:
+    XLA replaces the first by the value before the loop and folds the second into a constant
+    (both seen in compiled programs), and the collective after the loop would no longer
+    wait for the loop's collectives. A custom call's result is opaque to XLA."""
+    scalar = ir.RankedTensorType.get([], ir.IntegerType.get_signless(32))
+    no_layout = ir.DenseIntElementsAttr.get(
+        np.zeros(0, dtype=np.int64), type=ir.RankedTensorType.get([0], ir.IndexType.get()))
+    body = loop.regions[1].blocks[0]
+    terminator = list(body.operations)[-1].operation
+    token = ir.Operation.create(
+        "stablehlo.custom_call", results=[scalar], operands=[last[0]],
+        attributes={
+            "call_target_name": ir.StringAttr.get(ORDER_TOKEN_TARGET),
+            "api_version": ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 4),
+            "has_side_effect": ir.BoolAttr.get(False),
+            "backend_config": ir.DictAttr.get({}),
+            "operand_layouts": ir.ArrayAttr.get([last[1]]),
+            "result_layouts": ir.ArrayAttr.get([no_layout]),
+        },
+        loc=loop.location, ip=ir.InsertionPoint(terminator)).results[0]
+    zero = ir.Operation.create(
+        "stablehlo.constant", results=[scalar],
+        attributes={"value": ir.DenseElementsAttr.get_splat(
+            scalar, ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 0))},
+        loc=loop.location, ip=ir.InsertionPoint(loop)).results[0]
+    for region in loop.regions:
+        region.blocks[0].add_argument(scalar, loop.location)
+    new = _regrown(loop, [*loop.operands, zero], attribute_dict(loop), token)
+    return new.results[-1], no_layout
+
+
 class _Chain:
     """Numbers the calls (``site``) and counts those given a dependency."""
 
@@ -235,9 +276,15 @@ class _Chain:
                 op, arguments = _carry(op, previous)
             # The condition's collectives (a psum in the loop's test) read the value in the
             # condition's own region, the body's in the body's.
+            lasts = []
             for region, argument in zip(op.regions, arguments, strict=True):
                 inner = (argument, previous[1]) if argument is not None else None
-                self.block(region.blocks[0], inner)
+                lasts.append(self.block(region.blocks[0], inner))
+            body_last = lasts[1]
+            if body_last is not None and (previous is None or body_last[0] != arguments[1]):
+                return _token_out(op, body_last)
+            # Collectives in the test alone (the body's would have given a token): the
+            # pass-through value, or a result of the loop, as before.
             return (op.results[-1], previous[1]) if previous is not None else (
                 _link_to_result(op))
         if op.name == "sdy.manual_computation" and (mesh := _mesh(op)) is not None:
