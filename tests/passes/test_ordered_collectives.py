@@ -102,11 +102,17 @@ def test_the_chain_goes_through_the_loop_and_the_conditional():
     set_token = re.search(rf"(%\w+) = stablehlo.custom_call @jax_cpu_mpi_order_token\("
                           rf"{calls[4][0]}\)", text).group(1)
     assert re.search(rf"stablehlo.return %\w+, %\w+, {carried}, {set_token} :", text)
-    # The conditional's psum reads the loop's token from above; the last psum reads the
-    # conditional's result.
+    # The conditional's psum reads the loop's token from above; the conditional gives out a
+    # token of its own (its branch's psum's, 0 from the branch without one), which the last
+    # psum reads.
     assert operands[5][2] == f"{loop_result}#3"
-    cond_result = re.search(r'(%\w+) = "stablehlo.if"', text).group(1)
-    assert operands[6][2] == cond_result
+    cond_result = re.search(r'(%\w+):2 = "stablehlo.if"', text).group(1)
+    assert operands[6][2] == f"{cond_result}#1"
+    branches = text[text.index('"stablehlo.if"'):text.index(f"{calls[6][0]} = ")]
+    assert re.search(rf"(%\w+) = stablehlo.custom_call @jax_cpu_mpi_order_token\("
+                     rf"{calls[5][0]}\)", branches)
+    assert re.search(r"stablehlo.return %\w+, %\w+ : tensor<4xf32>, tensor<i32>", branches)
+    assert "stablehlo.constant dense<0> : tensor<i32>" in branches
 
 
 def _local_psum(out: str, x: str, type_: str) -> str:

@@ -22,8 +22,8 @@ collective of the body reads it. The loop then carries one more value out, an s3
 that an order-token call at the end of the body computes from the body's last collective,
 and the next collective reads it: XLA writes a loop's results when all of it has run, and a
 custom call's result is one it can neither fold nor replace by the value before the loop.
-A conditional's branches read the previous result from above, and the next collective
-reads a result of the conditional.
+A conditional's branches read the previous result from above, and it gives out such a
+token too (0 from a branch without collectives).
 
 A ``shard_map`` is an ``sdy.manual_computation`` (the pass runs before Shardy's export),
 whose body reads nothing from outside it: two sibling ``shard_map``s of one ``jit`` would
@@ -211,6 +211,46 @@ def _carry(loop: Any, link: _Link) -> tuple[Any, list[Any]]:
     return new, arguments
 
 
+def _scalar() -> Any:
+    return ir.RankedTensorType.get([], ir.IntegerType.get_signless(32))
+
+
+def _no_layout() -> Any:
+    """A scalar's layout, as operand_layouts spells it."""
+    return ir.DenseIntElementsAttr.get(
+        np.zeros(0, dtype=np.int64), type=ir.RankedTensorType.get([0], ir.IndexType.get()))
+
+
+def _zero(location: Any, before: Any) -> Any:
+    """An s32 0 created before the op ``before``."""
+    scalar = _scalar()
+    return ir.Operation.create(
+        "stablehlo.constant", results=[scalar],
+        attributes={"value": ir.DenseElementsAttr.get_splat(
+            scalar, ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 0))},
+        loc=location, ip=ir.InsertionPoint(before)).results[0]
+
+
+def _token(last: _Link, location: Any, before: Any) -> Any:
+    """An order-token call reading ``last`` (a collective's result), created before the op
+    ``before``: an s32 whose value XLA cannot know."""
+    return ir.Operation.create(
+        "stablehlo.custom_call", results=[_scalar()], operands=[last[0]],
+        attributes={
+            "call_target_name": ir.StringAttr.get(ORDER_TOKEN_TARGET),
+            "api_version": ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 4),
+            "has_side_effect": ir.BoolAttr.get(False),
+            "backend_config": ir.DictAttr.get({}),
+            "operand_layouts": ir.ArrayAttr.get([last[1]]),
+            "result_layouts": ir.ArrayAttr.get([_no_layout()]),
+        },
+        loc=location, ip=ir.InsertionPoint(before)).results[0]
+
+
+def _terminator(region: Any) -> Any:
+    return list(region.blocks[0].operations)[-1].operation
+
+
 def _token_out(loop: Any, last: _Link) -> _Link:
     """``loop`` (a stablehlo.while whose body has just been chained, ``last`` its body's
     last collective) rebuilt with one more loop value: an s32 token, 0 before the loop, that
@@ -221,31 +261,38 @@ def _token_out(loop: Any, last: _Link) -> _Link:
     XLA replaces the first by the value before the loop and folds the second into a constant
     (both seen in compiled programs), and the collective after the loop would no longer
     wait for the loop's collectives. A custom call's result is opaque to XLA."""
-    scalar = ir.RankedTensorType.get([], ir.IntegerType.get_signless(32))
-    no_layout = ir.DenseIntElementsAttr.get(
-        np.zeros(0, dtype=np.int64), type=ir.RankedTensorType.get([0], ir.IndexType.get()))
-    body = loop.regions[1].blocks[0]
-    terminator = list(body.operations)[-1].operation
-    token = ir.Operation.create(
-        "stablehlo.custom_call", results=[scalar], operands=[last[0]],
-        attributes={
-            "call_target_name": ir.StringAttr.get(ORDER_TOKEN_TARGET),
-            "api_version": ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 4),
-            "has_side_effect": ir.BoolAttr.get(False),
-            "backend_config": ir.DictAttr.get({}),
-            "operand_layouts": ir.ArrayAttr.get([last[1]]),
-            "result_layouts": ir.ArrayAttr.get([no_layout]),
-        },
-        loc=loop.location, ip=ir.InsertionPoint(terminator)).results[0]
-    zero = ir.Operation.create(
-        "stablehlo.constant", results=[scalar],
-        attributes={"value": ir.DenseElementsAttr.get_splat(
-            scalar, ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 0))},
-        loc=loop.location, ip=ir.InsertionPoint(loop)).results[0]
+    token = _token(last, loop.location, _terminator(loop.regions[1]))
+    zero = _zero(loop.location, loop)
     for region in loop.regions:
-        region.blocks[0].add_argument(scalar, loop.location)
+        region.blocks[0].add_argument(_scalar(), loop.location)
     new = _regrown(loop, [*loop.operands, zero], attribute_dict(loop), token)
-    return new.results[-1], no_layout
+    return new.results[-1], _no_layout()
+
+
+def _branch_tokens_out(conditional: Any, lasts: list[_Link | None]) -> _Link:
+    """``conditional`` (a stablehlo.case or .if whose branches have just been chained,
+    ``lasts`` each branch's last collective or None) rebuilt with one more result, an s32
+    token: an order-token call on the branch's last collective, 0 in a branch without any.
+    Returns the link to it. (A result of the conditional itself will not do: XLA and JAX
+    drop results that the branches pass through, and a conditional may have none left.)"""
+    for region, last in zip(conditional.regions, lasts, strict=True):
+        terminator = _terminator(region)
+        value = (_token(last, conditional.location, terminator) if last is not None
+                 else _zero(conditional.location, terminator))
+        ir.Operation.create(terminator.name, operands=[*terminator.operands, value],
+                            loc=terminator.location, ip=ir.InsertionPoint(terminator))
+        terminator.erase()
+    new = ir.Operation.create(
+        conditional.name, results=[*(r.type for r in conditional.results), _scalar()],
+        operands=list(conditional.operands), attributes=attribute_dict(conditional),
+        regions=len(conditional.regions), loc=conditional.location,
+        ip=ir.InsertionPoint(conditional))
+    for old_region, new_region in zip(conditional.regions, new.regions, strict=True):
+        old_region.blocks[0].append_to(new_region)
+    for old, replacement in zip(conditional.results, new.results, strict=False):
+        old.replace_all_uses_with(replacement)
+    conditional.erase()
+    return new.results[-1], _no_layout()
 
 
 class _Chain:
@@ -293,10 +340,14 @@ class _Chain:
         # reads the previous one's result, so the conditional starts after it. (A manual
         # computation that names no mesh, which JAX does not lower, starts a chain of its
         # own.)
-        inner = previous if op.name in ("stablehlo.case", "stablehlo.if") else None
+        if op.name in ("stablehlo.case", "stablehlo.if"):
+            lasts = [self.block(region.blocks[0], previous) for region in op.regions]
+            return _branch_tokens_out(op, [
+                last if last is not None and (previous is None or last[0] != previous[0])
+                else None for last in lasts])
         for region in op.regions:
             for block in region.blocks:
-                self.block(block, inner)
+                self.block(block, None)
         return _link_to_result(op) or previous
 
     def manual(self, op: Any, mesh: Any, previous: _Link | None) -> _Link | None:
