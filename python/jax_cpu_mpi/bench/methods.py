@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jax_cpu_mpi import _jax_cpu_mpi as ext
@@ -157,6 +158,42 @@ def _jit_floor(ctx: Context, method: str, pair: tuple[Any, Any], mode: str) -> M
     return _measurement(ctx, method, seconds, plan.warmup, 0, wrong, mode,
                         "jitted call on the same two devices that writes a fresh output of "
                         "the message size (x + 1), no communication: JAX's per-call floor")
+
+
+def psend_donated_scan(ctx: Context) -> Measurement:
+    """The ping-pong scan of ``psend/scan`` receiving into the buffers of the previous call's
+    results, donated back (:func:`.programs.pingpong_donated_scan`): warm memory at every
+    call, as the MPI baseline's one receive buffer, where ``psend/scan`` receives into XLA's
+    fresh per-call outputs (at 64 MiB fresh pages from the kernel at every call)."""
+    plan, n, pair = ctx.plan, ctx.plan.size, ctx.session.pair
+    mesh = programs.mesh_of(pair)
+    x = programs.sharded_pattern(mesh, n)
+    fn = programs.pingpong_donated_scan(mesh, "psend", plan.hops)
+    copy = jax.jit(lambda v: v + np.uint8(0), out_shardings=x.sharding)
+    zeros = jax.jit(jnp.zeros_like, out_shardings=x.sharding)
+
+    def start() -> list[Any]:
+        """Fresh carries: the message on the first device (a copy: the call donates it)."""
+        return [jax.block_until_ready(copy(x)), jax.block_until_ready(zeros(x))]
+
+    state = start()
+
+    def step() -> None:
+        state[:] = list(jax.block_until_ready(fn(*state)))
+
+    per_sample = 2 * max(1, plan.hops // 2)
+    seconds = _timed(step, plan.scan_samples, plan.scan_warmup, ctx.session.barrier)
+    seconds /= per_sample
+    # Checked on a call from zeros: the timed calls' buffers held the pattern already, where
+    # a hop that did not happen would go unseen (the first device's z starts with it, so only
+    # the receiver's y tells).
+    state[:] = start()
+    step()
+    wrong = count_wrong(shard_on(state[1], pair[1]), pattern(n))
+    return _measurement(ctx, "psend-donated/scan", seconds, plan.scan_warmup, per_sample,
+                        wrong, "mpi", "jax_cpu_mpi psend/precv over MPI, hops inside one "
+                        "jitted lax.scan receiving into the previous call's results, donated "
+                        "(warm memory, as MPI's receive buffer)", hops_per_call=per_sample)
 
 
 def psend_call(ctx: Context) -> Measurement:
@@ -478,6 +515,7 @@ METHODS: dict[str, Callable[[Context], Measurement]] = {
     "mpi4py": mpi4py_p2p,
     "psend/call": psend_call,
     "psend/scan": psend_scan,
+    "psend-donated/scan": psend_donated_scan,
     "mpi4jax/call": mpi4jax_call,
     "mpi4jax/scan": mpi4jax_scan,
     "gloo/call": gloo_call,
@@ -500,4 +538,4 @@ METHODS: dict[str, Callable[[Context], Measurement]] = {
 
 #: Methods that measure one kind only.
 LATENCY_ONLY = frozenset({"jit-floor", "jit-floor-local", "jit-floor-gpu", "hop-floor",
-                          "hop-floor-local"})
+                          "hop-floor-local", "psend-donated/scan"})

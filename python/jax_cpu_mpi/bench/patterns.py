@@ -27,7 +27,8 @@ op's result stays in the loop carry, as a pipeline keeps each received buffer, a
 are combined once after the loop),
 ``psend-donated/scan`` (``psend/scan`` whose result buffer is donated back to the next call as
 the scan's first result, so that XLA receives into the same, warm buffer at every call, as
-the MPI baseline does, instead of a fresh one: what XLA's per-call buffers cost),
+the MPI baseline does, instead of a fresh one: what XLA's per-call buffers cost; its
+ping-pong is :func:`.methods.psend_donated_scan`),
 ``mpi4py`` (``Sendrecv`` per step, or windows of ``Isend``/``Irecv``), ``gloo/scan``
 (``jax.lax.ppermute`` with the same pairs, over gloo: JAX's path), ``ppermute/scan`` (the same
 ``ppermute`` over MPI: ``JAX_CPU_MPI_COLLECTIVES=mpi`` lowers it as our psend/precv) and,
