@@ -60,8 +60,6 @@ def main() -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
     import numpy as np
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     import jax_cpu_mpi  # noqa: F401  (registers the lowerings)
 
@@ -69,45 +67,19 @@ def main() -> None:
     from mpi4py import MPI
 
     from jax_cpu_mpi import config
-    from jax_cpu_mpi.bench.collectives import OPS, mpi_call
-    from jax_cpu_mpi.bench.programs import repeated_in_scan
+    from jax_cpu_mpi.bench.collectives import OPS, mpi_call, scan_program
 
     comm = MPI.COMM_WORLD
     n = jax.device_count()
     mesh = jax.make_mesh((n,), ("x",))
     config.configure(collectives="mpi")
 
-    def program(op: str, elements: int):
-        """The collectives benchmark's program of ``op`` (see its ``program``)."""
-        block = elements // n if op != "all_reduce" else elements
-
-        def body(v):
-            if op == "all_gather":
-                return repeated_in_scan(lambda o: jax.lax.all_gather(o, "x", tiled=True),
-                                        v[:block], args.iters, first=v)
-            if op == "reduce_scatter":
-                return repeated_in_scan(lambda o: jax.lax.psum_scatter(o, "x", tiled=True),
-                                        v, args.iters, first=v[:block])
-
-            def step(c, _):
-                if op == "all_reduce":
-                    return jax.lax.psum(c, "x"), None
-                return jax.lax.all_to_all(c, "x", 0, 0, tiled=True), None
-            return jax.lax.scan(step, v, None, length=args.iters)[0]
-
-        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
-                                  check_vma=False))
-        x = jax.make_array_from_callback((n * elements,), NamedSharding(mesh, P("x")),
-                                         lambda idx: np.ones(elements, np.float32))
-        f(x).block_until_ready()  # compile and warm up
-        return f, x
-
     for op in [o.strip() for o in args.ops.split(",") if o.strip()]:
         if op not in OPS:
             raise SystemExit(f"--ops: unknown {op!r} (of {', '.join(OPS)})")
         for size in [int(s) for s in args.sizes.split(",") if s.strip()]:
             elements = max(size // 4, 1) if op == "all_reduce" else max(size // 4 // n, 1) * n
-            f, x = program(op, elements)
+            f, x = scan_program(op, elements, mesh, args.iters)
             call = mpi_call(comm, op, elements, n, args.devices)
 
             def ours(f=f, x=x) -> None:
