@@ -756,6 +756,20 @@ bool Overlap(const void* a, const void* b, size_t n) {
   return x < y + n && y < x + n;
 }
 
+// Exchanges `n` bytes at `a` with `n` at `b` (not overlapping), through a small buffer
+// that stays in the cache: each byte is read and written once.
+void SwapBlocks(std::byte* a, std::byte* b, size_t n) {
+  constexpr size_t kChunk = size_t{64} << 10;
+  thread_local std::unique_ptr<std::byte[]> tmp =
+      std::make_unique_for_overwrite<std::byte[]>(kChunk);
+  for (size_t at = 0; at < n; at += kChunk) {
+    const size_t len = std::min(kChunk, n - at);
+    std::memcpy(tmp.get(), a + at, len);
+    std::memcpy(a + at, b + at, len);
+    std::memcpy(b + at, tmp.get(), len);
+  }
+}
+
 // Derived datatypes of one call, freed at the end of the scope.
 class ScopedDatatypes {
  public:
@@ -863,6 +877,7 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
   // all_to_all: MPI reads the operands (unless `send` is staged) and writes the outputs
   // through a datatype per peer (MPI_BOTTOM-relative: the blocks' own addresses).
   bool scattered = false;
+  bool in_place = false;  // scattered, and every output is its own operand's buffer
   const std::vector<int>& counts = site.counts;  // of the site's layout, as MPI takes them
   const std::vector<int>& displs = site.displs;
   const bool equal = site.equal;
@@ -943,11 +958,13 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
       name = equal ? "MPI_Ialltoall" : "MPI_Ialltoallv";
       // To communicator rank q: for each of q's positions i, my members' blocks i (my
       // positions ascending); from q the same, so block (i, j) lands in member i's output
-      // as block j. `pack` lays the blocks to send out so in a staging buffer.
-      auto pack = [&] {
+      // as block j. `pack` lays the blocks to send out so in a staging buffer (`peers`:
+      // only those for other processes, each at its place in that layout).
+      auto pack = [&](bool peers = false) {
         send_stage = send_staging.Get(n * m * B);
-        std::byte* cursor = send_stage;
         for (size_t q = 0; q < Q; ++q) {
+          if (peers && q == static_cast<size_t>(l.mine)) continue;
+          std::byte* cursor = send_stage + static_cast<size_t>(displs[q]);
           for (int64_t i : l.positions[q]) {
             for (int64_t j : mine) {
               std::memcpy(cursor, bytes(in[local_of(j)]) + static_cast<size_t>(i) * B, B);
@@ -966,14 +983,25 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
         // staging buffer and no unpack out of one, two passes over every byte the process
         // holds, which took more than MPI's own exchange of the same bytes. Where an
         // output is an operand's buffer (XLA may alias them), a block received would
-        // overwrite one not yet sent: the sends are then packed as before.
+        // overwrite one not yet sent: the sends are then packed first. Where every output
+        // is its own operand's buffer (the lowering lets XLA alias them, as it does in a
+        // loop), only the blocks for other processes are: a device's own block stays where
+        // it is, and the blocks between this process's devices trade places (SwapBlocks).
+        // Packing every block and copying this process's back out of the stage moved
+        // twice the bytes of MPI's own exchange again.
         scattered = true;
         name = "MPI_Ialltoallw";
         bool aliased = false;
-        for (const void* a : in) {
-          for (const void* b : out) aliased = aliased || Overlap(a, b, n * B);
+        in_place = true;
+        for (size_t a = 0; a < in.size(); ++a) {
+          for (size_t b = 0; b < out.size(); ++b) {
+            const bool overlap = Overlap(in[a], out[b], n * B);
+            aliased = aliased || overlap;
+            in_place = in_place && (a == b ? in[a] == out[b] : !overlap);
+          }
         }
-        if (aliased) pack();
+        in_place = in_place && aliased;
+        if (aliased) pack(in_place);
       } else {
         pack();
         recv_stage = recv_staging.Get(n * m * B);
@@ -1007,16 +1035,28 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
     thread_local std::vector<int> send_counts, recv_counts, zeros;
     ScopedDatatypes made;
     if (scattered) {
-      // This process's own blocks, copied here once: through MPI (a local copy between
-      // two derived datatypes) they went through a buffer of MPI's, twice.
-      for (size_t ii = 0; ii < m; ++ii) {
-        for (size_t jj = 0; jj < m; ++jj) {
-          const std::byte* from =
-              send != nullptr
-                  ? send_stage + displs[l.mine] + (ii * m + jj) * B
-                  : bytes(in[local_of(mine[jj])]) + static_cast<size_t>(mine[ii]) * B;
-          std::memcpy(wbytes(out[local_of(mine[ii])]) + static_cast<size_t>(mine[jj]) * B,
-                      from, B);
+      if (in_place) {
+        // Member i's block j and member j's block i trade places; a member's own block is
+        // already in its output.
+        for (size_t ii = 0; ii < m; ++ii) {
+          for (size_t jj = ii + 1; jj < m; ++jj) {
+            SwapBlocks(wbytes(out[local_of(mine[ii])]) + static_cast<size_t>(mine[jj]) * B,
+                       wbytes(out[local_of(mine[jj])]) + static_cast<size_t>(mine[ii]) * B,
+                       B);
+          }
+        }
+      } else {
+        // This process's own blocks, copied here once: through MPI (a local copy between
+        // two derived datatypes) they went through a buffer of MPI's, twice.
+        for (size_t ii = 0; ii < m; ++ii) {
+          for (size_t jj = 0; jj < m; ++jj) {
+            const std::byte* from =
+                send != nullptr
+                    ? send_stage + displs[l.mine] + (ii * m + jj) * B
+                    : bytes(in[local_of(mine[jj])]) + static_cast<size_t>(mine[ii]) * B;
+            std::memcpy(wbytes(out[local_of(mine[ii])]) + static_cast<size_t>(mine[jj]) * B,
+                        from, B);
+          }
         }
       }
       if (send != nullptr) {

@@ -71,6 +71,60 @@ def mpi_call(comm: Any, op: str, elements: int, devices: int,
     return lambda: comm.Alltoall(buf, out)
 
 
+def scan_program(op: str, elements: int, mesh: Any, iters: int) -> tuple[Callable, Any]:
+    """The jitted program that times ``op`` (one of :data:`OPS`) on ``mesh`` (one axis,
+    ``"x"``), compiled and run once, and its operand: ``iters`` of ``op`` in a scan,
+    ``elements`` float32 per device of the op's larger buffer, lowered with the
+    ``collectives`` setting in force.
+
+    psum and all_to_all keep the same shape: the next op's operand is the last result.
+    all_gather and psum_scatter change it, so their scan carries the operand and the
+    result side by side (the operand as a sharded parameter or a gradient would stay in
+    its own buffer in a real program): deriving the next operand from the result instead
+    (a slice, or an update of the operand's buffer) adds a copy of it at every op, which
+    MPI's call on its own buffers does not pay."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jax_cpu_mpi.bench.programs import repeated_in_scan
+
+    n = mesh.size
+    block = elements // n if op != "all_reduce" else elements
+
+    def one(c):
+        if op == "all_reduce":
+            # Nothing but the psum (a rescale would add a pass over the buffer that
+            # MPI_Allreduce does not pay): ones grow to n ** iters, far below float32's
+            # range for the default 20.
+            return jax.lax.psum(c, "x")
+        return jax.lax.all_to_all(c, "x", 0, 0, tiled=True)
+
+    def body(v):
+        # The operand carried beside the result (repeated_in_scan, as the patterns'
+        # programs): its barrier keeps XLA from hoisting gloo's then loop-invariant
+        # all-gather / reduce-scatter out of the scan (ours is a side-effecting call).
+        if op == "all_gather":
+            return repeated_in_scan(lambda o: jax.lax.all_gather(o, "x", tiled=True),
+                                    v[:block], iters, first=v)
+        if op == "reduce_scatter":
+            return repeated_in_scan(lambda o: jax.lax.psum_scatter(o, "x", tiled=True),
+                                    v, iters, first=v[:block])
+
+        def step(c, _):
+            return one(c), None
+        return jax.lax.scan(step, v, None, length=iters)[0]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
+                              check_vma=False))
+    x = jax.make_array_from_callback(
+        (n * elements,), NamedSharding(mesh, P("x")),
+        lambda idx: np.ones(elements, np.float32))
+    f(x).block_until_ready()  # compile and warm up
+    return f, x
+
+
 def _busbw_factor(op: str, ranks: int) -> float:
     """nccl-tests' factor from algbw to busbw."""
     return (2 if op == "all_reduce" else 1) * (ranks - 1) / ranks
@@ -108,8 +162,6 @@ def main() -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
     import numpy as np
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     import jax_cpu_mpi  # noqa: F401  (registers the lowerings)
 
@@ -117,7 +169,6 @@ def main() -> int:
     from mpi4py import MPI
 
     from jax_cpu_mpi import config
-    from jax_cpu_mpi.bench.programs import repeated_in_scan
 
     comm = MPI.COMM_WORLD
     n = jax.device_count()
@@ -125,47 +176,9 @@ def main() -> int:
     rank0 = comm.Get_rank() == 0
 
     def program(op: str, setting: str, elements: int):
-        """``iters`` of ``op`` in a scan; ``elements`` per device of the op's larger buffer.
-
-        psum and all_to_all keep the same shape: the next op's operand is the last result.
-        all_gather and psum_scatter change it, so their scan carries the operand and the
-        result side by side (the operand as a sharded parameter or a gradient would stay in
-        its own buffer in a real program): deriving the next operand from the result instead
-        (a slice, or an update of the operand's buffer) adds a copy of it at every op, which
-        MPI's call on its own buffers does not pay."""
+        """``op``'s program (:func:`scan_program`) lowered with ``collectives=setting``."""
         config.configure(collectives=setting)
-        block = elements // n if op != "all_reduce" else elements
-
-        def one(c):
-            if op == "all_reduce":
-                # Nothing but the psum (a rescale would add a pass over the buffer that
-                # MPI_Allreduce does not pay): ones grow to n ** iters, far below float32's
-                # range for the default 20.
-                return jax.lax.psum(c, "x")
-            return jax.lax.all_to_all(c, "x", 0, 0, tiled=True)
-
-        def body(v):
-            # The operand carried beside the result (repeated_in_scan, as the patterns'
-            # programs): its barrier keeps XLA from hoisting gloo's then loop-invariant
-            # all-gather / reduce-scatter out of the scan (ours is a side-effecting call).
-            if op == "all_gather":
-                return repeated_in_scan(lambda o: jax.lax.all_gather(o, "x", tiled=True),
-                                        v[:block], args.iters, first=v)
-            if op == "reduce_scatter":
-                return repeated_in_scan(lambda o: jax.lax.psum_scatter(o, "x", tiled=True),
-                                        v, args.iters, first=v[:block])
-
-            def step(c, _):
-                return one(c), None
-            return jax.lax.scan(step, v, None, length=args.iters)[0]
-
-        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
-                                  check_vma=False))
-        x = jax.make_array_from_callback(
-            (n * elements,), NamedSharding(mesh, P("x")),
-            lambda idx: np.ones(elements, np.float32))
-        f(x).block_until_ready()  # compile and warm up
-        return f, x
+        return scan_program(op, elements, mesh, args.iters)
 
     def time_jax(f, x) -> float:
         comm.Barrier()
