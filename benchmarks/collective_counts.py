@@ -21,7 +21,6 @@ launches.
 from __future__ import annotations
 
 import argparse
-import os
 import resource
 import time
 from collections.abc import Callable
@@ -55,23 +54,15 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=50, help="collectives per launch")
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={args.devices}")
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from jax_cpu_mpi.bench.collectives import OPS, mpi_call, scan_program, start
+
+    comm, mesh = start(args.devices)
     import jax
     import numpy as np
 
-    import jax_cpu_mpi  # noqa: F401  (registers the lowerings)
-
-    jax.distributed.initialize(cluster_detection_method="mpi4py")
-    from mpi4py import MPI
-
     from jax_cpu_mpi import config
-    from jax_cpu_mpi.bench.collectives import OPS, mpi_call, scan_program
 
-    comm = MPI.COMM_WORLD
     n = jax.device_count()
-    mesh = jax.make_mesh((n,), ("x",))
     config.configure(collectives="mpi")
 
     for op in [o.strip() for o in args.ops.split(",") if o.strip()]:

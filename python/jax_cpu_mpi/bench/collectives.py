@@ -153,26 +153,34 @@ def _parse() -> argparse.Namespace:
     return p.parse_args()
 
 
-def main() -> int:
-    args = _parse()
+def start(devices: int) -> tuple[Any, Any]:
+    """Starts the job as the benchmark runs it: ``devices`` CPU devices per process, JAX's
+    distributed runtime from MPI. Returns ``(MPI.COMM_WORLD, a 1-D mesh "x" of every
+    device)``. Call it before anything imports jax."""
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={args.devices}")
+                               f" --xla_force_host_platform_device_count={devices}")
     # CPU collectives: on a machine with a GPU plugin too, JAX's default devices would be
     # the GPU's.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
-    import numpy as np
 
     import jax_cpu_mpi  # noqa: F401  (registers the lowerings)
 
     jax.distributed.initialize(cluster_detection_method="mpi4py")
     from mpi4py import MPI
 
+    return MPI.COMM_WORLD, jax.make_mesh((jax.device_count(),), ("x",))
+
+
+def main() -> int:
+    args = _parse()
+    comm, mesh = start(args.devices)
+    import jax
+    import numpy as np
+
     from jax_cpu_mpi import config
 
-    comm = MPI.COMM_WORLD
     n = jax.device_count()
-    mesh = jax.make_mesh((n,), ("x",))
     rank0 = comm.Get_rank() == 0
 
     def program(op: str, setting: str, elements: int):
