@@ -106,7 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.mpi_processes = mpi_processes(a.mpi_layouts)
     except ValueError as e:
         p.error(f"--mpi-layouts {a.mpi_layouts}: {e}")
-    bad = [x for x in [*a.layouts.split(","), *a.mpi_processes] if x and x not in LAYOUTS]
+    bad = [x for x in a.layouts.split(",") if x and x not in LAYOUTS]
     if set(a.jax_variants.split(",")) - set(VARIANTS):
         p.error(f"--jax-variants {a.jax_variants}: use some of {', '.join(VARIANTS)}")
     small = [x for x in a.layouts.split(",") if x in LAYOUTS and a.microbatches < LAYOUTS[x][0]]
@@ -124,7 +124,9 @@ def mpi_processes(spec: str) -> dict[str, int]:
     out = {}
     for item in filter(None, spec.split(",")):
         layout, _, count = item.partition(":")
-        stages, data = LAYOUTS.get(layout, (1, 1))
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {layout}; use some of {', '.join(LAYOUTS)}")
+        stages, data = LAYOUTS[layout]
         procs = int(count) if count.isdigit() else stages if not count else 0
         if procs < 1 or (stages * data) % procs:
             raise ValueError(f"{item}: the process count must be a positive divisor of the "
