@@ -59,8 +59,8 @@ def _pipeline_run():
     return module
 
 
-#: layout -> (stages, data); torch runs stages x data processes, ours one process, or one
-#: per stage under mpirun (--mpi-layouts).
+#: layout -> (stages, data); torch runs stages x data processes, ours one process, or
+#: several under mpirun (--mpi-layouts: one per stage unless given).
 LAYOUTS = {"1x4": (4, 1), "2x2": (2, 2)}
 #: our variants -> the example's option.
 VARIANTS = {"kept": ["--no-remat"], "remat": []}
@@ -80,8 +80,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="our step: 'kept' (the forwards keep their residuals, as torch's) "
                         "and/or 'remat' (recomputed in the backward: the example's default)")
     p.add_argument("--mpi-layouts", default="2x2",
-                   help="layouts whose JAX side runs under mpirun, one process per stage "
-                        "(2x2); the others in one process with stages x data devices")
+                   help="layouts whose JAX side runs under mpirun, comma separated, each "
+                        "LAYOUT (one process per stage) or LAYOUT:PROCESSES (e.g. 1x4:2, "
+                        "2 processes of 2 stages each); default 2x2; the others in one "
+                        "process with stages x data devices")
     p.add_argument("--xla-flags", default="",
                    help="extra XLA_FLAGS for our processes (e.g. "
                         "--xla_cpu_multi_thread_eigen=false)")
@@ -100,7 +102,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="measure nothing: write table and plot again from a recorded run")
     p.add_argument("--dry-run", action="store_true", help="print the launches and exit")
     a = p.parse_args(argv)
-    bad = [x for x in (a.layouts + "," + a.mpi_layouts).split(",") if x and x not in LAYOUTS]
+    try:
+        a.mpi_processes = mpi_processes(a.mpi_layouts)
+    except ValueError as e:
+        p.error(f"--mpi-layouts {a.mpi_layouts}: {e}")
+    bad = [x for x in a.layouts.split(",") if x and x not in LAYOUTS]
     if set(a.jax_variants.split(",")) - set(VARIANTS):
         p.error(f"--jax-variants {a.jax_variants}: use some of {', '.join(VARIANTS)}")
     small = [x for x in a.layouts.split(",") if x in LAYOUTS and a.microbatches < LAYOUTS[x][0]]
@@ -110,6 +116,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if bad:
         p.error(f"--layouts: unknown {', '.join(bad)}; use some of {', '.join(LAYOUTS)}")
     return a
+
+
+def mpi_processes(spec: str) -> dict[str, int]:
+    """``--mpi-layouts`` (``2x2,1x4:2``) -> layout -> our processes under mpirun, each
+    holding stages x data / processes devices (one per stage where no count is given)."""
+    out = {}
+    for item in filter(None, spec.split(",")):
+        layout, _, count = item.partition(":")
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {layout}; use some of {', '.join(LAYOUTS)}")
+        stages, data = LAYOUTS[layout]
+        procs = int(count) if count.isdigit() else stages if not count else 0
+        if procs < 1 or (stages * data) % procs:
+            raise ValueError(f"{item}: the process count must be a positive divisor of the "
+                             f"layout's {stages * data} devices")
+        out[layout] = procs
+    return out
 
 
 def model_args(a: argparse.Namespace) -> list[str]:
@@ -122,7 +145,7 @@ def launches(a: argparse.Namespace, torch_python: str | None, mpirun: str) -> li
     out = []
     for layout in a.layouts.split(","):
         stages, data = LAYOUTS[layout]
-        procs = stages if layout in a.mpi_layouts.split(",") else 1
+        procs = a.mpi_processes.get(layout, 1)
         mesh = ["--stages", str(stages), "--data", str(data)]
         prefix = [mpirun, "-n", str(procs)] if procs > 1 else []
         for variant in a.jax_variants.split(","):

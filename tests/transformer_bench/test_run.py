@@ -45,14 +45,24 @@ def test_both_sides_get_the_same_model_and_mesh() -> None:
     assert plan[3]["cmd"][:3] == ["mpirun", "-n", "2"]
     a = run.parse_args(["--mpi-layouts", "", "--jax-variants", "remat"])
     assert [L["cmd"][0] for L in run.launches(a, None, "mpirun")] == [sys.executable] * 2
+    # LAYOUT:PROCESSES: 1x4 as 2 processes of 2 stages, the mesh unchanged.
+    a = run.parse_args(["--mpi-layouts", "2x2,1x4:2", "--jax-variants", "remat"])
+    plan = run.launches(a, None, "mpirun")
+    assert [L["cmd"][:3] for L in plan] == [["mpirun", "-n", "2"]] * 2
+    assert [(_flags(L["cmd"])["--stages"], _flags(L["cmd"])["--data"]) for L in plan] == \
+        [("4", "1"), ("2", "2")]
+    assert plan[0]["launch"] == "2 process(es) x 2 devices (mpirun)"
 
 
 @pytest.mark.parametrize("argv", [["--layouts", "3x3"], ["--jax-variants", "fast"],
-                                  ["--mpi-layouts", "1x5"], ["--microbatches", "2"]])
+                                  ["--mpi-layouts", "1x5"], ["--mpi-layouts", "1x5:2"],
+                                  ["--mpi-layouts", "1x4:3"], ["--mpi-layouts", "2x2:0"],
+                                  ["--microbatches", "2"]])
 def test_bad_options_are_refused(argv: list[str], capsys) -> None:
     with pytest.raises(SystemExit):
         run.parse_args(argv)
-    assert "use some of" in capsys.readouterr().err or argv[0] == "--microbatches"
+    err = capsys.readouterr().err
+    assert "use some of" in err or "positive divisor" in err or argv[0] == "--microbatches"
 
 
 def _round(step: float, ok: bool = True) -> dict:
