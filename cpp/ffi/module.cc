@@ -84,8 +84,20 @@ NB_MODULE(_jax_cpu_mpi, m) {
     d["jax_cpu_mpi_mark"] = EncapsulateFfiHandler(JcmMark);
     d["jax_cpu_mpi_all_reduce"] = EncapsulateFfiHandler(JcmAllReduce);
     d["jax_cpu_mpi_exchange"] = EncapsulateFfiHandler(JcmExchange);
+    d["jax_cpu_mpi_collectives_end"] = EncapsulateFfiHandler(JcmCollectivesEnd);
     return d;
   }, "FFI handler capsules by target name.");
+
+  m.def("set_meeting_handoff",
+        [](int mode) {
+          if (!jcm::SetMeetingHandoff(mode)) throw nb::value_error("mode must be 0, 1 or 2");
+        },
+        nb::arg("mode"),
+        "When a device that does not lead its process's meeting in a collective parks "
+        "(returns a pending future) instead of waiting there: 0 never, 1 where the node has "
+        "more busy threads than cores (the default), 2 always. Other than 1 only to compare "
+        "the two in one launch, or to test either path on any machine.");
+  m.def("meeting_handoff", &jcm::MeetingHandoff);
 
   m.def("configure",
         [](double recv_timeout_s, uint64_t max_inflight_bytes) {

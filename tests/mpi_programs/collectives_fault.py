@@ -4,8 +4,9 @@ communicator) fail within JAX_CPU_MPI_RECV_TIMEOUT with an error naming the coll
 the peer, instead of hanging; a collective after that fails at once without calling MPI.
 With 2 devices per rank, a device of rank 0 that never joins its sibling's collective (a
 psum under a condition that only one of them takes) fails the sibling's meeting within the
-timeout too, and every later collective of the process fails at once: calls queued behind
-a dead meeting must not wait a whole timeout each (JAX keeps dozens in flight).
+timeout too (the sibling parked: its call returned a pending future), and every later
+collective of the process fails at once: calls queued behind a dead meeting must not wait a
+whole timeout each (JAX keeps dozens in flight).
 Run by tests/runtime/test_collectives_mpi.py (2 devices per rank, JAX_CPU_MPI_RECV_TIMEOUT=3,
 JAX_CPU_MPI_ABORT_ON_ERROR=0)."""
 
@@ -16,9 +17,13 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jax_cpu_mpi import config
+from jax_cpu_mpi import _jax_cpu_mpi, config
 
 config.configure(collectives="mpi")
+# With 2 devices per rank, a device that does not lead its meeting parks (its call returns a
+# pending future) on any machine, not only where the node has more busy threads than cores:
+# a parked device must fail by the timeout as a waiting one does.
+_jax_cpu_mpi.set_meeting_handoff(2)
 n = jax.device_count()
 mesh = jax.make_mesh((n,), ("x",))
 f = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "x"), mesh=mesh, in_specs=P("x"),
