@@ -95,6 +95,9 @@ struct Parked {
   int64_t me = 0;
   std::string_view op, operand;
   FpState fp;  // the leader's, which ran XLA's program when it deferred this one
+  // Its meeting's slot (never erased), where Resumer keeps how the slot's parked devices
+  // resumed of late.
+  void* slot = nullptr;
   bool traced = false;
   trace::Event event;  // its timeline slice, from its arrival (when traced)
 };
@@ -125,6 +128,10 @@ class LocalRound {
     std::vector<int64_t> partitions;  // the devices that meet here, ascending (set once)
     // By position: the devices of this round whose call returned a pending future.
     std::vector<std::optional<Parked>> parked;
+    // Its parked devices' resumptions that fell to the timer (no device of the meeting
+    // entered another one soon) in a row, and a count of rounds for the probe (Resumer).
+    std::atomic<uint32_t> late{0};
+    uint32_t probe = 0;  // under `mu`
   };
   Slot& Get(const std::string& key, const std::vector<int64_t>& local) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -320,11 +327,19 @@ class Resumer {
  public:
   static constexpr auto kResumeAfter = std::chrono::microseconds(250);
   static constexpr int kMaxRunners = 64;
+  // A meeting whose parked devices resumed late kLate times in a row has its devices wait
+  // in it instead (the leader's program waits on something else after that collective, an
+  // in-process collective of XLA's or a precv from the parked device, or computes for
+  // long: a runner's wake then costs more than a waiting device's), all but every kProbe-th
+  // round, which parks to see whether that still holds.
+  static constexpr uint32_t kLate = 2;
+  static constexpr uint32_t kProbe = 1024;
 
   // A parked device of a meeting the caller (its leader) has just finished: resume it later
-  // (the caller holds its slot's lock).
-  void Defer(jcm::Parked&& p) {
+  // (the caller holds the slot's lock).
+  void Defer(jcm::Parked&& p, LocalRound::Slot& slot) {
     p.fp = FpState::Current();
+    p.slot = &slot;
     std::lock_guard<std::mutex> lock(mu_);
     p.due = Clock::now() + kResumeAfter;
     due_.push_back(std::move(p));
@@ -370,6 +385,9 @@ class Resumer {
         if (p) count_.fetch_sub(1, std::memory_order_relaxed);
       }
       if (!p) return;
+      if (p->slot != nullptr) {
+        static_cast<LocalRound::Slot*>(p->slot)->late.store(0, std::memory_order_relaxed);
+      }
       Complete(*p);
     }
   }
@@ -410,6 +428,10 @@ class Resumer {
       const auto now = Clock::now();
       bool moved = false;
       while (!due_.empty() && due_.front().due <= now) {
+        if (due_.front().slot != nullptr) {
+          static_cast<LocalRound::Slot*>(due_.front().slot)->late.fetch_add(
+              1, std::memory_order_relaxed);
+        }
         ready_.push_back(std::move(due_.front()));
         due_.pop_front();
         moved = true;
@@ -594,7 +616,8 @@ Outcome MeetLocally(const std::string& key, LocalRound::Slot*& site_slot,
   slot.in[pos] = x;
   slot.out[pos] = y;
   if (++slot.arrived < static_cast<int>(local.size())) {
-    if (parks) {
+    if (parks && (slot.late.load(std::memory_order_relaxed) < Resumer::kLate ||
+                  ++slot.probe % Resumer::kProbe == 0)) {
       ffi::Promise promise;
       ffi::Future future(promise);
       Parked& p = slot.parked[pos].emplace();
@@ -649,6 +672,16 @@ Outcome MeetLocally(const std::string& key, LocalRound::Slot*& site_slot,
   }
   slot.leading.store(true, std::memory_order_relaxed);
   slot.arrived = 0;
+  // Every other device parked: this is the process's only busy thread (the parked devices'
+  // threads wait for their programs' ends), so where the node has a core per rank its MPI
+  // wait need not yield and sleep soon, as it must where each device runs a thread
+  // (JAX_CPU_MPI_WAIT=auto only).
+  size_t parked_here = 0;
+  for (const auto& p : slot.parked) parked_here += p.has_value();
+  const WaitChoice* const wait = state.mpi ? &state.mpi->wait_choice() : nullptr;
+  const bool alone = parked_here + 1 == local.size() && wait != nullptr &&
+                     wait->policy == WaitPolicy::kAuto && wait->node_ranks <= wait->cores;
+  ScopedWaitMode wait_mode(alone ? static_cast<int>(WaitMode::kBounded) : t_wait_mode);
   // The round's operands and outputs, copied out of the slot (no allocation after the
   // thread's first round): the next round may fill the slot once this one has ended.
   thread_local std::vector<const void*> in;
@@ -671,7 +704,7 @@ Outcome MeetLocally(const std::string& key, LocalRound::Slot*& site_slot,
     if (result.failure()) {
       failed.push_back(std::move(*parked));
     } else {
-      resumer.Defer(std::move(*parked));
+      resumer.Defer(std::move(*parked), slot);
     }
     parked.reset();
     rounds.parked.fetch_sub(1, std::memory_order_relaxed);
