@@ -616,8 +616,12 @@ Outcome MeetLocally(const std::string& key, LocalRound::Slot*& site_slot,
   slot.in[pos] = x;
   slot.out[pos] = y;
   if (++slot.arrived < static_cast<int>(local.size())) {
-    if (parks && (slot.late.load(std::memory_order_relaxed) < Resumer::kLate ||
-                  ++slot.probe % Resumer::kProbe == 0)) {
+    // A device whose program runs on another device's thread (resumed there: Complete)
+    // always parks: waiting here, it would wait for a device that may be that thread's own,
+    // suspended under it.
+    if (g_inline_depth > 0 ||
+        (parks && (slot.late.load(std::memory_order_relaxed) < Resumer::kLate ||
+                   ++slot.probe % Resumer::kProbe == 0))) {
       ffi::Promise promise;
       ffi::Future future(promise);
       Parked& p = slot.parked[pos].emplace();

@@ -487,6 +487,38 @@ except AssertionError as e:
     failures.append("sibling shard_maps")
     print(f"FAIL sibling shard_maps: {e}", flush=True)
 
+# ---- 2 devices per process, parked: a loop of a psum, then a ppermute within each process
+# that reads the other device's psum. The psum's leader goes on to the ppermute and waits
+# there for the device it left parked, which no other meeting resumes: the timer's runner
+# must (a parked device resumed on the leader's thread at once would wait there for the
+# leader's psend in turn), and after two such rounds the meeting's devices wait in it
+# instead. 300 rounds, every bit against NumPy.
+if jax.local_device_count() == 2:
+    swap = [(i, i ^ 1) for i in range(n)]  # partitions 2k and 2k+1 share a process
+
+    def _psum_then_swap(v):
+        def step(c, _):
+            return jax.lax.ppermute(jax.lax.psum(c, "x"), "x", swap) + jax.lax.axis_index(
+                "x").astype(c.dtype), None
+        return jax.lax.scan(step, v, None, length=300)[0]
+
+    v_swap = values("uint32", (8,), 41)
+    f_swap = jax.jit(jax.shard_map(_psum_then_swap, mesh=mesh, in_specs=P("x"),
+                                   out_specs=P("x"), check_vma=False))
+    got_swap = common.gather(jax.block_until_ready(
+        f_swap(common.global_array(mesh, P("x"), v_swap.reshape(-1)))))
+    want_swap = v_swap.copy()
+    for _ in range(300):
+        total = want_swap.sum(0, dtype=np.uint32)
+        want_swap = np.stack([total + np.uint32(i) for i in range(n)])
+    try:
+        np.testing.assert_array_equal(got_swap.reshape(n, 8), want_swap)
+        print("ok   mpi  300 rounds of a psum and a ppermute within the process, parked, vs "
+              "numpy", flush=True)
+    except AssertionError as e:
+        failures.append("psum then ppermute")
+        print(f"FAIL psum then ppermute: {e}", flush=True)
+
 # ---- axis_index_groups and scan for all_gather / psum_scatter / all_to_all (and psum), in
 # one program per setting. The groups span processes and one lists its members out of
 # order (2 devices: [[1, 0]]; 4: [[0, 2], [3, 1]]), so the exchanges' positions are not
