@@ -105,6 +105,9 @@ struct Parked {
 // Set while this thread runs another device's program from a completed future (Complete):
 // the outer call's state must survive whatever that program calls.
 thread_local int g_inline_depth = 0;
+// Set while that program runs inside another device's call, suspended under it on this
+// thread (Resumer::ResumeFor), not on a runner of ours.
+thread_local int g_under_call = 0;
 
 // The devices of one group that live in this process meet here, once per collective.
 class LocalRound {
@@ -388,7 +391,9 @@ class Resumer {
       if (p->slot != nullptr) {
         static_cast<LocalRound::Slot*>(p->slot)->late.store(0, std::memory_order_relaxed);
       }
+      ++g_under_call;
       Complete(*p);
+      --g_under_call;
     }
   }
 
@@ -616,10 +621,10 @@ Outcome MeetLocally(const std::string& key, LocalRound::Slot*& site_slot,
   slot.in[pos] = x;
   slot.out[pos] = y;
   if (++slot.arrived < static_cast<int>(local.size())) {
-    // A device whose program runs on another device's thread (resumed there: Complete)
-    // always parks: waiting here, it would wait for a device that may be that thread's own,
-    // suspended under it.
-    if (g_inline_depth > 0 ||
+    // A device whose program runs inside another device's call (resumed there: ResumeFor)
+    // always parks: waiting here, it would wait for a device that may be the one suspended
+    // under it on this thread.
+    if (g_under_call > 0 ||
         (parks && (slot.late.load(std::memory_order_relaxed) < Resumer::kLate ||
                    ++slot.probe % Resumer::kProbe == 0))) {
       ffi::Promise promise;
