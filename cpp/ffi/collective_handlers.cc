@@ -629,14 +629,13 @@ Outcome MeetLocally(const std::string& key, LocalRound::Slot*& site_slot,
                    ++slot.probe % Resumer::kProbe == 0))) {
       ffi::Promise promise;
       ffi::Future future(promise);
-      Parked& p = slot.parked[pos].emplace();
-      p.promise = std::move(promise);
-      p.deadline = deadline;
-      p.run_id = call.run_id;
-      p.me = me;
-      p.op = op;
-      p.operand = operand;
-      p.traced = call.traced;
+      Parked& p = slot.parked[pos].emplace(Parked{.promise = std::move(promise),
+                                                  .deadline = deadline,
+                                                  .run_id = call.run_id,
+                                                  .me = me,
+                                                  .op = op,
+                                                  .operand = operand,
+                                                  .traced = call.traced});
       if (call.traced) {
         p.event = call.event;
         p.event.start_ns = g_trace_start != nullptr ? *g_trace_start : trace::NowNs();
