@@ -279,9 +279,12 @@ std::string MeetingTimedOut(std::string_view op, std::string_view operand, int64
 }
 
 // When a non-leading device parks (returns a pending future) instead of waiting in its
-// meeting (SetMeetingHandoff): 0 never, 1 where the node is oversubscribed (the default),
-// 2 always (tests, to run this path on any machine).
+// meeting (SetMeetingHandoff, JAX_CPU_MPI_PARK): 0 never (off), 1 where the node is
+// oversubscribed (auto, the default), 2 wherever the program allows it (on: to compare, or
+// to test this path on any machine).
 std::atomic<int> g_handoff{1};
+// Calls that parked so far (jax_cpu_mpi.stats(): whether a program took this path at all).
+std::atomic<uint64_t> g_parks{0};
 
 // The timeline's slice of a parked call ends when it completes: it waited all that time.
 void RecordParked(const Parked& p, bool ok) {
@@ -553,6 +556,9 @@ struct Outcome {
 // its timeline slice.
 struct CallInfo {
   int64_t run_id = 0;
+  // Whether its program may park at all (its "park" attribute: passes/park_safety.py says
+  // when nothing else in the program can wait for another device).
+  bool may_park = false;
   bool traced = false;
   trace::Event event;
 };
@@ -592,7 +598,14 @@ Outcome MeetLocally(const std::string& key, LocalRound::Slot*& site_slot,
   const bool yields = state.mpi && state.mpi->wait_choice().policy != WaitPolicy::kSleep;
   const bool oversubscribed = state.mpi && state.mpi->wait_choice().sleeps_soon;
   const int handoff = g_handoff.load(std::memory_order_relaxed);
-  const bool parks = handoff == 2 || (handoff == 1 && oversubscribed);
+  // JAX_CPU_MPI_PARK=auto parks only where the node has more busy threads than cores, as
+  // JAX_CPU_MPI_WAIT=auto judges it (not under WAIT=sleep: that asks for sleeping waits,
+  // not for fewer of them); and only in a program whose steps cannot wait for another
+  // device but in our meetings (call.may_park).
+  const bool parks =
+      call.may_park &&
+      (handoff == 2 || (handoff == 1 && oversubscribed &&
+                        state.mpi->wait_choice().policy == WaitPolicy::kAuto));
   Resumer& resumer = Resumers();
   if (parks) {
     // The devices of this meeting that an earlier one left parked go first, on this thread
@@ -641,6 +654,7 @@ Outcome MeetLocally(const std::string& key, LocalRound::Slot*& site_slot,
         p.event.start_ns = g_trace_start != nullptr ? *g_trace_start : trace::NowNs();
       }
       rounds.parked.fetch_add(1, std::memory_order_relaxed);
+      g_parks.fetch_add(1, std::memory_order_relaxed);
       lock.unlock();
       resumer.WatchParked();
       return Outcome(std::move(future));
@@ -980,11 +994,12 @@ Outcome AllReduce(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
 // With the timeline off (the usual case) one predictable branch; on, one slice per device
 // and collective, with its bytes and its wait (a parked call's when it completes).
 template <typename Run>
-Outcome Traced(Run&& run, int64_t run_id, ffi::Buffer<ffi::U32> partition,
+Outcome Traced(Run&& run, int64_t run_id, bool may_park, ffi::Buffer<ffi::U32> partition,
                I64Span device_index, I64Span device_process, int64_t site, size_t bytes,
                trace::Op op) {
   CallInfo call;
   call.run_id = run_id;
+  call.may_park = may_park;
   if (trace::Mode() == 0) [[likely]] return run(call);
   const int64_t me = static_cast<int64_t>(partition.typed_data()[0]);
   if (me < 0 || me >= static_cast<int64_t>(device_index.size()) ||
@@ -1678,14 +1693,15 @@ trace::Op TraceOp(std::string_view kind) {
 Outcome AllReduceImpl(xla::ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
                       ffi::RemainingArgs after, ffi::Result<ffi::AnyBuffer> out,
                       I64Span groups, int64_t group_size, I64Span device_index,
-                      I64Span device_process, int64_t site, std::string_view reduction,
-                      std::string_view op, std::string_view operand) {
+                      I64Span device_process, int64_t site, int64_t park,
+                      std::string_view reduction, std::string_view op,
+                      std::string_view operand) {
   Outcome result = Traced(
       [&](const CallInfo& call) {
         return AllReduce(x, partition, after, out, groups, group_size, device_index,
                          device_process, site, reduction, op, operand, call);
       },
-      run.run_id, partition, device_index, device_process, site, x.size_bytes(),
+      run.run_id, park != 0, partition, device_index, device_process, site, x.size_bytes(),
       trace::Op::kAllReduce);
   // A failed collective ends its program run (XLA runs no further thunk).
   if (result.failure()) [[unlikely]] {
@@ -1698,15 +1714,15 @@ Outcome AllReduceImpl(xla::ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::U3
 Outcome ExchangeImpl(xla::ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
                      ffi::RemainingArgs after, ffi::Result<ffi::AnyBuffer> out,
                      I64Span groups, int64_t group_size, I64Span device_index,
-                     I64Span device_process, int64_t site, std::string_view reduction,
-                     std::string_view op, std::string_view operand,
-                     std::string_view kind) {
+                     I64Span device_process, int64_t site, int64_t park,
+                     std::string_view reduction, std::string_view op,
+                     std::string_view operand, std::string_view kind) {
   Outcome result = Traced(
       [&](const CallInfo& call) {
         return ExchangeCollective(x, partition, after, out, groups, group_size, device_index,
                                   device_process, site, kind, reduction, op, operand, call);
       },
-      run.run_id, partition, device_index, device_process, site,
+      run.run_id, park != 0, partition, device_index, device_process, site,
       std::max(x.size_bytes(), out->size_bytes()), TraceOp(kind));
   // A failed collective ends its program run (XLA runs no further thunk).
   if (result.failure()) [[unlikely]] {
@@ -1732,6 +1748,7 @@ bool SetMeetingHandoff(int mode) {
   return true;
 }
 int MeetingHandoff() { return g_handoff.load(std::memory_order_relaxed); }
+uint64_t CollectiveParks() { return g_parks.load(std::memory_order_relaxed); }
 
 }  // namespace jcm
 
@@ -1764,6 +1781,7 @@ auto CollectiveBinding() {
       .Attr<jcm::I64Span>("device_index")
       .Attr<jcm::I64Span>("device_process")
       .Attr<int64_t>("site")
+      .Attr<int64_t>("park")
       .Attr<std::string_view>("reduction")
       .Attr<std::string_view>("op")
       .Attr<std::string_view>("operand");

@@ -2,6 +2,8 @@
 // python/jax_cpu_mpi/_src/lowering/collectives.py).
 #pragma once
 
+#include <cstdint>
+
 #include "xla/ffi/api/api.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JcmAllReduce);
@@ -12,9 +14,12 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JcmCollectivesEnd);
 
 namespace jcm {
 // When a device that does not lead its process's meeting in a collective parks (its
-// handler returns a pending future) instead of waiting there: 0 never, 1 where the node has
-// more busy threads than cores (the default), 2 always. Other than 1 only to compare the
-// two in one launch, or to test either path on any machine. False for another mode.
+// handler returns a pending future) instead of waiting there (JAX_CPU_MPI_PARK): 0 never
+// (off), 1 where the node has more busy threads than cores (auto, the default), 2 always
+// (on). In every mode only in programs that allow it (their calls' "park" attribute).
+// False for another mode.
 bool SetMeetingHandoff(int mode);
 int MeetingHandoff();
+// Collective calls that parked so far in this process (jax_cpu_mpi.stats()).
+uint64_t CollectiveParks();
 }  // namespace jcm

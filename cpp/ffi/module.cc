@@ -94,9 +94,9 @@ NB_MODULE(_jax_cpu_mpi, m) {
         },
         nb::arg("mode"),
         "When a device that does not lead its process's meeting in a collective parks "
-        "(returns a pending future) instead of waiting there: 0 never, 1 where the node has "
-        "more busy threads than cores (the default), 2 always. Other than 1 only to compare "
-        "the two in one launch, or to test either path on any machine.");
+        "(returns a pending future) instead of waiting there: 0 never (JAX_CPU_MPI_PARK=off), "
+        "1 where the node has more busy threads than cores (auto, the default), 2 always "
+        "(on); in every mode only in programs that allow it (passes/park_safety.py).");
   m.def("meeting_handoff", &jcm::MeetingHandoff);
 
   m.def("configure",
@@ -246,6 +246,8 @@ NB_MODULE(_jax_cpu_mpi, m) {
     // What the polling waits for MPI peers did (Backoff): load changes the times, not these.
     d["wait_yields"] = jcm::WaitYields();
     d["wait_sleeps"] = jcm::WaitSleeps();
+    // Collective calls whose device parked in its meeting (JAX_CPU_MPI_PARK).
+    d["collective_parks"] = jcm::CollectiveParks();
     return d;
   });
 

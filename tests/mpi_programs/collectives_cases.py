@@ -31,16 +31,24 @@ mesh = jax.make_mesh((n,), ("x",))
 failures: list[str] = []
 
 
+#: With 2 devices per process, how a device that does not lead its process's meeting waits
+#: in this launch (tests/runtime/test_collectives_mpi.py runs the matrix both ways, on any
+#: machine): JAX_CPU_MPI_PARK=on parks (its call returns a pending future) in every program
+#: that allows it, off waits in the meeting.
+PARK = os.environ.get("JAX_CPU_MPI_PARK", "auto")
+MODE = {"off": 0, "auto": 1, "on": 2}[PARK]
+
+
 def meeting(mode: int) -> None:
-    """With 2 devices per process, how a device that does not lead its process's meeting
-    waits, set for the programs that follow, so that both ways run on any machine: 2 parked
-    (its call returns a pending future; by default only where the node has more busy threads
-    than cores), 0 waiting in the meeting."""
+    """Set how a non-leading device waits for the programs that follow (2 devices)."""
     if jax.local_device_count() > 1:
         _jax_cpu_mpi.set_meeting_handoff(mode)
 
 
-meeting(2)
+def parks() -> int:
+    """Collective calls of this process that parked so far."""
+    return int(jax_cpu_mpi.stats()["collective_parks"])
+
 
 OPS = {"psum": jax.lax.psum, "pmax": jax.lax.pmax, "pmin": jax.lax.pmin,
        "pmean": jax.lax.pmean}
@@ -97,6 +105,24 @@ def run_packed(setting: str, m, operands: dict, fn_of_key) -> dict:
             (flat.shape[0], *shape))
         at += size
     return out
+
+
+_REDUCTION = {"psum": "sum", "pmean": "sum", "pmax": "max", "pmin": "min",
+              "psum_scatter": "sum"}
+
+
+def by_path(cases: dict, op_of, dtype_of) -> list[dict]:
+    """``cases`` in two programs: those whose collectives all go over MPI, and those some of
+    which keep JAX's lowering (MPI has no such reduction). A collective of XLA's own keeps
+    the devices of its whole program from parking (passes/park_safety.py): apart, the first
+    program parks where the launch parks."""
+    over_mpi: dict = {}
+    rest: dict = {}
+    for key, case in cases.items():
+        red = _REDUCTION.get(op_of(key))
+        mpi_can = red is None or dtype_of(key) in lowering.MPI_DTYPES[red]
+        (over_mpi if mpi_can else rest)[key] = case
+    return [part for part in (over_mpi, rest) if part]
 
 
 def run_all(setting: str, operands: dict, fn_of_key) -> dict:
@@ -157,7 +183,9 @@ def fn_of(key):
     return functools.partial(OPS[keys[key]], axis_name="x")
 
 
-mpi = run_all("mpi", operands, fn_of)
+mpi = {}
+for part in by_path(operands, keys.get, lambda k: operands[k].dtype.name):
+    mpi.update(run_all("mpi", part, fn_of))
 gloo = run_all("gloo", operands, fn_of)
 for key, v in operands.items():
     op, dtype, _ = key.split("/")
@@ -267,12 +295,15 @@ if n == 4:
     order = sorted(range(n), key=lambda i: (i % 2, i))  # positions 0, 2 / 1, 3 per process
     meshes[" interleaved"] = jax.sharding.Mesh(devs[np.argsort(order)], ("x",))
 for label, m in meshes.items():
-    meeting(0 if label else 2)  # the interleaved mesh's devices wait in their meetings
+    meeting(0 if label else MODE)  # the interleaved mesh's devices wait in their meetings
     # NumPy checks every case; gloo (a compilation of its own, slow) the float32 and large
     # ones; the interleaved mesh runs the int8 and large ones.
     cases = EXCHANGES if not label else {
         k: e for k, e in EXCHANGES.items() if "/int8/" in k or "big" in k or "65536" in k}
-    ex_mpi = run_exchanges("mpi", m, cases)
+    ex_mpi = {}
+    for part in by_path(cases, lambda k: k.split("/")[0],
+                        lambda k, c=cases: c[k][0].dtype.name):
+        ex_mpi.update(run_exchanges("mpi", m, part))
     ex_gloo = {} if label else run_exchanges("gloo", m, {
         k: e for k, e in cases.items() if "/float32/" in k or "big" in k or "65536" in k})
     for key, (v, _, ref) in cases.items():
@@ -304,7 +335,16 @@ for label, m in meshes.items():
             failures.append(name)
             print(f"FAIL {name}: {e}", flush=True)
 
-meeting(2)
+meeting(MODE)
+# The matrix took the path this launch asked for: parked calls on, none off.
+if jax.local_device_count() == 2 and PARK in ("on", "off"):
+    try:
+        assert (parks() > 0) == (PARK == "on"), (PARK, parks())
+        print(f"ok   mpi  the matrix's devices {'parked' if PARK == 'on' else 'waited'} "
+              f"({parks()} parked calls)", flush=True)
+    except AssertionError as e:
+        failures.append("parked path")
+        print(f"FAIL parked path: {e}", flush=True)
 
 # ---- the lowerings that did not go over MPI say why
 decided = lowering.decisions()
@@ -487,12 +527,11 @@ except AssertionError as e:
     failures.append("sibling shard_maps")
     print(f"FAIL sibling shard_maps: {e}", flush=True)
 
-# ---- 2 devices per process, parked: a loop of a psum, then a ppermute within each process
-# that reads the other device's psum. The psum's leader goes on to the ppermute and waits
-# there for the device it left parked, which no other meeting resumes: the timer's runner
-# must (a parked device resumed on the leader's thread at once would wait there for the
-# leader's psend in turn), and after two such rounds the meeting's devices wait in it
-# instead. 300 rounds, every bit against NumPy.
+# ---- 2 devices per process: a loop of a psum, then a ppermute within each process (our
+# psend/precv) that reads the other device's psum. A device resumed from a parked psum on the
+# other device's thread could wait in the ppermute for the device suspended under it (the
+# reviewer's deadlock, below), so this program never parks (passes/park_safety.py). 300
+# rounds, every bit against NumPy.
 if jax.local_device_count() == 2:
     swap = [(i, i ^ 1) for i in range(n)]  # partitions 2k and 2k+1 share a process
 
@@ -513,11 +552,39 @@ if jax.local_device_count() == 2:
         want_swap = np.stack([total + np.uint32(i) for i in range(n)])
     try:
         np.testing.assert_array_equal(got_swap.reshape(n, 8), want_swap)
-        print("ok   mpi  300 rounds of a psum and a ppermute within the process, parked, vs "
-              "numpy", flush=True)
+        print("ok   mpi  300 rounds of a psum and a ppermute within the process vs numpy",
+              flush=True)
     except AssertionError as e:
         failures.append("psum then ppermute")
         print(f"FAIL psum then ppermute: {e}", flush=True)
+
+    # The reviewer's reproducer of the parked design's deadlock: float32[32768] (large
+    # enough that XLA runs the program as a dataflow graph), a psum, a ppermute within each
+    # process, a psum. Where the first psum's non-leading device parked, it resumed on the
+    # thread of the other device when that one entered the second psum, and XLA ran the
+    # parked program's ready steps there: its precv then waited for the psend of the very
+    # device suspended under it (8 failures in 27 runs, a timeout error each). Such a
+    # program must take the waiting path, whatever JAX_CPU_MPI_PARK says: 40 calls, no
+    # parked call among them, every value against NumPy.
+    def _psum_swap_psum(v):
+        y = jax.lax.ppermute(jax.lax.psum(v, "x"), "x", swap)
+        return jax.lax.psum(y + jax.lax.axis_index("x").astype(y.dtype), "x")
+
+    v_rep = (np.arange(n * 32768, dtype=np.int64) % 1000).astype(np.float32).reshape(n, -1)
+    f_rep = jax.jit(jax.shard_map(_psum_swap_psum, mesh=mesh, in_specs=P("x"),
+                                  out_specs=P("x"), check_vma=False))
+    x_rep = common.global_array(mesh, P("x"), v_rep.reshape(-1))
+    want_rep = np.tile(n * v_rep.sum(0) + n * (n - 1) / 2, n).astype(np.float32)
+    before_rep = parks()
+    try:
+        for _ in range(40):  # one call in flight at a time: psend/precv's rule
+            np.testing.assert_array_equal(common.gather(f_rep(x_rep)), want_rep)
+        assert parks() == before_rep, ("parked", parks() - before_rep)
+        print("ok   mpi  psum, ppermute within the process, psum of float32[32768]: the "
+              "waiting path, 40 calls vs numpy", flush=True)
+    except Exception as e:  # a deadlock ends in the meeting's timeout error
+        failures.append("psum ppermute psum")
+        print(f"FAIL psum ppermute psum: {type(e).__name__}: {str(e)[:400]}", flush=True)
 
 # ---- axis_index_groups and scan for all_gather / psum_scatter / all_to_all (and psum), in
 # one program per setting. The groups span processes and one lists its members out of

@@ -286,7 +286,7 @@ def _custom_call(ctx: Any, target: str, name: str, x: Any, in_aval: Any, out_ava
     return call(sub_ctx, x, hlo.partition_id(),
                 groups=padded.reshape(-1), group_size=np.int64(padded.shape[1]),
                 device_index=tables.device_index, device_process=tables.device_process,
-                site=np.int64(0), op=f"{name}(axes={tuple(axes)!r})",
+                site=np.int64(0), park=np.int64(0), op=f"{name}(axes={tuple(axes)!r})",
                 operand=_describe(ctx.avals_in[0]), **attrs)
 
 

@@ -34,7 +34,8 @@ Last, each function's chain ends in one more custom call, ``collectives_end``, w
 the last collective's result: on a node with more busy threads than cores, a device that
 did not lead its process's meeting in a collective returns a pending future and resumes when
 another device of the meeting enters its next one; after the last collective of a program
-there is none, and this call resumes them instead.
+there is none, and this call resumes them instead. A program's devices park only where
+nothing else in it can wait for another device (``park_safety``: its calls' ``park``).
 """
 
 from __future__ import annotations
@@ -48,10 +49,12 @@ from jax_cpu_mpi._src.ffi.custom_calls import (
     attribute_dict,
     call_target,
     operations,
+    set_int_attribute,
     with_extra_operands,
     with_int_attribute,
 )
 from jax_cpu_mpi._src.lowering import collectives
+from jax_cpu_mpi._src.passes import park_safety
 
 
 def wanted(platforms: Any, jaxpr: Any) -> bool:
@@ -364,4 +367,10 @@ def order_collectives(module: Any) -> int:
                     _end_chain(block, last)
                 # Otherwise (the chain ends in a loop or conditional of an SPMD program) no
                 # end: parked devices resume a little later (Resumer::kResumeAfter).
+        # Last, on the whole program as it now stands: whether its devices may park in
+        # its meetings (the lowering said no: park = 0).
+        if park_safety.may_park(module):
+            for op in operations(module.operation):
+                if call_target(op) in collectives.TARGETS:
+                    set_int_attribute(op, "park", 1)
     return chain.chained
