@@ -804,6 +804,29 @@ if n == 2 * jax.local_device_count() and jax.local_device_count() > 1:
             failures.append(key)
             print(f"FAIL {key}: {e}", flush=True)
 
+# ---- exported for CPU and CUDA at once: each collective sits in a branch per platform, and
+# nothing of ours may land outside the CPU's (the chain's end, collectives_end, goes nowhere:
+# the GPU has no such target). The CPU side runs and equals NumPy.
+config.configure(collectives="mpi")
+try:
+    f_both = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "x"), mesh=mesh, in_specs=P("x"),
+                                   out_specs=P("x"), check_vma=False))
+    v_both = values("float32", (4,), 17)
+    exported = jax.export.export(
+        f_both, platforms=["cpu", "cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(lowering.ALL_REDUCE_TARGET)],
+    )(jax.ShapeDtypeStruct((n * 4,), np.float32, sharding=jax.NamedSharding(mesh, P("x"))))
+    text = exported.mlir_module()
+    assert lowering.ALL_REDUCE_TARGET in text and "all_reduce" in text.replace(
+        lowering.ALL_REDUCE_TARGET, ""), "not both platforms' psum"
+    assert lowering.END_TARGET not in text, "collectives_end outside the CPU branch"
+    got = common.gather(exported.call(common.global_array(mesh, P("x"), v_both.reshape(-1))))
+    check("mpi  exported for cpu and cuda: psum vs numpy", got.reshape(n, 4), v_both.sum(0),
+          False)
+except Exception as e:
+    failures.append("exported for cpu and cuda")
+    print(f"FAIL exported for cpu and cuda: {type(e).__name__}: {str(e)[:400]}", flush=True)
+
 # ---- a partially manual shard_map (axis_names= a subset): XLA's SPMD partitioner refuses
 # our calls' partition-id there, so they keep JAX's lowering, recorded as such, and the
 # program compiles and runs (it failed to compile before: "PartitionId instruction is not

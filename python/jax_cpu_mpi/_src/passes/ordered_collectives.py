@@ -347,16 +347,32 @@ def _partitioned(module: Any) -> bool:
     return ir.IntegerAttr(attrs["mhlo.num_partitions"]).value > 1
 
 
+def _multi_platform(module: Any) -> bool:
+    """Whether the module was lowered for several platforms at once (``jax.export`` with
+    ``platforms=["cpu", "cuda"]``): its main function then takes the platform's index, and
+    each collective sits in a ``stablehlo.case`` over it, whose CPU branch alone holds our
+    call."""
+    for func in _functions(module).values():
+        if "arg_attrs" in func.attributes and "_platform_index" in str(
+                func.attributes["arg_attrs"]):
+            return True
+    return False
+
+
 def order_collectives(module: Any) -> int:
     """Runs the pass on a lowered module; returns how many calls it chained."""
     collectives.pending_for_pass = 0
     with module.context, ir.Location.unknown():
         inline_calls(module)
         chain = _Chain()
+        # No chain's end where the program is lowered for other platforms too: outside the
+        # per-platform branches it would run on all of them (no GPU has the target), and
+        # such a program does not park anyway (its GPU branches hold XLA's collectives).
+        ends = not _multi_platform(module)
         for func in _functions(module).values():
             for block in func.regions[0].blocks:
                 last = chain.block(block, None)
-                if last is None:
+                if last is None or not ends:
                     continue
                 if chain.manual_end is not None and chain.manual_end[0] == last[0]:
                     # The body as the rebuilt computation holds it (_regrown moved it).
