@@ -23,9 +23,9 @@ and the yields and sleeps of our waits (``jax_cpu_mpi.stats()``). The counts do
 not depend on the machine's load the way the times do.
 
 ``--ab`` compares, in the same rounds, a device that parks in its process's meeting (its
-call returns a pending future that the leader completes: the default on a node with more
-busy threads than cores) with one that waits there (``set_meeting_handoff(0)``), in
-alternate launches of each round: rank 0 prints a line for each.
+call returns a pending future that the leader completes: JAX_CPU_MPI_PARK=on, the default
+``auto`` on a node with more busy threads than cores) with one that waits there (``off``),
+in alternate calls of each round: rank 0 prints a line for each.
 """
 
 from __future__ import annotations
@@ -87,9 +87,10 @@ def main() -> None:
     n = jax.device_count()
     mesh = jax.make_mesh((n,), ("x",))
 
-    def counts() -> tuple[int, int, int, int]:
+    def counts() -> tuple[int, int, int, int, int]:
         stats = jax_cpu_mpi.stats()
-        return (*context_switches(), stats["wait_yields"], stats["wait_sleeps"])
+        return (*context_switches(), stats["wait_yields"], stats["wait_sleeps"],
+                stats["collective_parks"])
 
     def one(c):
         if args.op == "psum":
@@ -103,6 +104,7 @@ def main() -> None:
                                     v[:block], args.iters, first=v)
         return jax.lax.scan(lambda c, _: (one(c), None), v, None, length=args.iters)[0]
 
+    mode = _jax_cpu_mpi.meeting_handoff()  # JAX_CPU_MPI_PARK's, restored after --ab
     for size in (int(s) for s in args.sizes.split(",")):
         # Bytes per device; an all_to_all's operand (an all_gather's result) splits into a
         # block per device.
@@ -138,16 +140,16 @@ def main() -> None:
             for _ in range(args.iters):
                 call()
             theirs.append((time.perf_counter() - t) / args.iters * 1e6)
-        _jax_cpu_mpi.set_meeting_handoff(1)
+        _jax_cpu_mpi.set_meeting_handoff(mode)
         if comm.Get_rank() == 0:
             for v in variants:
-                vol, invol, yields, sleeps = np.median(np.array(per_op[v]), axis=0)
+                vol, invol, yields, sleeps, parks = np.median(np.array(per_op[v]), axis=0)
                 name = "" if v is None else (" parked" if v == 2 else " waiting")
                 print(f"{size} B: {args.op} x{args.devices}{name} {np.median(ours[v]):.1f} "
                       f"us/op (min {min(ours[v]):.1f}), mpi4py {np.median(theirs):.1f} us/op "
                       f"(min {min(theirs):.1f}); per op: "
                       f"{vol:.2f} voluntary, {invol:.2f} involuntary switches, {yields:.1f} "
-                      f"yields, {sleeps:.2f} sleeps", flush=True)
+                      f"yields, {sleeps:.2f} sleeps, {parks:.2f} parked calls", flush=True)
 
 
 if __name__ == "__main__":
