@@ -81,9 +81,18 @@ def test_only_programs_whose_steps_cannot_wait_for_another_device_park(body, par
     ({"result": "[{}]"}, "the result replicated, the shard_map's sharded: an all-gather"),
     ({"arg": "[{}]"}, "the operand replicated, the shard_map wants it sharded"),
     ({"mesh": '["x"=2, "y"=2]'}, "manual over x only: XLA partitions the body over y"),
+    ({"outside": '%s = sdy.sharding_constraint %m <@mesh, [{}]> : tensor<4xf32>',
+      "returned": "%s", "result": "[{}]"}, "a sharding constraint that replicates"),
 ])
 def test_a_partitioned_program_that_xla_may_reshard_does_not_park(kwargs, why):
     assert not park_safety.may_park(_parse(_module(_MUL, **kwargs))), why
+
+
+def test_a_sharding_constraint_that_keeps_the_sharding_parks():
+    # jax 0.12 puts one on each shard_map result.
+    assert park_safety.may_park(_parse(_module(
+        _MUL, outside='%s = sdy.sharding_constraint %m <@mesh, [{"x"}]> : tensor<4xf32>',
+        returned="%s")))
 
 
 def test_a_mesh_axis_of_size_one_need_not_be_manual():

@@ -50,8 +50,10 @@ _WAITING_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all",
                 "ragged_all_to_all", "collective_permute", "collective_broadcast", "send",
                 "recv", "infeed", "outfeed")
 #: Outside a manual computation of a partitioned program, the ops that XLA's partitioner
-#: turns into no communication of their own.
-_TOP_LEVEL_OPS = ("sdy.manual_computation", "stablehlo.constant", "func.return")
+#: turns into no communication of their own (a sharding constraint: where it keeps the
+#: sharding its operand has already; jax 0.12 puts one on each shard_map result).
+_TOP_LEVEL_OPS = ("sdy.manual_computation", "sdy.sharding_constraint", "stablehlo.constant",
+                  "func.return")
 
 
 def _waits(op: Any) -> bool:
@@ -62,8 +64,10 @@ def _waits(op: Any) -> bool:
     dialect, _, name = op.name.partition(".")
     if dialect in ("stablehlo", "mhlo"):
         return name in _WAITING_OPS
-    # Shardy's own ops other than these are reshardings (collectives once partitioned).
-    return dialect == "sdy" and name not in ("manual_computation", "return", "mesh")
+    # Shardy's own ops other than these are reshardings (collectives once partitioned); a
+    # sharding constraint is one only where it changes a sharding (_top_level_is_local).
+    return dialect == "sdy" and name not in ("manual_computation", "return", "mesh",
+                                             "sharding_constraint")
 
 
 def _functions(module: Any, public_only: bool = False) -> list[Any]:
@@ -150,6 +154,10 @@ def _top_level_is_local(func: Any, meshes: dict[str, dict[str, int]]) -> bool:
                 want(value, sharding)
             for value, sharding in zip(op.results, outs, strict=True):
                 want(value, sharding)
+        elif op.name == "sdy.sharding_constraint":
+            sharding = str(sdy.TensorShardingAttr(op.attributes["sharding"]))
+            want(op.operands[0], sharding)
+            want(op.results[0], sharding)
         elif op.name == "func.return":
             for i, value in enumerate(op.operands):
                 want(value, _value_sharding(res_attrs, i))
