@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+import jax_cpu_mpi
 from jax_cpu_mpi import _jax_cpu_mpi, config
 
 config.configure(collectives="mpi")
@@ -70,9 +71,13 @@ else:
 
         h = jax.jit(jax.shard_map(first_device_only, mesh=mesh, in_specs=P("x"),
                                   out_specs=P("x"), check_vma=False))
+        parked_before = jax_cpu_mpi.stats()["collective_parks"]
         fails(lambda: h(x), "a meeting completed without its sibling device",
               ("psum", "for the other devices of its group in this process"), 3 + 4,
               "meeting raised as expected")
+        # The device that came waited parked: the watch over parked devices failed it.
+        assert jax_cpu_mpi.stats()["collective_parks"] == parked_before + 1
+        print("the device that came had parked", flush=True)
         fails(lambda: f(x), "a collective waited after a dead meeting",
               ("psum", "timed out waiting for the other devices of its group"), 2,
               "meeting refused at once")
