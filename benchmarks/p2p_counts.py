@@ -10,13 +10,15 @@ the benchmark: ``--window`` messages one way, then a 4-byte acknowledgement back
 ``--hops`` one-way hops per call) and ``ring`` (``--pattern ring``: every rank sends to the
 next and receives from the previous one, ``--hops`` steps per call). Each is timed for
 ``psend/scan`` and for ``mpi4py`` (windows of ``Isend``/``Irecv``, ``Send``/``Recv``,
-``Sendrecv``), in rounds that run every variant ``--calls`` times in turn after a barrier,
-so that a loaded machine slows them alike. Every rank prints, per variant, the median and
-best time per message over the rounds and, per message (load changes them much less than
-times): voluntary and involuntary context switches of the whole process (``getrusage``:
-the progress thread's wake-ups, waits that slept, preemptions), and the transport's own
-counts from :func:`jax_cpu_mpi.stats` (rendezvous sends that went direct or staged, yields
-and sleeps of the waits). The received bytes of every ``psend`` variant are checked.
+``Sendrecv``), the hop also for ``psend-donated/scan`` (receiving into the previous call's
+results, donated: no fresh buffers per call), in rounds that run every variant ``--calls``
+times in turn after a barrier, so that a loaded machine slows them alike. Every rank prints,
+per variant, the median and best time per message over the rounds and, per message (load
+changes them much less than times): voluntary and involuntary context switches of the whole
+process (``getrusage``: the progress thread's wake-ups, waits that slept, preemptions) and
+minor page faults (fresh pages: XLA's per-call outputs), and the transport's own counts from
+:func:`jax_cpu_mpi.stats` (rendezvous sends that went direct or staged, yields and sleeps of
+the waits). The received bytes of every ``psend`` variant are checked.
 
 With ``--trace DIR`` it then records ``--trace-calls`` calls of each ``psend`` variant
 (``jax_cpu_mpi.trace``) and prints, per direction of each channel (rank 0 prints, from the
@@ -44,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_cpu_mpi
 from jax_cpu_mpi._src.runtime.config import overrides, parse_bytes
-from jax_cpu_mpi.bench import patterns, programs
+from jax_cpu_mpi.bench import methods, patterns, programs
 from jax_cpu_mpi.bench import session as bench_session
 
 #: jax_cpu_mpi.stats() counters reported per message.
@@ -55,8 +57,6 @@ Variants = dict[str, tuple[Callable[[], Any], int, Callable[[Any], int] | None]]
 
 
 def _variants(session: Any, args: argparse.Namespace, n: int) -> Variants:
-    from mpi4py import MPI
-
     comm, rank, nranks = session.comm, session.rank, session.nranks
     mesh = patterns._mesh(session)
     me = mesh.devices.reshape(-1)[rank]
@@ -78,16 +78,11 @@ def _variants(session: Any, args: argparse.Namespace, n: int) -> Variants:
             fn = patterns.window_program(mesh, "psend", perm, args.window,
                                          args.windows).lower(x).compile()
 
+        ack = np.zeros(patterns.WINDOW_ACK_BYTES, np.uint8)
+
         def mpi_windows() -> None:
-            ack = np.zeros(patterns.WINDOW_ACK_BYTES, np.uint8)
-            for _ in range(args.windows):
-                reqs = [comm.Irecv(recv, s, 6) for s in source for _ in range(args.window)]
-                reqs += [comm.Isend(send, d, 6) for d in dest for _ in range(args.window)]
-                MPI.Request.Waitall(reqs)
-                if source:
-                    comm.Send(ack, source[0], 7)
-                if dest:
-                    comm.Recv(ack, dest[0], 7)
+            patterns.mpi_windows(comm, send, recv, source, dest, args.window, args.windows,
+                                 ack)
 
         messages = args.window * args.windows * max(1, nranks // 2)
         out["multi-pair psend/scan"] = (lambda: jax.block_until_ready(fn(x))[0], messages,
@@ -96,18 +91,25 @@ def _variants(session: Any, args: argparse.Namespace, n: int) -> Variants:
     if "hop" in kinds and nranks == 2:
         hop = programs.pingpong_scan(mesh, "psend", args.hops)
 
+        round_trip = methods.mpi_round_trip(comm, rank, send, recv)
+
         def mpi_hops() -> None:
             for _ in range(args.hops // 2):
-                if rank == 0:
-                    comm.Send(send, 1, 8)
-                    comm.Recv(recv, 1, 8)
-                else:
-                    comm.Recv(recv, 0, 8)
-                    comm.Send(recv, 0, 8)
+                round_trip()
 
         # (z, y): z is what came back to device 0, y what device 1 received.
         out["hop psend/scan"] = (lambda: jax.block_until_ready(hop(x))[rank], args.hops, check)
         out["hop mpi4py"] = (mpi_hops, args.hops, None)
+        # The same hops receiving into the previous call's results, donated: no fresh
+        # buffers per call (the page faults that XLA's per-call outputs cost).
+        donated = programs.pingpong_donated_scan(mesh, "psend", args.hops)
+        carries = [x + np.uint8(0), jax.numpy.zeros_like(x)]
+
+        def donated_hops() -> Any:
+            carries[:] = jax.block_until_ready(donated(*carries))
+            return carries[rank]
+
+        out["hop psend-donated/scan"] = (donated_hops, args.hops, check)
     if "ring" in kinds:
         with overrides(gpu_parity=False):
             ring = patterns._scan_program(mesh, "psend", patterns.pairs("ring", nranks),
@@ -141,7 +143,8 @@ def _measure(session: Any, args: argparse.Namespace, n: int, variants: Variants)
             after, stats_after = resource.getrusage(resource.RUSAGE_SELF), jax_cpu_mpi.stats()
             per = float(args.calls * messages)
             c = {"vcs": (after.ru_nvcsw - before.ru_nvcsw) / per,
-                 "ivcs": (after.ru_nivcsw - before.ru_nivcsw) / per}
+                 "ivcs": (after.ru_nivcsw - before.ru_nivcsw) / per,
+                 "minflt": (after.ru_minflt - before.ru_minflt) / per}
             c.update({k.removeprefix("mpi_"): (stats_after[k] - stats_before[k]) / per
                       for k in STATS})
             counts[name].append(c)
@@ -216,7 +219,8 @@ def main() -> None:
         for name, (run, _, _) in variants.items():
             if "mpi4py" in name:
                 continue
-            directory = Path(args.trace) / f"{name.split()[0]}-{n}"
+            kind, method = name.split()
+            directory = Path(args.trace) / f"{kind}-{method.replace('/', '-')}-{n}"
             if session.rank == 0:
                 directory.mkdir(parents=True, exist_ok=True)
             session.barrier()

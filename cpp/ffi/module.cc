@@ -18,6 +18,7 @@
 #include "common/trace.h"
 #include "ffi/device_thread_hint.h"
 #include "ffi/mark.h"
+#include "ffi/order_token.h"
 #include "ffi/collective_handlers.h"
 #include "ffi/p2p_handlers.h"
 #include "ffi/runtime.h"
@@ -85,6 +86,7 @@ NB_MODULE(_jax_cpu_mpi, m) {
     d["jax_cpu_mpi_all_reduce"] = EncapsulateFfiHandler(JcmAllReduce);
     d["jax_cpu_mpi_exchange"] = EncapsulateFfiHandler(JcmExchange);
     d["jax_cpu_mpi_collectives_end"] = EncapsulateFfiHandler(JcmCollectivesEnd);
+    d["jax_cpu_mpi_order_token"] = EncapsulateFfiHandler(JcmOrderToken);
     return d;
   }, "FFI handler capsules by target name.");
 

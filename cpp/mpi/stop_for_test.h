@@ -16,8 +16,9 @@ class StopMidSendForTest {
   using Clock = std::chrono::steady_clock;
 
   // The next send of at least `min_bytes` stops the process at the first test of it, while
-  // it is not known complete, `after` or more after it was posted. A message whose receiver has matched
-  // it is then flowing: the stop lands in its middle. min_bytes 0 disarms.
+  // it is not known complete, `after` or more after it was posted. A message whose
+  // receiver has matched it is then flowing: the stop lands in its middle. min_bytes 0
+  // disarms.
   static void Arm(size_t min_bytes, std::chrono::microseconds after) {
     after_us_.store(after.count(), std::memory_order_relaxed);
     min_bytes_.store(min_bytes, std::memory_order_release);

@@ -335,6 +335,32 @@ def test_donated_pattern_program_receives_into_the_donated_buffer():
             y = result
 
 
+def test_donated_pingpong_program_receives_into_the_donated_buffers():
+    """psend-donated/scan's ping-pong on two devices of this process: each call's results
+    take the donated carries of the previous call (which are deleted); the first device's
+    message comes back to it and reaches the second device, and each device's other result
+    is the zeros of the hop it does not receive, never what its buffer held."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jax_cpu_mpi.bench import programs
+
+    mesh = Mesh(np.array(jax.devices()[:2]), (programs.AXIS,))
+    sharding = NamedSharding(mesh, P(programs.AXIS))
+    message = np.arange(1, 9, dtype=np.uint8)
+    fn = programs.pingpong_donated_scan(mesh, "psend", 4)
+    z = jax.device_put(np.concatenate([message, np.full(8, 0xCD, np.uint8)]), sharding)
+    y = jax.device_put(np.full(16, 0xAB, np.uint8), sharding)
+    zeros = np.zeros(8, np.uint8)
+    for _ in range(2):
+        z_next, y_next = fn(z, y)
+        assert z.is_deleted() and y.is_deleted()
+        np.testing.assert_array_equal(np.asarray(z_next), np.concatenate([message, zeros]))
+        np.testing.assert_array_equal(np.asarray(y_next), np.concatenate([zeros, message]))
+        z, y = z_next, y_next
+
+
 def _entry_copies(compiled, n: int) -> list[str]:
     """The copies of a whole u8[n] message in a compiled program's entry computation (the
     loop carry's copy of the operand, when the scan starts from it)."""

@@ -586,6 +586,68 @@ if jax.local_device_count() == 2:
         failures.append("psum ppermute psum")
         print(f"FAIL psum ppermute psum: {type(e).__name__}: {str(e)[:400]}", flush=True)
 
+# ---- The psum after a loop or a conditional of psums waits for it, in the compiled program
+# too: a loop that starts the chain (no psum before it: its trip counter, the first result,
+# is what XLA folded into a constant), one after a psum (the value it passes through
+# unchanged is what XLA replaced by the value before the loop), and a conditional. Each
+# loop spins longer on one device than on the other, so a psum after it that did not wait
+# would meet the loop's psum.
+
+
+def _after(what: str):
+    def body(v):
+        i = jax.lax.axis_index("x")
+        before = 0 if what == "first loop" else jax.lax.psum(v, "x")
+        if what == "conditional":
+            c = jax.lax.cond(v[0, 0] > -1e30,
+                             lambda a: jax.lax.pcast(jax.lax.psum(_spin(a, 30 * i), "x"),
+                                                     "x", to="varying"),
+                             lambda a: a * 2, v)
+        else:
+            def step(c, _):
+                return jax.lax.pcast(jax.lax.psum(_spin(c, 30 * i), "x") * 0.5, "x",
+                                     to="varying"), None
+
+            c, _ = jax.lax.scan(step, v, None, length=3)
+        return jax.lax.psum(v * 3.0, "x") + c + before
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+
+
+def _reads_a_token_of(hlo: str, op: str) -> bool:
+    """Whether an all_reduce call's last operand is a scalar the compiled program takes
+    from the results of a ``while`` or ``conditional``."""
+    tokens = set(re.findall(rf"(%[\w.-]+) = s32\[\] get-tuple-element\(%{op}[\w.-]*\)",
+                            hlo))
+    lasts = [args.split(", ")[-1] for args in re.findall(
+        r"custom-call\(([^)]*)\), custom_call_target=\"jax_cpu_mpi_all_reduce\"", hlo)]
+    return any(last in tokens for last in lasts)
+
+
+v_after = values("float32", (64,), 38)
+x_after = common.global_array(mesh, P("x"), v_after)
+total_after = v_after.sum(0)
+c_loop = 0.5 * total_after  # the first step sums the devices' rows; the next, equal rows
+for _ in range(2):
+    c_loop = 0.5 * n * c_loop
+for what, op, c_want, before_want in (
+        ("first loop", "while", c_loop, 0),
+        ("loop after a psum", "while", c_loop, total_after),
+        ("conditional", "conditional", total_after, total_after)):
+    compiled_after = _after(what).lower(x_after).compile()
+    try:
+        assert _reads_a_token_of(compiled_after.as_text(), op), (
+            f"no psum after the {what} reads its token in the compiled program")
+        want = 3.0 * total_after + c_want + before_want
+        for _ in range(10):
+            got_after = common.gather(jax.block_until_ready(compiled_after(x_after)))
+            np.testing.assert_allclose(got_after, np.broadcast_to(want, (n, 64)), rtol=1e-5,
+                                       atol=1e-3)
+        print(f"ok   mpi  the psum after a {what} reads its token, 10 rounds vs numpy",
+              flush=True)
+    except AssertionError as e:
+        failures.append(f"psum after a {what}")
+        print(f"FAIL psum after a {what}: {e}", flush=True)
+
 # ---- axis_index_groups and scan for all_gather / psum_scatter / all_to_all (and psum), in
 # one program per setting. The groups span processes and one lists its members out of
 # order (2 devices: [[1, 0]]; 4: [[0, 2], [3, 1]]), so the exchanges' positions are not

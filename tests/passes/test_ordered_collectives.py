@@ -91,16 +91,28 @@ def test_the_chain_goes_through_the_loop_and_the_conditional():
     assert [len(o) for o in operands] == [2, 3, 3, 3, 3, 3, 3]
     # The loop carries the last psum before it, passed through; the psum of its test reads it
     # in the test's region, its body's in the body's (the pretty form names both alike).
-    loop_result, loop_args = re.search(r"(%\w+):3 = stablehlo.while\(([^)]*)\)", text).groups()
+    loop_result, loop_args = re.search(r"(%\w+):4 = stablehlo.while\(([^)]*)\)", text).groups()
     carried, init = loop_args.split(", ")[2].split(" = ")
     assert init == calls[2][0]
     assert operands[3][2] == carried and operands[4][2] == carried
-    assert re.search(rf"stablehlo.return %\w+, %\w+, {carried} :", text)
-    # The conditional's psum reads the loop's result from above; the last psum reads the
-    # conditional's result.
-    assert operands[5][2] == f"{loop_result}#2"
-    cond_result = re.search(r'(%\w+) = "stablehlo.if"', text).group(1)
-    assert operands[6][2] == cond_result
+    # And it carries out a token, 0 before the loop, that an order-token call sets from the
+    # body's psum (a value XLA can neither fold nor trace back to before the loop).
+    _, token_init = loop_args.split(", ")[3].split(" = ")
+    assert re.search(rf"{token_init} = stablehlo.constant dense<0> : tensor<i32>", text)
+    set_token = re.search(rf"(%\w+) = stablehlo.custom_call @jax_cpu_mpi_order_token\("
+                          rf"{calls[4][0]}\)", text).group(1)
+    assert re.search(rf"stablehlo.return %\w+, %\w+, {carried}, {set_token} :", text)
+    # The conditional's psum reads the loop's token from above; the conditional gives out a
+    # token of its own (its branch's psum's, 0 from the branch without one), which the last
+    # psum reads.
+    assert operands[5][2] == f"{loop_result}#3"
+    cond_result = re.search(r'(%\w+):2 = "stablehlo.if"', text).group(1)
+    assert operands[6][2] == f"{cond_result}#1"
+    branches = text[text.index('"stablehlo.if"'):text.index(f"{calls[6][0]} = ")]
+    assert re.search(rf"(%\w+) = stablehlo.custom_call @jax_cpu_mpi_order_token\("
+                     rf"{calls[5][0]}\)", branches)
+    assert re.search(r"stablehlo.return %\w+, %\w+ : tensor<4xf32>, tensor<i32>", branches)
+    assert "stablehlo.constant dense<0> : tensor<i32>" in branches
 
 
 def _local_psum(out: str, x: str, type_: str) -> str:

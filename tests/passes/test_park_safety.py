@@ -55,6 +55,8 @@ _XLA_PERMUTE = ('%z = "stablehlo.collective_permute"(%y) {source_target_pairs = 
                 "(tensor<2xf32>) -> tensor<2xf32>")
 _CALLBACK = ('%z = stablehlo.custom_call @xla_ffi_python_cpu_callback(%y) '
              "{has_side_effect = true} : (tensor<2xf32>) -> tensor<2xf32>")
+_TOKEN = ("%tok = stablehlo.custom_call @jax_cpu_mpi_order_token(%y) : "
+          "(tensor<2xf32>) -> tensor<i32>\n      " + _MUL)
 _LAPACK = ("%z = stablehlo.custom_call @lapack_sgetrf_ffi(%y) : "
            "(tensor<2xf32>) -> tensor<2xf32>")
 _OUTFEED = ("%t = stablehlo.create_token : !stablehlo.token\n"
@@ -66,6 +68,7 @@ _OUTFEED = ("%t = stablehlo.create_token : !stablehlo.token\n"
     (_MUL, True),
     (_TWO_PSUMS, True),
     (_LAPACK, True),
+    (_TOKEN, True),  # the ordering pass's token after a loop or conditional
     (_PSEND, False),  # our precv: waits for another device's psend
     (_XLA_PERMUTE, False),  # XLA's own collective
     (_CALLBACK, False),  # a host callback: Python code that may wait on anything

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jax_cpu_mpi import _jax_cpu_mpi as ext
@@ -159,6 +160,42 @@ def _jit_floor(ctx: Context, method: str, pair: tuple[Any, Any], mode: str) -> M
                         "the message size (x + 1), no communication: JAX's per-call floor")
 
 
+def psend_donated_scan(ctx: Context) -> Measurement:
+    """The ping-pong scan of ``psend/scan`` receiving into the buffers of the previous call's
+    results, donated back (:func:`.programs.pingpong_donated_scan`): warm memory at every
+    call, as the MPI baseline's one receive buffer, where ``psend/scan`` receives into XLA's
+    fresh per-call outputs (at 64 MiB fresh pages from the kernel at every call)."""
+    plan, n, pair = ctx.plan, ctx.plan.size, ctx.session.pair
+    mesh = programs.mesh_of(pair)
+    x = programs.sharded_pattern(mesh, n)
+    fn = programs.pingpong_donated_scan(mesh, "psend", plan.hops)
+    copy = jax.jit(lambda v: v + np.uint8(0), out_shardings=x.sharding)
+    zeros = jax.jit(jnp.zeros_like, out_shardings=x.sharding)
+
+    def start() -> list[Any]:
+        """Fresh carries: the message on the first device (a copy: the call donates it)."""
+        return [jax.block_until_ready(copy(x)), jax.block_until_ready(zeros(x))]
+
+    state = start()
+
+    def step() -> None:
+        state[:] = list(jax.block_until_ready(fn(*state)))
+
+    per_sample = 2 * max(1, plan.hops // 2)
+    seconds = _timed(step, plan.scan_samples, plan.scan_warmup, ctx.session.barrier)
+    seconds /= per_sample
+    # Checked on a call from zeros: the timed calls' buffers held the pattern already, where
+    # a hop that did not happen would go unseen (the first device's z starts with it, so only
+    # the receiver's y tells).
+    state[:] = start()
+    step()
+    wrong = count_wrong(shard_on(state[1], pair[1]), pattern(n))
+    return _measurement(ctx, "psend-donated/scan", seconds, plan.scan_warmup, per_sample,
+                        wrong, "mpi", "jax_cpu_mpi psend/precv over MPI, hops inside one "
+                        "jitted lax.scan receiving into the previous call's results, donated "
+                        "(warm memory, as MPI's receive buffer)", hops_per_call=per_sample)
+
+
 def psend_call(ctx: Context) -> Measurement:
     return _jax_p2p(ctx, "psend/call", ctx.session.pair, "psend", False, "mpi",
                     "jax_cpu_mpi psend/precv over MPI, one jitted call per round trip "
@@ -244,6 +281,22 @@ def jit_floor_gpu(ctx: Context) -> Measurement:
 # --------------------------------------------------------------------------- raw MPI, numpy
 
 
+def mpi_round_trip(comm: Any, rank: int, send: np.ndarray, recv: np.ndarray
+                   ) -> Callable[[], None]:
+    """One round trip of raw MPI between ranks 0 and 1 of ``comm``: rank 0 sends ``send``
+    and receives into ``recv``; rank 1 receives into ``recv`` and sends it back."""
+    peer = 1 - rank
+    if rank == 0:
+        def step() -> None:
+            comm.Send(send, peer, 1)
+            comm.Recv(recv, peer, 1)
+    else:
+        def step() -> None:
+            comm.Recv(recv, peer, 1)
+            comm.Send(recv, peer, 1)
+    return step
+
+
 def mpi4py_p2p(ctx: Context) -> Measurement:
     """mpi4py Send/Recv on numpy buffers: ping-pong, or a window of Isend + acknowledgement."""
     session, plan, n = ctx.session, ctx.plan, ctx.plan.size
@@ -255,14 +308,7 @@ def mpi4py_p2p(ctx: Context) -> Measurement:
     peer = 1 - rank
 
     if ctx.kind == "latency":
-        if rank == 0:
-            def step() -> None:
-                comm.Send(send, peer, 1)
-                comm.Recv(recv, peer, 1)
-        else:
-            def step() -> None:
-                comm.Recv(recv, peer, 1)
-                comm.Send(recv, peer, 1)
+        step = mpi_round_trip(comm, rank, send, recv)
         seconds = _timed(step, plan.iters, plan.warmup, session.barrier) / 2
         return _measurement(ctx, "mpi4py", seconds, plan.warmup, 2, count_wrong(recv, send),
                             "mpi", "mpi4py comm.Send/comm.Recv of numpy buffers "
@@ -469,6 +515,7 @@ METHODS: dict[str, Callable[[Context], Measurement]] = {
     "mpi4py": mpi4py_p2p,
     "psend/call": psend_call,
     "psend/scan": psend_scan,
+    "psend-donated/scan": psend_donated_scan,
     "mpi4jax/call": mpi4jax_call,
     "mpi4jax/scan": mpi4jax_scan,
     "gloo/call": gloo_call,
@@ -491,4 +538,4 @@ METHODS: dict[str, Callable[[Context], Measurement]] = {
 
 #: Methods that measure one kind only.
 LATENCY_ONLY = frozenset({"jit-floor", "jit-floor-local", "jit-floor-gpu", "hop-floor",
-                          "hop-floor-local"})
+                          "hop-floor-local", "psend-donated/scan"})

@@ -35,7 +35,8 @@ LOCAL_METHODS = (
     "ppermute-local/scan",
     "jit-floor-local",
 )
-#: Measured only when named in --methods (patterns only): see bench/patterns.py.
+#: Measured only when named in --methods (the ping-pong and the patterns: see
+#: bench/methods.py and bench/patterns.py).
 EXTRA_METHODS = ("psend-donated/scan",)
 GPU_METHODS = (
     "psend-nccl/call",

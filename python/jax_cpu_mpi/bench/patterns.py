@@ -27,7 +27,8 @@ op's result stays in the loop carry, as a pipeline keeps each received buffer, a
 are combined once after the loop),
 ``psend-donated/scan`` (``psend/scan`` whose result buffer is donated back to the next call as
 the scan's first result, so that XLA receives into the same, warm buffer at every call, as
-the MPI baseline does, instead of a fresh one: what XLA's per-call buffers cost),
+the MPI baseline does, instead of a fresh one: what XLA's per-call buffers cost; its
+ping-pong is :func:`.methods.psend_donated_scan`),
 ``mpi4py`` (``Sendrecv`` per step, or windows of ``Isend``/``Irecv``), ``gloo/scan``
 (``jax.lax.ppermute`` with the same pairs, over gloo: JAX's path), ``ppermute/scan`` (the same
 ``ppermute`` over MPI: ``JAX_CPU_MPI_COLLECTIVES=mpi`` lowers it as our psend/precv) and,
@@ -286,9 +287,26 @@ def _jax(ctx: Any, method: str, transport: str) -> Measurement:
                        extra=dict(steps=steps, ranks=nranks, **_windows(kind, steps, windows)))
 
 
-def _mpi4py(ctx: Any) -> Measurement:
+def mpi_windows(comm: Any, send: np.ndarray, recv: np.ndarray, source: list[int],
+                dest: list[int], window: int, windows: int,
+                ack: np.ndarray | None) -> None:
+    """Raw MPI's windows: ``window`` ``Irecv`` from each source and ``Isend`` to each
+    destination, then ``Waitall``; with ``ack`` (osu_mbw_mr) each receiver then acknowledges
+    to its first source, so that the next window starts only once this one arrived."""
     from mpi4py import MPI
 
+    for _ in range(windows):
+        reqs = [comm.Irecv(recv, s, 6) for s in source for _ in range(window)]
+        reqs += [comm.Isend(send, d, 6) for d in dest for _ in range(window)]
+        MPI.Request.Waitall(reqs)
+        if ack is not None:
+            if source:
+                comm.Send(ack, source[0], 7)
+            if dest:
+                comm.Recv(ack, dest[0], 7)
+
+
+def _mpi4py(ctx: Any) -> Measurement:
     session, plan, kind = ctx.session, ctx.plan, ctx.kind
     comm, rank, n, nranks = session.comm, session.rank, plan.size, session.nranks
     perm = pairs(kind, nranks)
@@ -308,15 +326,8 @@ def _mpi4py(ctx: Any) -> Measurement:
         window = steps // windows
 
         def step() -> None:
-            for _ in range(windows):
-                reqs = [comm.Irecv(recv, s, 6) for s in source for _ in range(window)]
-                reqs += [comm.Isend(send, d, 6) for d in dest for _ in range(window)]
-                MPI.Request.Waitall(reqs)
-                if kind == "multi-pair":
-                    if source:
-                        comm.Send(ack, source[0], 7)
-                    if dest:
-                        comm.Recv(ack, dest[0], 7)
+            mpi_windows(comm, send, recv, source, dest, window, windows,
+                        ack if kind == "multi-pair" else None)
 
     seconds = _timed(step, plan.scan_samples, plan.scan_warmup, session.barrier)
     seconds /= _per_message(kind, steps, nranks)

@@ -8,6 +8,8 @@ way, with ``psend``+``precv`` (this package on CPU, NCCL on GPU) or with ``pperm
   ``z`` is what came back to device 0 and ``y`` what device 1 received;
 * ``pingpong_scan``: ``hops / 2`` round trips, the first before a ``lax.scan`` of the others
   (what pipelines do);
+* ``pingpong_donated_scan``: the same round trips from donated carries ``(z, y)``, so that
+  the caller receives into the same buffers at every call (``psend-donated/scan``);
 * ``one_way`` + ``ack``: one message 0 -> 1 per call; a few bytes back once the window of
   calls is done;
 * ``stream_scan``: a window of hops 0 -> 1 inside one ``lax.scan``, then the acknowledgement.
@@ -111,6 +113,24 @@ def pingpong_scan(mesh: Mesh, transport: str, hops: int) -> Callable:
         return z, y
 
     return _spmd(mesh, body, 2)
+
+
+def pingpong_donated_scan(mesh: Mesh, transport: str, hops: int) -> Callable:
+    """``(z, y) -> (z', y')``: the round trips of :func:`pingpong_scan` in a scan whose carry
+    starts from ``(z, y)``, both donated (``z`` holds the message on the first device), so
+    that a caller passing the result back receives into the same, warm buffers at every
+    call, as the MPI baseline receives into one buffer (psend-donated/scan: what XLA's
+    fresh per-call buffers cost the hop)."""
+    def body(z0, y0):
+        def round_trip(carry, _):
+            y = _hop(transport, carry[0], FORWARD)
+            return (_hop(transport, y, BACKWARD), y), None
+
+        return jax.lax.scan(round_trip, (z0, y0), None, length=max(1, hops // 2))[0]
+
+    spec = P(AXIS)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec),
+                                 out_specs=(spec, spec)), donate_argnums=(0, 1))
 
 
 def one_way(mesh: Mesh, transport: str) -> Callable:

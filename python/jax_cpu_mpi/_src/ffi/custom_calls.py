@@ -30,6 +30,9 @@ OPERAND_KEPT = "operand_kept"
 #: A psend may defer a send while its device receives in the group; a precv takes the
 #: deferred send's path when its sender receives in the group.
 GROUP_PAIRS = "group_pairs"
+#: ``order_token(last collective's result) -> s32[]``: the ordering pass's loop token
+#: (passes/ordered_collectives.py); reads no bytes, writes 0.
+ORDER_TOKEN_TARGET = "jax_cpu_mpi_order_token"
 #: The ``op`` attribute of the psend/precv calls that only order an optimization barrier's
 #: values: no pairs, no data moved, and not a psend/precv to the GPU-parity check.
 ORDERING_OP = "optimization_barrier ordering (no pairs, moves no data)"

@@ -18,9 +18,12 @@ orders wait for each other), and a callee called twice would give both calls one
 Loops and conditionals are blocks of their own too; the chain goes through them. A
 ``stablehlo.while`` carries the previous collective's result as one more loop value, passed
 through unchanged: the loop reads it, so it starts after that collective, and the first
-collective of the body reads it. A conditional's branches read it from above. The next
-collective reads a result of the loop or conditional, which XLA writes when all of it has
-run.
+collective of the body reads it. The loop then carries one more value out, an s32 token
+that an order-token call at the end of the body computes from the body's last collective,
+and the next collective reads it: XLA writes a loop's results when all of it has run, and a
+custom call's result is one it can neither fold nor replace by the value before the loop.
+A conditional's branches read the previous result from above, and it gives out such a
+token too (0 from a branch without collectives).
 
 A ``shard_map`` is an ``sdy.manual_computation`` (the pass runs before Shardy's export),
 whose body reads nothing from outside it: two sibling ``shard_map``s of one ``jit`` would
@@ -46,6 +49,7 @@ import numpy as np
 
 from jax_cpu_mpi._src.compat import ir, sdy
 from jax_cpu_mpi._src.ffi.custom_calls import (
+    ORDER_TOKEN_TARGET,
     attribute_dict,
     call_target,
     operations,
@@ -216,6 +220,90 @@ def _carry(loop: Any, link: _Link) -> tuple[Any, list[Any]]:
     return new, arguments
 
 
+def _scalar() -> Any:
+    return ir.RankedTensorType.get([], ir.IntegerType.get_signless(32))
+
+
+def _no_layout() -> Any:
+    """A scalar's layout, as operand_layouts spells it."""
+    return ir.DenseIntElementsAttr.get(
+        np.zeros(0, dtype=np.int64), type=ir.RankedTensorType.get([0], ir.IndexType.get()))
+
+
+def _zero(location: Any, before: Any) -> Any:
+    """An s32 0 created before the op ``before``."""
+    scalar = _scalar()
+    return ir.Operation.create(
+        "stablehlo.constant", results=[scalar],
+        attributes={"value": ir.DenseElementsAttr.get_splat(
+            scalar, ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 0))},
+        loc=location, ip=ir.InsertionPoint(before)).results[0]
+
+
+def _token(last: _Link, location: Any, before: Any) -> Any:
+    """An order-token call reading ``last`` (a collective's result), created before the op
+    ``before``: an s32 whose value XLA cannot know."""
+    return ir.Operation.create(
+        "stablehlo.custom_call", results=[_scalar()], operands=[last[0]],
+        attributes={
+            "call_target_name": ir.StringAttr.get(ORDER_TOKEN_TARGET),
+            "api_version": ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 4),
+            "has_side_effect": ir.BoolAttr.get(False),
+            "backend_config": ir.DictAttr.get({}),
+            "operand_layouts": ir.ArrayAttr.get([last[1]]),
+            "result_layouts": ir.ArrayAttr.get([_no_layout()]),
+        },
+        loc=location, ip=ir.InsertionPoint(before)).results[0]
+
+
+def _terminator(region: Any) -> Any:
+    return list(region.blocks[0].operations)[-1].operation
+
+
+def _token_out(loop: Any, last: _Link) -> _Link:
+    """``loop`` (a stablehlo.while whose body has just been chained, ``last`` its body's
+    last collective) rebuilt with one more loop value: an s32 token, 0 before the loop, that
+    the body sets from ``last`` with an order-token call. Returns the link to the loop's
+    token result, which the next collective after the loop reads.
+
+    Neither a value the loop passes through unchanged nor the loop's trip counter will do:
+    XLA replaces the first by the value before the loop and folds the second into a constant
+    (both seen in compiled programs), and the collective after the loop would no longer
+    wait for the loop's collectives. A custom call's result is opaque to XLA."""
+    token = _token(last, loop.location, _terminator(loop.regions[1]))
+    zero = _zero(loop.location, loop)
+    for region in loop.regions:
+        region.blocks[0].add_argument(_scalar(), loop.location)
+    new = _regrown(loop, [*loop.operands, zero], attribute_dict(loop), token)
+    return new.results[-1], _no_layout()
+
+
+def _branch_tokens_out(conditional: Any, lasts: list[_Link | None]) -> _Link:
+    """``conditional`` (a stablehlo.case or .if whose branches have just been chained,
+    ``lasts`` each branch's last collective or None) rebuilt with one more result, an s32
+    token: an order-token call on the branch's last collective, 0 in a branch without any.
+    Returns the link to it. (A result of the conditional itself will not do: XLA and JAX
+    drop results that the branches pass through, and a conditional may have none left.)"""
+    for region, last in zip(conditional.regions, lasts, strict=True):
+        terminator = _terminator(region)
+        value = (_token(last, conditional.location, terminator) if last is not None
+                 else _zero(conditional.location, terminator))
+        ir.Operation.create(terminator.name, operands=[*terminator.operands, value],
+                            loc=terminator.location, ip=ir.InsertionPoint(terminator))
+        terminator.erase()
+    new = ir.Operation.create(
+        conditional.name, results=[*(r.type for r in conditional.results), _scalar()],
+        operands=list(conditional.operands), attributes=attribute_dict(conditional),
+        regions=len(conditional.regions), loc=conditional.location,
+        ip=ir.InsertionPoint(conditional))
+    for old_region, new_region in zip(conditional.regions, new.regions, strict=True):
+        old_region.blocks[0].append_to(new_region)
+    for old, replacement in zip(conditional.results, new.results, strict=False):
+        old.replace_all_uses_with(replacement)
+    conditional.erase()
+    return new.results[-1], _no_layout()
+
+
 class _Chain:
     """Numbers the calls (``site``) and counts those given a dependency."""
 
@@ -248,9 +336,15 @@ class _Chain:
                 op, arguments = _carry(op, previous)
             # The condition's collectives (a psum in the loop's test) read the value in the
             # condition's own region, the body's in the body's.
+            lasts = []
             for region, argument in zip(op.regions, arguments, strict=True):
                 inner = (argument, previous[1]) if argument is not None else None
-                self.block(region.blocks[0], inner)
+                lasts.append(self.block(region.blocks[0], inner))
+            body_last = lasts[1]
+            if body_last is not None and (previous is None or body_last[0] != arguments[1]):
+                return _token_out(op, body_last)
+            # Collectives in the test alone (the body's would have given a token): the
+            # pass-through value, or a result of the loop, as before.
             return (op.results[-1], previous[1]) if previous is not None else (
                 _link_to_result(op))
         if op.name == "sdy.manual_computation" and (mesh := _mesh(op)) is not None:
@@ -259,10 +353,14 @@ class _Chain:
         # reads the previous one's result, so the conditional starts after it. (A manual
         # computation that names no mesh, which JAX does not lower, starts a chain of its
         # own.)
-        inner = previous if op.name in ("stablehlo.case", "stablehlo.if") else None
+        if op.name in ("stablehlo.case", "stablehlo.if"):
+            lasts = [self.block(region.blocks[0], previous) for region in op.regions]
+            return _branch_tokens_out(op, [
+                last if last is not None and (previous is None or last[0] != previous[0])
+                else None for last in lasts])
         for region in op.regions:
             for block in region.blocks:
-                self.block(block, inner)
+                self.block(block, None)
         return _link_to_result(op) or previous
 
     def manual(self, op: Any, mesh: Any, previous: _Link | None) -> _Link | None:
