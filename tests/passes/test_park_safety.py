@@ -109,3 +109,6 @@ def test_the_ordering_pass_marks_the_calls_of_a_parkable_program_only():
         ordered_collectives.order_collectives(module)
         module.operation.verify()
         assert re.findall(r"park = (\d)", str(module)) == [str(parks)] * 2
+        # The chain's end (which resumes parked devices) only where they may park: in the
+        # other program it would order its end and put one more target of ours in an export.
+        assert str(module).count("jax_cpu_mpi_collectives_end") == parks

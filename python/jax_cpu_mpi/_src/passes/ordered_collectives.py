@@ -38,7 +38,8 @@ the last collective's result: on a node with more busy threads than cores, a dev
 did not lead its process's meeting in a collective returns a pending future and resumes when
 another device of the meeting enters its next one; after the last collective of a program
 there is none, and this call resumes them instead. A program's devices park only where
-nothing else in it can wait for another device (``park_safety``: its calls' ``park``).
+nothing else in it can wait for another device (``park_safety``: its calls' ``park``), and
+only such a program gets this call.
 """
 
 from __future__ import annotations
@@ -467,24 +468,31 @@ def order_collectives(module: Any) -> int:
         # per-platform branches it would run on all of them (no GPU has the target), and
         # such a program does not park anyway (its GPU branches hold XLA's collectives).
         ends = not _multi_platform(module)
+        # Where each function's chain ends (its block, its last link, the manual
+        # computation it ends in): the ends go in once the whole program is chained.
+        lasts: list[tuple[Any, _Link, tuple[Any, _Link] | None]] = []
         for func in _functions(module).values():
             for block in func.regions[0].blocks:
                 last = chain.block(block, None)
-                if last is None or not ends:
-                    continue
-                if chain.manual_end is not None and chain.manual_end[0] == last[0]:
-                    # The body as the rebuilt computation holds it (_regrown moved it).
-                    manual = last[0].owner
-                    _end_chain(manual.regions[0].blocks[0], chain.manual_end[1])
-                elif call_target(last[0].owner) in collectives.TARGETS and not _partitioned(
-                        module):
-                    _end_chain(block, last)
-                # Otherwise (the chain ends in a loop or conditional of an SPMD program) no
-                # end: parked devices resume a little later (Resumer::kResumeAfter).
-        # Last, on the whole program as it now stands: whether its devices may park in
-        # its meetings (the lowering said no: park = 0).
-        if park_safety.may_park(module):
+                if last is not None:
+                    lasts.append((block, last, chain.manual_end))
+        # Whether its devices may park in its meetings (the lowering said no: park = 0),
+        # on the whole program as the chain leaves it. Only such a program gets its chain's
+        # end: it exists to resume parked devices, and elsewhere it would only be one more
+        # side effect ordering the program's end and one more target of ours in an export.
+        parks = park_safety.may_park(module)
+        if parks:
             for op in operations(module.operation):
                 if call_target(op) in collectives.TARGETS:
                     set_int_attribute(op, "park", 1)
+        for block, last, manual_end in lasts if parks and ends else ():
+            if manual_end is not None and manual_end[0] == last[0]:
+                # The body as the rebuilt computation holds it (_regrown moved it).
+                manual = last[0].owner
+                _end_chain(manual.regions[0].blocks[0], manual_end[1])
+            elif call_target(last[0].owner) in collectives.TARGETS and not _partitioned(
+                    module):
+                _end_chain(block, last)
+            # Otherwise (the chain ends in a loop or conditional of an SPMD program) no
+            # end: parked devices resume a little later (Resumer::kResumeAfter).
     return chain.chained
