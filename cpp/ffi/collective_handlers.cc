@@ -46,6 +46,7 @@
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <variant>
@@ -85,6 +86,31 @@ struct FpState {
 #endif
 };
 
+// How a meeting's parked devices resumed of late (Resumer), kept by its slot and reached from
+// its parked calls: a meeting whose parked devices resumed late (to the timer: no device of
+// the meeting entered another one soon) kLate times in a row has its devices wait in it
+// instead (its leader's program waits on something else after that collective, an
+// in-process collective of XLA's or a precv from the parked device, or computes for long:
+// a runner's wake then costs more than a waiting device's), all but a probe now and then,
+// which parks to see whether that still holds (every kProbe-th round).
+class MeetingPace {
+ public:
+  static constexpr uint32_t kLate = 2;
+  static constexpr uint32_t kProbe = 1024;
+
+  // Whether a device that does not lead this round parks (under the slot's mutex).
+  bool Parks() {
+    return late_.load(std::memory_order_relaxed) < kLate || ++probe_ % kProbe == 0;
+  }
+  // Its parked device resumed in time (entering another meeting), or late (the timer).
+  void InTime() { late_.store(0, std::memory_order_relaxed); }
+  void Late() { late_.fetch_add(1, std::memory_order_relaxed); }
+
+ private:
+  std::atomic<uint32_t> late_{0};
+  uint32_t probe_ = 0;  // under the slot's mutex
+};
+
 // A device whose call returned a pending future (see the top of this file): what completing
 // it needs. The strings are the call's attributes, which XLA keeps until it completes.
 struct Parked {
@@ -95,9 +121,8 @@ struct Parked {
   int64_t me = 0;
   std::string_view op, operand;
   FpState fp;  // the leader's, which ran XLA's program when it deferred this one
-  // Its meeting's slot (never erased), where Resumer keeps how the slot's parked devices
-  // resumed of late.
-  void* slot = nullptr;
+  // Its meeting's pace, in its slot (never erased).
+  MeetingPace* pace = nullptr;
   bool traced = false;
   trace::Event event;  // its timeline slice, from its arrival (when traced)
 };
@@ -131,10 +156,8 @@ class LocalRound {
     std::vector<int64_t> partitions;  // the devices that meet here, ascending (set once)
     // By position: the devices of this round whose call returned a pending future.
     std::vector<std::optional<Parked>> parked;
-    // Its parked devices' resumptions that fell to the timer (no device of the meeting
-    // entered another one soon) in a row, and a count of rounds for the probe (Resumer).
-    std::atomic<uint32_t> late{0};
-    uint32_t probe = 0;  // under `mu`
+    MeetingPace pace;
+    int64_t error_leader = -1;  // the partition that led the last round, when it failed
   };
   Slot& Get(const std::string& key, const std::vector<int64_t>& local) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -263,12 +286,21 @@ ffi::Error MeetingFailedEarlier(std::string_view op, std::string_view operand, i
 }
 
 // The error of a device whose group's other devices in this process did not all come to the
-// meeting by its deadline.
+// meeting by its deadline, or by the process's exit (Closing: it did not wait that long).
 std::string MeetingTimedOut(std::string_view op, std::string_view operand, int64_t me,
                             const std::vector<int64_t>& local, double timeout_s) {
   std::ostringstream m;
-  m << op << " of " << operand << " on partition " << me << " waited " << timeout_s
-    << " s for the other devices of its group in this process (partitions";
+  m << op << " of " << operand << " on partition " << me;
+  if (Closing()) {
+    m << " was still waiting for the other devices of its group in this process (partitions";
+    for (int64_t p : local) m << ' ' << p;
+    m << ") when the process exited: ended at exit after the grace period "
+         "(JAX_CPU_MPI_EXIT_GRACE). The program ended without waiting for its outputs "
+         "(jax.block_until_ready), or its devices did not all run this collective.";
+    return m.str();
+  }
+  m << " waited " << timeout_s << " s for the other devices of its group in this process "
+       "(partitions";
   for (int64_t p : local) m << ' ' << p;
   m << "), and not all of them got there: every device of the mesh must run the same "
        "collectives in the same order, and with several devices per process a few calls "
@@ -276,6 +308,17 @@ std::string MeetingTimedOut(std::string_view op, std::string_view operand, int64
        "runs: wait on a result every few calls); set JAX_CPU_MPI_RECV_TIMEOUT to wait "
        "longer.";
   return m.str();
+}
+
+// The error of a device whose meeting's leader (another device of its process, which ran
+// the collective for the group's devices here) failed: the leader's message names the
+// leader's partition, not this one's.
+std::string LeaderFailed(std::string_view op, std::string_view operand, int64_t me,
+                         int64_t leader, std::string_view error) {
+  return std::string(op) + " of " + std::string(operand) + " on partition " +
+         std::to_string(me) + ": partition " + std::to_string(leader) +
+         ", which ran it for this process's devices of the group, failed: " +
+         std::string(error);
 }
 
 // When a non-leading device parks (returns a pending future) instead of waiting in its
@@ -329,29 +372,37 @@ void Fail(Parked& p, const std::string& error) {
 //     meetings, only that much later.
 // A parked device whose group's other devices do not come is failed by the same thread
 // (Watch) after JAX_CPU_MPI_RECV_TIMEOUT, as a waiting device failed before.
+//
+// Why a program resumed on another device's thread cannot deadlock (D the device entering
+// its meeting for collective k, E a device resumed there, suspended over D until E's
+// program parks again; every device runs the program's collectives in the same order, the
+// ordering pass's chain): E joins a meeting of k or later only if its group there leaves D
+// out (if D is in it, D has not arrived, so E is not the last and parks: g_under_call), and
+// with axis_index_groups changing from one collective to the next (3 or more devices per
+// process) E can lead such a meeting: it then waits for MPI on D's thread. It waits for
+// collectives before k only: E resumed at its first meeting after it parked whose group
+// holds D (ResumeFor takes the meeting's devices), so the collectives E runs nested are
+// all before k, and the devices their groups wait for, here or in other processes, need
+// nothing of D's past collective k - 1, which D has finished. That holds for every
+// suspended device: the one under a nested wait at collective m is suspended before a
+// collective later than m, so the earliest collective anyone waits for never waits for a
+// suspended device. The program's other steps cannot wait for another device at all
+// (passes/park_safety.py decides which programs park).
 class Resumer {
  public:
   static constexpr auto kResumeAfter = std::chrono::microseconds(250);
   static constexpr int kMaxRunners = 64;
-  // A meeting whose parked devices resumed late kLate times in a row has its devices wait
-  // in it instead (the leader's program waits on something else after that collective, an
-  // in-process collective of XLA's or a precv from the parked device, or computes for
-  // long: a runner's wake then costs more than a waiting device's), all but every kProbe-th
-  // round, which parks to see whether that still holds.
-  static constexpr uint32_t kLate = 2;
-  static constexpr uint32_t kProbe = 1024;
 
   // A parked device of a meeting the caller (its leader) has just finished: resume it later
   // (the caller holds the slot's lock).
   void Defer(jcm::Parked&& p, LocalRound::Slot& slot) {
     p.fp = FpState::Current();
-    p.slot = &slot;
+    p.pace = &slot.pace;
     std::lock_guard<std::mutex> lock(mu_);
     p.due = Clock::now() + kResumeAfter;
     due_.push_back(std::move(p));
     count_.fetch_add(1, std::memory_order_relaxed);
     ++defers_;
-    StartTimer();
     // The timer ticks every kResumeAfter while calls are deferred; only one that sleeps
     // longer needs a wake.
     if (!ticking_) timer_cv_.notify_one();
@@ -360,8 +411,27 @@ class Resumer {
   // A device parked: the timer must watch its deadline.
   void WatchParked() {
     std::lock_guard<std::mutex> lock(mu_);
-    StartTimer();
     if (!watching_) timer_cv_.notify_one();
+  }
+
+  // Starts the timer thread, before a device first parks (Defer and WatchParked count on
+  // it): where the system cannot start another thread, the call that would park fails
+  // with an error instead of throwing out of its handler.
+  ffi::Error Start(std::string_view op, std::string_view operand, int64_t me) {
+    if (timer_running_.load(std::memory_order_acquire)) [[likely]] return ffi::Error::Success();
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!timer_running_.load(std::memory_order_relaxed)) {
+      try {
+        std::thread([this] { Timer(); }).detach();
+      } catch (const std::system_error& e) {
+        return ffi::Error::Internal(
+            std::string(op) + " of " + std::string(operand) + " on partition " +
+            std::to_string(me) + ": could not start the thread that resumes parked devices (" +
+            e.what() + "); set JAX_CPU_MPI_PARK=off to have devices wait in their meetings.");
+      }
+      timer_running_.store(true, std::memory_order_release);
+    }
+    return ffi::Error::Success();
   }
 
   // A device's program reached its end (JcmCollectivesEnd): the devices it left parked
@@ -391,9 +461,7 @@ class Resumer {
         if (p) count_.fetch_sub(1, std::memory_order_relaxed);
       }
       if (!p) return;
-      if (p->slot != nullptr) {
-        static_cast<LocalRound::Slot*>(p->slot)->late.store(0, std::memory_order_relaxed);
-      }
+      if (p->pace != nullptr) p->pace->InTime();
       ++g_under_call;
       Complete(*p);
       --g_under_call;
@@ -412,20 +480,19 @@ class Resumer {
     return std::nullopt;
   }
 
-  // mu_ held: enough runners for the calls in ready_.
+  // mu_ held: enough runners for the calls in ready_. Where the system cannot start one
+  // more, the runners there are take them in turn, and with none the timer tries again at
+  // its next tick (Timer: it ticks while calls wait without a runner); a parked device
+  // that none resumes fails at its deadline (Watch).
   void WakeRunners() {
     if (idle_runners_ < static_cast<int>(ready_.size()) && runners_ < kMaxRunners) {
-      ++runners_;
-      std::thread([this] { Run(); }).detach();
+      try {
+        std::thread([this] { Run(); }).detach();
+        ++runners_;
+      } catch (const std::system_error&) {
+      }
     }
     runner_cv_.notify_all();
-  }
-
-  // mu_ held.
-  void StartTimer() {
-    if (timer_started_) return;
-    timer_started_ = true;
-    std::thread([this] { Timer(); }).detach();
   }
 
   // Moves due calls to the runners, and watches parked devices' deadlines.
@@ -436,10 +503,7 @@ class Resumer {
       const auto now = Clock::now();
       bool moved = false;
       while (!due_.empty() && due_.front().due <= now) {
-        if (due_.front().slot != nullptr) {
-          static_cast<LocalRound::Slot*>(due_.front().slot)->late.fetch_add(
-              1, std::memory_order_relaxed);
-        }
+        if (due_.front().pace != nullptr) due_.front().pace->Late();
         ready_.push_back(std::move(due_.front()));
         due_.pop_front();
         moved = true;
@@ -456,7 +520,7 @@ class Resumer {
       // Tick while calls were deferred since the last tick (a loop of collectives defers
       // one per collective, and the next meeting takes it: no wake per collective), then
       // sleep until a parked device's next check, or until woken.
-      ticking_ = !due_.empty() || defers_ > 0;
+      ticking_ = !due_.empty() || defers_ > 0 || (!ready_.empty() && runners_ == 0);
       watching_ = parked;
       defers_ = 0;
       if (ticking_) {
@@ -498,7 +562,8 @@ class Resumer {
   std::deque<jcm::Parked> ready_;  // due, for the runners
   std::atomic<size_t> count_{0};   // in due_ and ready_
   uint64_t defers_ = 0;            // since the timer's last tick
-  bool timer_started_ = false, ticking_ = false, watching_ = false;
+  std::atomic<bool> timer_running_{false};
+  bool ticking_ = false, watching_ = false;
   int runners_ = 0, idle_runners_ = 0;
 };
 
@@ -608,6 +673,9 @@ Outcome MeetLocally(const std::string& key, LocalRound::Slot*& site_slot,
                         state.mpi->wait_choice().policy == WaitPolicy::kAuto));
   Resumer& resumer = Resumers();
   if (parks) {
+    if (ffi::Error started = resumer.Start(op, operand, me); started.failure()) [[unlikely]] {
+      return started;
+    }
     // The devices of this meeting that an earlier one left parked go first, on this thread
     // (Resumer): each runs up to this meeting, or its next one.
     const int64_t before = call.traced ? trace::NowNs() : 0;
@@ -637,9 +705,7 @@ Outcome MeetLocally(const std::string& key, LocalRound::Slot*& site_slot,
     // A device whose program runs inside another device's call (resumed there: ResumeFor)
     // always parks: waiting here, it would wait for a device that may be the one suspended
     // under it on this thread.
-    if (g_under_call > 0 ||
-        (parks && (slot.late.load(std::memory_order_relaxed) < Resumer::kLate ||
-                   ++slot.probe % Resumer::kProbe == 0))) {
+    if (g_under_call > 0 || (parks && slot.pace.Parks())) {
       ffi::Promise promise;
       ffi::Future future(promise);
       Parked& p = slot.parked[pos].emplace(Parked{.promise = std::move(promise),
@@ -690,7 +756,7 @@ Outcome MeetLocally(const std::string& key, LocalRound::Slot*& site_slot,
     }
     slot.cpu[pos].store(sched_getcpu(), std::memory_order_relaxed);
     if (slot.error.empty()) return ffi::Error::Success();
-    return ffi::Error::Internal(slot.error);
+    return ffi::Error::Internal(LeaderFailed(op, operand, me, slot.error_leader, slot.error));
   }
   slot.leading.store(true, std::memory_order_relaxed);
   slot.arrived = 0;
@@ -715,6 +781,7 @@ Outcome MeetLocally(const std::string& key, LocalRound::Slot*& site_slot,
   lock.lock();
   if (result.failure()) {
     slot.error = std::string(result.message());
+    slot.error_leader = me;
   } else {
     slot.error.clear();
   }
@@ -736,7 +803,7 @@ Outcome MeetLocally(const std::string& key, LocalRound::Slot*& site_slot,
   const bool wake = slot.sleepers > 0;
   lock.unlock();
   if (wake) slot.cv.notify_all();
-  for (Parked& p : failed) Fail(p, std::string(result.message()));
+  for (Parked& p : failed) Fail(p, LeaderFailed(p.op, p.operand, p.me, me, result.message()));
   slot.cpu[pos].store(sched_getcpu(), std::memory_order_relaxed);
   return result;
 }
