@@ -374,17 +374,17 @@ void Fail(Parked& p, const std::string& error) {
 // (Watch) after JAX_CPU_MPI_RECV_TIMEOUT, as a waiting device failed before.
 //
 // Why a program resumed on another device's thread cannot deadlock (D the device entering
-// its meeting for collective k, E a device resumed there, suspended over D until E's
+// its meeting for collective k, E a device resumed there, running on D's thread until E's
 // program parks again; every device runs the program's collectives in the same order, the
-// ordering pass's chain): E joins a meeting of k or later only if its group there leaves D
-// out (if D is in it, D has not arrived, so E is not the last and parks: g_under_call), and
-// with axis_index_groups changing from one collective to the next (3 or more devices per
-// process) E can lead such a meeting: it then waits for MPI on D's thread. It waits for
-// collectives before k only: E resumed at its first meeting after it parked whose group
-// holds D (ResumeFor takes the meeting's devices), so the collectives E runs nested are
-// all before k, and the devices their groups wait for, here or in other processes, need
-// nothing of D's past collective k - 1, which D has finished. That holds for every
-// suspended device: the one under a nested wait at collective m is suspended before a
+// ordering pass's chain). E is in D's group at k (ResumeFor takes that meeting's devices),
+// and it is resumed at the first meeting D enters after E parked whose group holds E: so at
+// the collectives E runs nested before k, its groups leave D out, and at k D has not
+// arrived, so E is not the last there and parks (g_under_call): E never passes k. Before k,
+// with axis_index_groups that change from one collective to the next (3 or more devices per
+// process), E can be the last of its group here and lead: it then waits for MPI on D's
+// thread, for a collective before k. Its group's devices, here and in other processes,
+// need nothing of D for that: D has finished every collective before k. And so for every
+// suspended device: one under a nested wait at collective m is suspended before a
 // collective later than m, so the earliest collective anyone waits for never waits for a
 // suspended device. The program's other steps cannot wait for another device at all
 // (passes/park_safety.py decides which programs park).
