@@ -21,6 +21,11 @@ process's one MPI call moves, in the same rounds, and per op:
 the process's voluntary and involuntary context switches (all its threads, from ``/proc``)
 and the yields and sleeps of our waits (``jax_cpu_mpi.stats()``). The counts do
 not depend on the machine's load the way the times do.
+
+``--ab`` compares, in the same rounds, a device that parks in its process's meeting (its
+call returns a pending future that the leader completes: JAX_CPU_MPI_PARK=on, the default
+``auto`` on a node with more busy threads than cores) with one that waits there (``off``),
+in alternate calls of each round: rank 0 prints a line for each.
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ def main() -> None:
                         help="all_to_all: tiled, of the leading axis, against MPI_Alltoall; "
                              "all_gather: tiled, the size its gathered result, against "
                              "MPI_Allgather")
+    parser.add_argument("--ab", action="store_true",
+                        help="parked against waiting non-leading devices, in the same rounds")
     args = parser.parse_args()
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={args.devices}")
@@ -68,6 +75,7 @@ def main() -> None:
     from jax.sharding import PartitionSpec as P
 
     import jax_cpu_mpi
+    from jax_cpu_mpi import _jax_cpu_mpi
     from jax_cpu_mpi.bench.collectives import mpi_call
     from jax_cpu_mpi.bench.programs import repeated_in_scan
 
@@ -79,9 +87,10 @@ def main() -> None:
     n = jax.device_count()
     mesh = jax.make_mesh((n,), ("x",))
 
-    def counts() -> tuple[int, int, int, int]:
+    def counts() -> tuple[int, int, int, int, int]:
         stats = jax_cpu_mpi.stats()
-        return (*context_switches(), stats["wait_yields"], stats["wait_sleeps"])
+        return (*context_switches(), stats["wait_yields"], stats["wait_sleeps"],
+                stats["collective_parks"])
 
     def one(c):
         if args.op == "psum":
@@ -95,6 +104,7 @@ def main() -> None:
                                     v[:block], args.iters, first=v)
         return jax.lax.scan(lambda c, _: (one(c), None), v, None, length=args.iters)[0]
 
+    mode = _jax_cpu_mpi.meeting_handoff()  # JAX_CPU_MPI_PARK's, restored after --ab
     for size in (int(s) for s in args.sizes.split(",")):
         # Bytes per device; an all_to_all's operand (an all_gather's result) splits into a
         # block per device.
@@ -109,26 +119,37 @@ def main() -> None:
         # psum (the devices reduce in process first), every local device's for the others.
         bench_op = {"psum": "all_reduce", "all_to_all": "alltoall"}.get(args.op, args.op)
         call = mpi_call(comm, bench_op, elements, n, args.devices)
-        ours, theirs, per_op = [], [], []
+        variants = (2, 0) if args.ab else (None,)
+        ours: dict = {v: [] for v in variants}
+        per_op: dict = {v: [] for v in variants}
+        theirs = []
         for _ in range(args.rounds):
-            comm.Barrier()
-            before = counts()
-            t = time.perf_counter()
-            f(x).block_until_ready()
-            ours.append((time.perf_counter() - t) / args.iters * 1e6)
-            per_op.append([(b - a) / args.iters for a, b in zip(before, counts(), strict=True)])
+            for v in variants:
+                if v is not None:
+                    _jax_cpu_mpi.set_meeting_handoff(v)
+                    f(x).block_until_ready()  # untimed: the other variant ran last
+                comm.Barrier()
+                before = counts()
+                t = time.perf_counter()
+                f(x).block_until_ready()
+                ours[v].append((time.perf_counter() - t) / args.iters * 1e6)
+                per_op[v].append([(b - a) / args.iters
+                                  for a, b in zip(before, counts(), strict=True)])
             comm.Barrier()
             t = time.perf_counter()
             for _ in range(args.iters):
                 call()
             theirs.append((time.perf_counter() - t) / args.iters * 1e6)
+        _jax_cpu_mpi.set_meeting_handoff(mode)
         if comm.Get_rank() == 0:
-            vol, invol, yields, sleeps = np.median(np.array(per_op), axis=0)
-            print(f"{size} B: {args.op} x{args.devices} {np.median(ours):.1f} us/op (min "
-                  f"{min(ours):.1f}), mpi4py {np.median(theirs):.1f} us/op (min "
-                  f"{min(theirs):.1f}); per op: "
-                  f"{vol:.2f} voluntary, {invol:.2f} involuntary switches, {yields:.1f} "
-                  f"yields, {sleeps:.2f} sleeps", flush=True)
+            for v in variants:
+                vol, invol, yields, sleeps, parks = np.median(np.array(per_op[v]), axis=0)
+                name = "" if v is None else (" parked" if v == 2 else " waiting")
+                print(f"{size} B: {args.op} x{args.devices}{name} {np.median(ours[v]):.1f} "
+                      f"us/op (min {min(ours[v]):.1f}), mpi4py {np.median(theirs):.1f} us/op "
+                      f"(min {min(theirs):.1f}); per op: "
+                      f"{vol:.2f} voluntary, {invol:.2f} involuntary switches, {yields:.1f} "
+                      f"yields, {sleeps:.2f} sleeps, {parks:.2f} parked calls", flush=True)
 
 
 if __name__ == "__main__":

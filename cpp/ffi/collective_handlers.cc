@@ -10,9 +10,23 @@
 // The reduction order is fixed: in process, partitions ascending; between processes, MPI's
 // algorithm for the group's size and the byte count (the same on every run; MPICH's give
 // every rank the same bits).
+//
+// Where the node has more busy threads than cores (WaitChoice::sleeps_soon: e.g. 2 ranks x 2
+// devices on 2 cores), a device that does not lead does not wait in the meeting: its
+// handler returns a pending xla::ffi::Future (XLA keeps the call's operands, results and
+// attributes alive until it completes, and the CPU client's thread for that device blocks
+// until its program is done). The leader writes its result, and the device's program then
+// resumes on the thread of whoever completes the future: XLA's thunk executor runs the
+// remaining thunks there. So one thread per process runs every device's program from
+// collective to collective, instead of two threads taking turns on a core at every
+// collective (a context switch each) or, worse, trading cores with the other process's
+// threads. See Resumer for when a parked device resumes, and why not at once.
 #include "ffi/collective_handlers.h"
 
 #include <sched.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -23,14 +37,19 @@
 #include <functional>
 #include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <system_error>
+#include <thread>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "common/config.h"
@@ -46,6 +65,74 @@ namespace jcm {
 namespace {
 
 using I64Span = ffi::Span<const int64_t>;
+
+using Clock = std::chrono::steady_clock;
+
+// The floating-point control state of a thread (flush to zero, denormals as zero,
+// rounding): XLA sets it on the thread that runs a program, and a parked device's program
+// that resumes on a thread of ours must compute with the same (Resumer::Run).
+struct FpState {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned int csr = 0;
+  static FpState Current() { return {_mm_getcsr()}; }
+  void Apply() const { _mm_setcsr(csr); }
+#elif defined(__aarch64__)
+  uint64_t fpcr = 0;
+  static FpState Current() { return {__builtin_aarch64_get_fpcr64()}; }
+  void Apply() const { __builtin_aarch64_set_fpcr64(fpcr); }
+#else
+  static FpState Current() { return {}; }
+  void Apply() const {}
+#endif
+};
+
+// How a meeting's parked devices resumed of late (Resumer), kept by its slot and reached from
+// its parked calls: a meeting whose parked devices resumed late (to the timer: no device of
+// the meeting entered another one soon) kLate times in a row has its devices wait in it
+// instead (its leader's program waits on something else after that collective, an
+// in-process collective of XLA's or a precv from the parked device, or computes for long:
+// a runner's wake then costs more than a waiting device's), all but a probe now and then,
+// which parks to see whether that still holds (every kProbe-th round).
+class MeetingPace {
+ public:
+  static constexpr uint32_t kLate = 2;
+  static constexpr uint32_t kProbe = 1024;
+
+  // Whether a device that does not lead this round parks (under the slot's mutex).
+  bool Parks() {
+    return late_.load(std::memory_order_relaxed) < kLate || ++probe_ % kProbe == 0;
+  }
+  // Its parked device resumed in time (entering another meeting), or late (the timer).
+  void InTime() { late_.store(0, std::memory_order_relaxed); }
+  void Late() { late_.fetch_add(1, std::memory_order_relaxed); }
+
+ private:
+  std::atomic<uint32_t> late_{0};
+  uint32_t probe_ = 0;  // under the slot's mutex
+};
+
+// A device whose call returned a pending future (see the top of this file): what completing
+// it needs. The strings are the call's attributes, which XLA keeps until it completes.
+struct Parked {
+  ffi::Promise promise;
+  Clock::time_point deadline;  // of its wait for the group's other devices
+  Clock::time_point due;       // when a Resumer thread resumes it (Resumer::Defer)
+  int64_t run_id = 0;
+  int64_t me = 0;
+  std::string_view op, operand;
+  FpState fp;  // the leader's, which ran XLA's program when it deferred this one
+  // Its meeting's pace, in its slot (never erased).
+  MeetingPace* pace = nullptr;
+  bool traced = false;
+  trace::Event event;  // its timeline slice, from its arrival (when traced)
+};
+
+// Set while this thread runs another device's program from a completed future (Complete):
+// the outer call's state must survive whatever that program calls.
+thread_local int g_inline_depth = 0;
+// Set while that program runs inside another device's call, suspended under it on this
+// thread (Resumer::ResumeFor), not on a runner of ours.
+thread_local int g_under_call = 0;
 
 // The devices of one group that live in this process meet here, once per collective.
 class LocalRound {
@@ -66,18 +153,35 @@ class LocalRound {
     std::vector<const void*> in;
     std::vector<void*> out;
     std::string error;  // of the last round ("" when it succeeded)
+    std::vector<int64_t> partitions;  // the devices that meet here, ascending (set once)
+    // By position: the devices of this round whose call returned a pending future.
+    std::vector<std::optional<Parked>> parked;
+    MeetingPace pace;
+    int64_t error_leader = -1;  // the partition that led the last round, when it failed
   };
-  Slot& Get(const std::string& key, size_t members) {
+  Slot& Get(const std::string& key, const std::vector<int64_t>& local) {
     std::lock_guard<std::mutex> lock(mu_);
     auto& slot = slots_[key];
     if (!slot) {
+      const size_t members = local.size();
       slot = std::make_unique<Slot>();
       slot->cpu = std::make_unique<std::atomic<int>[]>(members);
       for (size_t i = 0; i < members; ++i) slot->cpu[i].store(-1, std::memory_order_relaxed);
       slot->in.resize(members);
       slot->out.resize(members);
+      slot->partitions = local;
+      slot->parked.resize(members);
     }
     return *slot;
+  }
+
+  // Devices parked in a meeting, over all slots (changed under their slot's lock).
+  std::atomic<int> parked{0};
+  // Every slot (they are never erased), for the watch over parked devices.
+  void Slots(std::vector<Slot*>* out) {
+    std::lock_guard<std::mutex> lock(mu_);
+    out->clear();
+    for (auto& [key, slot] : slots_) out->push_back(slot.get());
   }
 
   // A meeting that timed out: its devices no longer run the same collectives, and every
@@ -181,40 +285,446 @@ ffi::Error MeetingFailedEarlier(std::string_view op, std::string_view operand, i
       "once (end the job; the first error: " + Rounds().first_failure() + ")");
 }
 
+// The error of a device whose group's other devices in this process did not all come to the
+// meeting by its deadline, or by the process's exit (Closing: it did not wait that long).
+std::string MeetingTimedOut(std::string_view op, std::string_view operand, int64_t me,
+                            const std::vector<int64_t>& local, double timeout_s) {
+  std::ostringstream m;
+  m << op << " of " << operand << " on partition " << me;
+  if (Closing()) {
+    m << " was still waiting for the other devices of its group in this process (partitions";
+    for (int64_t p : local) m << ' ' << p;
+    m << ") when the process exited: ended at exit after the grace period "
+         "(JAX_CPU_MPI_EXIT_GRACE). The program ended without waiting for its outputs "
+         "(jax.block_until_ready), or its devices did not all run this collective.";
+    return m.str();
+  }
+  m << " waited " << timeout_s << " s for the other devices of its group in this process "
+       "(partitions";
+  for (int64_t p : local) m << ' ' << p;
+  m << "), and not all of them got there: every device of the mesh must run the same "
+       "collectives in the same order, and with several devices per process a few calls "
+       "in flight at most (JAX may queue a device's call behind the calls it already "
+       "runs: wait on a result every few calls); set JAX_CPU_MPI_RECV_TIMEOUT to wait "
+       "longer.";
+  return m.str();
+}
+
+// The error of a device whose meeting's leader (another device of its process, which ran
+// the collective for the group's devices here) failed: the leader's message names the
+// leader's partition, not this one's.
+std::string LeaderFailed(std::string_view op, std::string_view operand, int64_t me,
+                         int64_t leader, std::string_view error) {
+  return std::string(op) + " of " + std::string(operand) + " on partition " +
+         std::to_string(me) + ": partition " + std::to_string(leader) +
+         ", which ran it for this process's devices of the group, failed: " +
+         std::string(error);
+}
+
+// When a non-leading device parks (returns a pending future) instead of waiting in its
+// meeting (SetMeetingHandoff, JAX_CPU_MPI_PARK): 0 never (off), 1 where the node is
+// oversubscribed (auto, the default), 2 wherever the program allows it (on: to compare, or
+// to test this path on any machine).
+std::atomic<int> g_handoff{1};
+// Calls that parked so far (jax_cpu_mpi.stats(): whether a program took this path at all).
+std::atomic<uint64_t> g_parks{0};
+
+// The timeline's slice of a parked call ends when it completes: it waited all that time.
+void RecordParked(const Parked& p, bool ok) {
+  if (!p.traced) return;
+  trace::Event e = p.event;
+  e.dur_ns = std::max<int64_t>(0, trace::NowNs() - e.start_ns);
+  e.wait_ns = e.dur_ns;
+  e.ok = ok;
+  trace::Record(e);
+}
+
+// Completes a parked call: its device's program resumes on this thread, up to its next
+// pending collective or its end (XLA's thunk executor), before this returns.
+void Complete(Parked& p) {
+  RecordParked(p, true);
+  ++g_inline_depth;
+  p.promise.SetAvailable();
+  --g_inline_depth;
+}
+
+void Fail(Parked& p, const std::string& error) {
+  RecordParked(p, false);
+  Runtime::Get().settle_run_after_failure(p.run_id, p.me, error);
+  ++g_inline_depth;
+  p.promise.SetError(ffi::Error::Internal(error));
+  --g_inline_depth;
+}
+
+// When a parked device's program resumes. Its leader does not complete the future at once:
+// the device's program would then run on the leader's thread while the leader's own program
+// waits under it, and anything it waited for from the leader's device (a precv of a psend
+// the leader's program makes after this collective) would never come. Instead the leader
+// defers it here, and the device resumes
+//   * on the thread of a device of the same meeting when that device enters its next
+//     meeting of the group's devices (ResumeFor): its program has then done all it does
+//     before that collective, so the parked device cannot wait for it, as it could not with
+//     blocking meetings (it met it there). This is the usual way: in a loop of collectives
+//     one thread runs every device of the process, with no context switch;
+//   * or on a thread of ours (a runner) kResumeAfter after the collective, if no such
+//     device came first (the leader's program ended, computes for long, or waits on
+//     something else): the device then runs beside the leader as it did with blocking
+//     meetings, only that much later.
+// A parked device whose group's other devices do not come is failed by the same thread
+// (Watch) after JAX_CPU_MPI_RECV_TIMEOUT, as a waiting device failed before.
+//
+// Why a program resumed on another device's thread cannot deadlock (D the device entering
+// its meeting for collective k, E a device resumed there, running on D's thread until E's
+// program parks again; every device runs the program's collectives in the same order, the
+// ordering pass's chain). E is in D's group at k (ResumeFor takes that meeting's devices),
+// and it is resumed at the first meeting D enters after E parked whose group holds E: so at
+// the collectives E runs nested before k, its groups leave D out, and at k D has not
+// arrived, so E is not the last there and parks (g_under_call): E never passes k. Before k,
+// with axis_index_groups that change from one collective to the next (3 or more devices per
+// process), E can be the last of its group here and lead: it then waits for MPI on D's
+// thread, for a collective before k. Its group's devices, here and in other processes,
+// need nothing of D for that: D has finished every collective before k. And so for every
+// suspended device: one under a nested wait at collective m is suspended before a
+// collective later than m, so the earliest collective anyone waits for never waits for a
+// suspended device. The program's other steps cannot wait for another device at all
+// (passes/park_safety.py decides which programs park).
+class Resumer {
+ public:
+  static constexpr auto kResumeAfter = std::chrono::microseconds(250);
+  static constexpr int kMaxRunners = 64;
+
+  // A parked device of a meeting the caller (its leader) has just finished: resume it later
+  // (the caller holds the slot's lock).
+  void Defer(jcm::Parked&& p, LocalRound::Slot& slot) {
+    p.fp = FpState::Current();
+    p.pace = &slot.pace;
+    std::lock_guard<std::mutex> lock(mu_);
+    p.due = Clock::now() + kResumeAfter;
+    due_.push_back(std::move(p));
+    count_.fetch_add(1, std::memory_order_relaxed);
+    ++defers_;
+    // The timer ticks every kResumeAfter while calls are deferred; only one that sleeps
+    // longer needs a wake.
+    if (!ticking_) timer_cv_.notify_one();
+  }
+
+  // A device parked: the timer must watch its deadline.
+  void WatchParked() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!watching_) timer_cv_.notify_one();
+  }
+
+  // Starts the timer thread, before a device first parks (Defer and WatchParked count on
+  // it): where the system cannot start another thread, the call that would park fails
+  // with an error instead of throwing out of its handler.
+  ffi::Error Start(std::string_view op, std::string_view operand, int64_t me) {
+    if (timer_running_.load(std::memory_order_acquire)) [[likely]] return ffi::Error::Success();
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!timer_running_.load(std::memory_order_relaxed)) {
+      try {
+        std::thread([this] { Timer(); }).detach();
+      } catch (const std::system_error& e) {
+        return ffi::Error::Internal(
+            std::string(op) + " of " + std::string(operand) + " on partition " +
+            std::to_string(me) + ": could not start the thread that resumes parked devices (" +
+            e.what() + "); set JAX_CPU_MPI_PARK=off to have devices wait in their meetings.");
+      }
+      timer_running_.store(true, std::memory_order_release);
+    }
+    return ffi::Error::Success();
+  }
+
+  // A device's program reached its end (JcmCollectivesEnd): the devices it left parked
+  // would wait for kResumeAfter, since it enters no further meeting; a runner resumes them
+  // now. (Not this thread: what the device's program still does after that call, which XLA
+  // may schedule there, might be what they wait for.)
+  void HandOff() {
+    if (count_.load(std::memory_order_relaxed) == 0) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (due_.empty()) return;
+    while (!due_.empty()) {
+      ready_.push_back(std::move(due_.front()));
+      due_.pop_front();
+    }
+    WakeRunners();
+  }
+
+  // Resumes, on this thread, every deferred device among `partitions` (the devices of the
+  // meeting the caller is entering).
+  void ResumeFor(const std::vector<int64_t>& partitions) {
+    while (count_.load(std::memory_order_relaxed) > 0) {
+      std::optional<jcm::Parked> p;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        p = TakeFirst(due_, partitions);
+        if (!p) p = TakeFirst(ready_, partitions);
+        if (p) count_.fetch_sub(1, std::memory_order_relaxed);
+      }
+      if (!p) return;
+      if (p->pace != nullptr) p->pace->InTime();
+      ++g_under_call;
+      Complete(*p);
+      --g_under_call;
+    }
+  }
+
+ private:
+  static std::optional<jcm::Parked> TakeFirst(std::deque<jcm::Parked>& q,
+                                              const std::vector<int64_t>& partitions) {
+    for (auto it = q.begin(); it != q.end(); ++it) {
+      if (std::find(partitions.begin(), partitions.end(), it->me) == partitions.end()) continue;
+      std::optional<jcm::Parked> p(std::move(*it));
+      q.erase(it);
+      return p;
+    }
+    return std::nullopt;
+  }
+
+  // mu_ held: enough runners for the calls in ready_. Where the system cannot start one
+  // more, the runners there are take them in turn, and with none the timer tries again at
+  // its next tick (Timer: it ticks while calls wait without a runner); a parked device
+  // that none resumes fails at its deadline (Watch).
+  void WakeRunners() {
+    if (idle_runners_ < static_cast<int>(ready_.size()) && runners_ < kMaxRunners) {
+      try {
+        std::thread([this] { Run(); }).detach();
+        ++runners_;
+      } catch (const std::system_error&) {
+      }
+    }
+    runner_cv_.notify_all();
+  }
+
+  // Moves due calls to the runners, and watches parked devices' deadlines.
+  void Timer() {
+    std::unique_lock<std::mutex> lock(mu_);
+    Clock::time_point watch_at = Clock::now();
+    for (;;) {
+      const auto now = Clock::now();
+      bool moved = false;
+      while (!due_.empty() && due_.front().due <= now) {
+        if (due_.front().pace != nullptr) due_.front().pace->Late();
+        ready_.push_back(std::move(due_.front()));
+        due_.pop_front();
+        moved = true;
+      }
+      if (moved) WakeRunners();
+      const bool parked = Rounds().parked.load(std::memory_order_relaxed) > 0;
+      if (parked && now >= watch_at) {
+        lock.unlock();
+        Watch();
+        lock.lock();
+        watch_at = Clock::now() + kMeetCheck;
+        continue;
+      }
+      // Tick while calls were deferred since the last tick (a loop of collectives defers
+      // one per collective, and the next meeting takes it: no wake per collective), then
+      // sleep until a parked device's next check, or until woken.
+      ticking_ = !due_.empty() || defers_ > 0 || (!ready_.empty() && runners_ == 0);
+      watching_ = parked;
+      defers_ = 0;
+      if (ticking_) {
+        timer_cv_.wait_until(lock, now + kResumeAfter);
+      } else if (watching_) {
+        timer_cv_.wait_until(lock, watch_at);
+      } else {
+        timer_cv_.wait(lock);
+      }
+    }
+  }
+
+  // A runner: resumes calls whose meeting nobody entered in time.
+  void Run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      while (ready_.empty()) {
+        ++idle_runners_;
+        runner_cv_.wait(lock);
+        --idle_runners_;
+      }
+      jcm::Parked p = std::move(ready_.front());
+      ready_.pop_front();
+      count_.fetch_sub(1, std::memory_order_relaxed);
+      lock.unlock();
+      p.fp.Apply();
+      Complete(p);
+      lock.lock();
+    }
+  }
+
+  // Fails the parked devices whose wait is over: their deadline passed, the process is
+  // closing, or another meeting failed (LocalRound::Fail).
+  static void Watch();
+
+  std::mutex mu_;
+  std::condition_variable timer_cv_, runner_cv_;
+  std::deque<jcm::Parked> due_;    // deferred, by due time
+  std::deque<jcm::Parked> ready_;  // due, for the runners
+  std::atomic<size_t> count_{0};   // in due_ and ready_
+  uint64_t defers_ = 0;            // since the timer's last tick
+  std::atomic<bool> timer_running_{false};
+  bool ticking_ = false, watching_ = false;
+  int runners_ = 0, idle_runners_ = 0;
+};
+
+Resumer& Resumers() {
+  static Immortal<Resumer> resumer;
+  return resumer.get();
+}
+
+void Resumer::Watch() {
+  LocalRound& rounds = Rounds();
+  thread_local std::vector<LocalRound::Slot*> slots;
+  rounds.Slots(&slots);
+  const bool failed = rounds.failed();
+  const double timeout_s = Runtime::Get().state().config.recv_timeout_s;
+  struct Gone {
+    jcm::Parked p;
+    std::string message;
+  };
+  std::vector<Gone> expired;
+  for (LocalRound::Slot* slot : slots) {
+    std::lock_guard<std::mutex> lock(slot->mu);
+    if (slot->leading.load(std::memory_order_relaxed)) continue;  // its leader ends it
+    for (auto& parked : slot->parked) {
+      if (!parked || !(failed || jcm::Expired(parked->deadline))) continue;
+      std::string message = failed ? std::string() :
+          MeetingTimedOut(parked->op, parked->operand, parked->me, slot->partitions,
+                          timeout_s);
+      expired.push_back({std::move(*parked), std::move(message)});
+      parked.reset();
+      --slot->arrived;
+      rounds.parked.fetch_sub(1, std::memory_order_relaxed);
+    }
+  }
+  for (Gone& e : expired) {
+    if (e.message.empty()) {
+      e.message = MeetingFailedEarlier(e.p.op, e.p.operand, e.p.me).message();
+    } else {
+      rounds.Fail(e.message);
+    }
+    Fail(e.p, e.message);
+  }
+}
+
+// What a collective handler returns: an error (or success) now, or a pending future (its
+// device parked in its meeting).
+struct Outcome {
+  ffi::Error error;
+  std::optional<ffi::Future> future;
+  Outcome(ffi::Error e) : error(std::move(e)) {}  // NOLINT: implicit, as ffi::Error's
+  explicit Outcome(ffi::Future f) : error(ffi::Error::Success()), future(std::move(f)) {}
+  bool failure() const { return !future && error.failure(); }
+};
+
+// Of a call, what a parked device needs later: its run (to settle it after a failure) and
+// its timeline slice.
+struct CallInfo {
+  int64_t run_id = 0;
+  // Whether its program may park at all (its "park" attribute: passes/park_safety.py says
+  // when nothing else in the program can wait for another device).
+  bool may_park = false;
+  bool traced = false;
+  trace::Event event;
+};
+
+// Where the timeline's slice of the call running on this thread started (Traced): a call
+// that resumed other devices' programs on this thread first starts after them.
+thread_local int64_t* g_trace_start = nullptr;
+
 // The meeting of a group's devices in this process (`local`: their partitions, ascending;
 // `me` among them), once per collective: each brings its operand `x` and output `y`, the
 // last to arrive leads, calling `lead(in, out, pos)` with every device's operand and output
 // in `local`'s order and its own position `pos`; the others wait until it has finished and
-// return its result. A device whose peers do not all come by the deadline fails, naming
-// them (once the leader has started, the wait is as long as its work: its MPI wait has a
-// deadline of its own), and so does every later meeting of the process (LocalRound::Fail).
+// return its result, or, on an oversubscribed node, park (return a pending future that the
+// leader's work completes: Resumer). A device whose peers do not all come by the deadline
+// fails, naming them (once the leader has started, the wait is as long as its work: its MPI
+// wait has a deadline of its own), and so does every later meeting of the process
+// (LocalRound::Fail).
 // `site_slot`: the group's slot as the call site keeps it (found by `key` at the site's
 // first meeting on this thread; slots are never erased): a meeting takes no process-wide
 // lock.
 template <typename Lead>
-ffi::Error MeetLocally(const std::string& key, LocalRound::Slot*& site_slot,
-                       const std::vector<int64_t>& local, int64_t me, const void* x, void* y,
-                       std::string_view op, std::string_view operand, Lead&& lead) {
+Outcome MeetLocally(const std::string& key, LocalRound::Slot*& site_slot,
+                    const std::vector<int64_t>& local, int64_t me, const void* x, void* y,
+                    std::string_view op, std::string_view operand, const CallInfo& call,
+                    Lead&& lead) {
   LocalRound& rounds = Rounds();
   if (rounds.failed()) [[unlikely]] return MeetingFailedEarlier(op, operand, me);
   const size_t pos = std::find(local.begin(), local.end(), me) - local.begin();
-  if (site_slot == nullptr) site_slot = &rounds.Get(key, local.size());
+  if (site_slot == nullptr) site_slot = &rounds.Get(key, local);
   LocalRound::Slot& slot = *site_slot;
   // One look at the runtime (its lock is shared by every device thread): the deadline, and
   // whether a waiting device yields before it sleeps (not under JAX_CPU_MPI_WAIT=sleep),
-  // and whether the node has fewer cores than busy threads (then only beside a sibling).
+  // and whether the node has fewer cores than busy threads (then only beside a sibling,
+  // or it parks).
   const Runtime::State state = Runtime::Get().state();
   const double timeout_s = state.config.recv_timeout_s;
   const bool yields = state.mpi && state.mpi->wait_choice().policy != WaitPolicy::kSleep;
   const bool oversubscribed = state.mpi && state.mpi->wait_choice().sleeps_soon;
+  const int handoff = g_handoff.load(std::memory_order_relaxed);
+  // JAX_CPU_MPI_PARK=auto parks only where the node has more busy threads than cores, as
+  // JAX_CPU_MPI_WAIT=auto judges it (not under WAIT=sleep: that asks for sleeping waits,
+  // not for fewer of them); and only in a program whose steps cannot wait for another
+  // device but in our meetings (call.may_park).
+  const bool parks =
+      call.may_park &&
+      (handoff == 2 || (handoff == 1 && oversubscribed &&
+                        state.mpi->wait_choice().policy == WaitPolicy::kAuto));
+  Resumer& resumer = Resumers();
+  if (parks) {
+    if (ffi::Error started = resumer.Start(op, operand, me); started.failure()) [[unlikely]] {
+      return started;
+    }
+    // The devices of this meeting that an earlier one left parked go first, on this thread
+    // (Resumer): each runs up to this meeting, or its next one.
+    const int64_t before = call.traced ? trace::NowNs() : 0;
+    resumer.ResumeFor(slot.partitions);
+    if (call.traced && g_trace_start != nullptr && trace::NowNs() - before > 0) {
+      *g_trace_start = trace::NowNs();
+      trace::Notes() = {};
+    }
+  }
   const auto deadline = DeadlineAfter(timeout_s);
   const int my_cpu = sched_getcpu();
   slot.cpu[pos].store(my_cpu, std::memory_order_relaxed);
   std::unique_lock<std::mutex> lock(slot.mu);
   const uint64_t generation = slot.generation.load(std::memory_order_relaxed);
+  if (slot.parked[pos]) [[unlikely]] {
+    // Its call of the round before is still parked: a second call of the same device
+    // would take its place (the CPU client runs a device's programs with collectives one at
+    // a time, so this is not expected).
+    return ffi::Error::Internal(
+        std::string(op) + " of " + std::string(operand) + " on partition " +
+        std::to_string(me) + ": this device's previous call of this collective has not "
+        "finished; run at most one program with collectives per device at a time.");
+  }
   slot.in[pos] = x;
   slot.out[pos] = y;
   if (++slot.arrived < static_cast<int>(local.size())) {
+    // A device whose program runs inside another device's call (resumed there: ResumeFor)
+    // always parks: waiting here, it would wait for a device that may be the one suspended
+    // under it on this thread.
+    if (g_under_call > 0 || (parks && slot.pace.Parks())) {
+      ffi::Promise promise;
+      ffi::Future future(promise);
+      Parked& p = slot.parked[pos].emplace(Parked{.promise = std::move(promise),
+                                                  .deadline = deadline,
+                                                  .run_id = call.run_id,
+                                                  .me = me,
+                                                  .op = op,
+                                                  .operand = operand,
+                                                  .traced = call.traced});
+      if (call.traced) {
+        p.event = call.event;
+        p.event.start_ns = g_trace_start != nullptr ? *g_trace_start : trace::NowNs();
+      }
+      rounds.parked.fetch_add(1, std::memory_order_relaxed);
+      g_parks.fetch_add(1, std::memory_order_relaxed);
+      lock.unlock();
+      resumer.WatchParked();
+      return Outcome(std::move(future));
+    }
     trace::WaitTimer waited;  // the timeline's wait: until the leader has finished
     waited.Waiting();
     auto finished = [&] { return slot.generation.load(std::memory_order_acquire) != generation; };
@@ -237,27 +747,29 @@ ffi::Error MeetLocally(const std::string& key, LocalRound::Slot*& site_slot,
         --slot.sleepers;
         --slot.arrived;
         if (rounds.failed()) return MeetingFailedEarlier(op, operand, me);
-        std::ostringstream m;
-        m << op << " of " << operand << " on partition " << me << " waited " << timeout_s
-          << " s for the other devices of its group in this process (partitions";
-        for (int64_t p : local) m << ' ' << p;
-        m << "), and not all of them got there: every device of the mesh must run the same "
-             "collectives in the same order, and with several devices per process a few calls "
-             "in flight at most (JAX may queue a device's call behind the calls it already "
-             "runs: wait on a result every few calls); set JAX_CPU_MPI_RECV_TIMEOUT to wait "
-             "longer.";
-        rounds.Fail(m.str());
-        return ffi::Error::Internal(m.str());
+        std::string m = MeetingTimedOut(op, operand, me, local, timeout_s);
+        rounds.Fail(m);
+        return ffi::Error::Internal(std::move(m));
       }
       slot.cv.wait(lock, finished);
       --slot.sleepers;
     }
     slot.cpu[pos].store(sched_getcpu(), std::memory_order_relaxed);
     if (slot.error.empty()) return ffi::Error::Success();
-    return ffi::Error::Internal(slot.error);
+    return ffi::Error::Internal(LeaderFailed(op, operand, me, slot.error_leader, slot.error));
   }
   slot.leading.store(true, std::memory_order_relaxed);
   slot.arrived = 0;
+  // Every other device parked: this is the process's only busy thread (the parked devices'
+  // threads wait for their programs' ends), so where the node has a core per rank its MPI
+  // wait need not yield and sleep soon, as it must where each device runs a thread
+  // (JAX_CPU_MPI_WAIT=auto only).
+  size_t parked_here = 0;
+  for (const auto& p : slot.parked) parked_here += p.has_value();
+  const WaitChoice* const wait = state.mpi ? &state.mpi->wait_choice() : nullptr;
+  const bool alone = parked_here + 1 == local.size() && wait != nullptr &&
+                     wait->policy == WaitPolicy::kAuto && wait->node_ranks <= wait->cores;
+  ScopedWaitMode wait_mode(alone ? static_cast<int>(WaitMode::kBounded) : t_wait_mode);
   // The round's operands and outputs, copied out of the slot (no allocation after the
   // thread's first round): the next round may fill the slot once this one has ended.
   thread_local std::vector<const void*> in;
@@ -269,14 +781,29 @@ ffi::Error MeetLocally(const std::string& key, LocalRound::Slot*& site_slot,
   lock.lock();
   if (result.failure()) {
     slot.error = std::string(result.message());
+    slot.error_leader = me;
   } else {
     slot.error.clear();
+  }
+  // The parked devices of this round: resumed later if it succeeded (Resumer), failed now
+  // if not (their programs end: nothing of theirs runs on).
+  std::vector<Parked> failed;
+  for (auto& parked : slot.parked) {
+    if (!parked) continue;
+    if (result.failure()) {
+      failed.push_back(std::move(*parked));
+    } else {
+      resumer.Defer(std::move(*parked), slot);
+    }
+    parked.reset();
+    rounds.parked.fetch_sub(1, std::memory_order_relaxed);
   }
   slot.leading.store(false, std::memory_order_relaxed);
   slot.generation.fetch_add(1, std::memory_order_release);
   const bool wake = slot.sleepers > 0;
   lock.unlock();
   if (wake) slot.cv.notify_all();
+  for (Parked& p : failed) Fail(p, LeaderFailed(p.op, p.operand, p.me, me, result.message()));
   slot.cpu[pos].store(sched_getcpu(), std::memory_order_relaxed);
   return result;
 }
@@ -350,7 +877,9 @@ Entry& SiteEntry(I64Span groups, int64_t group_size, I64Span device_index,
   a.device_process.assign(device_process.begin(), device_process.end());
   std::unique_ptr<Entry> e = make(std::move(a));
   constexpr size_t kSites = 256;  // a thread's distinct call sites, before the oldest goes
-  if (sites.size() >= kSites) sites.erase(sites.begin());
+  // Not while this thread runs a parked device's program inside another call: the outer
+  // call holds its own entry.
+  if (sites.size() >= kSites && g_inline_depth == 0) sites.erase(sites.begin());
   sites.push_back(std::move(e));
   return *sites.back();
 }
@@ -479,11 +1008,11 @@ ffi::Error Lead(std::span<const void* const> in, std::span<void* const> out,
 
 // `after`: the previous collective's result, or a loop's or conditional's (unread: it
 // only orders this call after that one, the same way on every process).
-ffi::Error AllReduce(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
-                     ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> out,
-                     I64Span groups, int64_t group_size, I64Span device_index,
-                     I64Span device_process, int64_t site, std::string_view reduction,
-                     std::string_view op, std::string_view operand) {
+Outcome AllReduce(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
+                  ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> out,
+                  I64Span groups, int64_t group_size, I64Span device_index,
+                  I64Span device_process, int64_t site, std::string_view reduction,
+                  std::string_view op, std::string_view operand, const CallInfo& call) {
   const int64_t me = static_cast<int64_t>(partition.typed_data()[0]);
   const int64_t n = static_cast<int64_t>(device_index.size());
   if (me < 0 || me >= n || static_cast<int64_t>(device_process.size()) != n) {
@@ -517,7 +1046,7 @@ ffi::Error AllReduce(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
   }
 
   return MeetLocally(g.key, site_group.slot, g.local, me, x.untyped_data(), out->untyped_data(),
-                     op, operand,
+                     op, operand, call,
                      [&](const std::vector<const void*>& in, std::vector<void*>& outs,
                          size_t pos) {
                        // The leader's own output accumulates: it comes first among the
@@ -530,30 +1059,39 @@ ffi::Error AllReduce(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
 }
 
 // With the timeline off (the usual case) one predictable branch; on, one slice per device
-// and collective, with its bytes and its wait.
+// and collective, with its bytes and its wait (a parked call's when it completes).
 template <typename Run>
-ffi::Error Traced(Run&& run, ffi::Buffer<ffi::U32> partition, I64Span device_index,
-                  I64Span device_process, int64_t site, size_t bytes, trace::Op op) {
-  if (trace::Mode() == 0) [[likely]] return run();
-  trace::Notes() = {};
-  const int64_t start = trace::NowNs();
-  ffi::Error result = run();
-  const int64_t end = trace::NowNs();
+Outcome Traced(Run&& run, int64_t run_id, bool may_park, ffi::Buffer<ffi::U32> partition,
+               I64Span device_index, I64Span device_process, int64_t site, size_t bytes,
+               trace::Op op) {
+  CallInfo call;
+  call.run_id = run_id;
+  call.may_park = may_park;
+  if (trace::Mode() == 0) [[likely]] return run(call);
   const int64_t me = static_cast<int64_t>(partition.typed_data()[0]);
   if (me < 0 || me >= static_cast<int64_t>(device_index.size()) ||
       device_process.size() != device_index.size()) {
-    return result;
+    return run(call);
   }
-  trace::Event e;
-  e.start_ns = start;
-  e.dur_ns = end - start;
-  e.wait_ns = std::min(trace::Notes().wait_ns, e.dur_ns);
+  trace::Event& e = call.event;
   e.process = device_process[me];
   e.device = device_index[me];
   e.peer = -1;
   e.bytes = bytes;
   e.seq = static_cast<uint64_t>(site);
   e.op = op;
+  call.traced = true;
+  trace::Notes() = {};
+  int64_t start = trace::NowNs();
+  int64_t* const outer = g_trace_start;
+  g_trace_start = &start;
+  Outcome result = run(call);
+  g_trace_start = outer;
+  if (result.future) return result;  // recorded when it completes (RecordParked)
+  const int64_t end = trace::NowNs();
+  e.start_ns = start;
+  e.dur_ns = end - start;
+  e.wait_ns = std::min(trace::Notes().wait_ns, e.dur_ns);
   e.ok = !result.failure();
   trace::Record(e);
   return result;
@@ -1177,12 +1715,13 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
 }
 
 // The local meeting of an exchange (MeetLocally): as AllReduce's, the last to arrive leads.
-ffi::Error ExchangeCollective(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
-                              ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> out,
-                              I64Span groups, int64_t group_size, I64Span device_index,
-                              I64Span device_process, int64_t site_number,
-                              std::string_view kind, std::string_view reduction,
-                              std::string_view op, std::string_view operand) {
+Outcome ExchangeCollective(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
+                           ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> out,
+                           I64Span groups, int64_t group_size, I64Span device_index,
+                           I64Span device_process, int64_t site_number,
+                           std::string_view kind, std::string_view reduction,
+                           std::string_view op, std::string_view operand,
+                           const CallInfo& call) {
   const int64_t me = static_cast<int64_t>(partition.typed_data()[0]);
   const int64_t n_dev = static_cast<int64_t>(device_index.size());
   if (me < 0 || me >= n_dev || static_cast<int64_t>(device_process.size()) != n_dev) {
@@ -1246,7 +1785,7 @@ ffi::Error ExchangeCollective(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
     return LeadExchange(c, in, outs, device_process);
   }
   return MeetLocally(site.key, site.slot, site.local, me, x.untyped_data(), out->untyped_data(),
-                     op, operand,
+                     op, operand, call,
                      [&](const std::vector<const void*>& in, std::vector<void*>& outs,
                          size_t /*pos*/) { return LeadExchange(c, in, outs, device_process); });
 }
@@ -1258,48 +1797,81 @@ trace::Op TraceOp(std::string_view kind) {
 }
 
 
-ffi::Error AllReduceImpl(xla::ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
-                         ffi::RemainingArgs after, ffi::Result<ffi::AnyBuffer> out,
-                         I64Span groups, int64_t group_size, I64Span device_index,
-                         I64Span device_process, int64_t site, std::string_view reduction,
-                         std::string_view op, std::string_view operand) {
-  ffi::Error result = Traced(
-      [&] {
+Outcome AllReduceImpl(xla::ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
+                      ffi::RemainingArgs after, ffi::Result<ffi::AnyBuffer> out,
+                      I64Span groups, int64_t group_size, I64Span device_index,
+                      I64Span device_process, int64_t site, int64_t park,
+                      std::string_view reduction, std::string_view op,
+                      std::string_view operand) {
+  Outcome result = Traced(
+      [&](const CallInfo& call) {
         return AllReduce(x, partition, after, out, groups, group_size, device_index,
-                         device_process, site, reduction, op, operand);
+                         device_process, site, reduction, op, operand, call);
       },
-      partition, device_index, device_process, site, x.size_bytes(), trace::Op::kAllReduce);
+      run.run_id, park != 0, partition, device_index, device_process, site, x.size_bytes(),
+      trace::Op::kAllReduce);
   // A failed collective ends its program run (XLA runs no further thunk).
   if (result.failure()) [[unlikely]] {
     Runtime::Get().settle_run_after_failure(
-        run.run_id, static_cast<int64_t>(partition.typed_data()[0]), result.message());
+        run.run_id, static_cast<int64_t>(partition.typed_data()[0]), result.error.message());
   }
   return result;
 }
 
-ffi::Error ExchangeImpl(xla::ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
-                        ffi::RemainingArgs after, ffi::Result<ffi::AnyBuffer> out,
-                        I64Span groups, int64_t group_size, I64Span device_index,
-                        I64Span device_process, int64_t site, std::string_view reduction,
-                        std::string_view op, std::string_view operand,
-                        std::string_view kind) {
-  ffi::Error result = Traced(
-      [&] {
+Outcome ExchangeImpl(xla::ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
+                     ffi::RemainingArgs after, ffi::Result<ffi::AnyBuffer> out,
+                     I64Span groups, int64_t group_size, I64Span device_index,
+                     I64Span device_process, int64_t site, int64_t park,
+                     std::string_view reduction, std::string_view op,
+                     std::string_view operand, std::string_view kind) {
+  Outcome result = Traced(
+      [&](const CallInfo& call) {
         return ExchangeCollective(x, partition, after, out, groups, group_size, device_index,
-                                  device_process, site, kind, reduction, op, operand);
+                                  device_process, site, kind, reduction, op, operand, call);
       },
-      partition, device_index, device_process, site,
+      run.run_id, park != 0, partition, device_index, device_process, site,
       std::max(x.size_bytes(), out->size_bytes()), TraceOp(kind));
   // A failed collective ends its program run (XLA runs no further thunk).
   if (result.failure()) [[unlikely]] {
     Runtime::Get().settle_run_after_failure(
-        run.run_id, static_cast<int64_t>(partition.typed_data()[0]), result.message());
+        run.run_id, static_cast<int64_t>(partition.typed_data()[0]), result.error.message());
   }
   return result;
 }
 
+// The end of a program's chain of collectives (passes/ordered_collectives.py): its
+// operands (the last collective's result and what the program returns, unread) only order
+// it after them.
+ffi::Error CollectivesEnd(ffi::RemainingArgs /*after*/) {
+  Resumers().HandOff();
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+bool SetMeetingHandoff(int mode) {
+  if (mode < 0 || mode > 2) return false;
+  g_handoff.store(mode, std::memory_order_relaxed);
+  return true;
+}
+int MeetingHandoff() { return g_handoff.load(std::memory_order_relaxed); }
+uint64_t CollectiveParks() { return g_parks.load(std::memory_order_relaxed); }
+
 }  // namespace jcm
+
+// A handler's Outcome goes to XLA as an error (or success) when it has no future, as the
+// future otherwise (an FFI handler may return either).
+template <xla::ffi::ExecutionStage stage>
+struct xla::ffi::ResultEncoding<stage, jcm::Outcome> {
+  static std::variant<XLA_FFI_Error*, XLA_FFI_Future*> Encode(const XLA_FFI_Api* api,
+                                                              XLA_FFI_ExecutionContext* ctx,
+                                                              jcm::Outcome outcome) {
+    if (outcome.future) {
+      return ResultEncoding<stage, Future>::Encode(api, ctx, std::move(*outcome.future));
+    }
+    return ResultEncoding<stage, Error>::Encode(api, ctx, std::move(outcome.error));
+  }
+};
 
 namespace {
 // The operands, results and attributes both collective custom calls have (see
@@ -1316,6 +1888,7 @@ auto CollectiveBinding() {
       .Attr<jcm::I64Span>("device_index")
       .Attr<jcm::I64Span>("device_process")
       .Attr<int64_t>("site")
+      .Attr<int64_t>("park")
       .Attr<std::string_view>("reduction")
       .Attr<std::string_view>("op")
       .Attr<std::string_view>("operand");
@@ -1326,3 +1899,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JcmAllReduce, jcm::AllReduceImpl, CollectiveBindin
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JcmExchange, jcm::ExchangeImpl,
                               CollectiveBinding().Attr<std::string_view>("kind"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JcmCollectivesEnd, jcm::CollectivesEnd,
+                              xla::ffi::Ffi::Bind().RemainingArgs());

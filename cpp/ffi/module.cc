@@ -85,9 +85,21 @@ NB_MODULE(_jax_cpu_mpi, m) {
     d["jax_cpu_mpi_mark"] = EncapsulateFfiHandler(JcmMark);
     d["jax_cpu_mpi_all_reduce"] = EncapsulateFfiHandler(JcmAllReduce);
     d["jax_cpu_mpi_exchange"] = EncapsulateFfiHandler(JcmExchange);
+    d["jax_cpu_mpi_collectives_end"] = EncapsulateFfiHandler(JcmCollectivesEnd);
     d["jax_cpu_mpi_order_token"] = EncapsulateFfiHandler(JcmOrderToken);
     return d;
   }, "FFI handler capsules by target name.");
+
+  m.def("set_meeting_handoff",
+        [](int mode) {
+          if (!jcm::SetMeetingHandoff(mode)) throw nb::value_error("mode must be 0, 1 or 2");
+        },
+        nb::arg("mode"),
+        "When a device that does not lead its process's meeting in a collective parks "
+        "(returns a pending future) instead of waiting there: 0 never (JAX_CPU_MPI_PARK=off), "
+        "1 where the node has more busy threads than cores (auto, the default), 2 always "
+        "(on); in every mode only in programs that allow it (passes/park_safety.py).");
+  m.def("meeting_handoff", &jcm::MeetingHandoff);
 
   m.def("configure",
         [](double recv_timeout_s, uint64_t max_inflight_bytes) {
@@ -236,6 +248,8 @@ NB_MODULE(_jax_cpu_mpi, m) {
     // What the polling waits for MPI peers did (Backoff): load changes the times, not these.
     d["wait_yields"] = jcm::WaitYields();
     d["wait_sleeps"] = jcm::WaitSleeps();
+    // Collective calls whose device parked in its meeting (JAX_CPU_MPI_PARK).
+    d["collective_parks"] = jcm::CollectiveParks();
     return d;
   });
 

@@ -90,7 +90,9 @@ class Backoff {
  public:
   using Clock = std::chrono::steady_clock;
   Backoff()
-      : mode_(static_cast<WaitMode>(g_wait_mode.load(std::memory_order_relaxed))),
+      : mode_(static_cast<WaitMode>(t_wait_mode >= 0
+                                        ? t_wait_mode
+                                        : g_wait_mode.load(std::memory_order_relaxed))),
         // kLong sleeps only after hundreds of ms of yields: in whole kMaxSleep steps.
         sleep_(mode_ == WaitMode::kLong ? kMaxSleep : kFirstSleep) {}
   explicit Backoff(size_t bytes_in_flight) : Backoff() {

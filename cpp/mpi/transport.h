@@ -106,6 +106,22 @@ enum class WaitPolicy { kAuto, kSpin, kSleep };
 // than cores).
 enum class WaitMode : int { kBounded = 0, kLong = 1, kSoon = 2 };
 
+// Where set (a WaitMode, >= 0), how this thread's polling waits behave instead of the
+// process's mode: a device that leads its process's meeting while every other device of
+// the meeting parked (ffi/collective_handlers.cc) is its process's only busy thread, so on
+// a node that has a core per rank its waits need not sleep soon. (Set by ScopedWaitMode.)
+inline thread_local int t_wait_mode = -1;
+class ScopedWaitMode {
+ public:
+  explicit ScopedWaitMode(int mode) : saved_(t_wait_mode) { t_wait_mode = mode; }
+  ~ScopedWaitMode() { t_wait_mode = saved_; }
+  ScopedWaitMode(const ScopedWaitMode&) = delete;
+  ScopedWaitMode& operator=(const ScopedWaitMode&) = delete;
+
+ private:
+  int saved_;
+};
+
 // Yields and sleeps of every polling wait of the process so far (jax_cpu_mpi.stats()).
 uint64_t WaitYields();
 uint64_t WaitSleeps();

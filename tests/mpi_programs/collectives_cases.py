@@ -22,13 +22,34 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import jax_cpu_mpi
-from jax_cpu_mpi import config
+from jax_cpu_mpi import _jax_cpu_mpi, config
+from jax_cpu_mpi._src.ffi.custom_calls import ORDER_TOKEN_TARGET
 from jax_cpu_mpi._src.lowering import collectives as lowering
 
 jax.config.update("jax_enable_x64", True)
 n = jax.device_count()
 mesh = jax.make_mesh((n,), ("x",))
 failures: list[str] = []
+
+
+#: With 2 devices per process, how a device that does not lead its process's meeting waits
+#: in this launch (tests/runtime/test_collectives_mpi.py runs the matrix both ways, on any
+#: machine): JAX_CPU_MPI_PARK=on parks (its call returns a pending future) in every program
+#: that allows it, off waits in the meeting.
+PARK = os.environ.get("JAX_CPU_MPI_PARK", "auto")
+MODE = {"off": 0, "auto": 1, "on": 2}[PARK]
+
+
+def meeting(mode: int) -> None:
+    """Set how a non-leading device waits for the programs that follow (2 devices)."""
+    if jax.local_device_count() > 1:
+        _jax_cpu_mpi.set_meeting_handoff(mode)
+
+
+def parks() -> int:
+    """Collective calls of this process that parked so far."""
+    return int(jax_cpu_mpi.stats()["collective_parks"])
+
 
 OPS = {"psum": jax.lax.psum, "pmax": jax.lax.pmax, "pmin": jax.lax.pmin,
        "pmean": jax.lax.pmean}
@@ -85,6 +106,24 @@ def run_packed(setting: str, m, operands: dict, fn_of_key) -> dict:
             (flat.shape[0], *shape))
         at += size
     return out
+
+
+_REDUCTION = {"psum": "sum", "pmean": "sum", "pmax": "max", "pmin": "min",
+              "psum_scatter": "sum"}
+
+
+def by_path(cases: dict, op_of, dtype_of) -> list[dict]:
+    """``cases`` in two programs: those whose collectives all go over MPI, and those some of
+    which keep JAX's lowering (MPI has no such reduction). A collective of XLA's own keeps
+    the devices of its whole program from parking (passes/park_safety.py): apart, the first
+    program parks where the launch parks."""
+    over_mpi: dict = {}
+    rest: dict = {}
+    for key, case in cases.items():
+        red = _REDUCTION.get(op_of(key))
+        mpi_can = red is None or dtype_of(key) in lowering.MPI_DTYPES[red]
+        (over_mpi if mpi_can else rest)[key] = case
+    return [part for part in (over_mpi, rest) if part]
 
 
 def run_all(setting: str, operands: dict, fn_of_key) -> dict:
@@ -145,7 +184,9 @@ def fn_of(key):
     return functools.partial(OPS[keys[key]], axis_name="x")
 
 
-mpi = run_all("mpi", operands, fn_of)
+mpi = {}
+for part in by_path(operands, keys.get, lambda k: operands[k].dtype.name):
+    mpi.update(run_all("mpi", part, fn_of))
 gloo = run_all("gloo", operands, fn_of)
 for key, v in operands.items():
     op, dtype, _ = key.split("/")
@@ -254,12 +295,18 @@ if n == 4:
     devs = np.array(jax.devices())
     order = sorted(range(n), key=lambda i: (i % 2, i))  # positions 0, 2 / 1, 3 per process
     meshes[" interleaved"] = jax.sharding.Mesh(devs[np.argsort(order)], ("x",))
+meeting(MODE)
+parked_by_mesh: dict[str, int] = {}
 for label, m in meshes.items():
+    parked_before = parks()
     # NumPy checks every case; gloo (a compilation of its own, slow) the float32 and large
     # ones; the interleaved mesh runs the int8 and large ones.
     cases = EXCHANGES if not label else {
         k: e for k, e in EXCHANGES.items() if "/int8/" in k or "big" in k or "65536" in k}
-    ex_mpi = run_exchanges("mpi", m, cases)
+    ex_mpi = {}
+    for part in by_path(cases, lambda k: k.split("/")[0],
+                        lambda k, c=cases: c[k][0].dtype.name):
+        ex_mpi.update(run_exchanges("mpi", m, part))
     ex_gloo = {} if label else run_exchanges("gloo", m, {
         k: e for k, e in cases.items() if "/float32/" in k or "big" in k or "65536" in k})
     for key, (v, _, ref) in cases.items():
@@ -290,6 +337,20 @@ for label, m in meshes.items():
         except AssertionError as e:
             failures.append(name)
             print(f"FAIL {name}: {e}", flush=True)
+    parked_by_mesh[label or " in device order"] = parks() - parked_before
+
+# The matrix took the path this launch asked for, on each mesh (the interleaved one's
+# meetings stage their operands for MPI: parked devices must find their results there
+# too): parked calls on, none off.
+if jax.local_device_count() == 2 and PARK in ("on", "off"):
+    try:
+        assert all((c > 0) == (PARK == "on") for c in parked_by_mesh.values()), (
+            PARK, parked_by_mesh)
+        print(f"ok   mpi  the matrix's devices {'parked' if PARK == 'on' else 'waited'} "
+              f"(parked calls by mesh: {parked_by_mesh})", flush=True)
+    except AssertionError as e:
+        failures.append("parked path")
+        print(f"FAIL parked path: {e}", flush=True)
 
 # ---- the lowerings that did not go over MPI say why
 decided = lowering.decisions()
@@ -471,6 +532,65 @@ try:
 except AssertionError as e:
     failures.append("sibling shard_maps")
     print(f"FAIL sibling shard_maps: {e}", flush=True)
+
+# ---- 2 devices per process: a loop of a psum, then a ppermute within each process (our
+# psend/precv) that reads the other device's psum. A device resumed from a parked psum on the
+# other device's thread could wait in the ppermute for the device suspended under it (the
+# reviewer's deadlock, below), so this program never parks (passes/park_safety.py). 300
+# rounds, every bit against NumPy.
+if jax.local_device_count() == 2:
+    swap = [(i, i ^ 1) for i in range(n)]  # partitions 2k and 2k+1 share a process
+
+    def _psum_then_swap(v):
+        def step(c, _):
+            return jax.lax.ppermute(jax.lax.psum(c, "x"), "x", swap) + jax.lax.axis_index(
+                "x").astype(c.dtype), None
+        return jax.lax.scan(step, v, None, length=300)[0]
+
+    v_swap = values("uint32", (8,), 41)
+    f_swap = jax.jit(jax.shard_map(_psum_then_swap, mesh=mesh, in_specs=P("x"),
+                                   out_specs=P("x"), check_vma=False))
+    got_swap = common.gather(jax.block_until_ready(
+        f_swap(common.global_array(mesh, P("x"), v_swap.reshape(-1)))))
+    want_swap = v_swap.copy()
+    for _ in range(300):
+        total = want_swap.sum(0, dtype=np.uint32)
+        want_swap = np.stack([total + np.uint32(i) for i in range(n)])
+    try:
+        np.testing.assert_array_equal(got_swap.reshape(n, 8), want_swap)
+        print("ok   mpi  300 rounds of a psum and a ppermute within the process vs numpy",
+              flush=True)
+    except AssertionError as e:
+        failures.append("psum then ppermute")
+        print(f"FAIL psum then ppermute: {e}", flush=True)
+
+    # The reviewer's reproducer of the parked design's deadlock: float32[32768] (large
+    # enough that XLA runs the program as a dataflow graph), a psum, a ppermute within each
+    # process, a psum. Where the first psum's non-leading device parked, it resumed on the
+    # thread of the other device when that one entered the second psum, and XLA ran the
+    # parked program's ready steps there: its precv then waited for the psend of the very
+    # device suspended under it (8 failures in 27 runs, a timeout error each). Such a
+    # program must take the waiting path, whatever JAX_CPU_MPI_PARK says: 40 calls, no
+    # parked call among them, every value against NumPy.
+    def _psum_swap_psum(v):
+        y = jax.lax.ppermute(jax.lax.psum(v, "x"), "x", swap)
+        return jax.lax.psum(y + jax.lax.axis_index("x").astype(y.dtype), "x")
+
+    v_rep = (np.arange(n * 32768, dtype=np.int64) % 1000).astype(np.float32).reshape(n, -1)
+    f_rep = jax.jit(jax.shard_map(_psum_swap_psum, mesh=mesh, in_specs=P("x"),
+                                  out_specs=P("x"), check_vma=False))
+    x_rep = common.global_array(mesh, P("x"), v_rep.reshape(-1))
+    want_rep = np.tile(n * v_rep.sum(0) + n * (n - 1) / 2, n).astype(np.float32)
+    before_rep = parks()
+    try:
+        for _ in range(40):  # one call in flight at a time: psend/precv's rule
+            np.testing.assert_array_equal(common.gather(f_rep(x_rep)), want_rep)
+        assert parks() == before_rep, ("parked", parks() - before_rep)
+        print("ok   mpi  psum, ppermute within the process, psum of float32[32768]: the "
+              "waiting path, 40 calls vs numpy", flush=True)
+    except Exception as e:  # a deadlock ends in the meeting's timeout error
+        failures.append("psum ppermute psum")
+        print(f"FAIL psum ppermute psum: {type(e).__name__}: {str(e)[:400]}", flush=True)
 
 # ---- The psum after a loop or a conditional of psums waits for it, in the compiled program
 # too: a loop that starts the chain (no psum before it: its trip counter, the first result,
@@ -751,6 +871,32 @@ if n == 2 * jax.local_device_count() and jax.local_device_count() > 1:
         except AssertionError as e:
             failures.append(key)
             print(f"FAIL {key}: {e}", flush=True)
+
+# ---- exported for CPU and CUDA at once: each collective sits in a branch per platform, and
+# nothing of ours may land outside the CPU's (the chain's end, collectives_end, goes nowhere:
+# the GPU has no such target). The CPU side runs and equals NumPy.
+config.configure(collectives="mpi")
+try:
+    f_both = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "x"), mesh=mesh, in_specs=P("x"),
+                                   out_specs=P("x"), check_vma=False))
+    v_both = values("float32", (4,), 17)
+    exported = jax.export.export(
+        f_both, platforms=["cpu", "cuda"],
+        # Our calls (the psum, the ordering pass's token after the platform's conditional)
+        # have no compatibility guarantee across jax-cpu-mpi versions.
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(t)
+                         for t in (lowering.ALL_REDUCE_TARGET, ORDER_TOKEN_TARGET)],
+    )(jax.ShapeDtypeStruct((n * 4,), np.float32, sharding=jax.NamedSharding(mesh, P("x"))))
+    text = exported.mlir_module()
+    assert lowering.ALL_REDUCE_TARGET in text and "all_reduce" in text.replace(
+        lowering.ALL_REDUCE_TARGET, ""), "not both platforms' psum"
+    assert lowering.END_TARGET not in text, "collectives_end outside the CPU branch"
+    got = common.gather(exported.call(common.global_array(mesh, P("x"), v_both.reshape(-1))))
+    check("mpi  exported for cpu and cuda: psum vs numpy", got.reshape(n, 4), v_both.sum(0),
+          False)
+except Exception as e:
+    failures.append("exported for cpu and cuda")
+    print(f"FAIL exported for cpu and cuda: {type(e).__name__}: {str(e)[:400]}", flush=True)
 
 # ---- a partially manual shard_map (axis_names= a subset): XLA's SPMD partitioner refuses
 # our calls' partition-id there, so they keep JAX's lowering, recorded as such, and the

@@ -4,8 +4,9 @@ communicator) fail within JAX_CPU_MPI_RECV_TIMEOUT with an error naming the coll
 the peer, instead of hanging; a collective after that fails at once without calling MPI.
 With 2 devices per rank, a device of rank 0 that never joins its sibling's collective (a
 psum under a condition that only one of them takes) fails the sibling's meeting within the
-timeout too, and every later collective of the process fails at once: calls queued behind
-a dead meeting must not wait a whole timeout each (JAX keeps dozens in flight).
+timeout too (the sibling parked: its call returned a pending future), and every later
+collective of the process fails at once: calls queued behind a dead meeting must not wait a
+whole timeout each (JAX keeps dozens in flight).
 Run by tests/runtime/test_collectives_mpi.py (2 devices per rank, JAX_CPU_MPI_RECV_TIMEOUT=3,
 JAX_CPU_MPI_ABORT_ON_ERROR=0)."""
 
@@ -16,9 +17,14 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jax_cpu_mpi import config
+import jax_cpu_mpi
+from jax_cpu_mpi import _jax_cpu_mpi, config
 
 config.configure(collectives="mpi")
+# With 2 devices per rank, a device that does not lead its meeting parks (its call returns a
+# pending future) on any machine, not only where the node has more busy threads than cores:
+# a parked device must fail by the timeout as a waiting one does.
+_jax_cpu_mpi.set_meeting_handoff(2)
 n = jax.device_count()
 mesh = jax.make_mesh((n,), ("x",))
 f = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "x"), mesh=mesh, in_specs=P("x"),
@@ -65,9 +71,13 @@ else:
 
         h = jax.jit(jax.shard_map(first_device_only, mesh=mesh, in_specs=P("x"),
                                   out_specs=P("x"), check_vma=False))
+        parked_before = jax_cpu_mpi.stats()["collective_parks"]
         fails(lambda: h(x), "a meeting completed without its sibling device",
               ("psum", "for the other devices of its group in this process"), 3 + 4,
               "meeting raised as expected")
+        # The device that came waited parked: the watch over parked devices failed it.
+        assert jax_cpu_mpi.stats()["collective_parks"] == parked_before + 1
+        print("the device that came had parked", flush=True)
         fails(lambda: f(x), "a collective waited after a dead meeting",
               ("psum", "timed out waiting for the other devices of its group"), 2,
               "meeting refused at once")

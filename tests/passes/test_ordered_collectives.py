@@ -173,3 +173,64 @@ def test_the_chain_goes_through_sibling_shard_maps():
     assert operands[3][2] == f"{second[0]}#1"
     assert re.search(rf"sdy.return {calls[2][0]}, {calls[2][0]} :", text)
     assert sorted(map(int, re.findall(r"site = (\d+)", text))) == [0, 1, 2, 3]
+
+
+_END = r"stablehlo.custom_call @jax_cpu_mpi_collectives_end\(([^)]*)\)"
+
+
+def test_the_chain_ends_in_a_call_after_the_last_collective_and_what_is_returned():
+    # The last psum is main's own (no SPMD partitioning): the end goes before main's return
+    # and reads that psum's result and main's returned value.
+    text = _ordered()
+    ends = re.findall(_END, text)
+    assert len(ends) == 1
+    calls = re.findall(r"(%\w+) = stablehlo.custom_call @jax_cpu_mpi_all_reduce", text)
+    returned = re.search(r"return (%\w+) : tensor<4xf32>\n  }\n  func.func private @unrel",
+                         text).group(1)
+    assert ends[0].split(", ") == [calls[-1], returned]
+    assert text.index("collectives_end") > text.index(f"{calls[-1]} = stablehlo.custom_call")
+    assert "has_side_effect = true" in text[text.index("collectives_end"):]
+
+
+def _partitioned(body: str) -> str:
+    return f"""
+module @m attributes {{mhlo.num_partitions = 2 : i32}} {{
+  sdy.mesh @mesh = <["x"=2]>
+  func.func public @main(%a: tensor<4xf32>, %i: tensor<i32>) -> tensor<4xf32> {{
+    {body}
+  }}
+}}
+"""
+
+
+def test_a_chain_that_ends_in_a_shard_map_ends_inside_it():
+    # SPMD wants a sharding on a side-effecting call outside a manual computation: the end
+    # goes inside the shard_map, after its last psum, reading what its body returns.
+    module = ir.Module.parse(_partitioned(
+        _shard_map("m0", "a", _SECOND) + "\n    return %m0 : tensor<4xf32>"),
+        context=make_ir_context())
+    ordered_collectives.order_collectives(module)
+    module.operation.verify()
+    text = str(module)
+    calls = re.findall(r"(%\w+) = stablehlo.custom_call @jax_cpu_mpi_all_reduce", text)
+    ends = re.findall(_END, text)
+    assert ends == [calls[-1]]  # the body returns that psum's result itself
+    end = text.index("collectives_end")
+    assert text.index("sdy.manual_computation") < end < text.index("sdy.return")
+
+
+def test_a_chain_that_ends_in_a_loop_outside_a_shard_map_has_no_end():
+    # Nowhere to put it without a sharding: parked devices resume a little later instead.
+    loop = f"""%w:2 = stablehlo.while(%k = %i, %v = %a) : tensor<i32>, tensor<4xf32>
+    cond {{
+      %t = stablehlo.compare LT, %k, %k, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
+      stablehlo.return %t : tensor<i1>
+    }} do {{
+      {_psum("l0", "v")}
+      stablehlo.return %k, %l0 : tensor<i32>, tensor<4xf32>
+    }}
+    return %w#1 : tensor<4xf32>"""
+    module = ir.Module.parse(_partitioned(loop), context=make_ir_context())
+    ordered_collectives.order_collectives(module)
+    module.operation.verify()
+    assert "collectives_end" not in str(module)

@@ -11,14 +11,20 @@ pytestmark = pytest.mark.mpi
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("devices_per_process", [1, 2])
-def test_collectives_over_mpi_equal_gloo_and_numpy(devices_per_process):
+@pytest.mark.parametrize(("devices_per_process", "park"), [(1, "auto"), (2, "on"), (2, "off")])
+def test_collectives_over_mpi_equal_gloo_and_numpy(devices_per_process, park):
+    # With 2 devices per rank, both ways a device that does not lead its process's meeting
+    # waits for the leader: parked (its call returns a pending future) and waiting in it.
     run = run_mpi("collectives_cases.py", nprocs=2, devices_per_process=devices_per_process,
-                  timeout=220)
+                  timeout=220, env={"JAX_CPU_MPI_PARK": park})
     assert_mpi_ok(run, 2)
     lines = [line for lines in run.by_rank().values() for line in lines]
     assert not any(line.startswith("FAIL") for line in lines), run.report()
     assert sum(line.startswith("ok ") for line in lines) >= 2 * 100, run.report()
+    if devices_per_process == 2:
+        took = "parked" if park == "on" else "waited"
+        assert any(f"the matrix's devices {took}" in line for line in lines), run.report()
+        assert any("the waiting path, 40 calls" in line for line in lines), run.report()
 
 
 @pytest.mark.timeout(120)
@@ -28,5 +34,5 @@ def test_a_peer_that_never_joins_fails_within_the_timeout():
                   env={"JAX_CPU_MPI_RECV_TIMEOUT": "3", "JAX_CPU_MPI_ABORT_ON_ERROR": "0"})
     out = run.rank_output.get(0, "")
     for said in ("raised as expected", "refused at once", "meeting raised as expected",
-                 "meeting refused at once"):
+                 "the device that came had parked", "meeting refused at once"):
         assert said in out, run.report()

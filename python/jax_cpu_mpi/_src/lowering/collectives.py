@@ -44,6 +44,10 @@ ALL_REDUCE_TARGET = "jax_cpu_mpi_all_reduce"
 EXCHANGE_TARGET = "jax_cpu_mpi_exchange"
 #: Every custom call of ours that the ordering pass chains.
 TARGETS = (ALL_REDUCE_TARGET, EXCHANGE_TARGET)
+#: ``collectives_end(last)``: the end of a program's chain of collectives (the ordering pass
+#: adds it after the last one): a device that did not lead its last meeting resumes then
+#: (``cpp/ffi/collective_handlers.cc``, Resumer), not a while later.
+END_TARGET = "jax_cpu_mpi_collectives_end"
 
 _INTS = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
 #: The dtypes each reduction runs over MPI (reduced exactly as XLA does: integers wrap, float
@@ -282,7 +286,7 @@ def _custom_call(ctx: Any, target: str, name: str, x: Any, in_aval: Any, out_ava
     return call(sub_ctx, x, hlo.partition_id(),
                 groups=padded.reshape(-1), group_size=np.int64(padded.shape[1]),
                 device_index=tables.device_index, device_process=tables.device_process,
-                site=np.int64(0), op=f"{name}(axes={tuple(axes)!r})",
+                site=np.int64(0), park=np.int64(0), op=f"{name}(axes={tuple(axes)!r})",
                 operand=_describe(ctx.avals_in[0]), **attrs)
 
 

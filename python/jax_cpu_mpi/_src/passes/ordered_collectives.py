@@ -32,6 +32,14 @@ orders. So a manual computation takes the previous collective's result as one mo
 and gives out its own last collective's as one more result, both replicated (each device
 keeps its own value, its local type the global one), and the chain runs through it as
 through a loop.
+
+Last, each function's chain ends in one more custom call, ``collectives_end``, which reads
+the last collective's result: on a node with more busy threads than cores, a device that
+did not lead its process's meeting in a collective returns a pending future and resumes when
+another device of the meeting enters its next one; after the last collective of a program
+there is none, and this call resumes them instead. A program's devices park only where
+nothing else in it can wait for another device (``park_safety``: its calls' ``park``), and
+only such a program gets this call.
 """
 
 from __future__ import annotations
@@ -46,10 +54,12 @@ from jax_cpu_mpi._src.ffi.custom_calls import (
     attribute_dict,
     call_target,
     operations,
+    set_int_attribute,
     with_extra_operands,
     with_int_attribute,
 )
 from jax_cpu_mpi._src.lowering import collectives
+from jax_cpu_mpi._src.passes import park_safety
 
 
 def wanted(platforms: Any, jaxpr: Any) -> bool:
@@ -301,6 +311,10 @@ class _Chain:
     def __init__(self) -> None:
         self.site = 0
         self.chained = 0
+        #: The last manual computation chained: its link out and its body's last link
+        #: (where the chain's end goes when it ends there: SPMD wants a sharding on a
+        #: side-effecting call outside one).
+        self.manual_end: tuple[Any, _Link] | None = None
 
     def block(self, block: Any, previous: _Link | None) -> _Link | None:
         """Chain the collectives of ``block`` (and of the loops and conditionals in it)
@@ -361,7 +375,9 @@ class _Chain:
         last = self.block(body, inner)
         if last is None:  # nothing in the body to carry out (never: a collective has one)
             return previous
-        return _manual_link(op, mesh, previous, last)
+        link = _manual_link(op, mesh, previous, last)
+        self.manual_end = (link[0], last)
+        return link
 
 
 def _shardings(op: Any, name: str) -> list[Any]:
@@ -399,13 +415,84 @@ def _manual_link(op: Any, mesh: Any, previous: _Link | None, last: _Link) -> _Li
     return new.results[-1], last[1]
 
 
+def _end_chain(block: Any, last: _Link) -> None:
+    """``collectives_end(last, *returned)`` before ``block``'s terminator: a side effect
+    (XLA keeps it) that reads the last collective's result and every tensor the block
+    returns, so that it runs after all of them. (``last`` alone may not do: a loop's link
+    can be its trip count, which XLA may fold into a constant.)"""
+    terminator = list(block.operations)[-1].operation
+    links = [last]
+    for value in terminator.operands:
+        if _is(value.type, ir.RankedTensorType) and all(value != v for v, _ in links):
+            links.append((value, _layout(value)))
+    ir.Operation.create(
+        "stablehlo.custom_call", results=[], operands=[v for v, _ in links],
+        attributes={
+            "call_target_name": ir.StringAttr.get(collectives.END_TARGET),
+            "has_side_effect": ir.BoolAttr.get(True),
+            "api_version": ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 4),
+            "backend_config": ir.DictAttr.get({}),
+            "operand_layouts": ir.ArrayAttr.get([lay for _, lay in links]),
+            "result_layouts": ir.ArrayAttr.get([]),
+        },
+        loc=terminator.location, ip=ir.InsertionPoint(terminator))
+
+
+def _partitioned(module: Any) -> bool:
+    """Whether XLA's SPMD partitioner runs on the module (more than one partition)."""
+    attrs = module.operation.attributes
+    if "mhlo.num_partitions" not in attrs:
+        return False
+    return ir.IntegerAttr(attrs["mhlo.num_partitions"]).value > 1
+
+
+def _multi_platform(module: Any) -> bool:
+    """Whether the module was lowered for several platforms at once (``jax.export`` with
+    ``platforms=["cpu", "cuda"]``): its main function then takes the platform's index, and
+    each collective sits in a ``stablehlo.case`` over it, whose CPU branch alone holds our
+    call."""
+    for func in _functions(module).values():
+        if "arg_attrs" in func.attributes and "_platform_index" in str(
+                func.attributes["arg_attrs"]):
+            return True
+    return False
+
+
 def order_collectives(module: Any) -> int:
     """Runs the pass on a lowered module; returns how many calls it chained."""
     collectives.pending_for_pass = 0
     with module.context, ir.Location.unknown():
         inline_calls(module)
         chain = _Chain()
+        # No chain's end where the program is lowered for other platforms too: outside the
+        # per-platform branches it would run on all of them (no GPU has the target), and
+        # such a program does not park anyway (its GPU branches hold XLA's collectives).
+        ends = not _multi_platform(module)
+        # Where each function's chain ends (its block, its last link, the manual
+        # computation it ends in): the ends go in once the whole program is chained.
+        lasts: list[tuple[Any, _Link, tuple[Any, _Link] | None]] = []
         for func in _functions(module).values():
             for block in func.regions[0].blocks:
-                chain.block(block, None)
+                last = chain.block(block, None)
+                if last is not None:
+                    lasts.append((block, last, chain.manual_end))
+        # Whether its devices may park in its meetings (the lowering said no: park = 0),
+        # on the whole program as the chain leaves it. Only such a program gets its chain's
+        # end: it exists to resume parked devices, and elsewhere it would only be one more
+        # side effect ordering the program's end and one more target of ours in an export.
+        parks = park_safety.may_park(module)
+        if parks:
+            for op in operations(module.operation):
+                if call_target(op) in collectives.TARGETS:
+                    set_int_attribute(op, "park", 1)
+        for block, last, manual_end in lasts if parks and ends else ():
+            if manual_end is not None and manual_end[0] == last[0]:
+                # The body as the rebuilt computation holds it (_regrown moved it).
+                manual = last[0].owner
+                _end_chain(manual.regions[0].blocks[0], manual_end[1])
+            elif call_target(last[0].owner) in collectives.TARGETS and not _partitioned(
+                    module):
+                _end_chain(block, last)
+            # Otherwise (the chain ends in a loop or conditional of an SPMD program) no
+            # end: parked devices resume a little later (Resumer::kResumeAfter).
     return chain.chained

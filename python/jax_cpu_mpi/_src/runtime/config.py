@@ -265,6 +265,18 @@ VARIABLES: tuple[Variable, ...] = (
              _choice(auto="spin briefly, yield, then sleep; sleep soon when the node is "
                           "oversubscribed",
                      spin="spin and yield long", sleep="sleep soon")),
+    Variable("JAX_CPU_MPI_PARK", "runtime", "auto",
+             "with several devices per process, whether a device that does not lead its "
+             "process's meeting in a collective over MPI parks (its call returns at once and "
+             "its program resumes on the thread of another device of the meeting, saving a "
+             "context switch per collective) instead of waiting there: `auto` where this "
+             "node's ranks x devices outnumber its cores and `JAX_CPU_MPI_WAIT` is `auto`; "
+             "`on` always; `off` never. In every case only in programs whose other steps "
+             "cannot wait for another device (no psend/precv, no collective of XLA's own, "
+             "no host callback: docs \"Collectives over MPI\"); others wait in their "
+             "meetings (read when MPI is attached)", None,
+             _choice(auto="park on an oversubscribed node", on="park always",
+                     off="wait in the meeting")),
     Variable("JAX_CPU_MPI_KEEP_FREED_MEMORY", "runtime", "0",
              "`1`: the process keeps the memory malloc frees (glibc: "
              "`mallopt` `M_MMAP_MAX` 0 and `M_TRIM_THRESHOLD` 2 GiB), so that XLA's large "
