@@ -948,6 +948,8 @@ ffi::Error Failure(const Status& s, std::string_view op, std::string_view operan
 }
 
 // Steps 1-3 above, as the leader: every local operand is in `in`, every output in `out`.
+// out[0] accumulates: it may be in[0] or in[1], but no later operand, whose value the
+// first reduction would overwrite before it is read.
 ffi::Error Lead(std::span<const void* const> in, std::span<void* const> out,
                 ffi::DataType type, Reduction reduction, size_t count, size_t bytes,
                 SiteGroup& site, int64_t me, std::string_view op, std::string_view operand) {
@@ -1051,8 +1053,14 @@ Outcome AllReduce(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
                          size_t pos) {
                        // The leader's own output accumulates: it comes first among the
                        // outputs (any will do: all get the same bits), while operands stay
-                       // in partition order.
-                       std::swap(outs[0], outs[pos]);
+                       // in partition order. Except where that output is the leader's own
+                       // operand (the lowering aliases them) at position 2 or later: Lead
+                       // writes in[0] (op) in[1] into the accumulator before it reads
+                       // in[pos], which would then be lost (with 3 devices per process,
+                       // a wrong sum whenever the third led). The first device's output
+                       // accumulates then: it is its own operand, reduced first, or no
+                       // operand's buffer.
+                       if (pos < 2 || outs[pos] != in[pos]) std::swap(outs[0], outs[pos]);
                        return Lead(in, outs, x.element_type(), red, count, bytes, site_group,
                                    me, op, operand);
                      });
