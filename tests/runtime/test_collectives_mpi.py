@@ -1,5 +1,6 @@
 """psum/pmean/pmax/pmin between processes over MPI, against gloo and NumPy in the same
-program: mpirun -n 2, one or two devices per rank (one launch each, the whole matrix)."""
+program: mpirun -n 2, one or two devices per rank (one launch each, the whole matrix), and a
+few collectives led by the third of 3 devices per rank."""
 
 from __future__ import annotations
 
@@ -25,6 +26,19 @@ def test_collectives_over_mpi_equal_gloo_and_numpy(devices_per_process, park):
         took = "parked" if park == "on" else "waited"
         assert any(f"the matrix's devices {took}" in line for line in lines), run.report()
         assert any("the waiting path, 40 calls" in line for line in lines), run.report()
+
+
+@pytest.mark.timeout(120)
+def test_collectives_led_by_the_third_device_of_a_process():
+    # 3 devices per process: the in-process meeting's leader at position 2, which the
+    # matrix above (1 and 2 devices) never has; a psum it led was wrong (its operand was
+    # overwritten before it was read).
+    run = run_mpi("collectives_three_devices.py", nprocs=2, devices_per_process=3,
+                  timeout=100)
+    assert_mpi_ok(run, 2)
+    lines = [line for lines in run.by_rank().values() for line in lines]
+    assert not any(line.startswith("FAIL") for line in lines), run.report()
+    assert sum(line.startswith("ok ") for line in lines) == 2 * 9, run.report()
 
 
 @pytest.mark.timeout(120)
