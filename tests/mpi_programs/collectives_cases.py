@@ -656,9 +656,9 @@ for what, op, c_want, before_want in (
 
 # ---- axis_index_groups and scan for all_gather / psum_scatter / all_to_all (and psum), in
 # one program per setting. The groups span processes and one lists its members out of
-# order (2 devices: [[1, 0]]; 4: [[0, 2], [3, 1]]), so the exchanges' positions are not
-# process after process.
-GROUPS = [[1, 0]] if n == 2 else [[0, 2], [3, 1]]
+# order (2 devices: [[1, 0]]; 4: [[0, 2], [3, 1]]; 6: [[0, 2, 4], [5, 3, 1]]), so the
+# exchanges' positions are not process after process.
+GROUPS = {2: [[1, 0]], 4: [[0, 2], [3, 1]], 6: [[0, 2, 4], [5, 3, 1]]}[n]
 g_len = len(GROUPS[0])
 v_grp = values("int32", (2 * g_len, 3), 21)
 v_scan = values("int32", (2 * n,), 22)
@@ -866,7 +866,10 @@ if n == 2 * jax.local_device_count() and jax.local_device_count() > 1:
                          axis=0)
         try:
             np.testing.assert_allclose(got["mpi", name], want, rtol=1e-6)
-            np.testing.assert_array_equal(got["mpi", name], got["gloo", name])
+            if local <= 2:
+                np.testing.assert_array_equal(got["mpi", name], got["gloo", name])
+            else:  # gloo's ring sums 3 or more members in another order for some elements
+                np.testing.assert_allclose(got["mpi", name], got["gloo", name], rtol=1e-6)
             print(f"ok   mpi  {key} vs numpy and gloo", flush=True)
         except AssertionError as e:
             failures.append(key)
