@@ -305,8 +305,9 @@ std::string MeetingTimedOut(std::string_view op, std::string_view operand, int64
   m << "), and not all of them got there: every device of the mesh must run the same "
        "collectives in the same order, and with several devices per process a few calls "
        "in flight at most (JAX may queue a device's call behind the calls it already "
-       "runs: wait on a result every few calls); set JAX_CPU_MPI_RECV_TIMEOUT to wait "
-       "longer.";
+       "runs: wait on a result every few calls; a host callback between collectives "
+       "needs more XLA CPU pool threads than devices per process: PJRT_NPROC); set "
+       "JAX_CPU_MPI_RECV_TIMEOUT to wait longer.";
   return m.str();
 }
 
