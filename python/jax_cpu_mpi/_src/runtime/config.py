@@ -265,7 +265,7 @@ VARIABLES: tuple[Variable, ...] = (
              _choice(auto="spin briefly, yield, then sleep; sleep soon when the node is "
                           "oversubscribed",
                      spin="spin and yield long", sleep="sleep soon")),
-    Variable("JAX_CPU_MPI_PARK", "runtime", "auto",
+    Variable("JAX_CPU_MPI_PARK", "runtime", "off",
              "with several devices per process, whether a device that does not lead its "
              "process's meeting in a collective over MPI parks (its call returns at once and "
              "its program resumes on the thread of another device of the meeting, saving a "
@@ -274,7 +274,8 @@ VARIABLES: tuple[Variable, ...] = (
              "`on` always; `off` never. In every case only in programs whose other steps "
              "cannot wait for another device (no psend/precv, no collective of XLA's own, "
              "no host callback: docs \"Collectives over MPI\"); others wait in their "
-             "meetings (read when MPI is attached)", None,
+             "meetings. Off by default: it cuts the context switches but no quiet run has "
+             "shown it faster yet (read when MPI is attached)", None,
              _choice(auto="park on an oversubscribed node", on="park always",
                      off="wait in the meeting")),
     Variable("JAX_CPU_MPI_KEEP_FREED_MEMORY", "runtime", "0",
