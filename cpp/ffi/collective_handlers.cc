@@ -323,10 +323,10 @@ std::string LeaderFailed(std::string_view op, std::string_view operand, int64_t 
 }
 
 // When a non-leading device parks (returns a pending future) instead of waiting in its
-// meeting (SetMeetingHandoff, JAX_CPU_MPI_PARK): 0 never (off), 1 where the node is
-// oversubscribed (auto, the default), 2 wherever the program allows it (on: to compare, or
-// to test this path on any machine).
-std::atomic<int> g_handoff{1};
+// meeting (SetMeetingHandoff, JAX_CPU_MPI_PARK): 0 never (off, the default), 1 where the
+// node is oversubscribed (auto), 2 wherever the program allows it (on: to compare, or to
+// test this path on any machine).
+std::atomic<int> g_handoff{0};
 // Calls that parked so far (jax_cpu_mpi.stats(): whether a program took this path at all).
 std::atomic<uint64_t> g_parks{0};
 

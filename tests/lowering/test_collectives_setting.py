@@ -45,6 +45,15 @@ def test_info_shows_the_setting_and_what_keeps_gloo():
     assert "float16" not in section["mpi_dtypes"]["sum"]
 
 
+def test_info_shows_park_and_its_default_is_off(monkeypatch):
+    monkeypatch.delenv("JAX_CPU_MPI_PARK", raising=False)
+    assert info.collectives_section()["park"] == "off"
+    monkeypatch.setenv("JAX_CPU_MPI_PARK", "on")
+    assert info.collectives_section()["park"] == "on"
+    text = info.format_process(info.local_report())
+    assert "JAX_CPU_MPI_PARK=on" in text
+
+
 def test_axes_inside_one_process_keep_jax_lowering():
     mesh = jax.make_mesh((4,), ("x",))
     f = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "x"), mesh=mesh, in_specs=P("x"),

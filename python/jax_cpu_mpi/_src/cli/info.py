@@ -201,6 +201,7 @@ def collectives_section() -> Report:
     except config.ConfigError as e:
         setting, resolved = "invalid", str(e)
     return {"setting": setting, "resolved": resolved,
+            "park": config.BY_NAME["JAX_CPU_MPI_PARK"].read_or_default(),
             "active": compat.state("collectives") == compat.ACTIVE,
             "mpi_dtypes": {k: list(v) for k, v in collective_lowering.MPI_DTYPES.items()},
             "fallbacks": [{"what": what, "why": why}
@@ -289,6 +290,11 @@ def format_process(report: Report) -> str:
         if col["resolved"] == "mpi":
             lines.append("  still on gloo: " + "; ".join(
                 f"{f['what']} ({f['why']})" for f in col["fallbacks"]))
+        park = {"off": "never park (wait in their process's meeting)",
+                "auto": "park where the node has more busy threads than cores",
+                "on": "park wherever the program allows it"}[col["park"]]
+        lines.append(f"  JAX_CPU_MPI_PARK={col['park']}: with several devices per process, "
+                     f"devices that do not lead a meeting {park}")
     la = report["launch"]
     lines.append(f"launch:        {la.get('described', la['launcher'])}; jax.distributed: "
                  f"{la['jax_distributed'] or 'not initialized'}")

@@ -114,6 +114,14 @@ class Variable:
             return None
         return self.parse(self, text)
 
+    def read_or_default(self, environ: Mapping[str, str] | None = None) -> Any:
+        """The parsed value of the variable, or of its :attr:`default` when it is unset or
+        empty (so that the registry's default is the one the package applies)."""
+        value = self.read(environ)
+        if value is None and self.parse is not None:
+            return self.parse(self, self.default)
+        return value
+
 
 def _seconds(*, positive: bool, example: str) -> Callable[[Variable, str], float]:
     bound = "a positive number of seconds" if positive else "a number of seconds >= 0"

@@ -166,8 +166,7 @@ def _attach(op_name: str, MPI, process_index: int, jax_processes: int,
                    wait=config.BY_NAME["JAX_CPU_MPI_WAIT"].read() or "auto",
                    node_cores=len(set().union(*(cores for _, host, cores in gathered
                                                 if host == my_host))))
-    ext.set_meeting_handoff(
-        _PARK_MODES[config.BY_NAME["JAX_CPU_MPI_PARK"].read() or "auto"])
+    ext.set_meeting_handoff(_PARK_MODES[config.BY_NAME["JAX_CPU_MPI_PARK"].read_or_default()])
     ext.set_rank_hosts([host for _, host in process_and_host])
     # A communicator of its own for the exit's "my programs are done" messages.
     global _exit_comm
@@ -183,6 +182,7 @@ def _attach(op_name: str, MPI, process_index: int, jax_processes: int,
 
 #: JAX_CPU_MPI_PARK's values as the extension's meeting modes (set_meeting_handoff).
 _PARK_MODES = {"off": 0, "auto": 1, "on": 2}
+
 
 
 def attach_at_initialize() -> None:
