@@ -189,20 +189,26 @@ def _rebuild(op: Any, site: int, previous: _Link | None) -> Any:
                                with_int_attribute(op, "site", site))
 
 
-def _regrown(op: Any, operands: list[Any], attributes: dict[str, Any], returned: Any) -> Any:
+def _regrown(op: Any, operands: list[Any], attributes: dict[str, Any], returned: Any,
+             *, every_region: list[Any] | None = None) -> Any:
     """``op`` (an op with regions, their blocks given their new arguments already) rebuilt
     with ``operands``, ``attributes`` and one more result, which its last region's
-    terminator gives as ``returned``; the uses of its results go to the new op's."""
+    terminator gives as ``returned`` (or, with ``every_region``, each region's terminator
+    as its own value there: a conditional's branches); the uses of its results go to the
+    new op's."""
     new = ir.Operation.create(
         op.name, results=[*(r.type for r in op.results), returned.type], operands=operands,
         attributes=attributes, regions=len(op.regions), loc=op.location,
         ip=ir.InsertionPoint(op))
     for old_region, new_region in zip(op.regions, new.regions, strict=True):
         old_region.blocks[0].append_to(new_region)
-    terminator = list(new.regions[-1].blocks[0].operations)[-1].operation
-    ir.Operation.create(terminator.name, operands=[*terminator.operands, returned],
-                        loc=terminator.location, ip=ir.InsertionPoint(terminator))
-    terminator.erase()
+    values = every_region if every_region is not None else [returned]
+    for region, value in zip(new.regions[len(new.regions) - len(values):], values,
+                             strict=True):
+        terminator = _terminator(region)
+        ir.Operation.create(terminator.name, operands=[*terminator.operands, value],
+                            loc=terminator.location, ip=ir.InsertionPoint(terminator))
+        terminator.erase()
     for old, replacement in zip(op.results, new.results, strict=False):
         old.replace_all_uses_with(replacement)
     op.erase()
@@ -285,23 +291,11 @@ def _branch_tokens_out(conditional: Any, lasts: list[_Link | None]) -> _Link:
     token: an order-token call on the branch's last collective, 0 in a branch without any.
     Returns the link to it. (A result of the conditional itself will not do: XLA and JAX
     drop results that the branches pass through, and a conditional may have none left.)"""
-    for region, last in zip(conditional.regions, lasts, strict=True):
-        terminator = _terminator(region)
-        value = (_token(last, conditional.location, terminator) if last is not None
-                 else _zero(conditional.location, terminator))
-        ir.Operation.create(terminator.name, operands=[*terminator.operands, value],
-                            loc=terminator.location, ip=ir.InsertionPoint(terminator))
-        terminator.erase()
-    new = ir.Operation.create(
-        conditional.name, results=[*(r.type for r in conditional.results), _scalar()],
-        operands=list(conditional.operands), attributes=attribute_dict(conditional),
-        regions=len(conditional.regions), loc=conditional.location,
-        ip=ir.InsertionPoint(conditional))
-    for old_region, new_region in zip(conditional.regions, new.regions, strict=True):
-        old_region.blocks[0].append_to(new_region)
-    for old, replacement in zip(conditional.results, new.results, strict=False):
-        old.replace_all_uses_with(replacement)
-    conditional.erase()
+    values = [_token(last, conditional.location, _terminator(region)) if last is not None
+              else _zero(conditional.location, _terminator(region))
+              for region, last in zip(conditional.regions, lasts, strict=True)]
+    new = _regrown(conditional, list(conditional.operands), attribute_dict(conditional),
+                   values[0], every_region=values)
     return new.results[-1], _no_layout()
 
 
