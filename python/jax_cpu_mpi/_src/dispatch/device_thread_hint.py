@@ -42,7 +42,10 @@ from jax_cpu_mpi._src.ffi.custom_calls import (
     HINT_TARGET,
     array_attribute,
     call_target,
+    functions,
     is_p2p,
+    mesh_axes,
+    module_count,
     operations,
 )
 from jax_cpu_mpi._src.runtime import config as _config
@@ -104,12 +107,7 @@ def _largest_array_bytes(module: Any) -> float:
     return largest
 
 
-def _functions(module: Any) -> dict[str, Any]:
-    return {ir.StringAttr(op.attributes["sym_name"]).value: op
-            for op in module.body.operations if op.operation.name == "func.func"}
-
-
-def _reaches(operation: Any, targets: set[Any], functions: dict[str, Any],
+def _reaches(operation: Any, targets: set[Any], funcs: dict[str, Any],
              seen: set[str]) -> bool:
     """Whether ``operation`` holds one of ``targets``, in its regions or in the functions
     they call."""
@@ -118,9 +116,9 @@ def _reaches(operation: Any, targets: set[Any], functions: dict[str, Any],
             return True
         if inner.name == "func.call":
             callee = ir.FlatSymbolRefAttr(inner.attributes["callee"]).value
-            if callee not in seen and callee in functions:
+            if callee not in seen and callee in funcs:
                 seen.add(callee)
-                if _reaches(functions[callee].operation, targets, functions, seen):
+                if _reaches(funcs[callee], targets, funcs, seen):
                     return True
     return False
 
@@ -136,12 +134,7 @@ def _manual_over_every_axis(module: Any, manual: Any) -> bool:
     mesh_name = re.search(r"<@([\w.$-]+)", shardings)
     if mesh_name is None:
         return False
-    meshes = {_attribute_text(op.operation, "sym_name").strip('"'): op.operation
-              for op in module.body.operations if op.operation.name == "sdy.mesh"}
-    mesh = meshes.get(mesh_name.group(1))
-    if mesh is None:
-        return False
-    axes = set(re.findall(r'"([^"]+)"=', _attribute_text(mesh, "mesh")))
+    axes = set(mesh_axes(module).get(mesh_name.group(1), {}))
     manual_axes = set(re.findall(r'"([^"]+)"', _attribute_text(manual, "manual_axes")))
     return bool(axes) and axes <= manual_axes
 
@@ -152,23 +145,20 @@ def _hint_block(module: Any, p2p: set[Any]) -> Any | None:
     partitioner asks no sharding of a side-effecting op; ``main`` itself when the program
     has one partition; else None (no hint: a partly automatic ``shard_map``, a
     GSPMD-partitioned program)."""
-    functions = _functions(module)
-    main = functions.get("main")
+    funcs = functions(module)
+    main = funcs.get("main")
     if main is None:
         return None
     body = main.regions[0].blocks[0]
     for op in body.operations:
         if op.operation.name == "sdy.manual_computation" and _reaches(
-                op.operation, p2p, functions, set()):
+                op.operation, p2p, funcs, set()):
             if not _manual_over_every_axis(module, op.operation):
                 return None  # auto axes left: a side-effecting op would need a sharding
             return op.operation.regions[0].blocks[0]
-    attributes = module.operation.attributes
-    partitions = (ir.IntegerAttr(attributes["mhlo.num_partitions"]).value
-                  if "mhlo.num_partitions" in attributes else 1)
-    replicas = (ir.IntegerAttr(attributes["mhlo.num_replicas"]).value
-                if "mhlo.num_replicas" in attributes else 1)
-    return body if partitions == 1 and replicas == 1 else None
+    single = (module_count(module, "mhlo.num_partitions") == 1
+              and module_count(module, "mhlo.num_replicas") == 1)
+    return body if single else None
 
 
 def add_device_thread_hint(module: Any) -> bool:

@@ -8,6 +8,7 @@ change there too.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -63,6 +64,42 @@ def operations(op: Any) -> Iterator[Any]:
             for inner in block.operations:
                 yield inner.operation
                 yield from operations(inner.operation)
+
+
+def functions(module: Any) -> dict[str, Any]:
+    """The module's functions (``func.func`` operations) by name."""
+    return {ir.StringAttr(op.operation.attributes["sym_name"]).value: op.operation
+            for op in module.body.operations if op.operation.name == "func.func"}
+
+
+def is_private(func: Any) -> bool:
+    """Whether a function is private (called from the module only, never its entry)."""
+    return "sym_visibility" in func.attributes and ir.StringAttr(
+        func.attributes["sym_visibility"]).value == "private"
+
+
+def module_count(module: Any, name: str) -> int:
+    """A count the lowering puts on the module (``mhlo.num_partitions``,
+    ``mhlo.num_replicas``); 1 where it is absent."""
+    attrs = module.operation.attributes
+    return ir.IntegerAttr(attrs[name]).value if name in attrs else 1
+
+
+def partitioned(module: Any) -> bool:
+    """Whether XLA's SPMD partitioner runs on the module (more than one partition)."""
+    return module_count(module, "mhlo.num_partitions") > 1
+
+
+def mesh_axes(module: Any) -> dict[str, dict[str, int]]:
+    """Each Shardy mesh (``sdy.mesh``) of the module: its axes and their sizes, by mesh
+    name (read from the attribute's text, which this JAX's bindings print alike)."""
+    meshes = {}
+    for op in module.body.operations:
+        if op.operation.name == "sdy.mesh":
+            name = ir.StringAttr(op.operation.attributes["sym_name"]).value
+            text = str(op.operation.attributes["mesh"])
+            meshes[name] = {a: int(n) for a, n in re.findall(r'"([^"]+)"\s*=\s*(\d+)', text)}
+    return meshes
 
 
 def call_target(op: Any) -> str | None:

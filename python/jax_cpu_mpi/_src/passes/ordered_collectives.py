@@ -53,7 +53,10 @@ from jax_cpu_mpi._src.ffi.custom_calls import (
     ORDER_TOKEN_TARGET,
     attribute_dict,
     call_target,
+    functions,
+    is_private,
     operations,
+    partitioned,
     set_int_attribute,
     with_extra_operands,
     with_int_attribute,
@@ -69,11 +72,6 @@ def wanted(platforms: Any, jaxpr: Any) -> bool:
 
 def _callee(call: Any) -> str:
     return ir.FlatSymbolRefAttr(call.attributes["callee"]).value
-
-
-def _functions(module: Any) -> dict[str, Any]:
-    return {ir.StringAttr(op.attributes["sym_name"]).value: op.operation
-            for op in module.body.operations if op.operation.name == "func.func"}
 
 
 def _with_collectives(functions: dict[str, Any]) -> set[str]:
@@ -139,13 +137,13 @@ def _symbols(attr: Any, into: set[str]) -> None:
 def inline_calls(module: Any) -> int:
     """Inline every call of a function that holds our collectives (nested calls too), then
     erase the private functions no longer referenced; returns how many calls it inlined."""
-    functions = _functions(module)
-    wanted_callees = _with_collectives(functions)
+    funcs = functions(module)
+    wanted_callees = _with_collectives(funcs)
     inlined = 0
     while True:
         calls = [op for op in operations(module.operation)
                  if op.name == "func.call" and _callee(op) in wanted_callees]
-        calls = [c for c in calls if _inline(c, functions[_callee(c)])]
+        calls = [c for c in calls if _inline(c, funcs[_callee(c)])]
         if not calls:
             break
         inlined += len(calls)
@@ -156,10 +154,8 @@ def inline_calls(module: Any) -> int:
                 if op.attributes[i].name != "sym_name":
                     _symbols(op.attributes[i].attr, used)
         for name in wanted_callees - used:
-            func = functions[name]
-            if "sym_visibility" in func.attributes and ir.StringAttr(
-                    func.attributes["sym_visibility"]).value == "private":
-                func.erase()
+            if is_private(funcs[name]):
+                funcs[name].erase()
     return inlined
 
 
@@ -432,20 +428,12 @@ def _end_chain(block: Any, last: _Link) -> None:
         loc=terminator.location, ip=ir.InsertionPoint(terminator))
 
 
-def _partitioned(module: Any) -> bool:
-    """Whether XLA's SPMD partitioner runs on the module (more than one partition)."""
-    attrs = module.operation.attributes
-    if "mhlo.num_partitions" not in attrs:
-        return False
-    return ir.IntegerAttr(attrs["mhlo.num_partitions"]).value > 1
-
-
 def _multi_platform(module: Any) -> bool:
     """Whether the module was lowered for several platforms at once (``jax.export`` with
     ``platforms=["cpu", "cuda"]``): its main function then takes the platform's index, and
     each collective sits in a ``stablehlo.case`` over it, whose CPU branch alone holds our
     call."""
-    for func in _functions(module).values():
+    for func in functions(module).values():
         if "arg_attrs" in func.attributes and "_platform_index" in str(
                 func.attributes["arg_attrs"]):
             return True
@@ -465,7 +453,7 @@ def order_collectives(module: Any) -> int:
         # Where each function's chain ends (its block, its last link, the manual
         # computation it ends in): the ends go in once the whole program is chained.
         lasts: list[tuple[Any, _Link, tuple[Any, _Link] | None]] = []
-        for func in _functions(module).values():
+        for func in functions(module).values():
             for block in func.regions[0].blocks:
                 last = chain.block(block, None)
                 if last is not None:
@@ -484,7 +472,7 @@ def order_collectives(module: Any) -> int:
                 # The body as the rebuilt computation holds it (_regrown moved it).
                 manual = last[0].owner
                 _end_chain(manual.regions[0].blocks[0], manual_end[1])
-            elif call_target(last[0].owner) in collectives.TARGETS and not _partitioned(
+            elif call_target(last[0].owner) in collectives.TARGETS and not partitioned(
                     module):
                 _end_chain(block, last)
             # Otherwise (the chain ends in a loop or conditional of an SPMD program) no

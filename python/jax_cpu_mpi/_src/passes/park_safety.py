@@ -36,7 +36,15 @@ import re
 from typing import Any
 
 from jax_cpu_mpi._src.compat import ir, sdy
-from jax_cpu_mpi._src.ffi.custom_calls import ORDER_TOKEN_TARGET, call_target, operations
+from jax_cpu_mpi._src.ffi.custom_calls import (
+    ORDER_TOKEN_TARGET,
+    call_target,
+    functions,
+    is_private,
+    mesh_axes,
+    operations,
+    partitioned,
+)
 from jax_cpu_mpi._src.lowering import collectives
 from jax_cpu_mpi._src.ops.marks import MARK_TARGET
 
@@ -70,33 +78,6 @@ def _waits(op: Any) -> bool:
     # sharding constraint is one only where it changes a sharding (_top_level_is_local).
     return dialect == "sdy" and name not in ("manual_computation", "return", "mesh",
                                              "sharding_constraint")
-
-
-def _functions(module: Any, public_only: bool = False) -> list[Any]:
-    return [op.operation for op in module.body.operations if op.operation.name == "func.func"
-            and not (public_only and _private(op.operation))]
-
-
-def _private(func: Any) -> bool:
-    return "sym_visibility" in func.attributes and ir.StringAttr(
-        func.attributes["sym_visibility"]).value == "private"
-
-
-def _partitioned(module: Any) -> bool:
-    attrs = module.operation.attributes
-    return "mhlo.num_partitions" in attrs and ir.IntegerAttr(
-        attrs["mhlo.num_partitions"]).value > 1
-
-
-def _mesh_axes(module: Any) -> dict[str, dict[str, int]]:
-    """Each ``sdy.mesh``'s axes and sizes, by mesh name."""
-    meshes = {}
-    for op in module.body.operations:
-        if op.operation.name == "sdy.mesh":
-            name = ir.StringAttr(op.operation.attributes["sym_name"]).value
-            text = str(op.operation.attributes["mesh"])
-            meshes[name] = {a: int(s) for a, s in re.findall(r'"([^"]+)"\s*=\s*(\d+)', text)}
-    return meshes
 
 
 def _shardings(op: Any, name: str) -> list[str]:
@@ -169,14 +150,15 @@ def _top_level_is_local(func: Any, meshes: dict[str, dict[str, int]]) -> bool:
 def may_park(module: Any) -> bool:
     """Whether the devices of ``module``'s program may park in its collectives' meetings
     (the module docstring says when)."""
-    if any(_waits(op) for func in _functions(module) for op in operations(func)):
+    funcs = functions(module).values()
+    if any(_waits(op) for func in funcs for op in operations(func)):
         return False
-    if _partitioned(module):
-        meshes = _mesh_axes(module)
+    if partitioned(module):
+        meshes = mesh_axes(module)
         # Private functions run where they are called from: inside a manual computation
         # (the walk above checked their ops), or from the top level, which a call refuses.
         return all(_top_level_is_local(func, meshes)
-                   for func in _functions(module, public_only=True))
+                   for func in funcs if not is_private(func))
     return True
 
 
