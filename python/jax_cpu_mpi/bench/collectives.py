@@ -30,9 +30,10 @@ re-executes itself with it before it starts JAX; ``--no-huge-pages`` leaves mall
 environment has it), as ``benchmarks/run.sh`` runs the point-to-point benchmark: numpy asks
 the kernel for transparent huge pages for every array of 4 MiB and more, so mpi4py's call
 writes into huge pages, while XLA's allocator asks for none, so without the tunable ours
-writes the same bytes into 4 KiB pages. On a 2-core VM that alone halves MPI's own
-``MPI_Allgather`` at 2 and 16 MiB (the output's pages decide: MPICH's copy into it, its
-single-copy ``process_vm_readv`` included), whoever calls it.
+writes the same bytes into 4 KiB pages. On a 2-core VM that alone about halves the speed
+of MPI's own ``MPI_Allgather`` at 16 MiB (the output's pages decide: MPICH's copy into it,
+its single-copy ``process_vm_readv`` included), whoever calls it
+(``benchmarks/huge_pages.c``).
 """
 
 from __future__ import annotations
