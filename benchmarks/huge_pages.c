@@ -18,12 +18,9 @@
 #include <sys/mman.h>
 #include <sys/resource.h>
 
-enum { kHuge = 2 << 20 };
+#include "collective_args.h"
 
-static int Compare(const void* a, const void* b) {
-  double x = *(const double*)a, y = *(const double*)b;
-  return x < y ? -1 : x > y;
-}
+enum { kHuge = 2 << 20 };
 
 static double CpuSeconds(void) {
   struct rusage r;
@@ -47,16 +44,9 @@ static char* Buffer(size_t bytes, int huge) {
 }
 
 int main(int argc, char** argv) {
-  int provided, rank, size;
-  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
-  if (argc < 4) {
-    if (rank == 0) fprintf(stderr, "usage: huge_pages BYTES OPS ROUNDS\n");
-    MPI_Abort(MPI_COMM_WORLD, 2);
-  }
-  const size_t bytes = strtoull(argv[1], NULL, 10);
-  const int ops = atoi(argv[2]), rounds = atoi(argv[3]);
+  const struct CollectiveArgs args = CollectiveStart(argc, argv, "huge_pages");
+  const int rank = args.rank, size = args.size, ops = args.ops, rounds = args.rounds;
+  const size_t bytes = args.bytes;
   const int block = (int)(bytes / (size_t)size);
   char* in[2] = {Buffer(bytes, 0), Buffer(bytes, 1)};   // [huge]
   char* out[2] = {Buffer(bytes, 0), Buffer(bytes, 1)};  // [huge]
@@ -90,8 +80,8 @@ int main(int argc, char** argv) {
     for (int v = 0; v < kVariants; ++v) {
       double* t = times + v * rounds;
       double* c = cpu + v * rounds;
-      qsort(t, (size_t)rounds, sizeof(double), Compare);
-      qsort(c, (size_t)rounds, sizeof(double), Compare);
+      qsort(t, (size_t)rounds, sizeof(double), CompareTimes);
+      qsort(c, (size_t)rounds, sizeof(double), CompareTimes);
       printf("  %-15s operand %-4s output %-4s  median %9.1f us  min %9.1f us  cpu %9.1f us\n",
              v >> 2 ? "MPI_Iallgather" : "MPI_Allgather", v & 1 ? "huge" : "4K",
              (v >> 1) & 1 ? "huge" : "4K", t[rounds / 2], t[0], c[rounds / 2]);
