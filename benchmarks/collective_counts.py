@@ -16,6 +16,13 @@ the voluntary and involuntary context switches (``getrusage``, all threads). On 
 machine the times stretch, but the CPU time per op follows the bytes each process moves.
 For an A/B of two builds, run the same command with each build's Python in alternating
 launches.
+
+``--program fresh`` times a jitted program of one collective instead (all_gather of the
+operand's first block, psum_scatter, all_to_all or psum of the operand), launched
+``--iters`` times: XLA allocates its output afresh at every launch, as for a collective
+outside a loop, so its page faults (4 KiB or huge pages: ``GLIBC_TUNABLES``, and the hint a
+large collective output gets, ``kHugePageHintBytes`` in cpp/common/keep_freed_memory.h)
+count per op.
 """
 
 from __future__ import annotations
@@ -45,6 +52,29 @@ def _measure(comm, run: Callable[[], None], ops: int) -> dict[str, float]:
             "faults": d[2], "vcsw": d[3], "ivcsw": d[4]}
 
 
+def fresh_program(op: str, elements: int, mesh) -> tuple[Callable, object]:
+    """One ``op`` (of the collectives benchmark's OPS) of the operand the benchmark's
+    ``scan_program`` takes (``elements`` float32 per device), jitted, compiled and run once,
+    and that operand."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n = mesh.size
+    block = elements // n
+    body = {"all_reduce": lambda v: jax.lax.psum(v, "x"),
+            "all_gather": lambda v: jax.lax.all_gather(v[:block], "x", tiled=True),
+            "reduce_scatter": lambda v: jax.lax.psum_scatter(v, "x", tiled=True),
+            "alltoall": lambda v: jax.lax.all_to_all(v, "x", 0, 0, tiled=True)}[op]
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
+                              check_vma=False))
+    x = jax.make_array_from_callback((n * elements,), NamedSharding(mesh, P("x")),
+                                     lambda idx: np.ones(elements, np.float32))
+    f(x).block_until_ready()
+    return f, x
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--devices", type=int, default=2, help="CPU devices per process")
@@ -53,6 +83,9 @@ def main() -> None:
     p.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter,alltoall")
     p.add_argument("--iters", type=int, default=50, help="collectives per launch")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--program", choices=("scan", "fresh"), default="scan",
+                   help="scan: the benchmark's scan of --iters ops; fresh: --iters launches "
+                        "of one op (a fresh output each)")
     args = p.parse_args()
     from jax_cpu_mpi.bench.collectives import OPS, mpi_call, scan_program, start
 
@@ -70,11 +103,17 @@ def main() -> None:
             raise SystemExit(f"--ops: unknown {op!r} (of {', '.join(OPS)})")
         for size in [int(s) for s in args.sizes.split(",") if s.strip()]:
             elements = max(size // 4, 1) if op == "all_reduce" else max(size // 4 // n, 1) * n
-            f, x = scan_program(op, elements, mesh, args.iters)
+            if args.program == "fresh":
+                f, x = fresh_program(op, elements, mesh)
+                launches = args.iters
+            else:
+                f, x = scan_program(op, elements, mesh, args.iters)
+                launches = 1
             call = mpi_call(comm, op, elements, n, args.devices)
 
-            def ours(f=f, x=x) -> None:
-                f(x).block_until_ready()
+            def ours(f=f, x=x, launches=launches) -> None:
+                for _ in range(launches):
+                    f(x).block_until_ready()
 
             def theirs(call=call) -> None:
                 for _ in range(args.iters):

@@ -76,7 +76,7 @@ def main(argv: list[str]) -> int:
     parts = [summary(runs)]
     # Runs from before --warmup timed each launch right after the other methods' (0).
     parts += [_table(r["op"], r["rows"], r["ranks"], r["devices_per_rank"], r.get("iters", 20),
-                     r.get("warmup", 0)) for r in runs]
+                     r.get("warmup", 0), r.get("glibc_tunables")) for r in runs]
     (folder / "collectives.md").write_text("\n\n".join(parts) + "\n")
     try:
         plot(runs, folder / "collectives.png")

@@ -16,6 +16,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "collective_args.h"
+
 static long polls, yields;
 
 static double Now(void) {
@@ -40,22 +42,10 @@ static void TestThenYield(MPI_Request* r, double spin_s) {
   }
 }
 
-static int Compare(const void* a, const void* b) {
-  double x = *(const double*)a, y = *(const double*)b;
-  return x < y ? -1 : x > y;
-}
-
 int main(int argc, char** argv) {
-  int provided, rank, size;
-  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
-  if (argc < 4) {
-    if (rank == 0) fprintf(stderr, "usage: polled_wait BYTES OPS ROUNDS\n");
-    MPI_Abort(MPI_COMM_WORLD, 2);
-  }
-  const size_t bytes = strtoull(argv[1], NULL, 10);
-  const int ops = atoi(argv[2]), rounds = atoi(argv[3]);
+  const struct CollectiveArgs args = CollectiveStart(argc, argv, "polled_wait");
+  const int rank = args.rank, size = args.size, ops = args.ops, rounds = args.rounds;
+  const size_t bytes = args.bytes;
   const size_t block = bytes / (size_t)size;
   char* in = malloc(block);
   char* out = malloc(bytes);
@@ -95,7 +85,7 @@ int main(int argc, char** argv) {
     printf("%zu B gathered, %d ranks\n", bytes, size);
     for (int v = 0; v < kVariants; ++v) {
       double* t = times + v * rounds;
-      qsort(t, (size_t)rounds, sizeof(double), Compare);
+      qsort(t, (size_t)rounds, sizeof(double), CompareTimes);
       printf("  %-28s median %8.1f us  min %8.1f us  polls/op %6.1f  yields/op %6.1f\n",
              names[v], t[rounds / 2], t[0], (double)poll_count[v] / rounds / ops,
              (double)yield_count[v] / rounds / ops);

@@ -31,4 +31,9 @@ inline constexpr size_t kFreshMapMinBytes = size_t{32} << 20;
 // bytes either way. A hint only: the contents do not change, and failures are ignored.
 void AdviseHugePages(void* data, size_t bytes);
 
+// From this many bytes a collective's output gets AdviseHugePages before MPI writes it:
+// numpy's threshold for the same hint, so that the collective writes into the pages mpi4py's
+// call on a numpy array of that size would (a range this large holds a whole huge page).
+inline constexpr size_t kHugePageHintBytes = size_t{4} << 20;
+
 }  // namespace jcm

@@ -54,6 +54,7 @@
 
 #include "common/config.h"
 #include "common/immortal.h"
+#include "common/keep_freed_memory.h"
 #include "common/trace.h"
 #include "ffi/runtime.h"
 #include "local/reduce.h"
@@ -1413,6 +1414,18 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
   };
   const size_t m = mine.size();
   const size_t Q = l.ranks.size();
+  // A large output XLA allocated afresh for this call (the usual case outside a loop) is
+  // first written here, by MPI's copy or ours: on transparent huge pages that is one fault
+  // per 2 MiB instead of per 4 KiB, and MPI's copy into it (process_vm_readv's included)
+  // runs at up to twice the speed (benchmarks/huge_pages.c: the output's pages decide).
+  // From numpy's threshold for the same hint (4 MiB): mpi4py's calls write into such pages.
+  // Only a hint for pages not yet touched (an output XLA wrote before keeps its pages), but
+  // one that lasts: glibc serves the next call's output from the same memory where it keeps
+  // it (below its mmap threshold), already on huge pages.
+  const size_t out_bytes = c.kind == Exchange::kReduceScatter ? B : n * B;
+  if (out_bytes >= kHugePageHintBytes) {
+    for (void* o : out) AdviseHugePages(o, out_bytes);
+  }
   auto bytes = [](const void* p) { return static_cast<const std::byte*>(p); };
   auto wbytes = [](void* p) { return static_cast<std::byte*>(p); };
   thread_local StagingBuffer send_staging, recv_staging;

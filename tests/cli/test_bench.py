@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -262,6 +263,9 @@ def test_two_ranks_run_the_collectives_benchmark(tmp_path):
         data = json.loads((tmp_path / f"{op}_perf-2x1.json").read_text())
         assert (data["op"], data["ranks"], data["devices_per_rank"]) == (op, 2, 1), data
         assert (data["iters"], data["rounds"], data["warmup"]) == (3, 2, 1), data
+        # The benchmark re-executed itself with glibc's huge-page tunable (with_huge_pages).
+        if platform.libc_ver()[0] == "glibc":
+            assert bench_collectives.HUGE_PAGES_TUNABLE in data["glibc_tunables"].split(":")
         assert [r["bytes"] for r in data["rows"]] == sizes, data["rows"]
         factor = (2 if op == "all_reduce" else 1) * (2 - 1) / 2
         for r in data["rows"]:
@@ -278,6 +282,8 @@ def test_two_ranks_run_the_collectives_benchmark(tmp_path):
                 op, r["bytes"], printed)
         table = (tmp_path / f"{op}_perf-2x1.md").read_text().splitlines()
         assert table[0].startswith(f"{op}_perf: ") and "2 ranks x 1 device(s)" in table[0]
+        assert f"GLIBC_TUNABLES={data['glibc_tunables']}" in table[0] or not data[
+            "glibc_tunables"], table[0]
         head = table.index("| " + " | ".join(columns) + " |")
         body = [line for line in table[head + 2:] if line.startswith("|")]
         cells = [[c.strip() for c in line.strip("|").split("|")] for line in body]

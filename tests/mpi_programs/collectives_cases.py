@@ -254,6 +254,11 @@ exchange_case("all_gather/float32/(65536,)/axis=0/tiled=True", values("float32",
 exchange_case("psum_scatter/int32/big/dim=0/tiled=True", values("int32", (n << 16,), seed),
               functools.partial(jax.lax.psum_scatter, scatter_dimension=0, tiled=True),
               lambda v, i: split(v.sum(0, dtype=v.dtype), 0)[i])
+# An output of 4 MiB and more (n devices x 2 MiB) asks for huge pages before MPI writes it
+# (kHugePageHintBytes): NumPy checks it, on the device-order mesh.
+exchange_case("all_gather/int32/huge/axis=0/tiled=True", values("int32", (1 << 19,), seed),
+              functools.partial(jax.lax.all_gather, axis=0, tiled=True),
+              lambda v, i: np.concatenate(list(v)))
 exchange_case("all_to_all/float64/big/split=0/concat=1", values("float64", (n << 14, 4), seed),
               functools.partial(jax.lax.all_to_all, split_axis=0, concat_axis=1, tiled=True),
               lambda v, i: np.concatenate([split(v[j], 0)[i] for j in range(n)], axis=1))

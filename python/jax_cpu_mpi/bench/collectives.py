@@ -24,6 +24,16 @@ among themselves first, so that is what the process's one MPI call moves, and wh
 all_reduce of the same operand moves with one device per rank. The others are compared with
 the MPI call on the bytes the process's devices hold together (all_gather: the k blocks of
 the process; reduce_scatter and alltoall: k buffers).
+
+Every process runs with glibc's ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (the benchmark
+re-executes itself with it before it starts JAX; ``--no-huge-pages`` leaves malloc as the
+environment has it), as ``benchmarks/run.sh`` runs the point-to-point benchmark: numpy asks
+the kernel for transparent huge pages for every array of 4 MiB and more, so mpi4py's call
+writes into huge pages, while XLA's allocator asks for none, so without the tunable ours
+writes the same bytes into 4 KiB pages. On a 2-core VM that alone about halves the speed
+of MPI's own ``MPI_Allgather`` at 16 MiB (the output's pages decide: MPICH's copy into it,
+its single-copy ``process_vm_readv`` included), whoever calls it
+(``benchmarks/huge_pages.c``).
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import sys
 import time
 from collections.abc import Callable
@@ -40,6 +51,28 @@ from typing import Any
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "alltoall")
 #: What runs each op: JAX's collective over gloo, over MPI (ours), and mpi4py's call.
 METHODS = ("gloo", "mpi", "mpi4py")
+
+
+#: glibc's tunable that has malloc mark its large blocks MADV_HUGEPAGE as it maps them, so
+#: that their pages fault in as transparent huge pages (with THP set to "madvise", the usual
+#: default): what numpy does for its arrays of 4 MiB and more.
+HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
+
+
+def with_huge_pages() -> None:
+    """Re-executes this process with :data:`HUGE_PAGES_TUNABLE` added to ``GLIBC_TUNABLES``,
+    unless it has a ``glibc.malloc.hugetlb`` setting already (the caller's choice stands) or
+    its C library is not glibc. glibc reads its tunables only as a process starts, so the
+    benchmark calls this first, before JAX or MPI start (an ``exec`` keeps the process, its
+    launcher's environment and its open files)."""
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc.hugetlb=" in tunables or platform.libc_ver()[0] != "glibc":
+        return
+    os.environ["GLIBC_TUNABLES"] = (f"{tunables}:{HUGE_PAGES_TUNABLE}" if tunables
+                                    else HUGE_PAGES_TUNABLE)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
 
 def mpi_call(comm: Any, op: str, elements: int, devices: int,
@@ -150,6 +183,9 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--ops", default=",".join(OPS),
                    help=f"comma-separated, of {', '.join(OPS)}")
     p.add_argument("--out", default=None, help="directory for the JSON and the table")
+    p.add_argument("--no-huge-pages", dest="huge_pages", action="store_false",
+                   help=f"do not re-execute with GLIBC_TUNABLES={HUGE_PAGES_TUNABLE} (XLA's "
+                        "large buffers then stay on 4 KiB pages, numpy's do not)")
     return p.parse_args()
 
 
@@ -174,6 +210,8 @@ def start(devices: int) -> tuple[Any, Any]:
 
 def main() -> int:
     args = _parse()
+    if args.huge_pages:
+        with_huge_pages()
     comm, mesh = start(args.devices)
     import jax
     import numpy as np
@@ -248,7 +286,8 @@ def main() -> int:
                 print(op, _line(row), flush=True)
             size *= args.factor
         if rank0:
-            table = _table(op, rows, ranks, args.devices, args.iters, args.warmup)
+            tunables = os.environ.get("GLIBC_TUNABLES", "")
+            table = _table(op, rows, ranks, args.devices, args.iters, args.warmup, tunables)
             print(table)
             if args.out:
                 os.makedirs(args.out, exist_ok=True)
@@ -256,7 +295,8 @@ def main() -> int:
                 with open(os.path.join(args.out, stem + ".json"), "w") as fh:
                     json.dump({"op": op, "ranks": ranks, "devices_per_rank": args.devices,
                                "iters": args.iters, "rounds": args.rounds,
-                               "warmup": args.warmup, "rows": rows},
+                               "warmup": args.warmup, "glibc_tunables": tunables,
+                               "rows": rows},
                               fh, indent=1)
                 with open(os.path.join(args.out, stem + ".md"), "w") as fh:
                     fh.write(table + "\n")
@@ -275,7 +315,9 @@ _WHAT = {"all_reduce": ("psum", "MPI_Allreduce", "2(P-1)/P"),
 
 
 def _table(op: str, rows: list[dict], ranks: int, devices: int, iters: int,
-           warmup: int) -> str:
+           warmup: int, tunables: str | None = None) -> str:
+    """``op``'s nccl-tests table. ``tunables``: the run's ``GLIBC_TUNABLES`` ("": none; None:
+    a run from before the benchmark recorded them)."""
     jax_op, mpi_op, factor = _WHAT[op]
     head = (f"{op}_perf: {jax_op} of float32 against {mpi_op} (mpi4py), {ranks} ranks x "
             f"{devices} device(s); time per op (median of rounds), algbw and busbw (busbw = "
@@ -287,6 +329,9 @@ def _table(op: str, rows: list[dict], ranks: int, devices: int, iters: int,
                f". Sizes per device; mpi4py's call moves what the process's one MPI call "
                f"moves: for all_reduce one device's bytes (the {devices} devices reduce in "
                f"process first), for the others the bytes of all {devices} devices")
+            + ("" if tunables is None else
+               f"; every process with GLIBC_TUNABLES={tunables}" if tunables else
+               "; glibc's malloc as the environment had it (no GLIBC_TUNABLES)")
             + "\n\n"
             "| size (B) | count | type | gloo us | gloo busbw | MPI (ours) us | ours busbw | "
             "mpi4py us | mpi4py busbw | ours / mpi4py speed | gloo / ours time |\n"
