@@ -68,7 +68,7 @@ struct SendLockHeld {
 // the time from its first pause on is the time the op waited (trace::WaitTimer).
 //
 // kBounded, the default of a node with a core per busy thread, spins for kSpinFor, yields
-// until kYieldUntil (1 ms), then sleeps in steps growing to kMaxSleep (in a long wait
+// until kYieldUntil (1 ms), then sleeps in steps growing to kMaxSleep (kSoon's long waits
 // further, see Sleep); the bounds are read from the clock, because a poll's cost varies
 // from tens of ns (a small message) to us (MPI copying a large one inside MPI_Test).
 // Unbound ranks are where the scheduler puts them, and now and then it puts both busy
@@ -178,13 +178,18 @@ class Backoff {
     if (sleeping_since_ == Clock::time_point{}) sleeping_since_ = now;
     std::this_thread::sleep_for(sleep_);
     // A wait that has slept long is a peer computing (a pipeline's bubble), not a message
-    // on its way: each wake-up is a context switch and a poll of MPI, thousands a step at
-    // kMaxSleep on a node with more busy threads than cores, taken from the threads that
-    // compute. So beyond kMaxSleep the step grows with the time already slept (at most
-    // 1/kLateShare of it, and kMaxLongSleep): the message is then found at most that late.
-    const auto slept = std::chrono::duration_cast<std::chrono::microseconds>(
-        now - sleeping_since_);
-    const auto cap = std::clamp(slept / kLateShare, kMaxSleep, kMaxLongSleep);
+    // on its way. On a node with more busy threads than cores (kSoon) each wake-up is a
+    // context switch and a poll of MPI taken from the threads that compute, thousands a
+    // step at kMaxSleep; so there, beyond kMaxSleep, the step grows with the time already
+    // slept (at most 1/kLateShare of it, and kMaxLongSleep): the message is then found at
+    // most that late. A waiter with a core of its own takes nothing from anyone by waking,
+    // and keeps kMaxSleep.
+    auto cap = kMaxSleep;
+    if (mode_ == WaitMode::kSoon) {
+      const auto slept = std::chrono::duration_cast<std::chrono::microseconds>(
+          now - sleeping_since_);
+      cap = std::clamp(slept / kLateShare, kMaxSleep, kMaxLongSleep);
+    }
     sleep_ = std::min(sleep_ * 2, cap);
   }
 
