@@ -16,8 +16,9 @@ and gradients, dropout on, against the model on one device without a pipeline); 
 FAIL, before anything is timed. Then ``--warmup-steps`` untimed steps and ``--steps``
 timed ones on batches of the example's data. Process 0 writes the JSON: every timed
 step's seconds (process 0's wall clock until the step's loss is on the host; the
-processes meet at a barrier before each step) and every process's peak RSS
-(``getrusage``).
+processes meet at a barrier before each step), every process's peak RSS
+(``getrusage``), CPU seconds, and context switches and polling waits' yields and sleeps
+(``jax_cpu_mpi.stats()``) per timed step.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from pathlib import Path
 from jax_cpu_mpi.examples import transformer as ex
 
 BENCH_ONLY = ("--warmup-steps", "--out")
+#: Per process and timed step, in the JSON (``<name>_per_step``).
+COUNTS = ("context_switches", "wait_yields", "wait_sleeps")
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -109,11 +112,21 @@ def main(argv: list[str]) -> int:
                for i in range(steps)]
     from jax.experimental import multihost_utils
 
+    import jax_cpu_mpi
+
+    def counts() -> np.ndarray:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        stats = jax_cpu_mpi.stats()
+        return np.asarray([usage.ru_nvcsw + usage.ru_nivcsw, stats["wait_yields"],
+                           stats["wait_sleeps"]], np.float64)
+
     seconds = []
     cpu_start = 0.0
+    counts_start = counts()
     for i, (x, y) in enumerate(batches):
         if i == steps - args.steps:
             cpu_start = time.process_time()
+            counts_start = counts()
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("step")
         start = time.perf_counter()
@@ -122,8 +135,9 @@ def main(argv: list[str]) -> int:
         if i >= steps - args.steps:
             seconds.append(time.perf_counter() - start)
     cpu = (time.process_time() - cpu_start) / max(1, args.steps)
+    per_step = (counts() - counts_start) / max(1, args.steps)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
-    mine = np.asarray([peak, cpu], np.float64)
+    mine = np.asarray([peak, cpu, *per_step], np.float64)
     every = (multihost_utils.process_allgather(mine) if jax.process_count() > 1
              else mine[None])
     if is_main:
@@ -137,6 +151,10 @@ def main(argv: list[str]) -> int:
                   "step_seconds": seconds, "tokens_per_step": B * T,
                   "peak_rss_bytes": [int(r[0]) for r in every],
                   "cpu_seconds_per_step": [float(r[1]) for r in every],
+                  # What the load changes least: the context switches and the polling
+                  # waits' yields and sleeps (jax_cpu_mpi.stats()) of each process.
+                  **{f"{name}_per_step": [float(r[2 + k]) for r in every]
+                     for k, name in enumerate(COUNTS)},
                   "check": {"ok": ok, "grad_rel_diff": worst, "dropout": args.dropout}}
         print(f"jax {args.stages}x{args.data}: check PASS ({worst:.1e}); median step "
               f"{sorted(seconds)[len(seconds) // 2] * 1e3:.1f} ms", flush=True)

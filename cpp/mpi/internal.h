@@ -68,10 +68,11 @@ struct SendLockHeld {
 // the time from its first pause on is the time the op waited (trace::WaitTimer).
 //
 // kBounded, the default of a node with a core per busy thread, spins for kSpinFor, yields
-// until kYieldUntil (1 ms), then sleeps in steps growing to kMaxSleep; the bounds are read from
-// the clock, because a poll's cost varies from tens of ns (a small message) to us (MPI
-// copying a large one inside MPI_Test). Unbound ranks are where the scheduler puts them,
-// and now and then it puts both busy threads of a pair on one core: a waiter that spins
+// until kYieldUntil (1 ms), then sleeps in steps growing to kMaxSleep (kSoon's long waits
+// further, see Sleep); the bounds are read from the clock, because a poll's cost varies
+// from tens of ns (a small message) to us (MPI copying a large one inside MPI_Test).
+// Unbound ranks are where the scheduler puts them, and now and then it puts both busy
+// threads of a pair on one core: a waiter that spins
 // (2000 polls, as kLong does) holds the core its peer needs until the scheduler preempts
 // it, 130-270 us an op where the same placement costs MPI's own blocking call 8-15 us; and
 // a yield hands the core only to a thread of its own core's run queue, never to one queued
@@ -173,8 +174,23 @@ class Backoff {
   void Sleep() {
     slack_.Enable();
     g_wait_sleeps.fetch_add(1, std::memory_order_relaxed);
+    const auto now = Clock::now();
+    if (sleeping_since_ == Clock::time_point{}) sleeping_since_ = now;
     std::this_thread::sleep_for(sleep_);
-    sleep_ = std::min(sleep_ * 2, kMaxSleep);
+    // A wait that has slept long is a peer computing (a pipeline's bubble), not a message
+    // on its way. On a node with more busy threads than cores (kSoon) each wake-up is a
+    // context switch and a poll of MPI taken from the threads that compute, thousands a
+    // step at kMaxSleep; so there, beyond kMaxSleep, the step grows with the time already
+    // slept (at most 1/kLateShare of it, and kMaxLongSleep): the message is then found at
+    // most that late. A waiter with a core of its own takes nothing from anyone by waking,
+    // and keeps kMaxSleep.
+    auto cap = kMaxSleep;
+    if (mode_ == WaitMode::kSoon) {
+      const auto slept = std::chrono::duration_cast<std::chrono::microseconds>(
+          now - sleeping_since_);
+      cap = std::clamp(slept / kLateShare, kMaxSleep, kMaxLongSleep);
+    }
+    sleep_ = std::min(sleep_ * 2, cap);
   }
 
   // Whether the busy time has not run out yet (read from the clock only once the spins are
@@ -202,6 +218,8 @@ class Backoff {
   static constexpr uint64_t kSoonYields = 200;
   static constexpr std::chrono::microseconds kFirstSleep{5};
   static constexpr std::chrono::microseconds kMaxSleep{50};
+  static constexpr std::chrono::microseconds kMaxLongSleep{500};
+  static constexpr int kLateShare = 16;
 
   enum class Phase { kSpin, kYield, kSleep };
   const WaitMode mode_;
@@ -209,6 +227,7 @@ class Backoff {
   uint64_t iterations_ = 0;
   Clock::time_point start_{};
   std::chrono::microseconds sleep_;
+  Clock::time_point sleeping_since_{};
   Clock::duration busy_{0};
   Clock::time_point busy_until_{};
   trace::WaitTimer waited_;

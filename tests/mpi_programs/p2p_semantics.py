@@ -102,6 +102,42 @@ for late in (1, 0):
     check(f"32 MiB to a late receiver (device {late}), 8 B back",
           cases.late_receiver_exchange(cross, gather, late=late))
 
+def long_wait(delay_s: float = 0.5) -> dict:
+    """Device 1 of ``cross`` waits ``delay_s`` in its precv for 8 B that device 0 sends
+    after a host callback's sleep: this rank's wait sleeps (stats) over the call, and the
+    call's seconds. A wait that long is a peer computing; its sleeps grow past 50 us."""
+    import time
+
+    import jax_cpu_mpi
+
+    def late(index, x):
+        if int(index) == 0:
+            time.sleep(delay_s)
+        return x
+
+    def body(x):
+        index = jax.lax.axis_index("x")
+        x = jax.pure_callback(late, jax.ShapeDtypeStruct(x.shape, x.dtype), index, x)
+        token = jax_cpu_mpi.psend(x, "x", [(0, 1)])
+        return jax_cpu_mpi.precv(token, jax.ShapeDtypeStruct(x.shape, x.dtype), "x", [(0, 1)])
+
+    spec = jax.sharding.PartitionSpec("x")
+    f = jax.jit(jax.shard_map(body, mesh=cross, in_specs=spec, out_specs=spec,
+                              check_vma=False))
+    x = jax.make_array_from_callback((4,), jax.sharding.NamedSharding(cross, spec),
+                                     lambda i: np.arange(4, dtype=np.float32)[i])
+    jax.block_until_ready(f(x))  # compiled, and both ranks past it
+    before = jax_cpu_mpi_stats()["wait_sleeps"]
+    start = time.perf_counter()
+    got = gather(f(x))
+    seconds = time.perf_counter() - start
+    np.testing.assert_array_equal(got, np.asarray([0, 0, 0, 1], np.float32))
+    return {"sleeps": jax_cpu_mpi_stats()["wait_sleeps"] - before, "seconds": seconds,
+            "receiver": cross.devices.flat[1].process_index == jax.process_index()}
+
+
+print("longwait " + json.dumps(long_wait()), flush=True)
+
 # How the transport chose to wait, with what this rank sees, for the test to check.
 print("wait " + json.dumps({"chosen": ext.mpi_wait(), "affinity": len(os.sched_getaffinity(0)),
                             "local_devices": jax.local_device_count()}), flush=True)

@@ -196,3 +196,37 @@ def test_input_gradients_need_floating_microbatches():
     with pytest.raises(pl.PipelineError, match=r"return_input_grads=True needs floating "
                        r"microbatches .*int32\[4, 2, 8\].*embedding before the pipeline"):
         jax.jit(f).lower(params, tokens, ys)
+
+
+def test_a_data_parallel_step_reduces_in_three_collectives():
+    """Stages x data shards, with a loss's parameters and the input gradients: what one
+    stage holds goes to every stage in one psum (loss, the loss parameters' gradients, the
+    input gradients), and the data mean in two (the stage's own gradients, and what every
+    stage holds alike), however many leaves: over MPI each psum is a custom call XLA does
+    not merge, a meeting of a process's devices per leaf otherwise."""
+    P_, D, M, width, batch = 2, 2, 4, 8, 4
+    mesh = jax.make_mesh((P_, D), ("stage", "data"), devices=jax.devices()[:P_ * D])
+    spec = jax.sharding.PartitionSpec
+
+    def head_loss(head, y, t):
+        return jnp.mean((y @ head["w"] + head["b"] - t) ** 2) + 0.0 * jnp.sum(head["s"])
+
+    def body(params, head, xs, ts):
+        return pl.value_and_grad(stage, params, head_loss, xs, ts, pl.OneFOneB(),
+                                 axis_name="stage", data_axis_name="data",
+                                 return_input_grads=True, loss_params=head)
+
+    f = jax.jit(jax.shard_map(
+        body, mesh=mesh,
+        in_specs=(spec("stage"), spec(), spec(None, "data"), spec(None, "data")),
+        out_specs=(spec(), spec("stage"), spec(), spec(None, "data"))))
+
+    def arg(shape, *axes):
+        return jax.ShapeDtypeStruct(shape, jnp.float32,
+                                    sharding=jax.sharding.NamedSharding(mesh, spec(*axes)))
+
+    params = {"w": arg((P_, width, width), "stage"), "b": arg((P_, width), "stage")}
+    head = {"w": arg((width, width)), "b": arg((width,)), "s": arg((3,))}
+    xs = arg((M, batch * D, width), None, "data")
+    text = f.lower(params, head, xs, xs).as_text()
+    assert text.count("stablehlo.all_reduce") == 3, text

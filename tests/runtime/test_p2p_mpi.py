@@ -38,6 +38,13 @@ def test_all_scenarios_over_mpi(devices_per_process):
         # The counts of what the waits did are in stats(), and a run of psend/precv waited.
         counts = json.loads(next(x for x in rank_lines if x.startswith("waits "))[6:])
         assert counts["wait_yields"] + counts["wait_sleeps"] > 0, run.report()
+        # A receiver that waited half a second for a late sender, sleeping soon: its
+        # sleeps grew past 50 us (to 500 us, at most 1/16 of the time slept), about a
+        # thousand, where steps of 50 us made ten thousand, each a wake-up taken from the
+        # threads that compute. (With a core of its own it keeps 50 us steps.)
+        waited = json.loads(next(x for x in rank_lines if x.startswith("longwait "))[9:])
+        if waited["receiver"] and chosen["mode"] == "soon":
+            assert waited["sleeps"] <= waited["seconds"] / 250e-6, run.report()
         # A 64 MiB block allocated again after one was freed: kept, none of its 16384 pages
         # faults again; glibc's default maps it afresh (16384 faults, 32 with huge pages).
         faults = json.loads(next(x for x in rank_lines if x.startswith("malloc "))[7:])

@@ -24,6 +24,7 @@ import numpy as np
 
 from jax_cpu_mpi._src.ops import marks
 from jax_cpu_mpi._src.ops.p2p import precv, psend
+from jax_cpu_mpi._src.ops.packed import pmean_packed, psum_packed
 from jax_cpu_mpi._src.ops.vma import vary, vma_of
 from jax_cpu_mpi._src.pipeline import plan as plan_mod
 from jax_cpu_mpi._src.pipeline import residuals
@@ -667,30 +668,35 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
     _, loss = marks.mark(jnp.asarray([T, marks.END, -1, -1], jnp.int32), loss)
     results = [jax.tree.map(lambda a: a[:M], r) for r in results]
 
-    def shared_from(stage: int, tree: PyTree) -> PyTree:
-        """What only ``stage`` holds, on every stage (after the scan, so after every
-        message)."""
-        return jax.lax.psum(jax.tree.map(lambda a: jnp.where(s == stage, a, 0), tree), axis)
-
-    # The loss and the outputs live on the last chunk's stage, the input cotangents on 0.
+    # After the scan, so after every message: what only one stage holds (the loss and the
+    # outputs on the last chunk's stage, the input cotangents on 0) goes to every stage,
+    # then the data shards' mean. Each in as few collectives as the values' types allow
+    # (ops.packed): over MPI every leaf's psum would be a meeting of its own.
     last = (C - 1) % P
-    loss = shared_from(last, loss) / M
+
+    def held(stage: int, tree: PyTree) -> PyTree:
+        return jax.tree.map(lambda a: jnp.where(s == stage, a, 0), tree)
+
+    dls = jax.tree.map(lambda d: d.sum(0), results.pop(-1)) if loss_params is not None else None
+    outputs = results.pop(0) if return_outputs else None
+    dins = results.pop(0) if plan.input_grads else None
+    loss, dls, outputs, dins = psum_packed(
+        (held(last, loss), held(last, dls), held(last, outputs), held(0, dins)), axis)
+    loss = loss / M
     grads = jax.tree.map(lambda g, a: (g / M).astype(a.dtype), grads, chunk_params)
+    if loss_params is not None:
+        dls = jax.tree.map(lambda d, a: (d / M).astype(a.dtype), dls, loss_params)
     if data_axis is not None:
-        loss = jax.lax.pmean(loss, data_axis)
-        grads = jax.lax.pmean(grads, data_axis)
+        loss, grads, dls = pmean_packed((loss, grads, dls), data_axis)
     grads = jax.tree.map(lambda g, a: g.reshape(a.shape), grads, params)
     result = [loss, grads]
     if loss_params is not None:
-        dls = jax.tree.map(lambda d, a: (shared_from(last, d.sum(0)) / M).astype(a.dtype),
-                           results.pop(-1), loss_params)
-        result.append(dls if data_axis is None else jax.lax.pmean(dls, data_axis))
+        result.append(dls)
     if return_outputs:
-        result.append(shared_from(last, results.pop(0)))
+        result.append(outputs)
     if plan.input_grads:
         # Of the mean over microbatches (and data shards): each microbatch's share is 1 / M.
         shards = 1 if data_axis is None else _axis_size(data_axis, "the data axis")
-        dins = shared_from(0, results.pop(0))
         result.append(jax.tree.map(
             lambda d: (d.astype(_accumulator_dtype(d.dtype)) / (M * shards)).astype(d.dtype),
             dins))
