@@ -65,13 +65,39 @@ def _run(jaxpr: Any, args: Sequence[Any]) -> list[Any]:
 
 
 def _depends_on(jaxpr: Any, inputs: Sequence[bool]) -> list[bool]:
-    """Per output of ``jaxpr``: whether it depends on an input marked in ``inputs``
-    (conservatively: an equation's outputs depend on all its inputs)."""
+    """Per output of ``jaxpr``: whether it depends on an input marked in ``inputs``."""
+    marked = _marked(jaxpr, inputs)
+    return [isinstance(v, jex.Var) and id(v) in marked for v in jaxpr.outvars]
+
+
+def _marked(jaxpr: Any, inputs: Sequence[bool], calls: bool = True) -> set[int]:
+    """The variables of ``jaxpr`` that depend on an input marked in ``inputs`` (by
+    identity). Conservatively, an equation's outputs depend on all its inputs; but a call's
+    (``jit``) each on the inputs its own body makes it depend on: partial evaluation puts
+    values that do not depend on the microbatch among a call's residuals (a ``where``'s
+    broadcast mask next to its result), and a pass of dead code elimination then forms them
+    without the rest of the call. ``calls=False``: every equation conservatively."""
     marked = {id(v) for v, m in zip(jaxpr.invars, inputs, strict=True) if m}
     for eqn in jaxpr.eqns:
-        if any(id(v) in marked for v in eqn.invars if isinstance(v, jex.Var)):
+        reads = [isinstance(v, jex.Var) and id(v) in marked for v in eqn.invars]
+        if not any(reads):
+            continue
+        inner = _call_body(eqn) if calls else None
+        if inner is None or len(inner.invars) != len(reads):
             marked.update(id(v) for v in eqn.outvars)
-    return [isinstance(v, jex.Var) and id(v) in marked for v in jaxpr.outvars]
+        else:
+            marked.update(id(v) for v, m in zip(eqn.outvars, _depends_on(inner, reads),
+                                                strict=True) if m)
+    return marked
+
+
+def _call_body(eqn: Any) -> Any:
+    """The open body of a call equation (``jit``), or ``None``."""
+    if eqn.primitive.name not in ("pjit", "jit", "closed_call", "core_call"):
+        return None
+    inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    inner = getattr(inner, "jaxpr", inner)
+    return inner if hasattr(inner, "eqns") else None
 
 
 def _select(jaxpr: Any, outputs: Sequence[bool]) -> tuple[Any, list[bool]]:
@@ -184,10 +210,16 @@ def chunk_vjp(apply: Callable[[PyTree, PyTree, Any], PyTree], p: PyTree, x: PyTr
     # Without dead-code elimination nothing can be formed again: keep it all.
     if compat.available(compat.dce_jaxpr):
         is_kept = _recomputed(fwd, inputs_x, n_y)
+        again = _again(fwd, fwd_consts, n_y, is_kept)
+        if not _formed_without_x(again, n_p, n_x):
+            # A cut this jaxpr does not allow (a call's result needed without the rest of
+            # it, say): keep what depends on the microbatch at all, as before the cuts.
+            is_kept = _recomputed(fwd, inputs_x, n_y, cut=False)
+            again = _again(fwd, fwd_consts, n_y, is_kept)
     else:
         is_kept = [True] * len(res_shapes)
+        again = _again(fwd, fwd_consts, n_y, is_kept)
     forward_part = _part(fwd, fwd_consts, [True] * n_y + is_kept)
-    again = _again(fwd, fwd_consts, n_y, is_kept)
 
     vjp_tree, y_tree = trees
     closed_b, dp_dx = jax.make_jaxpr(
@@ -222,31 +254,26 @@ _ELEMENTWISE = frozenset({
 
 def _elementwise(eqn: Any) -> bool:
     """Whether ``eqn`` is cheap to form again (``_ELEMENTWISE``, or a call of only such)."""
-    name = eqn.primitive.name
-    if name in _ELEMENTWISE:
+    if eqn.primitive.name in _ELEMENTWISE:
         return True
-    if name in ("pjit", "jit", "closed_call", "core_call"):
-        inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-        inner = getattr(inner, "jaxpr", inner)
-        return inner is not None and all(_elementwise(e) for e in inner.eqns)
-    return False
+    inner = _call_body(eqn)
+    return inner is not None and all(_elementwise(e) for e in inner.eqns)
 
 
-def _recomputed(fwd: Any, inputs_x: Sequence[bool], n_y: int) -> list[bool]:
+def _recomputed(fwd: Any, inputs_x: Sequence[bool], n_y: int, cut: bool = True
+                ) -> list[bool]:
     """Per residual of the forward ``fwd`` (outputs after the ``n_y`` of ``y``): whether to
     keep it. Not those that depend only on the parameters and the chunk index, nor, taken
     in the forward's order, those that elementwise operations (:func:`_elementwise`) form
     from residuals still kept and from values of the parameters and index alone: the
     backward forms both again (:func:`_again`). A value one of whose producer's other
-    results is kept is not formed again (the producer would run twice)."""
+    results is kept is not formed again (the producer would run twice). ``cut=False``:
+    only those of the parameters and index, told apart conservatively (:func:`_marked`)."""
     residuals = fwd.outvars[n_y:]
-    by_x = _depends_on(fwd, inputs_x)[n_y:]
+    x_vars = _marked(fwd, inputs_x, calls=cut)
+    by_x = [isinstance(v, jex.Var) and id(v) in x_vars for v in residuals]
     made_by = {id(v): e for e in fwd.eqns for v in e.outvars}
     x_inputs = {id(v) for v, m in zip(fwd.invars, inputs_x, strict=True) if m}
-    x_vars = set(x_inputs)
-    for eqn in fwd.eqns:
-        if any(id(v) in x_vars for v in eqn.invars if isinstance(v, jex.Var)):
-            x_vars.update(id(v) for v in eqn.outvars)
     kept: set[int] = set()
     is_kept = []
     for v, depends in zip(residuals, by_x, strict=True):
@@ -272,7 +299,7 @@ def _recomputed(fwd: Any, inputs_x: Sequence[bool], n_y: int) -> list[bool]:
         return ok
 
     for i, v in enumerate(residuals):
-        if not is_kept[i]:
+        if not (cut and is_kept[i]):
             continue
         kept.discard(id(v))
         if formed_again(v, {}):
@@ -294,6 +321,23 @@ def _again(fwd: Any, consts: list[Any], n_y: int, is_kept: Sequence[bool]) -> _P
     jaxpr = _jaxpr(fwd, [*fwd.invars, *kept_vars],
                    [v for v, k in zip(residuals, is_kept, strict=True) if not k], eqns)
     return _part(jaxpr, consts, [True] * (len(residuals) - len(kept_vars)))
+
+
+def _formed_without_x(again: _Part, n_p: int, n_x: int) -> bool:
+    """Whether ``again`` reads none of the microbatch's inputs (``None`` in their places),
+    and every variable it reads is made in it (none that a dropped equation made)."""
+    args = again.jaxpr.invars[len(again.consts):]  # one per argument it takes (_Part)
+    position = [i for i, r in enumerate(again.reads) if r]
+    x_ids = {id(v) for v, i in zip(args, position, strict=True) if n_p <= i < n_p + n_x}
+    used = [v for e in again.jaxpr.eqns for v in e.invars] + list(again.jaxpr.outvars)
+    if any(isinstance(v, jex.Var) and id(v) in x_ids for v in used):
+        return False
+    made = {id(v) for v in again.jaxpr.invars}
+    for eqn in again.jaxpr.eqns:
+        if any(isinstance(v, jex.Var) and id(v) not in made for v in eqn.invars):
+            return False
+        made.update(id(v) for v in eqn.outvars)
+    return all(not isinstance(v, jex.Var) or id(v) in made for v in again.jaxpr.outvars)
 
 
 def _cut(bwd: Any, consts: list[Any], n_dp: int, n_dx: int
