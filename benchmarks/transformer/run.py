@@ -63,7 +63,7 @@ def _pipeline_run():
 #: several under mpirun (--mpi-layouts: one per stage unless given).
 LAYOUTS = {"1x4": (4, 1), "2x2": (2, 2)}
 #: our variants -> the example's option.
-VARIANTS = {"kept": ["--no-remat"], "remat": []}
+VARIANTS = {"kept": ["--no-remat"], "remat": ["--remat"]}
 MODEL = {"--layers": 4, "--width": 128, "--heads": 4, "--seq-len": 64, "--batch": 32,
          "--microbatches": 4, "--dropout": 0.1, "--seed": 0}
 
