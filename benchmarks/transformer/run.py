@@ -77,8 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layouts", default="1x4,2x2",
                    help="stages x data, comma separated: " + ", ".join(LAYOUTS))
     p.add_argument("--jax-variants", default="kept,remat",
-                   help="our step: 'kept' (the forwards keep their residuals, as torch's) "
-                        "and/or 'remat' (recomputed in the backward: the example's default)")
+                   help="our step: 'kept' (the forwards keep their residuals, as torch's: "
+                        "the example's default) and/or 'remat' (recomputed in the backward)")
     p.add_argument("--mpi-layouts", default="2x2",
                    help="layouts whose JAX side runs under mpirun, comma separated, each "
                         "LAYOUT (one process per stage) or LAYOUT:PROCESSES (e.g. 1x4:2, "
