@@ -63,7 +63,7 @@ def _pipeline_run():
 #: several under mpirun (--mpi-layouts: one per stage unless given).
 LAYOUTS = {"1x4": (4, 1), "2x2": (2, 2)}
 #: our variants -> the example's option.
-VARIANTS = {"kept": ["--no-remat"], "remat": []}
+VARIANTS = {"kept": ["--no-remat"], "remat": ["--remat"]}
 MODEL = {"--layers": 4, "--width": 128, "--heads": 4, "--seq-len": 64, "--batch": 32,
          "--microbatches": 4, "--dropout": 0.1, "--seed": 0}
 
@@ -77,8 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layouts", default="1x4,2x2",
                    help="stages x data, comma separated: " + ", ".join(LAYOUTS))
     p.add_argument("--jax-variants", default="kept,remat",
-                   help="our step: 'kept' (the forwards keep their residuals, as torch's) "
-                        "and/or 'remat' (recomputed in the backward: the example's default)")
+                   help="our step: 'kept' (the forwards keep their residuals, as torch's: "
+                        "the example's default) and/or 'remat' (recomputed in the backward)")
     p.add_argument("--mpi-layouts", default="2x2",
                    help="layouts whose JAX side runs under mpirun, comma separated, each "
                         "LAYOUT (one process per stage) or LAYOUT:PROCESSES (e.g. 1x4:2, "

@@ -22,6 +22,7 @@
 #include "ffi/collective_handlers.h"
 #include "ffi/p2p_handlers.h"
 #include "ffi/runtime.h"
+#include "ffi/uninitialized.h"
 #include "local/zero_fill.h"
 #include "mpi/exit_before_finalize.h"
 #include "mpi/stop_for_test.h"
@@ -87,6 +88,7 @@ NB_MODULE(_jax_cpu_mpi, m) {
     d["jax_cpu_mpi_exchange"] = EncapsulateFfiHandler(JcmExchange);
     d["jax_cpu_mpi_collectives_end"] = EncapsulateFfiHandler(JcmCollectivesEnd);
     d["jax_cpu_mpi_order_token"] = EncapsulateFfiHandler(JcmOrderToken);
+    d["jax_cpu_mpi_uninitialized"] = EncapsulateFfiHandler(JcmUninitialized);
     return d;
   }, "FFI handler capsules by target name.");
 

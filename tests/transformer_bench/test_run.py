@@ -37,7 +37,7 @@ def test_both_sides_get_the_same_model_and_mesh() -> None:
                    for s in sides), sides
         assert sides[0]["--width"] == "64" and sides[0]["--dropout"] == "0.2"
     kept, remat, torch_ = plan[:3]
-    assert "--no-remat" in kept["cmd"] and "--no-remat" not in remat["cmd"]
+    assert "--no-remat" in kept["cmd"] and "--remat" in remat["cmd"]
     assert kept["cmd"][0] != "mpirun" and _flags(kept["cmd"])["--stages"] == "4"
     assert torch_["cmd"][:3] == ["/torch/python", "-m", "torch.distributed.run"]
     assert _flags(torch_["cmd"])["--nproc-per-node"] == "4"

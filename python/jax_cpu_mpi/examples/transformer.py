@@ -84,8 +84,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     a("--eval-batches", type=int, default=4, help="validation batches (4)")
     a("--text-chars", type=int, default=2_000_000,
       help="characters of standard-library source to read (2000000)")
-    a("--no-remat", dest="remat", action="store_false",
-      help="keep each forward's residuals for its backward instead of recomputing it")
+    a("--remat", action=argparse.BooleanOptionalAction, default=False,
+      help="recompute each forward in its backward (less memory) instead of keeping its "
+           "residuals for it (--no-remat, the default: a forward less per backward)")
     a("--plot", metavar="FILE", default=None, help="draw train and validation loss into FILE")
     a("--sample", type=int, default=0, metavar="N", help="print N generated characters")
     a("--check", action="store_true",

@@ -47,12 +47,13 @@ from jax_cpu_mpi._src.ffi.custom_calls import (
 )
 from jax_cpu_mpi._src.lowering import collectives
 from jax_cpu_mpi._src.ops.marks import MARK_TARGET
+from jax_cpu_mpi._src.ops.uninitialized import UNINITIALIZED_TARGET
 
 #: Custom calls that never wait for another device: our collectives (which park instead
 #: when resumed inside another device's call), their chain's end and the order tokens of
-#: its loops and conditionals, the timeline's marks.
+#: its loops and conditionals, the timeline's marks, the uninitialized buffers.
 _LOCAL_TARGETS = frozenset({*collectives.TARGETS, collectives.END_TARGET, ORDER_TOKEN_TARGET,
-                            MARK_TARGET})
+                            MARK_TARGET, UNINITIALIZED_TARGET})
 #: Local computations JAX lowers to custom calls on CPU (linear algebra, FFT).
 _LOCAL_PREFIXES = ("lapack_", "ducc_")
 #: Ops of XLA's (stablehlo, mhlo) that wait for other devices or for the host.

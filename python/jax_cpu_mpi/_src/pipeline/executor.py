@@ -25,6 +25,7 @@ import numpy as np
 from jax_cpu_mpi._src.ops import marks
 from jax_cpu_mpi._src.ops.p2p import precv, psend
 from jax_cpu_mpi._src.ops.packed import pmean_packed, psum_packed
+from jax_cpu_mpi._src.ops.uninitialized import uninitialized
 from jax_cpu_mpi._src.ops.vma import vary, vma_of
 from jax_cpu_mpi._src.pipeline import plan as plan_mod
 from jax_cpu_mpi._src.pipeline import residuals
@@ -658,8 +659,11 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
     results = ((zeros(y_shape, (M + 1,)),) if return_outputs else ()) + \
         ((zeros(x0, (M + 1,)),) if plan.input_grads else ()) + \
         ((zeros(loss_acc, (M + 1,)),) if loss_params is not None else ())
+    # Every slot is written (a forward's residuals, an input part's mid) before a backward
+    # reads it, and a stage uses only some of them: no zeros first (.ops.uninitialized).
     kept = () if vjp is None else tuple(
-        zeros(leaf, (plan.kept_slots,)) for leaf in (*vjp.kept, *vjp.mid))
+        vary(uninitialized((plan.kept_slots, *leaf.shape), leaf.dtype, i), varying)
+        for i, leaf in enumerate((*vjp.kept, *vjp.mid)))
     carry = (stash, kept, (grads, vary(jnp.zeros((), jnp.float32), varying)), results)
     (_, _, (grads, loss), results), _ = jax.lax.scan(
         tick, carry, (jnp.asarray(table, np.int32), jnp.asarray(message_kind),

@@ -10,7 +10,12 @@ Everything is traced once, as jaxprs, from the chunk function and abstract argum
 * ``forward(p, x, c) -> (y, kept)``: the output and the residuals that depend on the
   microbatch ``x``. Residuals that depend only on the parameters and the chunk index (a
   weight matrix sliced out of a stacked parameter, say) are not kept per microbatch: the
-  backward forms them again from ``p``, which costs a slice, not a forward.
+  backward forms them again from ``p``, which costs a slice, not a forward. Nor are those
+  that elementwise operations make from other kept residuals (:func:`_recomputed`): a GELU
+  leaves its input, its tanh, the tanh's square and two products, where its input alone
+  gives all of them again in the backward's own loops, for less than the memory traffic
+  of keeping them (each kept byte is written by the forward and read by the backward, and
+  on CPU the slots of many microbatches are fresh pages every step).
 * ``backward(p, kept, g) -> (dp, dx)``, and the same with only ``dp`` (the first chunk,
   whose input needs no cotangent).
 * ``input_part(p, kept, g) -> (dx, mid)`` and ``weight_part(p, kept, g, mid) -> dp``:
@@ -60,13 +65,39 @@ def _run(jaxpr: Any, args: Sequence[Any]) -> list[Any]:
 
 
 def _depends_on(jaxpr: Any, inputs: Sequence[bool]) -> list[bool]:
-    """Per output of ``jaxpr``: whether it depends on an input marked in ``inputs``
-    (conservatively: an equation's outputs depend on all its inputs)."""
+    """Per output of ``jaxpr``: whether it depends on an input marked in ``inputs``."""
+    marked = _marked(jaxpr, inputs)
+    return [isinstance(v, jex.Var) and id(v) in marked for v in jaxpr.outvars]
+
+
+def _marked(jaxpr: Any, inputs: Sequence[bool], calls: bool = True) -> set[int]:
+    """The variables of ``jaxpr`` that depend on an input marked in ``inputs`` (by
+    identity). Conservatively, an equation's outputs depend on all its inputs; but a call's
+    (``jit``) each on the inputs its own body makes it depend on: partial evaluation puts
+    values that do not depend on the microbatch among a call's residuals (a ``where``'s
+    broadcast mask next to its result), and a pass of dead code elimination then forms them
+    without the rest of the call. ``calls=False``: every equation conservatively."""
     marked = {id(v) for v, m in zip(jaxpr.invars, inputs, strict=True) if m}
     for eqn in jaxpr.eqns:
-        if any(id(v) in marked for v in eqn.invars if isinstance(v, jex.Var)):
+        reads = [isinstance(v, jex.Var) and id(v) in marked for v in eqn.invars]
+        if not any(reads):
+            continue
+        inner = _call_body(eqn) if calls else None
+        if inner is None or len(inner.invars) != len(reads):
             marked.update(id(v) for v in eqn.outvars)
-    return [isinstance(v, jex.Var) and id(v) in marked for v in jaxpr.outvars]
+        else:
+            marked.update(id(v) for v, m in zip(eqn.outvars, _depends_on(inner, reads),
+                                                strict=True) if m)
+    return marked
+
+
+def _call_body(eqn: Any) -> Any:
+    """The open body of a call equation (``jit``), or ``None``."""
+    if eqn.primitive.name not in ("pjit", "jit", "closed_call", "core_call"):
+        return None
+    inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    inner = getattr(inner, "jaxpr", inner)
+    return inner if hasattr(inner, "eqns") else None
 
 
 def _select(jaxpr: Any, outputs: Sequence[bool]) -> tuple[Any, list[bool]]:
@@ -109,7 +140,7 @@ class ChunkVjp:
     #: Leaves the input part of a split backward hands to the weight part.
     mid: tuple[jax.ShapeDtypeStruct, ...]
     _forward: _Part
-    _again: _Part  # the residuals that depend on p and c only
+    _again: _Part  # (p, x unread, c, kept) -> the residuals not kept
     _backward: _Part  # (consts, residuals, g) -> (dp, dx)
     _input_part: _Part
     _weight_part: _Part
@@ -123,11 +154,12 @@ class ChunkVjp:
         return jax.tree.unflatten(y_tree, out[:y_tree.num_leaves]), out[y_tree.num_leaves:]
 
     def _residuals(self, p: PyTree, c: Any, kept: Sequence[jax.Array]) -> list[Any]:
-        """Every residual: the kept ones, and those formed again from ``p`` and ``c`` (the
-        microbatch's inputs are not read: ``None`` in their places)."""
+        """Every residual: the kept ones, and those formed again from ``p``, ``c`` and the
+        kept ones (the microbatch's inputs are not read: ``None`` in their places)."""
         if all(self._is_kept):
             return list(kept)
-        again = iter(self._again(*jax.tree.leaves(p), *[None] * self._trees[0].num_leaves, c))
+        again = iter(self._again(*jax.tree.leaves(p), *[None] * self._trees[0].num_leaves, c,
+                                 *kept))
         kept_ = iter(kept)
         return [next(kept_) if k else next(again) for k in self._is_kept]
 
@@ -175,11 +207,19 @@ def chunk_vjp(apply: Callable[[PyTree, PyTree, Any], PyTree], p: PyTree, x: PyTr
     n_consts, n_p, n_x = len(fwd_consts), p_tree.num_leaves, x_tree.num_leaves
     n_y = len(y_shapes)
     inputs_x = [False] * n_consts + [False] * n_p + [True] * n_x + [False]
-    # Without dead-code elimination nothing can be formed again from p alone: keep it all.
-    is_kept = _depends_on(fwd, inputs_x)[n_y:] if compat.available(compat.dce_jaxpr) \
-        else [True] * len(res_shapes)
+    # Without dead-code elimination nothing can be formed again: keep it all.
+    if compat.available(compat.dce_jaxpr):
+        is_kept = _recomputed(fwd, inputs_x, n_y)
+        again = _again(fwd, fwd_consts, n_y, is_kept)
+        if not _formed_without_x(again, n_p, n_x):
+            # A cut this jaxpr does not allow (a call's result needed without the rest of
+            # it, say): keep what depends on the microbatch at all, as before the cuts.
+            is_kept = _recomputed(fwd, inputs_x, n_y, cut=False)
+            again = _again(fwd, fwd_consts, n_y, is_kept)
+    else:
+        is_kept = [True] * len(res_shapes)
+        again = _again(fwd, fwd_consts, n_y, is_kept)
     forward_part = _part(fwd, fwd_consts, [True] * n_y + is_kept)
-    again = _part(fwd, fwd_consts, [False] * n_y + [not k for k in is_kept])
 
     vjp_tree, y_tree = trees
     closed_b, dp_dx = jax.make_jaxpr(
@@ -196,6 +236,108 @@ def chunk_vjp(apply: Callable[[PyTree, PyTree, Any], PyTree], p: PyTree, x: PyTr
         mid=mid, _forward=forward_part, _again=again, _backward=backward,
         _input_part=input_part, _weight_part=weight_part, _is_kept=tuple(is_kept),
         _trees=(x_tree, y_tree, dp_tree))
+
+
+# Primitives whose results cost less to form again in the backward, from values it has,
+# than to keep: elementwise ones (XLA CPU fuses them into the loops that read their
+# results), shape-only ones, and calls of only those. Not a matrix product, a reduction, a
+# random number generator or a control-flow primitive: those cost a pass of their own.
+_ELEMENTWISE = frozenset({
+    "abs", "add", "and", "broadcast_in_dim", "ceil", "clamp", "convert_element_type",
+    "copy", "copy_p", "cos", "div", "eq", "erf", "erf_inv", "exp", "exp2", "expand_dims",
+    "expm1", "floor", "ge", "gt", "integer_pow", "is_finite", "le", "log", "log1p",
+    "logistic", "lt", "max", "min", "mul", "ne", "neg", "not", "or", "pow", "reshape",
+    "round", "rsqrt", "select_n", "shift_left", "shift_right_arithmetic",
+    "shift_right_logical", "sign", "sin", "sqrt", "square", "squeeze", "stop_gradient",
+    "sub", "tan", "tanh", "xor"})
+
+
+def _elementwise(eqn: Any) -> bool:
+    """Whether ``eqn`` is cheap to form again (``_ELEMENTWISE``, or a call of only such)."""
+    if eqn.primitive.name in _ELEMENTWISE:
+        return True
+    inner = _call_body(eqn)
+    return inner is not None and all(_elementwise(e) for e in inner.eqns)
+
+
+def _recomputed(fwd: Any, inputs_x: Sequence[bool], n_y: int, cut: bool = True
+                ) -> list[bool]:
+    """Per residual of the forward ``fwd`` (outputs after the ``n_y`` of ``y``): whether to
+    keep it. Not those that depend only on the parameters and the chunk index, nor, taken
+    in the forward's order, those that elementwise operations (:func:`_elementwise`) form
+    from residuals still kept and from values of the parameters and index alone: the
+    backward forms both again (:func:`_again`). A value one of whose producer's other
+    results is kept is not formed again (the producer would run twice). ``cut=False``:
+    only those of the parameters and index, told apart conservatively (:func:`_marked`)."""
+    residuals = fwd.outvars[n_y:]
+    x_vars = _marked(fwd, inputs_x, calls=cut)
+    by_x = [isinstance(v, jex.Var) and id(v) in x_vars for v in residuals]
+    made_by = {id(v): e for e in fwd.eqns for v in e.outvars}
+    x_inputs = {id(v) for v, m in zip(fwd.invars, inputs_x, strict=True) if m}
+    kept: set[int] = set()
+    is_kept = []
+    for v, depends in zip(residuals, by_x, strict=True):
+        keep = depends and id(v) not in kept  # a residual twice is kept once
+        is_kept.append(keep)
+        if keep:
+            kept.add(id(v))
+
+    def formed_again(v: Any, seen: dict[int, bool]) -> bool:
+        """Whether ``v`` can be formed from the kept residuals and values of the
+        parameters and index alone, by elementwise operations on what depends on x."""
+        if not isinstance(v, jex.Var) or id(v) in kept or id(v) not in x_vars:
+            return True
+        if id(v) in x_inputs:
+            return False
+        if id(v) in seen:
+            return seen[id(v)]
+        seen[id(v)] = False  # no cycles in a jaxpr; this only stops a repeated walk
+        eqn = made_by[id(v)]
+        ok = _elementwise(eqn) and not any(id(o) in kept for o in eqn.outvars) and all(
+            formed_again(a, seen) for a in eqn.invars)
+        seen[id(v)] = ok
+        return ok
+
+    for i, v in enumerate(residuals):
+        if not (cut and is_kept[i]):
+            continue
+        kept.discard(id(v))
+        if formed_again(v, {}):
+            is_kept[i] = False
+        else:
+            kept.add(id(v))
+    return is_kept
+
+
+def _again(fwd: Any, consts: list[Any], n_y: int, is_kept: Sequence[bool]) -> _Part:
+    """``(p, x, c, kept) -> the residuals not kept`` (``x`` unread: every one of them is
+    formed from ``p``, ``c`` and the kept residuals, :func:`_recomputed`)."""
+    residuals = fwd.outvars[n_y:]
+    kept_vars = [v for v, k in zip(residuals, is_kept, strict=True) if k]
+    kept_ids = {id(v) for v in kept_vars}
+    # The kept residuals become inputs: the equations that made them are dropped (none
+    # of their other results is needed, _recomputed).
+    eqns = [e for e in fwd.eqns if not any(id(o) in kept_ids for o in e.outvars)]
+    jaxpr = _jaxpr(fwd, [*fwd.invars, *kept_vars],
+                   [v for v, k in zip(residuals, is_kept, strict=True) if not k], eqns)
+    return _part(jaxpr, consts, [True] * (len(residuals) - len(kept_vars)))
+
+
+def _formed_without_x(again: _Part, n_p: int, n_x: int) -> bool:
+    """Whether ``again`` reads none of the microbatch's inputs (``None`` in their places),
+    and every variable it reads is made in it (none that a dropped equation made)."""
+    args = again.jaxpr.invars[len(again.consts):]  # one per argument it takes (_Part)
+    position = [i for i, r in enumerate(again.reads) if r]
+    x_ids = {id(v) for v, i in zip(args, position, strict=True) if n_p <= i < n_p + n_x}
+    used = [v for e in again.jaxpr.eqns for v in e.invars] + list(again.jaxpr.outvars)
+    if any(isinstance(v, jex.Var) and id(v) in x_ids for v in used):
+        return False
+    made = {id(v) for v in again.jaxpr.invars}
+    for eqn in again.jaxpr.eqns:
+        if any(isinstance(v, jex.Var) and id(v) not in made for v in eqn.invars):
+            return False
+        made.update(id(v) for v in eqn.outvars)
+    return all(not isinstance(v, jex.Var) or id(v) in made for v in again.jaxpr.outvars)
 
 
 def _cut(bwd: Any, consts: list[Any], n_dp: int, n_dx: int
