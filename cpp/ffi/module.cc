@@ -102,6 +102,11 @@ NB_MODULE(_jax_cpu_mpi, m) {
         "1 where the node has more busy threads than cores (auto, the default), 2 always "
         "(on); in every mode only in programs that allow it (passes/park_safety.py).");
   m.def("meeting_handoff", &jcm::MeetingHandoff);
+  m.def("set_poison_uninitialized", &jcm::SetPoisonUninitialized, nb::arg("on"),
+        "Whether jax_cpu_mpi_uninitialized fills its buffer with NaN (floats), the most "
+        "negative (signed), the largest (unsigned) value or true, so that a read before a "
+        "write shows (JAX_CPU_MPI_POISON_UNINITIALIZED); read at each call.");
+  m.def("poison_uninitialized", &jcm::PoisonUninitialized);
 
   m.def("configure",
         [](double recv_timeout_s, uint64_t max_inflight_bytes) {

@@ -8,3 +8,14 @@
 #include "xla/ffi/api/api.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JcmUninitialized);
+
+namespace jcm {
+
+// Poison mode (JAX_CPU_MPI_POISON_UNINITIALIZED): the handler fills its buffer with a value
+// no computation would leave there, NaN in floats, so that a read before a write shows in
+// results instead of reading the zeros a fresh page happens to hold. Read at each call,
+// so it applies to programs compiled before it was set.
+void SetPoisonUninitialized(bool on);
+bool PoisonUninitialized();
+
+}  // namespace jcm

@@ -126,6 +126,18 @@ def run_pipeline(case: Case, devices) -> tuple:
     return (params, xs, ys), results
 
 
+def worst(errors) -> float:
+    """The largest of ``errors``, NaN if any is NaN. Not Python's ``max``: it keeps its
+    first value against a later NaN (``max([0.0, nan]) == 0.0``), and a NaN is what a read
+    of a poisoned kept residual gives (``JAX_CPU_MPI_POISON_UNINITIALIZED``)."""
+    return float(np.max(np.asarray(list(errors), np.float64)))
+
+
+def within(case: Case, errors: dict[str, float]) -> bool:
+    """Whether every error of :func:`compare` is within :func:`tolerance` (a NaN is not)."""
+    return bool(worst(errors.values()) <= tolerance(case))
+
+
 def compare(case: Case, inputs: tuple, results: tuple) -> dict[str, float]:
     """The largest relative differences of loss, gradients, outputs (and input gradients)
     from :func:`reference`."""
@@ -139,12 +151,12 @@ def compare(case: Case, inputs: tuple, results: tuple) -> dict[str, float]:
         scale = float(np.max(np.abs(want))) or 1.0
         return float(np.max(np.abs(got - want))) / scale
 
-    grad_err = max(jax.tree.leaves(jax.tree.map(rel, got_grads, want_grads)))
-    out_err = max(jax.tree.leaves(jax.tree.map(rel, got_outs, want_outs)))
+    grad_err = worst(jax.tree.leaves(jax.tree.map(rel, got_grads, want_grads)))
+    out_err = worst(jax.tree.leaves(jax.tree.map(rel, got_outs, want_outs)))
     loss_err = abs(float(got_loss) - want_loss) / abs(want_loss)
     errors = {"loss": loss_err, "grads": grad_err, "outputs": out_err}
     if case.input_grads:
-        errors["inputs"] = max(jax.tree.leaves(jax.tree.map(rel, got_inputs[0], want_inputs)))
+        errors["inputs"] = worst(jax.tree.leaves(jax.tree.map(rel, got_inputs[0], want_inputs)))
     return errors
 
 

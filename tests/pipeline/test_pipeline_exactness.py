@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from pipeline_cases import Case, run_case, tolerance
+from pipeline_cases import Case, run_case, within
 
 from jax_cpu_mpi import pipeline as pl
 
@@ -57,7 +57,7 @@ CASES = (
                          + ("" if c.remat else "-kept"))
 def test_matches_single_device(case):
     errors = run_case(case, jax.devices())
-    assert max(errors.values()) <= tolerance(case), errors
+    assert within(case, errors), errors
 
 
 def _dense(p, x):

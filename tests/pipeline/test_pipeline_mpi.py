@@ -13,7 +13,9 @@ from mpi_launcher import assert_mpi_ok, run_mpi
 @pytest.mark.parametrize("nprocs,devices", [(2, 2), (4, 1)],
                          ids=["mpirun-n2x2devices", "mpirun-n4x1device"])
 def test_every_schedule_matches_the_reference(nprocs, devices):
-    # 4 stages; M = 5 is no multiple of P (and >= P, as interleaving needs).
+    # 4 stages; M = 5 is no multiple of P (and >= P, as interleaving needs). The kept
+    # residuals' slots poisoned, as in one process (conftest.py).
     run = run_mpi("pipeline_exactness.py", "4", "5", nprocs=nprocs,
-                  devices_per_process=devices, timeout=360)
+                  devices_per_process=devices, timeout=360,
+                  env={"JAX_CPU_MPI_POISON_UNINITIALIZED": "1"})
     assert_mpi_ok(run, nprocs)

@@ -131,6 +131,91 @@ def test_what_elementwise_operations_form_again_is_not_kept():
     jax.tree.map(close, (vjp.weight_part(p, c, kept, g, mid), dx), (want_dp, want_dx))
 
 
+def _layer_norm(h, scale):
+    mu = h.mean(-1, keepdims=True)
+    return (h - mu) * jax.lax.rsqrt(((h - mu) ** 2).mean(-1, keepdims=True) + 1e-5) * scale
+
+
+@jax.custom_vjp
+def _clip_gradient(h):
+    return h
+
+
+_clip_gradient.defvjp(lambda h: (h, jnp.abs(h) < 1.0), lambda m, g: (jnp.where(m, g, 0.0),))
+
+
+def _blocks(p, x, c):
+    """A jit of the user's with a causal where, a product and a parameter-only result."""
+    @jax.jit
+    def block(h, w, s):
+        u = h @ w
+        mask = jnp.tril(jnp.ones(u.shape, bool))
+        return jnp.where(mask, jax.nn.gelu(u), -1e9), jnp.cos(s) * w.sum(), u
+    a, k, u = block(x, p["w"][0], p["b"][0])
+    return jnp.tanh(a * k) @ p["w"][1] + u
+
+
+# Stage functions a user writes, each against jax.vjp: data-dependent masks and branches,
+# a branch per chunk, a scan over layers, JAX's custom_jvp/custom_vjp activations and our
+# own, integer and boolean intermediates, dropout keyed by the chunk index, remat inside
+# the stage, a parameter the output does not depend on, jit calls, and the microbatch read
+# by a product and by elementwise operations.
+USER_STAGES = {
+    "where-data-mask": lambda p, x, c: jnp.where(
+        (u := x @ p["w"][0]) > 0.1, jnp.tanh(u), 0.3 * u) @ p["w"][1],
+    "cond-on-data": lambda p, x, c: jax.lax.cond(
+        jnp.sum(x) > 0, lambda h: jnp.tanh(h @ p["w"][0]), lambda h: jnp.sin(h) * p["b"][0], x),
+    "switch-on-chunk": lambda p, x, c: jax.lax.switch(
+        c, [lambda h: jax.nn.gelu(h @ p["w"][0]), lambda h: jax.nn.relu(h @ p["w"][1]),
+            lambda h: h * p["b"][2]], x),
+    "scan-norm-relu": lambda p, x, c: jax.lax.scan(
+        lambda h, wb: (_layer_norm(h + jax.nn.relu(h @ wb[0]), wb[1]), None), x,
+        (p["w"], p["b"]))[0],
+    "softmax-norm-gelu": lambda p, x, c: _layer_norm(
+        x + jax.nn.gelu(jax.nn.softmax(_layer_norm(x, p["b"][0]) @ p["w"][0]) @ p["w"][1]),
+        p["b"][1]),
+    "custom-vjp-silu": lambda p, x, c: _clip_gradient(jax.nn.silu(x @ p["w"][0])) @ p["w"][1],
+    "ints-and-bools": lambda p, x, c: (
+        jax.nn.one_hot(jnp.argmax(u := x @ p["w"][0], -1), WIDTH) * u
+        + jnp.where(jnp.round(u * 4).astype(jnp.int32) % 2 == 0, u, -u)),
+    "dropout-by-chunk": lambda p, x, c: jnp.where(
+        jax.random.bernoulli(jax.random.fold_in(jax.random.key(3), c), 0.5, x.shape),
+        jnp.tanh(x @ p["w"][0]) * 2.0, 0.0),
+    "checkpoint-inside": lambda p, x, c: jax.checkpoint(
+        lambda h: jax.nn.gelu(jnp.tanh(h @ p["w"][0]) @ p["w"][1]))(x),
+    "unused-parameter": lambda p, x, c: jnp.tanh(x @ p["w"][0]),
+    "jit-blocks": _blocks,
+    "x-by-product-and-elementwise": lambda p, x, c: x @ p["w"][0] + jnp.sin(x) * jnp.exp(x),
+}
+
+
+@pytest.mark.parametrize("name", USER_STAGES)
+def test_user_stage_functions_equal_jax_vjp(name):
+    """The forward, the whole backward and the split one give jax.vjp's values (chunk
+    index 1: the switch takes its second branch, the dropout mask its second key)."""
+    f = USER_STAGES[name]
+    p, x, g = problem()
+    c = jnp.int32(1)
+    vjp = chunk_vjp(f, p, x, c)
+    y, kept = vjp.forward(p, x, c)
+    want_y, f_vjp = jax.vjp(lambda p, x: f(p, x, c), p, x)
+    want_dp, want_dx = f_vjp(g)
+    close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)  # noqa: E731
+    close(y, want_y)
+    jax.tree.map(close, vjp.backward(p, c, kept, g), (want_dp, want_dx))
+    dx, mid = vjp.input_part(p, c, kept, g)
+    jax.tree.map(close, (vjp.weight_part(p, c, kept, g, mid), dx), (want_dp, want_dx))
+    if name == "jit-blocks":
+        # A jit's results that depend on the parameters alone (its where's mask, cos(s) *
+        # w.sum()) are formed again from them, not kept per microbatch (they were, with
+        # every other residual of the chunk, as no cut at all).
+        assert all(k.shape[:1] == (BATCH,) for k in vjp.kept), vjp.kept
+    if name == "x-by-product-and-elementwise":
+        # The input is kept for the product's dW, and its sine, cosine and exponential are
+        # formed again from it (once, it was kept twice over and the cut given up).
+        assert [k.shape for k in vjp.kept] == [x.shape], vjp.kept
+
+
 def test_plan_keeps_each_forward_until_its_last_backward():
     """The kept slots: one per (microbatch, chunk) from its F to its last B or W, reused
     after; as many as the schedule's peak stash."""

@@ -60,6 +60,7 @@ def test_bad_value_names_variable_value_and_what_is_allowed(monkeypatch, name, v
     ("JAX_CPU_MPI_ABORT_ON_ERROR", "off", "abort_on_error", False),
     ("JAX_CPU_MPI_GPU_PARITY", "No", "gpu_parity", False),
     ("JAX_CPU_MPI_FAST_DISPATCH", "TRUE", "fast_dispatch", True),
+    ("JAX_CPU_MPI_POISON_UNINITIALIZED", "on", "poison_uninitialized", True),
     ("JAX_CPU_MPI_RECV_TIMEOUT", "", "recv_timeout", 300.0),  # empty: the default
 ])
 def test_good_values(monkeypatch, name, value, field, expected):

@@ -306,7 +306,7 @@ def run_check(args: argparse.Namespace, problem: Problem, losses: list[float],
         db = relative_difference(np.asarray(final.b[s]), np.asarray(params.b[s]))
         param_diffs += [dw, db]
         say(f"  {s:>5}  {dw:>16.2e}  {db:>16.2e}")
-    worst = max(loss_diffs + param_diffs)
+    worst = float(np.max(loss_diffs + param_diffs))  # NaN if any is (max keeps its first)
     ok = all(d <= rtol for d in loss_diffs + param_diffs)  # False for NaN too
     say(f"check: {'PASS' if ok else 'FAIL'} (largest relative difference {worst:.2e})")
     return ok

@@ -13,6 +13,11 @@ gives whatever was there, so only a caller that writes every element before read
 may use it. ``index`` tells the calls of one program apart (XLA would merge identical
 ones, then copy the merged buffer for each of its users). Elsewhere (GPU, or a CPU whose
 handlers could not be registered) it is ``zeros``.
+
+A read before a write would go unseen: a fresh page holds zeros, what ``zeros`` gave. With
+``JAX_CPU_MPI_POISON_UNINITIALIZED=1`` (``configure(poison_uninitialized=True)``) the call
+fills its buffer with NaN (floats) or an extreme value (integers) at every run, so that
+such a read shows in the results (tests/pipeline/test_pipeline_poison.py).
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jax_cpu_mpi._src.runtime import config
 
 UNINITIALIZED_TARGET = "jax_cpu_mpi_uninitialized"
 
@@ -46,6 +53,9 @@ def uninitialized(shape: tuple[int, ...], dtype: Any, index: int) -> jax.Array:
 
     if not _registered():
         return zeros()
+    # The poison setting reaches the handler with the rest of the configuration: push it
+    # now if nothing has yet (a bad JAX_CPU_MPI_* value raises here, as at a lowering).
+    config.current()
 
     def on_cpu() -> jax.Array:
         call = jax.ffi.ffi_call(UNINITIALIZED_TARGET, jax.ShapeDtypeStruct(shape, dtype))

@@ -316,9 +316,24 @@ def _again(fwd: Any, consts: list[Any], n_y: int, is_kept: Sequence[bool]) -> _P
     kept_vars = [v for v, k in zip(residuals, is_kept, strict=True) if k]
     kept_ids = {id(v) for v in kept_vars}
     # The kept residuals become inputs: the equations that made them are dropped (none
-    # of their other results is needed, _recomputed).
-    eqns = [e for e in fwd.eqns if not any(id(o) in kept_ids for o in e.outvars)]
-    jaxpr = _jaxpr(fwd, [*fwd.invars, *kept_vars],
+    # of their other results is needed, _recomputed), but a call: its results that depend
+    # on the parameters and index alone (:func:`_marked`) may be needed without the rest,
+    # so its kept results get variables nothing reads, and dead code elimination leaves of
+    # the call what forms the others (else no cut at all, _formed_without_x).
+    eqns = []
+    for e in fwd.eqns:
+        if any(id(o) in kept_ids for o in e.outvars):
+            if _call_body(e) is None:
+                continue
+            e = e.replace(outvars=[jex.Var(o.aval) if id(o) in kept_ids else o
+                                   for o in e.outvars])
+        eqns.append(e)
+    # A kept residual that is one of the chunk's inputs (``x`` itself, the input of a
+    # matrix product) is read from the kept ones: its own place among the inputs gets a
+    # variable nothing reads, else ``x`` would be an input twice and what elementwise
+    # operations form from it would seem to read the microbatch (no cut at all).
+    invars = [jex.Var(v.aval) if id(v) in kept_ids else v for v in fwd.invars]
+    jaxpr = _jaxpr(fwd, [*invars, *kept_vars],
                    [v for v, k in zip(residuals, is_kept, strict=True) if not k], eqns)
     return _part(jaxpr, consts, [True] * (len(residuals) - len(kept_vars)))
 

@@ -62,6 +62,10 @@ class Config:
     #: (JAX's own path) or ``"auto"`` (MPI in a job an MPI launcher started); chosen when a
     #: program is lowered.
     collectives: str = "auto"
+    #: Fill the buffers that start uninitialized (a pipeline's kept residuals) with NaN
+    #: (floats), the most negative (signed), the largest (unsigned) value or true, so that
+    #: a read before a write shows in results (a check: it costs a write of every byte).
+    poison_uninitialized: bool = False
 
     def __post_init__(self) -> None:
         if not self.recv_timeout > 0:
@@ -244,6 +248,17 @@ VARIABLES: tuple[Variable, ...] = (
              "launcher started, `gloo` elsewhere; chosen when a program is lowered",
              "collectives", _choice(auto="mpi under an MPI launcher, else gloo",
                                     mpi="MPI collectives", gloo="JAX's gloo path")),
+    Variable("JAX_CPU_MPI_POISON_UNINITIALIZED", "runtime", "0",
+             "`1`: the buffers that start uninitialized instead of zeroed (the slots of a "
+             "pipeline's kept residuals, `remat=False`) are filled, at every run, with NaN "
+             "in floats (all bits set; the sign bit in the FNUZ float8 types), the most "
+             "negative value in signed integers, the largest in unsigned ones and true in "
+             "booleans, so that a read before a write shows in the results instead of "
+             "reading whatever memory held (often zeros); a check for tests and debugging, "
+             "it costs the write that leaving them uninitialized saves. Read at each run "
+             "(`configure(poison_uninitialized=True)` applies to compiled programs too)",
+             "poison_uninitialized",
+             _boolean("fill with NaN / extreme values", "leave as they are")),
     Variable("JAX_CPU_MPI_DISABLE", "runtime", "0",
              "`1`: `import jax_cpu_mpi` and JAX's plugin discovery register nothing (JAX "
              "behaves as without jax_cpu_mpi); `jax_cpu_mpi.install()` still registers "
@@ -446,6 +461,7 @@ def _push(cfg: Config) -> None:
     from jax_cpu_mpi import _jax_cpu_mpi as ext
 
     ext.configure(cfg.recv_timeout, cfg.max_inflight_bytes)
+    ext.set_poison_uninitialized(cfg.poison_uninitialized)
 
 
 def configure(**changes: float | int | bool) -> Config:
