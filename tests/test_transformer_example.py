@@ -185,6 +185,30 @@ def test_the_dropout_keeps_its_rate_scale_and_keys():
         drop(x)
 
 
+@pytest.mark.parametrize("axis", ["data", "stage"])
+def test_the_process_axis_places_a_process_on_one_shard_or_one_stage(axis, monkeypatch):
+    from types import SimpleNamespace
+
+    import jax
+
+    from jax_cpu_mpi.examples import transformer
+
+    # Two processes of 2 devices each, as mpirun -n 2 gives them (device ids 0-3).
+    fake = [SimpleNamespace(process_index=i // 2, id=i) for i in (3, 1, 0, 2)]
+    monkeypatch.setattr(jax, "devices", lambda: fake)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax.sharding, "Mesh", lambda grid, names: (grid, names))
+    args = transformer.parse_args(["--stages", "2", "--data", "2", "--process-axis", axis])
+    grid, names = transformer.make_mesh(args)
+    assert names == (transformer.STAGE, transformer.DATA)
+    process = np.vectorize(lambda d: d.process_index)(grid)
+    # data: each data shard (a column) in one process, its stages in the process's order;
+    # stage: each stage (a row) in one process.
+    expected = [[0, 1], [0, 1]] if axis == "data" else [[0, 0], [1, 1]]
+    assert process.tolist() == expected
+    assert sorted(d.id for d in grid.ravel()) == [0, 1, 2, 3]
+
+
 @pytest.mark.mpi
 @pytest.mark.timeout(600)
 def test_mpirun_n2x2devices_trains_and_checkpoints(tmp_path):
@@ -194,7 +218,8 @@ def test_mpirun_n2x2devices_trains_and_checkpoints(tmp_path):
                   nprocs=2, module=True, timeout=560)
     assert run.returncode == 0, run.report()
     out = "\n".join(run.by_rank()[0])
-    assert "2 stages x 2 data shards on 2 process(es) x 2 CPU device(s)" in out, out
+    assert ("2 stages x 2 data shards on 2 process(es) x 2 CPU device(s), the data axis "
+            "across them") in out, out
     assert "step     2/2" in out and "val " in out, out
     assert f"checkpoint: step 2 saved in {tmp_path}" in out, out
     assert (tmp_path / "2").is_dir()

@@ -143,7 +143,7 @@ def main(argv: list[str]) -> int:
     if is_main:
         result = {"framework": "jax", "stages": args.stages, "data": args.data,
                   "schedule": args.schedule, "virtual_stages": args.virtual_stages,
-                  "processes": jax.process_count(),
+                  "processes": jax.process_count(), "process_axis": args.process_axis,
                   "devices_per_process": jax.local_device_count(),
                   "jax": jax.__version__, "remat": args.remat,
                   "xla_flags": os.environ.get("XLA_FLAGS", ""),

@@ -15,8 +15,9 @@ Layouts (``--layouts``), ``stages x data`` mesh -> how each side runs it:
 * ``1x4``: 4 stages x 1 data shard; ours in one process with 4 CPU devices, torch in 4
   processes (one stage each);
 * ``2x2``: 2 stages x 2 data shards; ours under ``mpirun -n 2`` with 2 devices each
-  (a process per stage, its devices the stage's data shards), torch in 4 processes (DDP
-  over each stage's 2).
+  (the example's default ``--process-axis data``: a process per data shard, its devices
+  the shard's 2 stages, so only the step's gradient sums cross processes), torch in 4
+  processes (DDP over each stage's 2).
 
 Every launch first checks one step's loss and gradients (ours: the example's ``--check``
 against the model on one device without a pipeline; torch's: against the same torch model

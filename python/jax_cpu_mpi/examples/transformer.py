@@ -63,6 +63,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     a = p.add_argument
     a("--stages", type=int, default=2, help="pipeline stages (2)")
     a("--data", type=int, default=2, help="data-parallel shards (2)")
+    a("--process-axis", default="data", choices=("data", "stage"),
+      help="the mesh axis that goes across processes: data (a process holds consecutive "
+           "stages of one data shard, so the pipeline's sends stay in the process and only "
+           "the step's gradient sums cross) or stage (a process holds the data shards of "
+           "one stage: every activation and cotangent crosses); data by default")
     a("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule (1f1b)")
     a("--virtual-stages", type=int, default=None,
       help="chunks per stage for interleaved-1f1b (2; 1 for the others)")
@@ -446,8 +451,9 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
 
 
 def make_mesh(args: argparse.Namespace) -> jax.sharding.Mesh:
-    """``stage x data`` over the job's devices, process by process (stage-major: a
-    process's devices are neighbouring stages or shards)."""
+    """``stage x data`` over the job's devices, process by process: with ``--process-axis
+    data`` (the default) a process's devices are consecutive stages of one data shard, with
+    ``stage`` the data shards of one stage (then the next stage's)."""
     need = args.stages * args.data
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     if jax.process_count() == 1:
@@ -455,8 +461,12 @@ def make_mesh(args: argparse.Namespace) -> jax.sharding.Mesh:
     if len(devices) != need:
         raise SystemExit(f"transformer: --stages x --data = {need} devices, the job has "
                          f"{len(devices)}")
-    return jax.sharding.Mesh(np.asarray(devices).reshape(args.stages, args.data),
-                             (STAGE, DATA))
+    order = np.asarray(devices)
+    # Devices fill the mesh process by process, the other axis fastest: with the data axis
+    # across processes, stage varies fastest, so a process holds a data shard's stages.
+    grid = (order.reshape(args.data, args.stages).T if args.process_axis == "data"
+            else order.reshape(args.stages, args.data))
+    return jax.sharding.Mesh(grid, (STAGE, DATA))
 
 
 def train_shardings(mesh: jax.sharding.Mesh, tree: PyTree) -> PyTree:
@@ -769,7 +779,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     say(f"transformer: {args.layers} blocks of width {args.width} ({args.heads} heads), "
         f"{sum(a.size for a in jax.tree.leaves(model_tree)):,} parameters, vocabulary "
         f"{len(text.vocab)}; {args.stages} stages x {args.data} data shards on "
-        f"{jax.process_count()} process(es) x {jax.local_device_count()} CPU device(s)")
+        f"{jax.process_count()} process(es) x {jax.local_device_count()} CPU device(s)"
+        + (f", the {args.process_axis} axis across them" if jax.process_count() > 1 else ""))
     say(f"schedule: {pipeline.schedule_by_name(args.schedule, args.virtual_stages).bind(args.stages, M).describe()}")  # noqa: E501
     unigram = text.unigram_loss()
     say(f"data: {len(text.train):,} train / {len(text.val):,} validation characters of the "
