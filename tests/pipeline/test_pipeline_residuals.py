@@ -106,6 +106,19 @@ def gelu_mlp(p, x, c):
     return jnp.tanh(h @ p["w2"])
 
 
+def _assert_equals_jax_vjp(vjp, f, p, x, c, g) -> None:
+    """``vjp``'s forward, whole backward and split backward give ``jax.vjp``'s values of
+    ``f(p, x, c)`` for the cotangent ``g``."""
+    y, kept = vjp.forward(p, x, c)
+    want_y, f_vjp = jax.vjp(lambda p, x: f(p, x, c), p, x)
+    want_dp, want_dx = f_vjp(g)
+    close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)  # noqa: E731
+    close(y, want_y)
+    jax.tree.map(close, vjp.backward(p, c, kept, g), (want_dp, want_dx))
+    dx, mid = vjp.input_part(p, c, kept, g)
+    jax.tree.map(close, (vjp.weight_part(p, c, kept, g, mid), dx), (want_dp, want_dx))
+
+
 def test_what_elementwise_operations_form_again_is_not_kept():
     """jax.vjp saves the GELU's input, its tanh, the tanh's square and products, the mask
     broadcast to the activation's shape and the where's zeros (15 residuals, 9 of them
@@ -121,14 +134,7 @@ def test_what_elementwise_operations_form_again_is_not_kept():
     vjp = chunk_vjp(gelu_mlp, p, x, c)
     assert sorted(k.shape for k in vjp.kept) == [(BATCH, WIDTH), (BATCH, WIDTH),
                                                  (BATCH, hidden)], vjp.kept
-    y, kept = vjp.forward(p, x, c)
-    want_y, f_vjp = jax.vjp(lambda p, x: gelu_mlp(p, x, 0), p, x)
-    want_dp, want_dx = f_vjp(g)
-    close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)  # noqa: E731
-    close(y, want_y)
-    jax.tree.map(close, vjp.backward(p, c, kept, g), (want_dp, want_dx))
-    dx, mid = vjp.input_part(p, c, kept, g)
-    jax.tree.map(close, (vjp.weight_part(p, c, kept, g, mid), dx), (want_dp, want_dx))
+    _assert_equals_jax_vjp(vjp, gelu_mlp, p, x, c, g)
 
 
 def _layer_norm(h, scale):
@@ -197,14 +203,7 @@ def test_user_stage_functions_equal_jax_vjp(name):
     p, x, g = problem()
     c = jnp.int32(1)
     vjp = chunk_vjp(f, p, x, c)
-    y, kept = vjp.forward(p, x, c)
-    want_y, f_vjp = jax.vjp(lambda p, x: f(p, x, c), p, x)
-    want_dp, want_dx = f_vjp(g)
-    close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)  # noqa: E731
-    close(y, want_y)
-    jax.tree.map(close, vjp.backward(p, c, kept, g), (want_dp, want_dx))
-    dx, mid = vjp.input_part(p, c, kept, g)
-    jax.tree.map(close, (vjp.weight_part(p, c, kept, g, mid), dx), (want_dp, want_dx))
+    _assert_equals_jax_vjp(vjp, f, p, x, c, g)
     if name == "jit-blocks":
         # A jit's results that depend on the parameters alone (its where's mask, cos(s) *
         # w.sum()) are formed again from them, not kept per microbatch (they were, with

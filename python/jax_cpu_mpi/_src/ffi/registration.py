@@ -27,3 +27,14 @@ def register_targets() -> None:
     for name, capsule in ext.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform="cpu")
     _registered = True
+
+
+def targets_available() -> bool:
+    """Whether the handlers are registered for CPU (registering them if not yet): False
+    where this jaxlib is too old for the extension, so that an op can lower to something
+    else there instead of failing."""
+    try:
+        register_targets()
+    except RuntimeError:
+        return False
+    return True
