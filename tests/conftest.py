@@ -141,3 +141,25 @@ def short_recv_timeout():
     jax_cpu_mpi.configure(recv_timeout=2.0)
     yield
     jax_cpu_mpi.configure(recv_timeout=before.recv_timeout)
+
+
+@pytest.fixture(autouse=True)
+def poisoned_kept_slots(request):
+    """Every pipeline test (``tests/pipeline/``) runs with the kept residuals' slots
+    poisoned. With ``remat=False`` the slots start uninitialized
+    (``jax_cpu_mpi_uninitialized``): a read of a slot before its forward wrote it would
+    read whatever the memory held, often zeros or an earlier step's values, and could pass
+    unseen. Poisoned (NaN in floats, an extreme value in integers, at every run) such a read
+    shows in the results, which the tests compare with NaN-aware checks
+    (``np.testing.assert_allclose``, ``pipeline_cases.within``). The setting costs no
+    compilation (the handler reads it at each call); the poison itself is checked in
+    ``tests/pipeline/test_pipeline_poison.py``. (Here, not in a ``tests/pipeline/conftest.py``:
+    the tests import helpers ``from conftest``, and a second module of that name shadows
+    this one.)"""
+    if request.path.parent.name != "pipeline":
+        yield
+        return
+    from jax_cpu_mpi._src.runtime import config
+
+    with config.overrides(poison_uninitialized=True):
+        yield
