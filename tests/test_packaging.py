@@ -7,6 +7,7 @@ import json
 import os
 import random
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -252,6 +253,30 @@ def test_launcher_detection(monkeypatch, env, launcher, method):
     detected = launch.detect()
     assert (detected.launcher, detected.jax_method()) == (launcher, method)
 
+
+
+def test_coordinator_port_is_held_until_the_coordinator_takes_it():
+    # Rank 0 chooses the coordinator's port; until JAX's coordinator binds it, another job's
+    # rank 0 choosing a free port could get the same one, and gRPC (SO_REUSEPORT) would let
+    # both coordinators listen there. The port stays held: a plain bind is refused, and a
+    # listener that shares ports as gRPC's does still gets it.
+    port = launch._free_port()
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as other:
+            with pytest.raises(OSError):
+                other.bind(("", port))
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as coordinator:
+            coordinator.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            coordinator.bind(("", port))
+            coordinator.listen()
+            with socket.create_connection(("127.0.0.1", port), timeout=5):
+                accepted, _ = coordinator.accept()
+                accepted.close()
+    finally:
+        held = [s for s in launch._reserved_ports if s.getsockname()[1] == port]
+        for s in held:
+            launch._reserved_ports.remove(s)
+            s.close()
 
 
 @pytest.mark.parametrize(("env", "pmi", "described"), [

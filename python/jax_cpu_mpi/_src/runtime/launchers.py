@@ -289,11 +289,30 @@ def _variables() -> tuple[str, str, str]:
     return _PRRTE if launcher() == "openmpi5" else _HYDRA
 
 
+#: The sockets that hold the coordinator ports this process chose (see :func:`_free_port`).
+_reserved_ports: list[socket.socket] = []
+
+
 def _free_port() -> int:
-    """A TCP port nothing listens on now (the coordinator binds it moments later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port for JAX's coordinator, held by this process until it exits.
+
+    A port found free and let go is free for anyone until the coordinator binds it: another
+    job's rank 0 on this host may pick the same one, and since gRPC binds with
+    ``SO_REUSEPORT``, both coordinators then listen on it and the two jobs' processes
+    register with either (JAX aborts them with "different incarnation" errors). The socket
+    kept here is bound with ``SO_REUSEPORT`` too, and never listens: gRPC's coordinator joins
+    it on the port and gets every connection, while a bind by anything else (another job's
+    choice of a free port included) is refused.
+    """
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         s.bind(("", 0))
-        return s.getsockname()[1]
+    except OSError:
+        s.close()
+        raise
+    _reserved_ports.append(s)
+    return s.getsockname()[1]
 
 
 def coordinator_address(override_port: str | None = None) -> str:
