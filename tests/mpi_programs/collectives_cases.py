@@ -942,6 +942,45 @@ except Exception as e:  # a compile error is this case's failure
     failures.append("partially manual shard_map")
     print(f"FAIL partially manual shard_map: {type(e).__name__}: {str(e)[:400]}", flush=True)
 
+
+# ---- merged all-reduces (passes/combined_all_reduces.py): a pytree's small leaves of one
+# dtype and reduction go as one call; a leaf above JAX_CPU_MPI_COMBINE_BYTES, a psum of a
+# psum's result and a psum of a value read from an earlier one stay calls of their own. The
+# matrix above merges too (its small cases share one program); here the number of calls is
+# checked, and the results against the same program with merging off, bit for bit.
+def tree_step(a, b, c, d, e):
+    first = jax.lax.psum((a, b, c, d), "x")  # a, b, d merge; c (int32) alone
+    big = jax.lax.psum(e, "x")  # 512 KiB: above the default limit
+    again = jax.lax.psum(first[0] * 3, "x")  # reads a merged result: a call of its own
+    peaks = jax.lax.pmax((a, b), "x")  # another reduction: merged apart
+    return (*first, big, again, *peaks)
+
+
+def tree_program(setting: str, combine: int):
+    config.configure(collectives=setting, combine_bytes=combine)
+    f = jax.jit(jax.shard_map(tree_step, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    args = [common.global_array(mesh, P("x"), v) for v in tree_operands]
+    calls = f.lower(*args).as_text().count("@jax_cpu_mpi_all_reduce(")
+    return calls, [common.gather(r) for r in f(*args)]
+
+
+tree_operands = [values("float32", (3, 5), 201), values("float32", (1,), 202),
+                 values("int32", (7,), 203), values("float32", (2, 2), 204),
+                 values("float32", (1 << 17,), 205)]
+try:
+    merged_calls, merged = tree_program("mpi", 256 << 10)
+    apart_calls, apart = tree_program("mpi", 0)
+    _, reference = tree_program("gloo", 256 << 10)
+    config.configure(combine_bytes=256 << 10)
+    assert (merged_calls, apart_calls) == (5, 8), (merged_calls, apart_calls)
+    for i, (m_, a_, r_) in enumerate(zip(merged, apart, reference, strict=True)):
+        check(f"merged all-reduces, result {i} vs separate calls", m_, a_[0], True)
+        check(f"merged all-reduces, result {i} vs gloo", m_, r_[0],
+              m_.dtype.kind in "iu" or n <= 2)
+except Exception as e:  # a compile error is this case's failure
+    failures.append("merged all-reduces")
+    print(f"FAIL merged all-reduces: {type(e).__name__}: {str(e)[:400]}", flush=True)
+
 if failures:
     raise SystemExit(f"{len(failures)} failures: {failures}")
 common.ok()

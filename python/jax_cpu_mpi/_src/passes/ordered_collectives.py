@@ -62,7 +62,7 @@ from jax_cpu_mpi._src.ffi.custom_calls import (
     with_int_attribute,
 )
 from jax_cpu_mpi._src.lowering import collectives
-from jax_cpu_mpi._src.passes import park_safety
+from jax_cpu_mpi._src.passes import combined_all_reduces, park_safety
 
 
 def wanted(platforms: Any, jaxpr: Any) -> bool:
@@ -445,6 +445,7 @@ def order_collectives(module: Any) -> int:
     collectives.pending_for_pass = 0
     with module.context, ir.Location.unknown():
         inline_calls(module)
+        combined_all_reduces.combine_all_reduces(module)
         chain = _Chain()
         # No chain's end where the program is lowered for other platforms too: outside the
         # per-platform branches it would run on all of them (no GPU has the target), and

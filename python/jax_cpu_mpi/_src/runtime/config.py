@@ -62,6 +62,10 @@ class Config:
     #: (JAX's own path) or ``"auto"`` (MPI in a job an MPI launcher started); chosen when a
     #: program is lowered.
     collectives: str = "auto"
+    #: All-reduces over MPI of at most this many bytes each, of one group, reduction and
+    #: dtype, that a program runs one after another merge into one call (0: none merge);
+    #: chosen when a program is lowered.
+    combine_bytes: int = 256 << 10
     #: Fill the buffers that start uninitialized (a pipeline's kept residuals) with NaN
     #: (floats), the most negative (signed), the largest (unsigned) value or true, so that
     #: a read before a write shows in results (a check: it costs a write of every byte).
@@ -76,6 +80,8 @@ class Config:
             raise ValueError(f"exit_timeout must be >= 0 seconds, got {self.exit_timeout}")
         if not self.exit_grace >= 0:
             raise ValueError(f"exit_grace must be >= 0 seconds, got {self.exit_grace}")
+        if not self.combine_bytes >= 0:
+            raise ValueError(f"combine_bytes must be >= 0, got {self.combine_bytes}")
         if self.collectives not in COLLECTIVES_CHOICES:
             raise ValueError(f"collectives must be one of {', '.join(COLLECTIVES_CHOICES)}, "
                              f"got {self.collectives!r}")
@@ -153,6 +159,14 @@ def _byte_count(var: Variable, text: str) -> int:
     if value <= 0:
         raise var.error(text, "is not a positive byte count", fix)
     return value
+
+
+def _byte_count_or_zero(var: Variable, text: str) -> int:
+    fix = "set a byte count, 0 or more, e.g. 0, 65536, 256KiB or 1M"
+    try:
+        return parse_bytes(text)
+    except ValueError:
+        raise var.error(text, "is not a byte count", fix) from None
 
 
 _TRUE = ("1", "true", "yes", "on")
@@ -248,6 +262,14 @@ VARIABLES: tuple[Variable, ...] = (
              "launcher started, `gloo` elsewhere; chosen when a program is lowered",
              "collectives", _choice(auto="mpi under an MPI launcher, else gloo",
                                     mpi="MPI collectives", gloo="JAX's gloo path")),
+    Variable("JAX_CPU_MPI_COMBINE_BYTES", "runtime", "256KiB",
+             "all-reduces over MPI (`psum`, `pmean`, `pmax`, `pmin`) of at most this many "
+             "bytes each, of one group, reduction and dtype, that a program runs one after "
+             "another (JAX binds `psum` of a pytree leaf by leaf) go as one call over their "
+             "concatenated operands, as XLA's all-reduce combiner merges its own: one meeting "
+             "and one MPI all-reduce instead of one per leaf (at most 4 MiB merged); `0`: "
+             "each its own call; chosen when a program is lowered", "combine_bytes",
+             _byte_count_or_zero),
     Variable("JAX_CPU_MPI_POISON_UNINITIALIZED", "runtime", "0",
              "`1`: the buffers that start uninitialized instead of zeroed (the slots of a "
              "pipeline's kept residuals, `remat=False`) are filled, at every run, with NaN "
