@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from jax_cpu_mpi._src.compat import ir, make_ir_context
 from jax_cpu_mpi._src.passes import ordered_collectives
+from jax_cpu_mpi._src.runtime import config
 
 _CALL = ('stablehlo.custom_call @jax_cpu_mpi_all_reduce(%{x}, %{p}) {{has_side_effect = true, '
          'mhlo.backend_config = {{site = 0 : i64}}, operand_layouts = [dense<0> : '
@@ -62,6 +65,14 @@ module @m {{
   }}
 }}
 """
+
+
+@pytest.fixture(autouse=True)
+def _calls_as_written():
+    # The modules' psums would merge (passes/combined_all_reduces.py, tested on its own):
+    # the chain is checked on the calls as written.
+    with config.overrides(combine_bytes=0):
+        yield
 
 
 def _ordered() -> str:

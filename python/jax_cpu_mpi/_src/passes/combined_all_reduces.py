@@ -104,8 +104,12 @@ def _first_read(op: Any, block: Any, position: dict[Any, int]) -> int:
 
 
 def _describe(run: list[Any]) -> dict[str, Any]:
-    ops = [ir.StringAttr(backend_config(c)["op"]).value for c in run]
-    operands = [ir.StringAttr(backend_config(c)["operand"]).value for c in run]
+    def text(call: Any, name: str) -> str:
+        attr = backend_config(call).get(name)
+        return "all_reduce" if attr is None else ir.StringAttr(attr).value
+
+    ops = [text(c, "op") for c in run]
+    operands = [text(c, "operand") for c in run]
     shown = ", ".join(operands[:4]) + (f", ... ({len(run)} in all)" if len(run) > 4 else "")
     op = ops[0] if len(set(ops)) == 1 else " / ".join(sorted(set(ops)))
     total = sum(int(np.prod(_tensor(c.operands[0]).shape, dtype=np.int64)) for c in run)
