@@ -202,6 +202,7 @@ def collectives_section() -> Report:
         setting, resolved = "invalid", str(e)
     return {"setting": setting, "resolved": resolved,
             "park": config.BY_NAME["JAX_CPU_MPI_PARK"].read_or_default(),
+            "combine_bytes": config.current().combine_bytes if setting != "invalid" else None,
             "active": compat.state("collectives") == compat.ACTIVE,
             "mpi_dtypes": {k: list(v) for k, v in collective_lowering.MPI_DTYPES.items()},
             "fallbacks": [{"what": what, "why": why}
@@ -295,6 +296,12 @@ def format_process(report: Report) -> str:
                 "on": "park wherever the program allows it"}[col["park"]]
         lines.append(f"  JAX_CPU_MPI_PARK={col['park']}: with several devices per process, "
                      f"devices that do not lead a meeting {park}")
+        if col.get("combine_bytes"):
+            lines.append(f"  JAX_CPU_MPI_COMBINE_BYTES={col['combine_bytes']}: all-reduces of up "
+                         "to that many bytes each, one after another in a program, merge "
+                         "into one call")
+        elif col.get("combine_bytes") == 0:
+            lines.append("  JAX_CPU_MPI_COMBINE_BYTES=0: every all-reduce is a call of its own")
     la = report["launch"]
     lines.append(f"launch:        {la.get('described', la['launcher'])}; jax.distributed: "
                  f"{la['jax_distributed'] or 'not initialized'}")
