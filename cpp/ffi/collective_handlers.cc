@@ -1542,11 +1542,13 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
         recv = out[0];
         if (spans && send == recv && n * B > MpiTransport::kPersistentBytes) {
           // In place (XLA lets the result take the operand's buffer, as it does in a
-          // loop): MPICH's in-place all-to-all is a chain of sendrecv_replace steps
-          // through a temporary it allocates at every call (MPIR_Sched_alloc_state: page
-          // faults beyond malloc's mmap threshold), with a schedule barrier around each.
-          // Only the blocks for other processes are staged here, into memory kept from
-          // call to call, and exchanged out of place; this process's own block stays.
+          // loop): MPICH's in-place all-to-all copies each peer's block into a temporary
+          // it allocates at every call (MPIR_Sched_alloc_state) and exchanges it one
+          // sendrecv_replace step at a time, between schedule barriers. Here only the
+          // blocks for other processes are staged, into memory kept from call to call, and
+          // exchanged out of place in one step; this process's own block stays. Up to
+          // kPersistentBytes the persistent in-place request stays: with 2 processes it
+          // was the faster of the two there (one exchange, on buffers of its own).
           pack(/*peers=*/true);
           peers_only = true;
           name = "MPI_Ialltoallv";
