@@ -1438,6 +1438,9 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
   // through a datatype per peer (MPI_BOTTOM-relative: the blocks' own addresses).
   bool scattered = false;
   bool in_place = false;  // scattered, and every output is its own operand's buffer
+  // all_to_all of one member per process in place: only the peers' blocks are staged and
+  // exchanged (MPI_Ialltoallv with no bytes to or from this process).
+  bool peers_only = false;
   const std::vector<int>& counts = site.counts;  // of the site's layout, as MPI takes them
   const std::vector<int>& displs = site.displs;
   const bool equal = site.equal;
@@ -1537,6 +1540,19 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
       if (m == 1 && l.identity) {
         send = in[0];
         recv = out[0];
+        if (spans && send == recv && n * B > MpiTransport::kPersistentBytes) {
+          // In place (XLA lets the result take the operand's buffer, as it does in a
+          // loop): MPICH's in-place all-to-all copies each peer's block into a temporary
+          // it allocates at every call (MPIR_Sched_alloc_state) and exchanges it one
+          // sendrecv_replace step at a time, between schedule barriers. Here only the
+          // blocks for other processes are staged, into memory kept from call to call, and
+          // exchanged out of place in one step; this process's own block stays. Up to
+          // kPersistentBytes the persistent in-place request stays: with 2 processes it
+          // was the faster of the two there (one exchange, on buffers of its own).
+          pack(/*peers=*/true);
+          peers_only = true;
+          name = "MPI_Ialltoallv";
+        }
       } else if (spans && n * m * B > kScatteredAllToAllBytes) {
         // MPI reads the blocks from the operands and writes them into the outputs itself
         // (MPI_Ialltoallw, a datatype per peer of the blocks' addresses): no pack into a
@@ -1594,6 +1610,10 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
     thread_local std::vector<MPI_Datatype> send_types, recv_types;
     thread_local std::vector<int> send_counts, recv_counts, zeros;
     ScopedDatatypes made;
+    if (peers_only) {
+      send_counts.assign(counts.begin(), counts.end());
+      send_counts[l.mine] = 0;
+    }
     if (scattered) {
       if (in_place) {
         // Member i's block j and member j's block i trade places; a member's own block is
@@ -1685,6 +1705,10 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
                                     staged_send ? displs.data() : zeros.data(),
                                     send_types.data(), MPI_BOTTOM, recv_counts.data(),
                                     zeros.data(), recv_types.data(), comm, r);
+            }
+            if (peers_only) {
+              return MPI_Ialltoallv(send, send_counts.data(), displs.data(), MPI_BYTE, recv,
+                                    send_counts.data(), displs.data(), MPI_BYTE, comm, r);
             }
             break;
         }
