@@ -1299,9 +1299,8 @@ Status PersistentExchange(const ExchangeCall& c, MpiTransport& mpi, const Layout
 constexpr size_t kScatteredAllToAllBytes = size_t{64} << 10;
 
 // Above this many bytes per process (the operand's blocks of every device here) a
-// multi-device reduce_scatter or all_to_all between processes goes as point-to-point
-// messages between contiguous blocks (MpiTransport::Exchange); below, MPI's collective,
-// whose schedule costs less than a message per pair of blocks.
+// multi-device reduce_scatter between processes goes as point-to-point messages
+// (PairwiseExchange); below, MPI's collective, whose schedule costs about as much.
 constexpr size_t kPointToPointBytes = size_t{64} << 10;
 
 // Whether `n` bytes from `a` and from `b` overlap.
@@ -1366,63 +1365,29 @@ class ScopedDatatypes {
   std::vector<MPI_Datatype> made_;
 };
 
-// The point-to-point messages of a pairwise exchange (`pairwise` in LeadExchange), with every
-// other process of the group: reduce_scatter's partial sums (communicator rank q's blocks,
-// staged at their place in `send_stage`; q's partial sums of this process's blocks into
-// `recv_stage` at q * m * B) or all_to_all's blocks, from the operands (or `send_stage`,
-// packed where an output is an operand's buffer) straight into the outputs, in the order
-// both sides list them: for each receiving member, each sending member, ascending.
+// The point-to-point messages of a pairwise reduce_scatter (`pairwise` in LeadExchange)
+// with every other process of the group: to communicator rank q this process's partial
+// sums of q's blocks (staged at their place in `send_stage`), from q its partial sums of
+// this process's blocks (into `recv_stage` at q * m * B).
 Status PairwiseExchange(const ExchangeCall& c, MpiTransport& mpi, const Layout& l,
-                        std::span<const void* const> in, std::span<void* const> out,
                         std::byte* send_stage, std::byte* recv_stage, size_t moved,
                         std::chrono::steady_clock::time_point deadline,
                         std::shared_ptr<void> staged) {
-  const ExchangeSite& site = *c.site;
   const size_t B = c.block;
-  const std::vector<int64_t>& mine = l.positions[l.mine];
-  const size_t m = mine.size();
-  auto local_of = [&](int64_t position) {
-    return static_cast<size_t>(std::find(site.local_pos.begin(), site.local_pos.end(),
-                                         position) - site.local_pos.begin());
-  };
+  const size_t m = l.positions[l.mine].size();
   thread_local std::vector<MpiTransport::Piece> sends, recvs;
   sends.clear();
   recvs.clear();
   for (size_t q = 0; q < l.ranks.size(); ++q) {
     if (q == static_cast<size_t>(l.mine)) continue;
     const int peer = static_cast<int>(q);
-    const auto& theirs = l.positions[q];
-    if (c.kind == Exchange::kReduceScatter) {
-      sends.push_back({peer, send_stage + static_cast<size_t>(l.first[q]) * B,
-                       theirs.size() * B});
-      recvs.push_back({peer, recv_stage + q * m * B, m * B});
-      continue;
-    }
-    // all_to_all: to q, its member i's block from each of mine j (block i of j's operand);
-    // from q, my member i's block from each of its members j (block j of i's output).
-    size_t k = 0;
-    for (int64_t i : theirs) {
-      for (int64_t j : mine) {
-        std::byte* from =
-            send_stage != nullptr
-                ? send_stage + static_cast<size_t>(site.displs[q]) + k * B
-                : const_cast<std::byte*>(static_cast<const std::byte*>(in[local_of(j)])) +
-                      static_cast<size_t>(i) * B;
-        sends.push_back({peer, from, B});
-        ++k;
-      }
-    }
-    for (int64_t i : mine) {
-      for (int64_t j : theirs) {
-        recvs.push_back({peer, static_cast<std::byte*>(out[local_of(i)]) +
-                                   static_cast<size_t>(j) * B, B});
-      }
-    }
+    sends.push_back({peer, send_stage + static_cast<size_t>(l.first[q]) * B,
+                     l.positions[q].size() * B});
+    recvs.push_back({peer, recv_stage + q * m * B, m * B});
   }
-  return mpi.Exchange(site.key, l.ranks, c.site->comm, c.kind == Exchange::kReduceScatter
-                      ? "reduce_scatter (MPI_Isend/MPI_Irecv)"
-                      : "all_to_all (MPI_Isend/MPI_Irecv)",
-                      sends, recvs, moved, deadline, std::move(staged));
+  return mpi.Exchange(c.site->key, l.ranks, c.site->comm,
+                      "reduce_scatter (MPI_Isend/MPI_Irecv)", sends, recvs, moved, deadline,
+                      std::move(staged));
 }
 
 // The leader's work. `in`/`out`: the local members' buffers, by ascending partition;
@@ -1503,8 +1468,8 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
   // through a datatype per peer (MPI_BOTTOM-relative: the blocks' own addresses).
   bool scattered = false;
   bool in_place = false;  // scattered, and every output is its own operand's buffer
-  // Point-to-point between the processes (MpiTransport::Exchange) instead of one MPI
-  // collective: see the reduce_scatter and all_to_all cases.
+  // reduce_scatter as point-to-point messages between the processes (PairwiseExchange)
+  // instead of one MPI collective.
   bool pairwise = false;
   const std::vector<int>& counts = site.counts;  // of the site's layout, as MPI takes them
   const std::vector<int>& displs = site.displs;
@@ -1538,9 +1503,10 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
         // Several devices here: this process's own blocks are reduced straight into their
         // outputs, only the other processes' go through the staging buffer, and each
         // process's partial sums of another's blocks travel as one message (Exchange),
-        // added into the outputs on arrival. MPI_Ireduce_scatter took the whole operand
-        // from the staging buffer, reduced into buffers of its schedule's own and left the
-        // result to be copied out again.
+        // added into the outputs on arrival. Through MPI_Ireduce_scatter the whole
+        // operand went through the staging buffer, and the result through a receive
+        // buffer copied out afterwards; the process's CPU time per call was about twice
+        // this path's at the largest sizes (CHANGELOG.md has the measurements).
         if (!MpiReduction(c.type, c.reduction, &mpi_type, &mpi_op)) {
           return ffi::Error::InvalidArgument(std::string(c.op) + ": no MPI reduction for " +
                                              std::string(c.operand));
@@ -1664,10 +1630,6 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
         // twice the bytes of MPI's own exchange again.
         scattered = true;
         name = "MPI_Ialltoallw";
-        // Not as MPI_Ialltoallw's derived datatypes (MPICH packs and unpacks them through
-        // its shared-memory cells): each block as a message of its own between the
-        // operand and the output (Exchange), one copy between the processes.
-        pairwise = true;
         bool aliased = false;
         in_place = true;
         for (size_t a = 0; a < in.size(); ++a) {
@@ -1736,47 +1698,45 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
           }
         }
       }
-      if (!pairwise) {  // MPI_Ialltoallw's datatypes
-        if (send != nullptr) {
-          send_counts.assign(counts.begin(), counts.end());
-        } else {
-          send_counts.assign(Q, 1);
-        }
-        recv_counts.assign(Q, 1);
-        send_counts[l.mine] = recv_counts[l.mine] = 0;
-        zeros.assign(Q, 0);
-        send_types.assign(Q, MPI_BYTE);
-        recv_types.assign(Q, MPI_BYTE);
-        int rc = MPI_SUCCESS;
-        for (size_t q = 0; q < Q && rc == MPI_SUCCESS; ++q) {
-          if (q == static_cast<size_t>(l.mine)) continue;
-          const auto& theirs = l.positions[q];
-          if (send == nullptr) {
-            rc = made.Blocks(B, &send_types[q], [&](auto&& block) {
-              for (int64_t i : theirs) {
-                for (int64_t j : mine) {
-                  block(bytes(in[local_of(j)]) + static_cast<size_t>(i) * B);
-                }
-              }
-            });
-          }
-          if (rc != MPI_SUCCESS) break;
-          rc = made.Blocks(B, &recv_types[q], [&](auto&& block) {
-            for (int64_t i : mine) {
-              for (int64_t j : theirs) {
-                block(wbytes(out[local_of(i)]) + static_cast<size_t>(j) * B);
+      if (send != nullptr) {
+        send_counts.assign(counts.begin(), counts.end());
+      } else {
+        send_counts.assign(Q, 1);
+      }
+      recv_counts.assign(Q, 1);
+      send_counts[l.mine] = recv_counts[l.mine] = 0;
+      zeros.assign(Q, 0);
+      send_types.assign(Q, MPI_BYTE);
+      recv_types.assign(Q, MPI_BYTE);
+      int rc = MPI_SUCCESS;
+      for (size_t q = 0; q < Q && rc == MPI_SUCCESS; ++q) {
+        if (q == static_cast<size_t>(l.mine)) continue;
+        const auto& theirs = l.positions[q];
+        if (send == nullptr) {
+          rc = made.Blocks(B, &send_types[q], [&](auto&& block) {
+            for (int64_t i : theirs) {
+              for (int64_t j : mine) {
+                block(bytes(in[local_of(j)]) + static_cast<size_t>(i) * B);
               }
             }
           });
         }
-        if (rc != MPI_SUCCESS) {
-          return Failure(Status::MpiError("MPI_Type_create_hindexed", rc), c.op, c.operand,
-                         c.me, state, l.ranks);
-        }
+        if (rc != MPI_SUCCESS) break;
+        rc = made.Blocks(B, &recv_types[q], [&](auto&& block) {
+          for (int64_t i : mine) {
+            for (int64_t j : theirs) {
+              block(wbytes(out[local_of(i)]) + static_cast<size_t>(j) * B);
+            }
+          }
+        });
+      }
+      if (rc != MPI_SUCCESS) {
+        return Failure(Status::MpiError("MPI_Type_create_hindexed", rc), c.op, c.operand,
+                       c.me, state, l.ranks);
       }
     }
     if (pairwise) {
-      s = PairwiseExchange(c, *state.mpi, l, in, out, send_stage, recv_stage, moved, deadline,
+      s = PairwiseExchange(c, *state.mpi, l, send_stage, recv_stage, moved, deadline,
                            std::move(staged));
     } else if (!scattered && equal && moved <= MpiTransport::kPersistentBytes) {
       s = PersistentExchange(c, *state.mpi, l, counts[0], send, recv, n * B, m * B,

@@ -317,12 +317,11 @@ class MpiTransport {
   // (as Collective: the group's own communicator `key`): every receive of `recvs`, then
   // every send of `sends` (MPI_Irecv / MPI_Isend, one tag: the pieces between two ranks
   // match in the order both list them, MPI's non-overtaking rule), polled together against
-  // the deadline. Each piece is contiguous at both ends, which MPICH moves as one copy
-  // between the processes (process_vm_readv above its threshold), where its nonblocking
-  // collective schedules go through temporary buffers of their own (a fresh allocation,
-  // and its page faults, at every call) or, with derived datatypes, pack and unpack.
+  // the deadline: for a collective whose algorithm is ours (with several devices per
+  // process the in-process work and MPI's can then share passes over the memory).
   // At the deadline the requests are cancelled (and abandoned where MPI cannot: the
   // transport is then broken; `keep_alive` owns staged buffers).
+  // `bytes`: what the exchange moves from or to this process (the larger), for its wait.
   Status Exchange(const std::string& key, const std::vector<int>& ranks, GroupHandle& group,
                   const char* name, std::span<const Piece> sends,
                   std::span<const Piece> recvs, size_t bytes,
