@@ -1298,8 +1298,8 @@ Status PersistentExchange(const ExchangeCall& c, MpiTransport& mpi, const Layout
 // one no faster).
 constexpr size_t kScatteredAllToAllBytes = size_t{64} << 10;
 
-// Above this many bytes per process (the operand's blocks of every device here) a
-// multi-device reduce_scatter between processes goes as point-to-point messages
+// Above this many bytes of a device's operand a reduce_scatter between processes of which
+// one or more has several of the group's devices goes as point-to-point messages
 // (PairwiseExchange); below, MPI's collective, whose schedule costs about as much.
 constexpr size_t kPointToPointBytes = size_t{64} << 10;
 
@@ -1499,7 +1499,11 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
     case Exchange::kReduceScatter: {
       name = equal ? "MPI_Ireduce_scatter_block" : "MPI_Ireduce_scatter";
       const size_t per = B / ffi::ByteWidth(c.type);  // elements of one block
-      if (spans && m > 1 && n * B > kPointToPointBytes) {
+      // Every process of the group takes the same path: where any has several members
+      // (axis_index_groups may give one process 2 members of a group and another 1).
+      bool several = false;
+      for (const auto& members : l.positions) several = several || members.size() > 1;
+      if (spans && several && n * B > kPointToPointBytes) {
         // Several devices here: this process's own blocks are reduced straight into their
         // outputs, only the other processes' go through the staging buffer, and each
         // process's partial sums of another's blocks travel as one message (Exchange),
@@ -1515,6 +1519,10 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
         // `acc`, in ascending partition order (the copy of the first operand and the
         // first reduction in one pass).
         auto reduce_local = [&](std::byte* acc, size_t at) {
+          if (in.size() == 1) {
+            std::memcpy(acc, bytes(in[0]) + at, B);
+            return true;
+          }
           bool ok = ReduceTwo(c.type, c.reduction, acc, bytes(in[0]) + at,
                               bytes(in[1]) + at, per);
           for (size_t k = 2; ok && k < in.size(); ++k) {

@@ -178,8 +178,8 @@ for op in ("pmax", "pmin"):  # NaN propagates, as XLA's maximum/minimum
     v[n - 1, 1] = np.nan
     operands[f"{op}/float32-nan/(4,)"] = v
     keys[f"{op}/float32-nan/(4,)"] = op
-# Large, with an element count that the 2 processes do not divide evenly: with 2 devices per
-# process the all-reduce between processes goes in one chunk per process, the last longer.
+# Large, with an element count that the 2 processes do not divide evenly (MPI's large-message
+# all-reduce cuts it in chunks, one per process).
 for op, dtype in (("psum", "int32"), ("pmax", "float32")):
     operands[f"{op}/{dtype}/(65537,)"] = values(dtype, (65537,), 98)
     keys[f"{op}/{dtype}/(65537,)"] = op
