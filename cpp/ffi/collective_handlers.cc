@@ -1504,10 +1504,11 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
       bool several = false;
       for (const auto& members : l.positions) several = several || members.size() > 1;
       if (spans && several && n * B > kPointToPointBytes) {
-        // Several devices here: this process's own blocks are reduced straight into their
-        // outputs, only the other processes' go through the staging buffer, and each
-        // process's partial sums of another's blocks travel as one message (Exchange),
-        // added into the outputs on arrival. Through MPI_Ireduce_scatter the whole
+        // Several devices here: only the other processes' blocks go through the staging
+        // buffer, and each process's partial sums of another's blocks travel as one
+        // message (Exchange); on arrival, this process's own blocks and the partial sums
+        // received are reduced straight into their outputs, in one pass with 2 processes
+        // and 2 devices here. Through MPI_Ireduce_scatter the whole
         // operand went through the staging buffer, and the result through a receive
         // buffer copied out afterwards; the process's CPU time per call was about twice
         // this path's at the largest sizes (CHANGELOG.md has the measurements).
@@ -1538,9 +1539,6 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
             ok = reduce_local(send_stage + (l.first[q] + i) * B,
                               static_cast<size_t>(l.positions[q][i]) * B);
           }
-        }
-        for (size_t i = 0; ok && i < m; ++i) {
-          ok = reduce_local(wbytes(out[local_of(mine[i])]), static_cast<size_t>(mine[i]) * B);
         }
         if (!ok) {
           return ffi::Error::InvalidArgument(std::string(c.op) +
@@ -1804,17 +1802,33 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
       break;
     case Exchange::kReduceScatter:
       if (pairwise) {
-        // The other processes' partial sums, in ascending communicator rank: the same
-        // order at every call.
+        // Each block of this process: its devices' blocks in ascending partition order,
+        // then the other processes' partial sums in ascending communicator rank (the same
+        // order at every call).
+        const size_t per = B / ffi::ByteWidth(c.type);
         for (size_t i = 0; i < m; ++i) {
-          for (size_t q = 0; q < Q; ++q) {
-            if (q == static_cast<size_t>(l.mine)) continue;
-            if (!ReduceInto(c.type, c.reduction, out[local_of(mine[i])],
-                            recv_stage + (q * m + i) * B, B / ffi::ByteWidth(c.type))) {
-              return ffi::Error::InvalidArgument(std::string(c.op) +
-                                                 ": no in-process reduction for " +
-                                                 std::string(c.operand));
+          void* o = out[local_of(mine[i])];
+          const size_t at = static_cast<size_t>(mine[i]) * B;
+          size_t q = l.mine == 0 ? 1 : 0;  // the first other process
+          bool ok = true;
+          if (in.size() == 2) {
+            ok = ReduceThree(c.type, c.reduction, o, bytes(in[0]) + at, bytes(in[1]) + at,
+                             recv_stage + (q * m + i) * B, per);
+            ++q;
+          } else {
+            std::memcpy(o, bytes(in[0]) + at, B);
+            for (size_t k = 1; ok && k < in.size(); ++k) {
+              ok = ReduceInto(c.type, c.reduction, o, bytes(in[k]) + at, per);
             }
+          }
+          for (; ok && q < Q; ++q) {
+            if (q == static_cast<size_t>(l.mine)) continue;
+            ok = ReduceInto(c.type, c.reduction, o, recv_stage + (q * m + i) * B, per);
+          }
+          if (!ok) {
+            return ffi::Error::InvalidArgument(std::string(c.op) +
+                                               ": no in-process reduction for " +
+                                               std::string(c.operand));
           }
         }
       } else if (recv != out[local_of(mine[0])] || m > 1) {
