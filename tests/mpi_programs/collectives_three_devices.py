@@ -57,7 +57,7 @@ CASES = {
                          lambda v, i: np.concatenate(list(v)), (8,)),
     "psum_scatter tiled": (lambda x: jax.lax.psum_scatter(x, "x", tiled=True),
                            lambda v, i: np.split(v.sum(0), n)[i], (n * 4,)),
-    # More than 64 KiB per process: point-to-point partial sums between the processes.
+    # More than 4 KiB per device: point-to-point partial sums between the processes.
     "psum_scatter tiled (point-to-point)": (
         lambda x: jax.lax.psum_scatter(x, "x", tiled=True),
         lambda v, i: np.split(v.sum(0), n)[i], (n * 4096,)),
