@@ -1298,6 +1298,13 @@ Status PersistentExchange(const ExchangeCall& c, MpiTransport& mpi, const Layout
 // one no faster).
 constexpr size_t kScatteredAllToAllBytes = size_t{64} << 10;
 
+// Above this many bytes of a device's operand a reduce_scatter between processes of which
+// one or more has several of the group's devices goes as point-to-point messages
+// (PairwiseExchange): from 8 KiB up it took less time than MPI_Ireduce_scatter at every
+// size measured; up to here it is a persistent request (MpiTransport::kPersistentBytes),
+// about as fast.
+constexpr size_t kPointToPointBytes = size_t{4} << 10;
+
 // Whether `n` bytes from `a` and from `b` overlap.
 bool Overlap(const void* a, const void* b, size_t n) {
   const auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
@@ -1359,6 +1366,31 @@ class ScopedDatatypes {
  private:
   std::vector<MPI_Datatype> made_;
 };
+
+// The point-to-point messages of a pairwise reduce_scatter (`pairwise` in LeadExchange)
+// with every other process of the group: to communicator rank q this process's partial
+// sums of q's blocks (staged at their place in `send_stage`), from q its partial sums of
+// this process's blocks (into `recv_stage` at q * m * B).
+Status PairwiseExchange(const ExchangeCall& c, MpiTransport& mpi, const Layout& l,
+                        std::byte* send_stage, std::byte* recv_stage, size_t moved,
+                        std::chrono::steady_clock::time_point deadline,
+                        std::shared_ptr<void> staged) {
+  const size_t B = c.block;
+  const size_t m = l.positions[l.mine].size();
+  thread_local std::vector<MpiTransport::Piece> sends, recvs;
+  sends.clear();
+  recvs.clear();
+  for (size_t q = 0; q < l.ranks.size(); ++q) {
+    if (q == static_cast<size_t>(l.mine)) continue;
+    const int peer = static_cast<int>(q);
+    sends.push_back({peer, send_stage + static_cast<size_t>(l.first[q]) * B,
+                     l.positions[q].size() * B});
+    recvs.push_back({peer, recv_stage + q * m * B, m * B});
+  }
+  return mpi.Exchange(c.site->key, l.ranks, c.site->comm,
+                      "reduce_scatter (MPI_Isend/MPI_Irecv)", sends, recvs, moved, deadline,
+                      std::move(staged));
+}
 
 // The leader's work. `in`/`out`: the local members' buffers, by ascending partition;
 // `local_pos`: their group positions.
@@ -1441,6 +1473,9 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
   // all_to_all of one member per process in place: only the peers' blocks are staged and
   // exchanged (MPI_Ialltoallv with no bytes to or from this process).
   bool peers_only = false;
+  // reduce_scatter as point-to-point messages between the processes (PairwiseExchange)
+  // instead of one MPI collective.
+  bool pairwise = false;
   const std::vector<int>& counts = site.counts;  // of the site's layout, as MPI takes them
   const std::vector<int>& displs = site.displs;
   const bool equal = site.equal;
@@ -1469,6 +1504,58 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
     case Exchange::kReduceScatter: {
       name = equal ? "MPI_Ireduce_scatter_block" : "MPI_Ireduce_scatter";
       const size_t per = B / ffi::ByteWidth(c.type);  // elements of one block
+      // Every process of the group takes the same path: where any has several members
+      // (axis_index_groups may give one process 2 members of a group and another 1).
+      bool several = false;
+      for (const auto& members : l.positions) several = several || members.size() > 1;
+      if (spans && several && n * B > kPointToPointBytes) {
+        // Several devices here: only the other processes' blocks go through the staging
+        // buffer, and each process's partial sums of another's blocks travel as one
+        // message (Exchange); on arrival, this process's own blocks and the partial sums
+        // received are reduced straight into their outputs, in one pass with 2 processes
+        // and 2 devices here. Through MPI_Ireduce_scatter the whole
+        // operand went through the staging buffer, and the result through a receive
+        // buffer copied out afterwards; the process's CPU time per call was about twice
+        // this path's at the largest sizes (CHANGELOG.md has the measurements).
+        if (!MpiReduction(c.type, c.reduction, &mpi_type, &mpi_op)) {
+          return ffi::Error::InvalidArgument(std::string(c.op) + ": no MPI reduction for " +
+                                             std::string(c.operand));
+        }
+        // The local members' reduction of the block at byte `at` of every operand into
+        // `acc`, in ascending partition order (the copy of the first operand and the
+        // first reduction in one pass).
+        auto reduce_local = [&](std::byte* acc, size_t at) {
+          if (in.size() == 1) {
+            std::memcpy(acc, bytes(in[0]) + at, B);
+            return true;
+          }
+          bool ok = ReduceTwo(c.type, c.reduction, acc, bytes(in[0]) + at,
+                              bytes(in[1]) + at, per);
+          for (size_t k = 2; ok && k < in.size(); ++k) {
+            ok = ReduceInto(c.type, c.reduction, acc, bytes(in[k]) + at, per);
+          }
+          return ok;
+        };
+        bool ok = true;
+        send_stage = send_staging.Get(n * B);
+        for (size_t q = 0; ok && q < Q; ++q) {
+          if (q == static_cast<size_t>(l.mine)) continue;
+          for (size_t i = 0; ok && i < l.positions[q].size(); ++i) {
+            ok = reduce_local(send_stage + (l.first[q] + i) * B,
+                              static_cast<size_t>(l.positions[q][i]) * B);
+          }
+        }
+        if (!ok) {
+          return ffi::Error::InvalidArgument(std::string(c.op) +
+                                             ": no in-process reduction for " +
+                                             std::string(c.operand));
+        }
+        recv_stage = recv_staging.Get(Q * m * B);  // from communicator rank q at q * m * B
+        send = send_stage;
+        recv = recv_stage;
+        pairwise = true;
+        break;
+      }
       if (in.size() == 1 && l.identity) {
         send = in[0];
       } else {
@@ -1676,7 +1763,10 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
                        c.me, state, l.ranks);
       }
     }
-    if (!scattered && equal && moved <= MpiTransport::kPersistentBytes) {
+    if (pairwise) {
+      s = PairwiseExchange(c, *state.mpi, l, send_stage, recv_stage, moved, deadline,
+                           std::move(staged));
+    } else if (!scattered && equal && moved <= MpiTransport::kPersistentBytes) {
       s = PersistentExchange(c, *state.mpi, l, counts[0], send, recv, n * B, m * B,
                              deadline);
     } else {
@@ -1737,7 +1827,37 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
       for (size_t k = 1; k < out.size(); ++k) std::memcpy(out[k], out[0], n * B);
       break;
     case Exchange::kReduceScatter:
-      if (recv != out[local_of(mine[0])] || m > 1) {
+      if (pairwise) {
+        // Each block of this process: its devices' blocks in ascending partition order,
+        // then the other processes' partial sums in ascending communicator rank (the same
+        // order at every call).
+        const size_t per = B / ffi::ByteWidth(c.type);
+        for (size_t i = 0; i < m; ++i) {
+          void* o = out[local_of(mine[i])];
+          const size_t at = static_cast<size_t>(mine[i]) * B;
+          size_t q = l.mine == 0 ? 1 : 0;  // the first other process
+          bool ok = true;
+          if (in.size() == 2) {
+            ok = ReduceThree(c.type, c.reduction, o, bytes(in[0]) + at, bytes(in[1]) + at,
+                             recv_stage + (q * m + i) * B, per);
+            ++q;
+          } else {
+            std::memcpy(o, bytes(in[0]) + at, B);
+            for (size_t k = 1; ok && k < in.size(); ++k) {
+              ok = ReduceInto(c.type, c.reduction, o, bytes(in[k]) + at, per);
+            }
+          }
+          for (; ok && q < Q; ++q) {
+            if (q == static_cast<size_t>(l.mine)) continue;
+            ok = ReduceInto(c.type, c.reduction, o, recv_stage + (q * m + i) * B, per);
+          }
+          if (!ok) {
+            return ffi::Error::InvalidArgument(std::string(c.op) +
+                                               ": no in-process reduction for " +
+                                               std::string(c.operand));
+          }
+        }
+      } else if (recv != out[local_of(mine[0])] || m > 1) {
         for (size_t i = 0; i < m; ++i) {
           std::memcpy(out[local_of(mine[i])], wbytes(recv) + i * B, B);
         }

@@ -45,6 +45,26 @@ void Loop(Reduction op, void* out, const void* x, const void* y, size_t n) {
   for (size_t i = 0; i < n; ++i) o[i] = Combine<T>(op, a[i], b[i]);
 }
 
+template <typename T>
+void Loop(Reduction op, void* out, const void* x, const void* y, const void* z, size_t n) {
+  T* o = static_cast<T*>(out);
+  const T* a = static_cast<const T*>(x);
+  const T* b = static_cast<const T*>(y);
+  const T* c = static_cast<const T*>(z);
+  for (size_t i = 0; i < n; ++i) o[i] = Combine<T>(op, Combine<T>(op, a[i], b[i]), c[i]);
+}
+
+void LoopBool(Reduction op, void* out, const void* x, const void* y, const void* z,
+              size_t n) {
+  auto* o = static_cast<uint8_t*>(out);
+  const auto* a = static_cast<const uint8_t*>(x);
+  const auto* b = static_cast<const uint8_t*>(y);
+  const auto* c = static_cast<const uint8_t*>(z);
+  for (size_t i = 0; i < n; ++i) {
+    o[i] = op == Reduction::kMin ? (a[i] && b[i] && c[i]) : (a[i] || b[i] || c[i]);
+  }
+}
+
 void LoopBool(Reduction op, void* out, const void* x, const void* y, size_t n) {
   auto* o = static_cast<uint8_t*>(out);
   const auto* a = static_cast<const uint8_t*>(x);
@@ -101,7 +121,8 @@ bool ParseReduction(std::string_view name, Reduction* out) {
 
 namespace {
 
-// The loop for `type` and `op` over `ptrs` (acc, x or out, a, b); false where there is none.
+// The loop for `type` and `op` over `ptrs` (acc, x or out, a, b or out, a, b, c); false
+// where there is none.
 template <typename... Ptrs>
 bool Dispatch(ffi::DataType type, Reduction op, size_t n, Ptrs... ptrs) {
   switch (type) {
@@ -140,6 +161,11 @@ bool ReduceInto(ffi::DataType type, Reduction op, void* acc, const void* x, size
 bool ReduceTwo(ffi::DataType type, Reduction op, void* out, const void* a, const void* b,
                size_t n) {
   return Dispatch(type, op, n, out, a, b);
+}
+
+bool ReduceThree(ffi::DataType type, Reduction op, void* out, const void* a, const void* b,
+                 const void* c, size_t n) {
+  return Dispatch(type, op, n, out, a, b, c);
 }
 
 bool MpiReduction(ffi::DataType type, Reduction op, MPI_Datatype* t, MPI_Op* o) {

@@ -26,6 +26,11 @@ bool ReduceInto(xla::ffi::DataType type, Reduction op, void* acc, const void* x,
 bool ReduceTwo(xla::ffi::DataType type, Reduction op, void* out, const void* a, const void* b,
                size_t n);
 
+// out[i] = (a[i] (op) b[i]) (op) c[i]: ReduceTwo, then ReduceInto of `c`, in one pass
+// (`out` may be `a`, `b` or `c`).
+bool ReduceThree(xla::ffi::DataType type, Reduction op, void* out, const void* a,
+                 const void* b, const void* c, size_t n);
+
 // The MPI datatype and operation that reduce `type` like ReduceInto (float max/min are
 // operations of ours that propagate NaN). False where there is none.
 bool MpiReduction(xla::ffi::DataType type, Reduction op, MPI_Datatype* mpi_type, MPI_Op* mpi_op);

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -289,6 +290,77 @@ Status MpiTransport::Collective(const std::string& key, const std::vector<int>& 
     }
   }
   return PollCollective(&request, name, bytes, deadline, std::move(keep_alive));
+}
+
+Status MpiTransport::Exchange(const std::string& key, const std::vector<int>& ranks,
+                              GroupHandle& handle, const char* name,
+                              std::span<const Piece> sends, std::span<const Piece> recvs,
+                              size_t bytes, std::chrono::steady_clock::time_point deadline,
+                              std::shared_ptr<void> keep_alive) {
+  if (Status s = Usable(); !s.ok()) return s;
+  GroupEntry* group = nullptr;
+  if (Status s = GroupComm(key, ranks, handle, &group, deadline); !s.ok()) return s;
+  constexpr int kTag = 0;
+  thread_local std::vector<MPI_Request> requests;
+  requests.assign(recvs.size() + sends.size(), MPI_REQUEST_NULL);
+  {
+    std::unique_lock<std::mutex> lock = MpiCallLock();
+    // Receives first: a send whose receive is posted moves straight into its buffer.
+    size_t k = 0;
+    int rc = MPI_SUCCESS;
+    const char* failed = "";
+    for (const Piece& p : recvs) {
+      rc = MPI_Irecv(p.data, static_cast<int>(p.bytes), MPI_BYTE, p.peer, kTag, group->comm,
+                     &requests[k++]);
+      if (rc != MPI_SUCCESS) {
+        failed = "MPI_Irecv";
+        break;
+      }
+    }
+    for (size_t i = 0; rc == MPI_SUCCESS && i < sends.size(); ++i) {
+      const Piece& p = sends[i];
+      rc = MPI_Isend(p.data, static_cast<int>(p.bytes), MPI_BYTE, p.peer, kTag, group->comm,
+                     &requests[k++]);
+      if (rc != MPI_SUCCESS) failed = "MPI_Isend";
+    }
+    if (rc != MPI_SUCCESS) {
+      lock.unlock();
+      // Those posted must not write into the buffers after this returns.
+      size_t cancelled = 0;
+      bool abandoned = false;
+      (void)CancelWithGrace(requests, &cancelled, &abandoned, std::move(keep_alive));
+      return Status::MpiError(std::string(name) + " (" + failed + ")", rc);
+    }
+  }
+  Backoff backoff(bytes);
+  for (uint32_t polls = 1;; ++polls) {
+    int done = 0;
+    {
+      std::unique_lock<std::mutex> lock = MpiCallLock();
+      int rc = MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
+                           MPI_STATUSES_IGNORE);
+      if (rc != MPI_SUCCESS) return Status::MpiError(std::string(name) + " (test)", rc);
+    }
+    if (done) return Status::Ok();
+    if ((polls & 15) == 0) {
+      const bool expired = Expired(deadline);
+      if (expired || broken()) {
+        // Never leave a receive pointing into a buffer that XLA will reuse, unless MPI
+        // cannot cancel it (then the transport is broken, see Abandon).
+        size_t cancelled = 0;
+        bool abandoned = false;
+        Status s = CancelWithGrace(requests, &cancelled, &abandoned, std::move(keep_alive));
+        if (!s.ok() && !abandoned) return s;
+        if (cancelled == 0 && !abandoned) return Status::Ok();  // all done, just in time
+        if (!expired) {
+          (void)TakeAbandonedOnThisThread();  // an effect of the break, not its cause
+          return Status::Invalid(BrokenMessage());
+        }
+        return Status::Timeout(std::string(name) + " did not complete");
+      }
+    }
+    backoff.Pause();
+  }
 }
 
 Status MpiTransport::PersistentCollective(

@@ -306,6 +306,27 @@ class MpiTransport {
                     const std::function<int(MPI_Comm, MPI_Request*)>& start, size_t bytes,
                     std::chrono::steady_clock::time_point deadline,
                     std::shared_ptr<void> keep_alive = nullptr);
+  // One contiguous piece of an Exchange: to or from communicator rank `peer` (of the
+  // group's own communicator), `bytes` at `data` (written for a receive).
+  struct Piece {
+    int peer = 0;
+    void* data = nullptr;
+    size_t bytes = 0;
+  };
+  // A collective of this package's own, as point-to-point messages over the group `ranks`
+  // (as Collective: the group's own communicator `key`): every receive of `recvs`, then
+  // every send of `sends` (MPI_Irecv / MPI_Isend, one tag: the pieces between two ranks
+  // match in the order both list them, MPI's non-overtaking rule), polled together against
+  // the deadline: for a collective whose algorithm is ours (with several devices per
+  // process the in-process work and MPI's can then share passes over the memory).
+  // At the deadline the requests are cancelled (and abandoned where MPI cannot: the
+  // transport is then broken; `keep_alive` owns staged buffers).
+  // `bytes`: what the exchange moves from or to this process (the larger), for its wait.
+  Status Exchange(const std::string& key, const std::vector<int>& ranks, GroupHandle& group,
+                  const char* name, std::span<const Piece> sends,
+                  std::span<const Piece> recvs, size_t bytes,
+                  std::chrono::steady_clock::time_point deadline,
+                  std::shared_ptr<void> keep_alive = nullptr);
   // A small collective as a persistent request (MPI 4's MPI_Allgather_init and the like:
   // MPICH builds its schedule once, not at every call), on buffers of the transport's own:
   // `send_bytes` from `send` are copied into its send buffer (0: the call is in place) and,

@@ -178,6 +178,11 @@ for op in ("pmax", "pmin"):  # NaN propagates, as XLA's maximum/minimum
     v[n - 1, 1] = np.nan
     operands[f"{op}/float32-nan/(4,)"] = v
     keys[f"{op}/float32-nan/(4,)"] = op
+# Large, with an element count that the 2 processes do not divide evenly (MPI's large-message
+# all-reduce cuts it in chunks, one per process).
+for op, dtype in (("psum", "int32"), ("pmax", "float32")):
+    operands[f"{op}/{dtype}/(65537,)"] = values(dtype, (65537,), 98)
+    keys[f"{op}/{dtype}/(65537,)"] = op
 
 
 def fn_of(key):
@@ -254,6 +259,9 @@ exchange_case("all_gather/float32/(65536,)/axis=0/tiled=True", values("float32",
 exchange_case("psum_scatter/int32/big/dim=0/tiled=True", values("int32", (n << 16,), seed),
               functools.partial(jax.lax.psum_scatter, scatter_dimension=0, tiled=True),
               lambda v, i: split(v.sum(0, dtype=v.dtype), 0)[i])
+exchange_case("psum_scatter/float32/big/dim=0/tiled=True", values("float32", (n << 15,), seed),
+              functools.partial(jax.lax.psum_scatter, scatter_dimension=0, tiled=True),
+              lambda v, i: split(v.astype(np.float64).sum(0).astype(np.float32), 0)[i])
 # An output of 4 MiB and more (n devices x 2 MiB) asks for huge pages before MPI writes it
 # (kHugePageHintBytes): NumPy checks it, on the device-order mesh.
 exchange_case("all_gather/int32/huge/axis=0/tiled=True", values("int32", (1 << 19,), seed),

@@ -31,6 +31,12 @@ f = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "x"), mesh=mesh, in_specs=P(
                           out_specs=P("x"), check_vma=False))
 x = common.global_array(mesh, P("x"), np.ones(n * 4, np.float32))
 f(x).block_until_ready()  # both ranks: the communicator exists, the collective works
+# A psum_scatter large enough that, with 2 devices per rank, it goes as point-to-point
+# messages between the processes (MpiTransport::Exchange): run once by both ranks.
+rs = jax.jit(jax.shard_map(lambda v: jax.lax.psum_scatter(v, "x", tiled=True), mesh=mesh,
+                           in_specs=P("x"), out_specs=P("x"), check_vma=False))
+x_rs = common.global_array(mesh, P("x"), np.ones(n * n * 8192, np.float32))
+rs(x_rs).block_until_ready()
 if jax.process_index() == 1:
     time.sleep(12)  # the stopped peer: never joins the all_gather nor the second psum
     print("peer: stayed away", flush=True)
@@ -56,6 +62,8 @@ else:
                               in_specs=P("x"), out_specs=P("x"), check_vma=False))
     fails(lambda: g(x), "the all_gather completed without its peer",
           ("all_gather", "MPI rank 1", "not created in time"), 3 + 4, "raised as expected")
+    fails(lambda: rs(x_rs), "the psum_scatter completed without its peer",
+          ("reduce_scatter", "MPI rank 1", "did not complete"), 3 + 4, "raised as expected")
     fails(lambda: f(x), "the psum completed without its peer",
           ("psum", "MPI rank 1", "did not complete"), 3 + 4, "raised as expected")
     # The psum's request was abandoned (MPI cannot cancel a collective): any later MPI call

@@ -57,6 +57,14 @@ CASES = {
                          lambda v, i: np.concatenate(list(v)), (8,)),
     "psum_scatter tiled": (lambda x: jax.lax.psum_scatter(x, "x", tiled=True),
                            lambda v, i: np.split(v.sum(0), n)[i], (n * 4,)),
+    # More than 4 KiB per device: point-to-point partial sums between the processes.
+    "psum_scatter tiled (point-to-point)": (
+        lambda x: jax.lax.psum_scatter(x, "x", tiled=True),
+        lambda v, i: np.split(v.sum(0), n)[i], (n * 4096,)),
+    "psum_scatter axis_index_groups (point-to-point)": (
+        lambda x: jax.lax.psum_scatter(x, "x", axis_index_groups=GROUPS, tiled=True),
+        lambda v, i: np.split(sum(v[j] for j in next(g for g in GROUPS if i in g)), 3)[
+            next(g for g in GROUPS if i in g).index(i)], (3 * 8192,)),
     "all_to_all split=0 concat=0 (in place)": (
         lambda x: jax.lax.all_to_all(x, "x", 0, 0, tiled=True),
         lambda v, i: np.concatenate([np.split(v[j], n)[i] for j in range(n)]), (n * 4,)),

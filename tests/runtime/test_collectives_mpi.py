@@ -38,7 +38,7 @@ def test_collectives_led_by_the_third_device_of_a_process():
     assert_mpi_ok(run, 2)
     lines = [line for lines in run.by_rank().values() for line in lines]
     assert not any(line.startswith("FAIL") for line in lines), run.report()
-    assert sum(line.startswith("ok ") for line in lines) == 2 * 9, run.report()
+    assert sum(line.startswith("ok ") for line in lines) == 2 * 11, run.report()
 
 
 @pytest.mark.timeout(120)
