@@ -1515,8 +1515,7 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
         // received are reduced straight into their outputs, in one pass with 2 processes
         // and 2 devices here. Through MPI_Ireduce_scatter the whole
         // operand went through the staging buffer, and the result through a receive
-        // buffer copied out afterwards; the process's CPU time per call was about twice
-        // this path's at the largest sizes (CHANGELOG.md has the measurements).
+        // buffer copied out afterwards: two more passes over the process's bytes.
         if (!MpiReduction(c.type, c.reduction, &mpi_type, &mpi_op)) {
           return ffi::Error::InvalidArgument(std::string(c.op) + ": no MPI reduction for " +
                                              std::string(c.operand));
