@@ -986,12 +986,14 @@ except Exception as e:  # a compile error is this case's failure
 # psum's result and a psum of a value read from an earlier one stay calls of their own. The
 # matrix above merges too (its small cases share one program); here the number of calls is
 # checked, and the results against the same program with merging off, bit for bit.
-def tree_step(a, b, c, d, e):
-    first = jax.lax.psum((a, b, c, d), "x")  # a, b, d merge; c (int32) alone
+def tree_step(a, b, c, d, e, f, g, h):
+    # a, b, d and a 0-d leaf merge; c (int32) alone.
+    *first, scalar = jax.lax.psum((a, b, c, d, h[0, 0]), "x")
     big = jax.lax.psum(e, "x")  # 512 KiB: above the default limit
     again = jax.lax.psum(first[0] * 3, "x")  # reads a merged result: a call of its own
     peaks = jax.lax.pmax((a, b), "x")  # another reduction: merged apart
-    return (*first, big, again, *peaks)
+    flags = jax.lax.pmax((f, g), "x")  # bools (a byte each in the merged buffer): merged
+    return (*first, scalar[None], big, again, *peaks, *flags)
 
 
 def tree_program(setting: str, combine: int):
@@ -1004,17 +1006,22 @@ def tree_program(setting: str, combine: int):
 
 tree_operands = [values("float32", (3, 5), 201), values("float32", (1,), 202),
                  values("int32", (7,), 203), values("float32", (2, 2), 204),
-                 values("float32", (1 << 17,), 205)]
+                 values("float32", (1 << 17,), 205),
+                 # Bools of one pattern on every device (their pmax is the pattern, where
+                 # random ones would be mostly true and hide a misplaced slice).
+                 np.tile(np.array([1, 0, 0, 1, 0], bool), (n, 1)),
+                 np.tile(np.array([[0, 1, 1], [0, 0, 1]], bool), (n, 1, 1)),
+                 values("float32", (1,), 208)]
 try:
     merged_calls, merged = tree_program("mpi", 256 << 10)
     apart_calls, apart = tree_program("mpi", 0)
     _, reference = tree_program("gloo", 256 << 10)
     config.configure(combine_bytes=256 << 10)
-    assert (merged_calls, apart_calls) == (5, 8), (merged_calls, apart_calls)
+    assert (merged_calls, apart_calls) == (6, 11), (merged_calls, apart_calls)
     for i, (m_, a_, r_) in enumerate(zip(merged, apart, reference, strict=True)):
         check(f"merged all-reduces, result {i} vs separate calls", m_, a_[0], True)
         check(f"merged all-reduces, result {i} vs gloo", m_, r_[0],
-              m_.dtype.kind in "iu" or n <= 2)
+              m_.dtype.kind in "iub" or n <= 2)
 except Exception as e:  # a compile error is this case's failure
     failures.append("merged all-reduces")
     print(f"FAIL merged all-reduces: {type(e).__name__}: {str(e)[:400]}", flush=True)

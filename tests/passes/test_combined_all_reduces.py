@@ -105,3 +105,22 @@ def test_merging_is_off_with_combine_bytes_zero():
                         "tensor<4xf32>, tensor<4xf32>", "%r0, %r1", combine_bytes=0)
     assert merged == 0
     assert len(_calls(text)) == 2
+
+
+def test_a_bool_takes_a_byte_against_the_limit():
+    # XLA keeps a bool (i1) in a byte: 65536 bools are 64 KiB, over a 32 KiB limit, and
+    # stay calls of their own (counted at a bit each they were 8 KiB and merged).
+    def bools(out: str, x: str) -> str:
+        return _call(out, x, "65536", reduction="max").replace("xf32", "xi1").replace(
+            "float32", "bool")
+    body = "\n    ".join([bools("r0", "a"), bools("r1", "b")])
+    merged, text = _run(body, "%a: tensor<65536xi1>, %b: tensor<65536xi1>",
+                        "tensor<65536xi1>, tensor<65536xi1>", "%r0, %r1",
+                        combine_bytes=32 << 10)
+    assert merged == 0
+    assert len(_calls(text)) == 2
+    # Below the limit they merge (the test reads bools at all).
+    small = body.replace("65536", "16")
+    merged, _ = _run(small, "%a: tensor<16xi1>, %b: tensor<16xi1>",
+                     "tensor<16xi1>, tensor<16xi1>", "%r0, %r1", combine_bytes=32 << 10)
+    assert merged == 1

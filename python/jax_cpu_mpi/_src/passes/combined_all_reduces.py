@@ -55,7 +55,9 @@ def _tensor(value: Any) -> Any:
 
 
 def _bytes(t: Any) -> int:
-    return int(np.prod(t.shape, dtype=np.int64)) * _bitwidth(t.element_type) // 8
+    # XLA keeps an element of fewer bits (a bool, i1) in a byte of its own; the all-reduce
+    # reduces no packed (sub-byte) dtype.
+    return int(np.prod(t.shape, dtype=np.int64)) * max(_bitwidth(t.element_type), 8) // 8
 
 
 def _bitwidth(element: Any) -> int:
