@@ -30,7 +30,10 @@ rank; the cases that say 1 device per rank use the first device of each rank):
   rendezvous below the plain rendezvous size), 256 KiB, 1 MiB and 8 MiB + 4 KiB: a psend
   of the cycle that finds its receiver not ready defers its send to the receive loops, which
   post it straight from the operand once the ready signal comes (two ops: staged or direct,
-  as one-way sends); every byte checked, each step's bytes differ.
+  as one-way sends); every byte checked, each step's bytes differ. The two ops once more
+  with their results kept apart in the loop carry (a psend2/scan step), 8 B to 8 MiB +
+  4 KiB: the received result and the other op's zeros, over a carry that starts as other
+  bytes, checked on each rank.
   Then byte-count mismatches in a cycle (each side waits for another size than the other
   sends, small or large): both precvs report the mismatch instead of waiting for a ready
   signal that never comes, and the channel still delivers both ways afterwards.
@@ -342,6 +345,38 @@ def run_exchange() -> None:
                     np.testing.assert_array_equal(got, mine + np.uint8(4), err_msg=(name, n))
                 print(f"ok   exchange {name} {n} bytes", flush=True)
                 barrier(f"exchange {name} {n}")
+
+    # Two ops with their results kept apart in the loop carry (what psend2/scan and a
+    # pipeline keep, not ORed as above): the precv that is no destination writes zeros into
+    # a carry that starts as other bytes (a skipped zero-fill fails here from 8 B on, where
+    # the OR above passes at 8 B and 4 KiB), and each device's received result is checked.
+    def apart(v, steps: int = 4):
+        like = jax.ShapeDtypeStruct(v.shape, v.dtype)
+
+        def one(carry, _):
+            c, _, _ = carry
+            t1, t2 = jax_cpu_mpi.psend(c, "x", FWD), jax_cpu_mpi.psend(c, "x", BWD)
+            a = jax.lax.pcast(jax_cpu_mpi.precv(t1, like, "x", FWD), "x", to="varying")
+            b = jax.lax.pcast(jax_cpu_mpi.precv(t2, like, "x", BWD), "x", to="varying")
+            return ((a | b) + jnp.uint8(1), a, b), None
+
+        poison = jnp.full_like(v, 0xAB)
+        return jax.lax.scan(one, (v, poison, poison), None, length=steps)[0]
+
+    with config.overrides(gpu_parity=False):
+        f = jax.jit(jax.shard_map(apart, mesh=mesh, in_specs=P("x"),
+                                  out_specs=(P("x"), P("x"), P("x"))))
+        for n in (8, 4 << 10, 16 << 10, 256 << 10, (8 << 20) + 4096):
+            x = common.global_array(mesh, P("x"), np.concatenate([pattern(n, 5), pattern(n, 6)]))
+            for _ in range(2):
+                c, a, b = (local(out) for out in jax.block_until_ready(f(x)))
+                mine = pattern(n, 5 if me == 0 else 6)
+                got, zeros = (b, a) if me == 0 else (a, b)
+                np.testing.assert_array_equal(c, mine + np.uint8(4), err_msg=("apart", n))
+                np.testing.assert_array_equal(got, mine + np.uint8(3), err_msg=("apart", n))
+                np.testing.assert_array_equal(zeros, np.zeros_like(mine), err_msg=("zeros", n))
+            print(f"ok   exchange two ops apart {n} bytes", flush=True)
+            barrier(f"exchange apart {n}")
 
     # Mismatches in a cycle: nobody may wait for a ready signal that never comes.
     # Across the cycle's rendezvous size too: a deferring psend into a staged precv, a staged
