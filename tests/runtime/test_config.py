@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
     ("JAX_CPU_MPI_MAX_INFLIGHT_BYTES", "0", "is not a positive byte count"),
     ("JAX_CPU_MPI_COMBINE_BYTES", "-1",
      "JAX_CPU_MPI_COMBINE_BYTES='-1' is not a byte count: set a byte count, 0 or more, "
-     "e.g. 0, 65536, 256KiB or 1M, or unset it for the default 256KiB"),
+     "e.g. 0, 65536, 256KiB or 1M, or unset it for the default 64KiB"),
     ("JAX_CPU_MPI_ABORT_ON_ERROR", "maybe",
      "JAX_CPU_MPI_ABORT_ON_ERROR='maybe' is not a boolean: set 1 (abort the whole MPI "
      "launch) or 0 (end only this process), or unset it for the default 1"),
@@ -66,7 +66,7 @@ def test_bad_value_names_variable_value_and_what_is_allowed(monkeypatch, name, v
     ("JAX_CPU_MPI_POISON_UNINITIALIZED", "on", "poison_uninitialized", True),
     ("JAX_CPU_MPI_COMBINE_BYTES", "0", "combine_bytes", 0),
     ("JAX_CPU_MPI_COMBINE_BYTES", "1MiB", "combine_bytes", 1 << 20),
-    ("JAX_CPU_MPI_COMBINE_BYTES", "", "combine_bytes", 256 << 10),
+    ("JAX_CPU_MPI_COMBINE_BYTES", "", "combine_bytes", 64 << 10),
     ("JAX_CPU_MPI_RECV_TIMEOUT", "", "recv_timeout", 300.0),  # empty: the default
 ])
 def test_good_values(monkeypatch, name, value, field, expected):

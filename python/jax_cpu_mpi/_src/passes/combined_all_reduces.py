@@ -17,9 +17,11 @@ element is reduced as before. Which calls merge:
   whose attributes agree but for their descriptions (the group, the devices' processes, the
   reduction; the lowering gives each call the same ones for the same collective) and whose
   operands have one element type;
-* each operand at most ``combine_bytes`` (``JAX_CPU_MPI_COMBINE_BYTES``, 256 KiB by default:
+* each operand at most ``combine_bytes`` (``JAX_CPU_MPI_COMBINE_BYTES``, 64 KiB by default:
   above it the fixed cost is a small part of the call, and the concatenation and the slices
-  are two more passes over its bytes), the merged buffer at most :data:`MAX_COMBINED_BYTES`;
+  are two more passes over its bytes; with several devices per process, merging larger
+  leaves too cost more than it saved in ``benchmarks/combined_all_reduces.py``), the merged
+  buffer at most :data:`MAX_COMBINED_BYTES`;
 * where no result of an earlier call of the run is read before the run's last call: the
   merged call replaces the last one, so every reader of every result comes after it (a psum
   whose operand is another psum's result, or a value computed between two psums from the

@@ -65,7 +65,7 @@ class Config:
     #: All-reduces over MPI of at most this many bytes each, of one group, reduction and
     #: dtype, that a program runs one after another merge into one call (0: none merge);
     #: chosen when a program is lowered.
-    combine_bytes: int = 256 << 10
+    combine_bytes: int = 64 << 10
     #: Fill the buffers that start uninitialized (a pipeline's kept residuals) with NaN
     #: (floats), the most negative (signed), the largest (unsigned) value or true, so that
     #: a read before a write shows in results (a check: it costs a write of every byte).
@@ -262,7 +262,7 @@ VARIABLES: tuple[Variable, ...] = (
              "launcher started, `gloo` elsewhere; chosen when a program is lowered",
              "collectives", _choice(auto="mpi under an MPI launcher, else gloo",
                                     mpi="MPI collectives", gloo="JAX's gloo path")),
-    Variable("JAX_CPU_MPI_COMBINE_BYTES", "runtime", "256KiB",
+    Variable("JAX_CPU_MPI_COMBINE_BYTES", "runtime", "64KiB",
              "all-reduces over MPI (`psum`, `pmean`, `pmax`, `pmin`) of at most this many "
              "bytes each, of one group, reduction and dtype, that a program runs one after "
              "another (JAX binds `psum` of a pytree leaf by leaf) go as one call over their "
