@@ -339,7 +339,16 @@ for label, m in meshes.items():
                     tol = 1e-2 if v.dtype.itemsize <= 2 else 1e-5
                     np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64),
                                                rtol=tol, atol=tol)
-            if key in ex_gloo and exact:
+            gloo_exact = key in ex_gloo and exact and all(
+                np.array_equal(ex_gloo[key][i], np.asarray(ref(v, i))) for i in range(n))
+            if key in ex_gloo and exact and not gloo_exact:
+                # Ours equals NumPy (checked above); JAX's gloo reduce-scatter of this int32
+                # case now and then returns a wrong tail on device 0 (the last 260 bytes, the
+                # same wrong bytes every time), also in launches whose exchanges all run on
+                # gloo: the reference is wrong there, not the result under test.
+                print(f"note {name}: gloo's own result differs from NumPy (JAX's gloo "
+                      "path); compared with NumPy only", flush=True)
+            elif key in ex_gloo and exact:
                 np.testing.assert_array_equal(ex_mpi[key], ex_gloo[key])
             elif key in ex_gloo:
                 np.testing.assert_allclose(ex_mpi[key].astype(np.float64),
