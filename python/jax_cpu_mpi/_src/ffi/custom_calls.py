@@ -195,3 +195,18 @@ def with_extra_operands(op: Any, extra: Sequence[tuple[Any, Any]], config: Any) 
     op.erase()
     return new
 
+
+def is_a(attr: Any, kind: Any) -> bool:
+    """Whether an MLIR attribute or type is a ``kind`` (``ir.ArrayAttr``, ``ir.FloatType``...)."""
+    # Newer MLIR bindings give attributes and types their concrete class; older ones have
+    # isinstance().
+    test = getattr(kind, "isinstance", None)
+    return isinstance(attr, kind) or (test is not None and test(attr))
+
+
+def row_major_layout(value: Any) -> Any:
+    """The default (row-major) layout of a tensor value, as operand_layouts spells it."""
+    rank = ir.RankedTensorType(value.type).rank
+    return ir.DenseIntElementsAttr.get(
+        np.arange(rank - 1, -1, -1, dtype=np.int64),
+        type=ir.RankedTensorType.get([rank], ir.IndexType.get()))

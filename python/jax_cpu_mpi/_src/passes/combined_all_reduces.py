@@ -40,7 +40,13 @@ from typing import Any
 import numpy as np
 
 from jax_cpu_mpi._src.compat import hlo, ir
-from jax_cpu_mpi._src.ffi.custom_calls import attribute_dict, backend_config, call_target
+from jax_cpu_mpi._src.ffi.custom_calls import (
+    attribute_dict,
+    backend_config,
+    call_target,
+    is_a,
+    row_major_layout,
+)
 from jax_cpu_mpi._src.lowering import collectives
 from jax_cpu_mpi._src.runtime import config
 
@@ -56,35 +62,39 @@ def _tensor(value: Any) -> Any:
     return ir.RankedTensorType(value.type)
 
 
-def _bytes(t: Any) -> int:
-    # XLA keeps an element of fewer bits (a bool, i1) in a byte of its own; the all-reduce
-    # reduces no packed (sub-byte) dtype.
-    return int(np.prod(t.shape, dtype=np.int64)) * max(_bitwidth(t.element_type), 8) // 8
+def _elements(call: Any) -> int:
+    """The element count of an all-reduce call's operand."""
+    return int(np.prod(_tensor(call.operands[0]).shape, dtype=np.int64))
 
 
 def _bitwidth(element: Any) -> int:
     for kind in (ir.IntegerType, ir.FloatType):
-        test = getattr(kind, "isinstance", None)
-        if (test is not None and test(element)) or isinstance(element, kind):
+        if is_a(element, kind):
             return kind(element).width
-    test = getattr(ir.ComplexType, "isinstance", None)
-    if (test is not None and test(element)) or isinstance(element, ir.ComplexType):
+    if is_a(element, ir.ComplexType):
         return 2 * _bitwidth(ir.ComplexType(element).element_type)
     raise ValueError(f"no width for {element}")
 
 
-def _key(op: Any, limit: int) -> tuple[str, str] | None:
-    """What a call must share with the others of its run (None: it merges with none)."""
+def _candidate(op: Any, limit: int) -> tuple[tuple[str, str], int] | None:
+    """What a call must share with the others of its run, and its operand's bytes (None: it
+    merges with none)."""
     if call_target(op) != collectives.ALL_REDUCE_TARGET or len(op.operands) != 2:
         return None
     t = _tensor(op.operands[0])
-    if not t.has_static_shape or _bytes(t) > limit:
+    if not t.has_static_shape:
+        return None
+    # XLA keeps an element of fewer bits (a bool, i1) in a byte of its own; the all-reduce
+    # reduces no packed (sub-byte) dtype.
+    nbytes = _elements(op) * max(_bitwidth(t.element_type), 8) // 8
+    if nbytes > limit:
         return None
     config = {name: str(attr) for name, attr in backend_config(op).items()
               if name not in _DESCRIPTIONS}
     other = {name: str(attr) for name, attr in attribute_dict(op).items()
              if name not in (_BACKEND_CONFIG, "operand_layouts", "result_layouts")}
-    return str(t.element_type), repr(sorted(config.items()) + sorted(other.items()))
+    key = str(t.element_type), repr(sorted(config.items()) + sorted(other.items()))
+    return key, nbytes
 
 
 def _in_block(op: Any, block: Any) -> Any | None:
@@ -107,7 +117,7 @@ def _first_read(op: Any, block: Any, position: dict[Any, int]) -> int:
     return first
 
 
-def _describe(run: list[Any]) -> dict[str, Any]:
+def _describe(run: list[Any], sizes: list[int]) -> dict[str, Any]:
     def text(call: Any, name: str) -> str:
         attr = backend_config(call).get(name)
         return "all_reduce" if attr is None else ir.StringAttr(attr).value
@@ -116,7 +126,7 @@ def _describe(run: list[Any]) -> dict[str, Any]:
     operands = [text(c, "operand") for c in run]
     shown = ", ".join(operands[:4]) + (f", ... ({len(run)} in all)" if len(run) > 4 else "")
     op = ops[0] if len(set(ops)) == 1 else " / ".join(sorted(set(ops)))
-    total = sum(int(np.prod(_tensor(c.operands[0]).shape, dtype=np.int64)) for c in run)
+    total = sum(sizes)
     dtype = operands[0].split("[")[0]
     return {"op": ir.StringAttr.get(f"{op}, {len(run)} combined"),
             "operand": ir.StringAttr.get(f"{dtype}[{total}] ({shown})")}
@@ -127,17 +137,16 @@ def _merge(run: list[Any]) -> None:
     of them was."""
     last = run[-1]
     element = _tensor(last.operands[0]).element_type
-    sizes = [int(np.prod(_tensor(c.operands[0]).shape, dtype=np.int64)) for c in run]
+    sizes = [_elements(c) for c in run]
     flat_type = ir.RankedTensorType.get([sum(sizes)], element)
-    layout = ir.DenseIntElementsAttr.get(
-        np.zeros(1, dtype=np.int64), type=ir.RankedTensorType.get([1], ir.IndexType.get()))
     with ir.InsertionPoint(last), last.location:
         flats = [hlo.reshape(ir.RankedTensorType.get([n], element), c.operands[0])
                  for c, n in zip(run, sizes, strict=True)]
         joined = hlo.concatenate(flats, 0)
+        layout = row_major_layout(joined)
         attributes = attribute_dict(last)
         config = backend_config(last)
-        config.update(_describe(run))
+        config.update(_describe(run, sizes))
         attributes[_BACKEND_CONFIG] = ir.DictAttr.get(config)
         layouts = list(ir.ArrayAttr(last.attributes["operand_layouts"]))
         attributes["operand_layouts"] = ir.ArrayAttr.get([layout, *layouts[1:]])
@@ -172,19 +181,20 @@ def _combine_block(block: Any, limit: int) -> int:
     sizes: dict[Any, int] = {}
     done: list[list[Any]] = []
     for op in ops:
-        key = _key(op, limit)
-        if key is None:
+        candidate = _candidate(op, limit)
+        if candidate is None:
             continue
+        key, nbytes = candidate
         first_read[op] = _first_read(op, block, position)
-        nbytes = _bytes(_tensor(op.operands[0]))
         run = runs.get(key, [])
         if run and (sizes[key] + nbytes > MAX_COMBINED_BYTES
                     or any(first_read[m] <= position[op] for m in run)):
             done.append(run)
             run = []
+        if not run:
             sizes[key] = 0
         runs[key] = [*run, op]
-        sizes[key] = sizes.get(key, 0) + nbytes if run else nbytes
+        sizes[key] += nbytes
     done.extend(runs.values())
     for run in done:
         if len(run) > 1:

@@ -54,9 +54,11 @@ from jax_cpu_mpi._src.ffi.custom_calls import (
     attribute_dict,
     call_target,
     functions,
+    is_a,
     is_private,
     operations,
     partitioned,
+    row_major_layout,
     set_int_attribute,
     with_extra_operands,
     with_int_attribute,
@@ -115,20 +117,14 @@ def _inline(call: Any, callee: Any) -> bool:
     return True
 
 
-def _is(attr: Any, kind: Any) -> bool:
-    # Newer MLIR bindings give attributes their concrete class; older ones have isinstance().
-    test = getattr(kind, "isinstance", None)
-    return isinstance(attr, kind) or (test is not None and test(attr))
-
-
 def _symbols(attr: Any, into: set[str]) -> None:
     """The symbols ``attr`` refers to (nested in arrays and dictionaries too)."""
-    if _is(attr, ir.FlatSymbolRefAttr):
+    if is_a(attr, ir.FlatSymbolRefAttr):
         into.add(ir.FlatSymbolRefAttr(attr).value)
-    elif _is(attr, ir.ArrayAttr):
+    elif is_a(attr, ir.ArrayAttr):
         for a in ir.ArrayAttr(attr):
             _symbols(a, into)
-    elif _is(attr, ir.DictAttr):
+    elif is_a(attr, ir.DictAttr):
         d = ir.DictAttr(attr)
         for i in range(len(d)):
             _symbols(d[i].attr, into)
@@ -163,20 +159,12 @@ def inline_calls(module: Any) -> int:
 _Link = tuple[Any, Any]
 
 
-def _layout(value: Any) -> Any:
-    """The default (row-major) layout of a tensor value, as operand_layouts spells it."""
-    rank = ir.RankedTensorType(value.type).rank
-    return ir.DenseIntElementsAttr.get(
-        np.arange(rank - 1, -1, -1, dtype=np.int64),
-        type=ir.RankedTensorType.get([rank], ir.IndexType.get()))
-
-
 def _link_to_result(op: Any) -> _Link | None:
     """A result of ``op`` a later collective can read (XLA runs a loop or a conditional as
     one step: reading any of its results orders the reader after all of it)."""
     for result in op.results:
-        if _is(result.type, ir.RankedTensorType):
-            return result, _layout(result)
+        if is_a(result.type, ir.RankedTensorType):
+            return result, row_major_layout(result)
     return None
 
 
@@ -413,8 +401,8 @@ def _end_chain(block: Any, last: _Link) -> None:
     terminator = list(block.operations)[-1].operation
     links = [last]
     for value in terminator.operands:
-        if _is(value.type, ir.RankedTensorType) and all(value != v for v, _ in links):
-            links.append((value, _layout(value)))
+        if is_a(value.type, ir.RankedTensorType) and all(value != v for v, _ in links):
+            links.append((value, row_major_layout(value)))
     ir.Operation.create(
         "stablehlo.custom_call", results=[], operands=[v for v, _ in links],
         attributes={
