@@ -278,12 +278,18 @@ def test_zero_fill_leaves_untouched_anonymous_pages_alone(tmp_path):
     m.close()
 
 
-def test_large_zeros_over_a_reused_buffer_match_ppermute():
-    """A streamed zero-fill (a message of the threshold's size and more) into a buffer XLA
+@pytest.mark.parametrize("kind", ["streamed", "fresh-map"])
+def test_large_zeros_over_a_reused_buffer_match_ppermute(kind):
+    """A streamed zero-fill (a message of the threshold's size and more), and one large
+    enough to skip a fresh map's untouched pages (FRESH_MAP_BYTES), into a buffer XLA
     reuses within the loop: there the precv of device 0 (no destination) writes where
-    another precv's data was. Equal to ppermute's values; fails if the zeros are not
-    written (checked with a zero-fill that skips large buffers)."""
-    elements = (ext.streaming_zero_fill_min_bytes() or 8 << 20) // 4 + 16
+    another precv's data was (present pages, which must be written), and into the call's
+    fresh outputs. Equal to ppermute's values; fails if the zeros are not written (checked
+    with a zero-fill that skips large buffers)."""
+    if kind == "streamed":
+        elements = (ext.streaming_zero_fill_min_bytes() or 8 << 20) // 4 + 16
+    else:
+        elements = FRESH_MAP_BYTES // 4 + 1024 + 3
     mesh = make_mesh((2, "x"))
 
     def program(hop):
