@@ -1,12 +1,22 @@
 #include "local/zero_fill.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdint>
 #include <cstring>
 #include <exception>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/keep_freed_memory.h"
+
+#if defined(__linux__)
+#include <fcntl.h>
+#include <unistd.h>
+#endif
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <emmintrin.h>
@@ -71,11 +81,14 @@ size_t StreamingZeroFillMinBytes() {
   return min_bytes;
 }
 
-void ZeroFill(void* data, size_t bytes) {
+namespace {
+
+// The bytes of [data, data + bytes) set to zero: with streaming stores if `stream` (a buffer
+// of StreamingZeroFillMinBytes() or more, of which this may be a part), else memset.
+void Fill(void* data, size_t bytes, bool stream) {
   if (bytes == 0) return;
 #ifdef JCM_STREAMING_STORES
-  const size_t min_bytes = StreamingZeroFillMinBytes();
-  if (min_bytes != 0 && bytes >= min_bytes) {
+  if (stream) {
     auto* p = static_cast<std::byte*>(data);
     // memset up to a 64-byte boundary and past the last whole line; stream the lines.
     const auto addr = reinterpret_cast<uintptr_t>(p);
@@ -97,8 +110,108 @@ void ZeroFill(void* data, size_t bytes) {
     _mm_sfence();
     return;
   }
+#else
+  (void)stream;
 #endif
   std::memset(data, 0, bytes);
+}
+
+#if defined(__linux__)
+// Whether [begin, end) lies in private anonymous mappings alone (/proc/self/maps: "rw-p",
+// no file, as glibc's heap and its mmapped blocks are): there a page that this process never
+// touched reads as zeros. A private file mapping's untouched page reads the file, a shared
+// mapping's what another process wrote: those are always written.
+bool PrivateAnonymous(uintptr_t begin, uintptr_t end) {
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  uintptr_t covered = begin;
+  while (covered < end && std::getline(maps, line)) {
+    unsigned long lo = 0, hi = 0, offset = 0, inode = 0;
+    unsigned major = 0, minor = 0;
+    char perms[5] = {};
+    int path_at = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx %4s %lx %x:%x %lu %n", &lo, &hi, perms, &offset,
+                    &major, &minor, &inode, &path_at) < 7) {
+      return false;
+    }
+    if (hi <= covered) continue;
+    if (lo > covered) return false;  // a hole: not mapped
+    const std::string_view path = path_at > 0 && static_cast<size_t>(path_at) <= line.size()
+                                      ? std::string_view(line).substr(path_at)
+                                      : std::string_view();
+    const bool anonymous = inode == 0 && (path.empty() || path == "[heap]" ||
+                                          path.substr(0, 6) == "[anon:");
+    if (std::string_view(perms) != "rw-p" || !anonymous) return false;
+    covered = hi;
+  }
+  return covered >= end;
+}
+
+// Zeroes [data, data + bytes) writing only the pages that may hold something else: in a
+// private anonymous mapping a page that is neither present nor swapped out (pagemap's bits
+// 63 and 62: never touched since it was mapped, or given back) reads as zeros already, and
+// stays so until this process writes it. False (nothing written) where every page is
+// present (a reused buffer: the usual case, told by pagemap alone, before the slower look
+// at the mappings) or the kernel does not say: the caller then writes every byte.
+bool FillSkippingUntouched(std::byte* data, size_t bytes, bool stream) {
+  const long page_size = sysconf(_SC_PAGESIZE);
+  if (page_size <= 0) return false;
+  const auto page = static_cast<uintptr_t>(page_size);
+  const auto start = reinterpret_cast<uintptr_t>(data);
+  const uintptr_t first = (start + page - 1) / page;  // the whole pages, by number
+  const uintptr_t last = (start + bytes) / page;
+  if (last <= first) return false;
+  const size_t count = last - first;
+  // This thread's buffer: a fresh vector would be a malloc (and for a large one, a fresh
+  // map) at every call.
+  thread_local std::vector<uint64_t> entries;
+  if (entries.size() < count) entries.resize(count);
+  const int fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  size_t read_bytes = 0;
+  while (read_bytes < count * sizeof(uint64_t)) {
+    const ssize_t got = pread(fd, reinterpret_cast<char*>(entries.data()) + read_bytes,
+                              count * sizeof(uint64_t) - read_bytes,
+                              static_cast<off_t>(first * sizeof(uint64_t) + read_bytes));
+    if (got <= 0) break;
+    read_bytes += static_cast<size_t>(got);
+  }
+  close(fd);
+  if (read_bytes != count * sizeof(uint64_t)) return false;
+  constexpr uint64_t kHeld = (uint64_t{1} << 63) | (uint64_t{1} << 62);  // present, swapped
+  const bool any_untouched = std::any_of(entries.begin(), entries.begin() + count,
+                                         [](uint64_t e) { return (e & kHeld) == 0; });
+  if (!any_untouched || !PrivateAnonymous(start, start + bytes)) return false;
+  auto at = [&](uintptr_t n) { return reinterpret_cast<std::byte*>(n * page); };
+  // The parts outside the whole pages are always written; each whole page as it says.
+  Fill(data, static_cast<size_t>(at(first) - data), stream);
+  uintptr_t run = first;  // the pages from `run` up to the current one must be written
+  for (size_t i = 0; i < count; ++i) {
+    if ((entries[i] & kHeld) != 0) continue;
+    Fill(at(run), static_cast<size_t>(at(first + i) - at(run)), stream);
+    run = first + i + 1;
+  }
+  Fill(at(run), static_cast<size_t>(data + bytes - at(run)), stream);
+  return true;
+}
+#endif
+
+}  // namespace
+
+void ZeroFill(void* data, size_t bytes) {
+  if (bytes == 0) return;
+  const size_t streaming = StreamingZeroFillMinBytes();
+  const bool stream = streaming != 0 && bytes >= streaming;
+#if defined(__linux__)
+  // A block this large may be a fresh map at every call (common/keep_freed_memory.h): its
+  // pages are zeros until touched, and writing them would fault each one in, have the kernel
+  // clear it, and then write its bytes a second time.
+  if (bytes >= kFreshMapMinBytes &&
+      FillSkippingUntouched(static_cast<std::byte*>(data), bytes, stream)) {
+    return;
+  }
+#endif
+  Fill(data, bytes, stream);
 }
 
 }  // namespace jcm

@@ -5,6 +5,9 @@ Values are compared with lax.ppermute on the same input or with numpy simulation
 
 from __future__ import annotations
 
+import mmap
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -213,12 +216,89 @@ def test_zero_fill_writes_exactly_its_buffer():
                 n, offset)
 
 
-def test_large_zeros_over_a_reused_buffer_match_ppermute():
-    """A streamed zero-fill (a message of the threshold's size and more) into a buffer XLA
+#: ZeroFill leaves untouched pages alone from this size (kFreshMapMinBytes, cpp/common).
+FRESH_MAP_BYTES = 32 << 20
+
+
+def _present_pages(array: np.ndarray) -> int:
+    """Pages of ``array`` that this process has in memory (/proc/self/pagemap bit 63)."""
+    page = mmap.PAGESIZE
+    start = array.ctypes.data
+    first, last = start // page, (start + array.nbytes + page - 1) // page
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        entries = np.frombuffer(f.read((last - first) * 8), np.uint64)
+    return int(np.count_nonzero(entries >> np.uint64(63)))
+
+
+def _mapped(n: int, flags: int, fileno: int = -1) -> tuple[mmap.mmap, np.ndarray]:
+    m = mmap.mmap(fileno, n, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return m, np.frombuffer(m, np.uint8)
+
+
+@pytest.mark.skipif(not os.access("/proc/self/pagemap", os.R_OK),
+                    reason="no /proc/self/pagemap (not Linux): ZeroFill writes every page")
+def test_zero_fill_leaves_untouched_anonymous_pages_alone(tmp_path):
+    """A large output that is a fresh map reads as zeros already: ZeroFill writes only the
+    pages that were touched (fails if it writes every page: all present after), and zeros
+    every byte whatever the mapping: a private map of a file (its untouched pages read the
+    file: fails if they are skipped as anonymous), a shared one, a partly touched one."""
+    n = FRESH_MAP_BYTES + 3 * mmap.PAGESIZE
+    page = mmap.PAGESIZE
+    anonymous = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    m, fresh = _mapped(n, anonymous)
+    ext.zero_fill(fresh[5:])  # not page-aligned: the partial first page is written
+    # Before reading maps them. At most the first and last pages were written, each of which
+    # may fault in a whole huge page where the kernel's THP setting is "always".
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
+            huge = int(f.read())
+    except (OSError, ValueError):
+        huge = 2 << 20
+    written = _present_pages(fresh)
+    assert written <= 2 * max(huge // page, 1) < n // page // 4, (written, n // page)
+    assert not fresh.any()
+    del fresh
+    m.close()
+
+    m, partly = _mapped(n, anonymous)
+    partly[::3 * page] = 0xFF  # every third page touched
+    touched = _present_pages(partly)
+    ext.zero_fill(partly)
+    assert _present_pages(partly) == touched
+    assert not partly.any()
+    del partly
+    m.close()
+
+    path = tmp_path / "pattern"
+    path.write_bytes(b"\xab" * n)
+    with open(path, "r+b") as f:
+        for flags in (mmap.MAP_PRIVATE, mmap.MAP_SHARED):
+            m, filed = _mapped(n, flags, f.fileno())
+            ext.zero_fill(filed)
+            assert not filed.any(), flags
+            del filed
+            m.close()
+    m, shared = _mapped(n, mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+    shared[::page] = 7
+    ext.zero_fill(shared)
+    assert not shared.any()
+    del shared
+    m.close()
+
+
+@pytest.mark.parametrize("kind", ["streamed", "fresh-map"])
+def test_large_zeros_over_a_reused_buffer_match_ppermute(kind):
+    """A streamed zero-fill (a message of the threshold's size and more), and one large
+    enough to skip a fresh map's untouched pages (FRESH_MAP_BYTES), into a buffer XLA
     reuses within the loop: there the precv of device 0 (no destination) writes where
-    another precv's data was. Equal to ppermute's values; fails if the zeros are not
-    written (checked with a zero-fill that skips large buffers)."""
-    elements = (ext.streaming_zero_fill_min_bytes() or 8 << 20) // 4 + 16
+    another precv's data was (present pages, which must be written), and into the call's
+    fresh outputs. Equal to ppermute's values; fails if the zeros are not written (checked
+    with a zero-fill that skips large buffers)."""
+    if kind == "streamed":
+        elements = (ext.streaming_zero_fill_min_bytes() or 8 << 20) // 4 + 16
+    else:
+        elements = FRESH_MAP_BYTES // 4 + 1024 + 3
     mesh = make_mesh((2, "x"))
 
     def program(hop):

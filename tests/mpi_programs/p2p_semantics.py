@@ -101,6 +101,19 @@ check("two-way 32 MiB exchange, sends first",
 for late in (1, 0):
     check(f"32 MiB to a late receiver (device {late}), 8 B back",
           cases.late_receiver_exchange(cross, gather, late=late))
+# One way at a fresh map's size (32 MiB + 4 KiB + 12 B, cpp/local/zero_fill.h): device 0 is
+# no destination, and its zeros leave the untouched pages of its output alone. Checked
+# against NumPy (under mpirun ppermute takes this same path), in three calls: a later
+# call's output may be pages that an earlier call touched and freed.
+big = (32 << 18) + 1027
+value = cases.sample((2 * big,), np.float32, seed=5)
+one_way = jax.jit(jax.shard_map(lambda v: cases.sendrecv(v, "x", [(0, 1)]), mesh=cross,
+                                in_specs=jax.sharding.PartitionSpec("x"),
+                                out_specs=jax.sharding.PartitionSpec("x")))
+for call in range(3):
+    got = gather(one_way(cases.put(cross, jax.sharding.PartitionSpec("x"), value)))
+    check(f"one way at 32 MiB + 4 KiB + 12 B, zeros on device 0, call {call}",
+          (got, np.concatenate([np.zeros(big, np.float32), value[:big]])))
 
 def long_wait(delay_s: float = 0.5) -> dict:
     """Device 1 of ``cross`` waits ``delay_s`` in its precv for 8 B that device 0 sends
