@@ -188,7 +188,9 @@ ffi::Error Psend(int64_t run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partiti
     // Finished by the precv that keeps the operand; its error names this psend. The text
     // is made only on failure: this runs for every send of an exchange.
     rt.kept_sends().Add(x.untyped_data(), run_id, me, operand_kept,
-                        [mpi, in_flight, dest, op = std::string(op),
+                        [mpi, in_flight, dest, tag = *tag,
+                         reverse_tag = static_cast<int>(peer_dev * info.num_devices + my_dev),
+                                           op = std::string(op),
                                            operand = std::string(operand), me, peer,
                                            me_process = device_process[me],
                                            peer_process = device_process[peer]](
@@ -208,6 +210,9 @@ ffi::Error Psend(int64_t run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partiti
       what << op << " of " << operand << " from partition " << me << " (process "
            << me_process << ") to partition " << peer << " (process " << peer_process << ")"
            << MpiPeer(dest) << " failed: ";
+      if (done.code() == StatusCode::kSendTimeout && !Closing()) {
+        done = done.WithSuffix(mpi->StallReport(dest, reverse_tag, tag));
+      }
       return done.WithPrefix(what.str());
     });
   }
@@ -229,6 +234,9 @@ ffi::Error Psend(int64_t run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partiti
     std::ostringstream s;
     s << op << " of " << operand << " from " << ProcessSuffix(info, me) << " to "
       << ProcessSuffix(info, peer) << MpiPeer(dest) << " failed: " << r.message();
+    if (r.code() == StatusCode::kSendTimeout && !Closing()) {
+      s << mpi->StallReport(dest, static_cast<int>(peer_dev * info.num_devices + my_dev), *tag);
+    }
     return ffi::Error::Internal(s.str());
   }
   return ffi::Error::Success();
@@ -368,8 +376,16 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
   // An op ended at exit says nothing about its peer (it may just be slower to finish).
   if (!Closing()) rt.note_unreachable_peer(source);
   if (r.code() == StatusCode::kTimeout) {
+    // The transport's state goes with the error (not at exit: the peer is only slower):
+    // a stall seen once in many launches is explained by the error it ends with.
+    std::string state;
+    if (!Closing()) {
+      if (!r.message().empty()) state = "\n  The receive: " + r.message() + ".";
+      state += mpi->StallReport(source, *tag,
+                                static_cast<int>(my_dev * info.num_devices + peer_dev));
+    }
     return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
-                      Timeout(info, me, peer, config.recv_timeout_s, MpiPeer(source)));
+                      Timeout(info, me, peer, config.recv_timeout_s, MpiPeer(source)) + state);
   }
   std::ostringstream s;
   s << op << " of " << operand << " on " << ProcessSuffix(info, me) << " from "

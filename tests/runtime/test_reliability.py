@@ -422,6 +422,20 @@ def test_sender_stopped_mid_message_fails_the_receive_in_time(fault_job):
                    "from partition 0 (process 0) (MPI rank 0")
     for part in first_error:
         assert part in out, run.report()
+    # The error carries the transport's state (MpiTransport::StallReport): how the receive
+    # went, and what rank 0 sent that nobody took (once a receive was abandoned, the broken
+    # transport probes nothing).
+    state = {"eager": ("it was a staged receive (no staged message matched)",
+                       "unreceived from rank 0 now: nothing"),
+             "staged": ("The receive: the message started to arrive but its payload did not "
+                        "complete in time.", "a staged message matched)",
+                        "not probed (the transport is broken"),
+             "direct": ("The receive: a direct message started to arrive but did not "
+                        "complete.", "rendezvous-size receive (direct receives posted, ",
+                        "not probed (the transport is broken")}[path]
+    for part in ("Transport state at the timeout (this process is MPI rank 1; the peer MPI "
+                 "rank 0;", "receives from rank 0, tag 1: the latest, #", *state):
+        assert part in out, (part, run.report())
     if path != "eager":
         later = re.search(r"process 1: the next op failed at once: (.*)", out)
         assert later, run.report()
@@ -429,6 +443,8 @@ def test_sender_stopped_mid_message_fails_the_receive_in_time(fault_job):
         assert "this process makes no more MPI calls" in broken, run.report()
         for part in ("precv(axis_name=('x',), perm=[(0, 1)])", *first_error[1:]):
             assert part in cause, (part, run.report())
+        # Only the first error's first line: not its state again.
+        assert "Transport state" not in cause, run.report()
     assert "aborting the MPI job (MPI_Abort)" in out, run.report()
 
 
