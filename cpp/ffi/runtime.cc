@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <string_view>
 
 #include "common/immortal.h"
 
@@ -233,9 +234,12 @@ void Runtime::settle_run_after_failure(int64_t run_id, int64_t partition,
 }
 
 void Runtime::note_failed_op(const std::string& error) {
+  // Alike by their first line: the lines after it (a timeout's transport state, with its
+  // times) differ from one failure of the same op to the next. The first one's are kept.
+  auto head = [](std::string_view text) { return text.substr(0, text.find('\n')); };
   std::lock_guard<std::mutex> lock(failed_mu_);
   for (auto& [text, count] : failed_ops_) {
-    if (text == error) {
+    if (head(text) == head(error)) {
       ++count;
       return;
     }
