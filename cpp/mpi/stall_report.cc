@@ -185,8 +185,8 @@ std::string MpiTransport::StallReport(int peer_rank, int recv_tag, int send_tag)
       out << "\n    this process: " << pending_.size() << " staged sends in flight ("
           << inflight_bytes_ << " bytes), " << direct_in_flight_.size()
           << " direct sends in flight, " << deferred << " deferred, "
-          << control_sends_.size() << " ready signals not yet completed, "
-          << sends_completed_ << " sends completed";
+          << control_sends_.size() << " ready signals still being sent, "
+          << sends_completed_ << " sends finished";
       if (!abandoned_.empty()) out << ", " << abandoned_.size() << " abandoned requests";
     }
   }
