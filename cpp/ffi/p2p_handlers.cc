@@ -272,8 +272,10 @@ std::string TypeMismatch(const OpInfo& info, int64_t me, int64_t peer, size_t by
 }
 
 // `mpi_peer`: MpiPeer() of the sender when the message comes over MPI, else empty.
+// `partly`: the transport's word that the message matched but did not arrive whole (its
+// sender stopped mid-message), else empty.
 std::string Timeout(const OpInfo& info, int64_t me, int64_t peer, double seconds,
-                    const std::string& mpi_peer = "") {
+                    const std::string& mpi_peer = "", const std::string& partly = "") {
   std::ostringstream s;
   if (Closing()) {  // ended by the exit (Runtime::close), not by its own deadline
     s << info.op << " on " << ProcessSuffix(info, me) << " was still waiting for "
@@ -285,9 +287,14 @@ std::string Timeout(const OpInfo& info, int64_t me, int64_t peer, double seconds
     return s.str();
   }
   s << info.op << " on " << ProcessSuffix(info, me) << " waited " << seconds
-    << " s for " << info.operand << " from " << ProcessSuffix(info, peer) << mpi_peer
-    << " and no message arrived: no psend with the pair (" << peer << ", " << me
-    << ") ran";
+    << " s for " << info.operand << " from " << ProcessSuffix(info, peer) << mpi_peer;
+  if (!partly.empty()) {
+    s << " and the message did not arrive whole (" << partly
+      << "): the peer process is stuck, has died, or cannot be reached over the network "
+         "(set JAX_CPU_MPI_RECV_TIMEOUT to wait longer).";
+    return s.str();
+  }
+  s << " and no message arrived: no psend with the pair (" << peer << ", " << me << ") ran";
   if (!mpi_peer.empty()) {
     s << ", or the peer process is stuck, has died, or cannot be reached over the network";
   }
@@ -380,12 +387,13 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
     // a stall seen once in many launches is explained by the error it ends with.
     std::string state;
     if (!Closing()) {
-      if (!r.message().empty()) state = "\n  The receive: " + r.message() + ".";
-      state += mpi->StallReport(source, *tag,
-                                static_cast<int>(my_dev * info.num_devices + peer_dev));
+      state = mpi->StallReport(source, *tag,
+                               static_cast<int>(my_dev * info.num_devices + peer_dev));
     }
     return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
-                      Timeout(info, me, peer, config.recv_timeout_s, MpiPeer(source)) + state);
+                      Timeout(info, me, peer, config.recv_timeout_s, MpiPeer(source),
+                              r.message()) +
+                          state);
   }
   std::ostringstream s;
   s << op << " of " << operand << " on " << ProcessSuffix(info, me) << " from "

@@ -422,16 +422,17 @@ def test_sender_stopped_mid_message_fails_the_receive_in_time(fault_job):
                    "from partition 0 (process 0) (MPI rank 0")
     for part in first_error:
         assert part in out, run.report()
-    # The error carries the transport's state (MpiTransport::StallReport): how the receive
-    # went, and what rank 0 sent that nobody took (once a receive was abandoned, the broken
-    # transport probes nothing).
+    # The error says whether the message started to arrive, and carries the transport's
+    # state (MpiTransport::StallReport): how the receive went, and what rank 0 sent that
+    # nobody took (once a receive was abandoned, the broken transport probes nothing).
     state = {"eager": ("it was a staged receive (no staged message matched)",
                        "unreceived from rank 0 now: nothing"),
-             "staged": ("The receive: the message started to arrive but its payload did not "
-                        "complete in time.", "a staged message matched)",
-                        "not probed (the transport is broken"),
-             "direct": ("The receive: a direct message started to arrive but did not "
-                        "complete.", "rendezvous-size receive (direct receives posted, ",
+             "staged": ("the message did not arrive whole (the message started to arrive "
+                        "but its payload did not complete in time)",
+                        "a staged message matched)", "not probed (the transport is broken"),
+             "direct": ("the message did not arrive whole (a direct message started to "
+                        "arrive but did not complete)",
+                        "rendezvous-size receive (direct receives posted, ",
                         "not probed (the transport is broken")}[path]
     for part in ("Transport state at the timeout (this process is MPI rank 1; the peer MPI "
                  "rank 0;", "receives from rank 0, tag 1: the latest, #", *state):
