@@ -102,10 +102,15 @@ bool ReceivesInGroup(const OpInfo& info, int64_t partition) {
   return FindPeerIn(info.group_pairs, partition, /*me_is_source=*/false) >= 0;
 }
 
-// Tags keep device pairs apart between one pair of processes.
+// Tags keep device pairs apart between one pair of processes: the tag of the messages from
+// src_dev to dst_dev (checked against MPI's limit by MpiTag).
+int64_t PairTag(const OpInfo& info, int64_t src_dev, int64_t dst_dev) {
+  return src_dev * info.num_devices + dst_dev;
+}
+
 ffi::ErrorOr<int> MpiTag(const OpInfo& info, const MpiTransport& mpi, int64_t src_dev,
                          int64_t dst_dev) {
-  int64_t tag = src_dev * info.num_devices + dst_dev;
+  const int64_t tag = PairTag(info, src_dev, dst_dev);
   if (tag > mpi.tag_ub()) {
     std::ostringstream s;
     s << info.op << ": " << info.num_devices << " devices need MPI tags up to "
@@ -189,7 +194,7 @@ ffi::Error Psend(int64_t run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partiti
     // is made only on failure: this runs for every send of an exchange.
     rt.kept_sends().Add(x.untyped_data(), run_id, me, operand_kept,
                         [mpi, in_flight, dest, tag = *tag,
-                         reverse_tag = static_cast<int>(peer_dev * info.num_devices + my_dev),
+                         reverse_tag = static_cast<int>(PairTag(info, peer_dev, my_dev)),
                                            op = std::string(op),
                                            operand = std::string(operand), me, peer,
                                            me_process = device_process[me],
@@ -235,7 +240,7 @@ ffi::Error Psend(int64_t run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partiti
     s << op << " of " << operand << " from " << ProcessSuffix(info, me) << " to "
       << ProcessSuffix(info, peer) << MpiPeer(dest) << " failed: " << r.message();
     if (r.code() == StatusCode::kSendTimeout && !Closing()) {
-      s << mpi->StallReport(dest, static_cast<int>(peer_dev * info.num_devices + my_dev), *tag);
+      s << mpi->StallReport(dest, static_cast<int>(PairTag(info, peer_dev, my_dev)), *tag);
     }
     return ffi::Error::Internal(s.str());
   }
@@ -387,8 +392,7 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
     // a stall seen once in many launches is explained by the error it ends with.
     std::string state;
     if (!Closing()) {
-      state = mpi->StallReport(source, *tag,
-                               static_cast<int>(my_dev * info.num_devices + peer_dev));
+      state = mpi->StallReport(source, *tag, static_cast<int>(PairTag(info, my_dev, peer_dev)));
     }
     return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
                       Timeout(info, me, peer, config.recv_timeout_s, MpiPeer(source),

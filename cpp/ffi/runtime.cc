@@ -255,7 +255,15 @@ std::vector<std::string> Runtime::take_failed_ops() {
   std::lock_guard<std::mutex> lock(failed_mu_);
   std::vector<std::string> lines;
   for (const auto& [text, count] : failed_ops_) {
-    lines.push_back(count == 1 ? text : text + " (" + std::to_string(count) + " times)");
+    if (count == 1) {
+      lines.push_back(text);
+      continue;
+    }
+    // The count goes with the op's line, not after the transport state's lines under it.
+    std::string line = text;
+    const size_t head_end = std::min(line.find('\n'), line.size());
+    line.insert(head_end, " (" + std::to_string(count) + " times)");
+    lines.push_back(std::move(line));
   }
   if (failed_ops_dropped_ > 0) {
     lines.push_back(std::to_string(failed_ops_dropped_) + " other distinct error(s) not kept");

@@ -2,14 +2,17 @@
 // mpi/transport.h). A stall that happens once in many launches must explain itself in the
 // error it ends with: which message each end was at, which ready signals went where, what
 // was deferred or left in flight, and what the peer sent that nobody took. Only the timeout
-// path runs this, so it may take its time; it never blocks on a mutex that another thread
-// holds (a psend stuck in its own wait holds its channel's send_mu for the whole timeout).
+// path runs this, so it may take its time. The channel and send-queue mutexes are tried for a
+// while, not taken: a psend stuck in its own wait holds its channel's send_mu for the whole
+// timeout, and shows as busy. The leaf mutexes (channels_mu_, deferred_mu_) and MPI's call
+// lock are taken: nothing waits while holding them.
 #include <algorithm>
 #include <chrono>
 #include <iomanip>
 #include <mutex>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "mpi/internal.h"
@@ -29,6 +32,20 @@ std::string Ago(Clock::time_point when, Clock::time_point now) {
   return s.str();
 }
 
+// `mu` locked if it comes free within `patience`. A holder passing through (a poll of the
+// send queue, every 64th turn of a receive loop) lets go within microseconds, and a single
+// try would report it busy exactly when sends are in flight, the case the report is for.
+std::unique_lock<std::mutex> TryFor(std::mutex& mu) {
+  constexpr auto kPatience = std::chrono::milliseconds(20);
+  std::unique_lock<std::mutex> lock(mu, std::try_to_lock);
+  const auto until = Clock::now() + kPatience;
+  while (!lock.owns_lock() && Clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+    (void)lock.try_lock();
+  }
+  return lock;
+}
+
 }  // namespace
 
 std::string MpiTransport::StallReport(int peer_rank, int recv_tag, int send_tag) {
@@ -38,8 +55,8 @@ std::string MpiTransport::StallReport(int peer_rank, int recv_tag, int send_tag)
   if (peer_rank >= 0) out << "; the peer MPI rank " << peer_rank;
   out << "; message numbers count from 0 per channel and direction):";
 
-  // The channels (never erased: the pointers stay valid without channels_mu_, which is
-  // never held with another lock), those of the op's own tags first.
+  // The channels (never erased: the pointers stay valid without channels_mu_, a leaf
+  // mutex), those of the op's own tags first.
   struct Listed {
     int tag;
     ChannelState* ch;
@@ -69,7 +86,7 @@ std::string MpiTransport::StallReport(int peer_rank, int recv_tag, int send_tag)
     std::ostringstream line;
     bool said = false;
     {
-      std::unique_lock<std::mutex> recv_lock(ch.recv_mu, std::try_to_lock);
+      std::unique_lock<std::mutex> recv_lock = TryFor(ch.recv_mu);
       if (!recv_lock.owns_lock()) {
         line << "\n    receives from rank " << ch.peer_rank << ", tag " << c.tag
              << ": busy (a receive is waiting on it now)";
@@ -101,7 +118,7 @@ std::string MpiTransport::StallReport(int peer_rank, int recv_tag, int send_tag)
       }
     }
     {
-      std::unique_lock<std::mutex> send_lock(ch.send_mu, std::try_to_lock);
+      std::unique_lock<std::mutex> send_lock = TryFor(ch.send_mu);
       if (!send_lock.owns_lock()) {
         line << "\n    sends to rank " << ch.peer_rank << ", tag " << c.tag
              << ": busy (a psend or a deferred send's post is at it now)";
@@ -157,6 +174,13 @@ std::string MpiTransport::StallReport(int peer_rank, int recv_tag, int send_tag)
         int flag = 0, count = 0;
         MPI_Status status;
         std::unique_lock<std::mutex> lock = MpiCallLock();
+        // Another op may have broken the transport since the check above (a stalled peer
+        // often fails several at once): no MPI call may progress its abandoned requests.
+        if (!Usable().ok()) {
+          out << " (not probed further: the transport broke meanwhile)";
+          any = true;
+          break;
+        }
         if (MPI_Iprobe(peer_rank, MPI_ANY_TAG, p.comm, &flag, &status) != MPI_SUCCESS) {
           out << " (MPI_Iprobe failed)";
           break;
@@ -178,7 +202,7 @@ std::string MpiTransport::StallReport(int peer_rank, int recv_tag, int send_tag)
     deferred = deferred_channels_.size();
   }
   {
-    std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
+    std::unique_lock<std::mutex> lock = TryFor(mu_);
     if (!lock.owns_lock()) {
       out << "\n    this process: its send queue is busy (another thread is in an MPI call)";
     } else {

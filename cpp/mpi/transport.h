@@ -93,7 +93,8 @@ namespace jcm {
 //   ChannelState::send_mu  that channel's next_send_seq, has_early_ready, early_ready; held
 //                  for a whole Send, so one psend per channel runs at a time.
 //   ChannelState::recv_mu  that channel's next_recv_seq; held for a whole Recv.
-//   Order: a channel's send_mu/recv_mu before mu_; channels_mu_ is never held with another.
+//   Order: a channel's send_mu/recv_mu before mu_; channels_mu_ is a leaf (taken last,
+//   never with another taken after it).
 //   Set once by Create, read without a lock: the communicators, rank_, size_, tag_ub_,
 //   thread_multiple_, rank_of_process_, clock_offset_, wait_choice_, id_. has_pending_ is
 //   read without a lock, broken_ is an atomic.
@@ -281,8 +282,10 @@ class MpiTransport {
   // receives posted or not); what the peer has sent that nobody received yet (an
   // MPI_Iprobe of each communicator, unless the transport is broken); and the process's
   // sends in flight (staged, direct, deferred, ready signals). Built only on that path:
-  // each mutex is only tried (one that another thread holds shows as busy), and the
-  // caller holds none of the transport's. One line per item, each indented.
+  // the channel and send-queue mutexes are tried for a short while (one that another
+  // thread keeps shows as busy), the leaf mutexes (channels_mu_, deferred_mu_) and MPI's
+  // call lock are taken; the caller holds none of the transport's. One line per item, each
+  // indented.
   std::string StallReport(int peer_rank, int recv_tag = -1, int send_tag = -1);
 
   // A group's communicator as its caller keeps it from call to call (in a call site's entry
