@@ -4,8 +4,8 @@
 
 Reads every ``<op>_perf-<P>x<k>.json`` there and writes ``collectives.md`` (one nccl-tests
 table per benchmark and mesh, then a summary of ours against mpi4py and gloo) and, with
-matplotlib, ``collectives.png`` (busbw against size: gloo, ours, mpi4py, one panel per
-benchmark). docs/benchmarks.md includes both.
+matplotlib, ``collectives.png`` (busbw against size: gloo, ours, mpi4py and mpi4py
+carried, one panel per benchmark). docs/benchmarks.md includes both.
 """
 
 from __future__ import annotations
@@ -25,14 +25,22 @@ def load(folder: Path) -> list[dict]:
     return sorted(runs, key=lambda r: (order.get(r["op"], 99), r["devices_per_rank"]))
 
 
+def _span(rows: list[dict], key: str, digits: int) -> str:
+    """"min - max" of the rows' ``key``, leaving out NaN (a method the run left out); "-"
+    where no row has a value (a run from before the key)."""
+    values = [row[key] for row in rows if row.get(key, float("nan")) == row.get(key)]
+    return f"{min(values):.{digits}f} - {max(values):.{digits}f}" if values else "-"
+
+
 def summary(runs: list[dict]) -> str:
     lines = ["| benchmark | ranks x devices | ours / mpi4py speed (min - max) | "
-             "gloo / ours time (min - max) |", "|---|---|---|---|"]
+             "ours / mpi4py carried speed (min - max) | gloo / ours time (min - max) |",
+             "|---|---|---|---|---|"]
     for r in runs:
-        ratio = [row["mpi_vs_mpi4py"] for row in r["rows"]]
-        gloo = [row["gloo_vs_mpi"] for row in r["rows"]]
         lines.append(f"| {r['op']}_perf | {r['ranks']} x {r['devices_per_rank']} | "
-                     f"{min(ratio):.2f} - {max(ratio):.2f} | {min(gloo):.1f} - {max(gloo):.1f} |")
+                     f"{_span(r['rows'], 'mpi_vs_mpi4py', 2)} | "
+                     f"{_span(r['rows'], 'mpi_vs_carried', 2)} | "
+                     f"{_span(r['rows'], 'gloo_vs_mpi', 1)} |")
     return "\n".join(lines)
 
 
@@ -48,11 +56,14 @@ def plot(runs: list[dict], out: Path) -> None:
         for r in (r for r in runs if r["op"] == op):
             style = "-" if r["devices_per_rank"] == 1 else "--"
             for method, color in (("gloo", "tab:red"), ("mpi", "tab:blue"),
-                                  ("mpi4py", "tab:gray")):
-                if method == "mpi4py" and r["devices_per_rank"] != 1:
+                                  ("mpi4py", "tab:gray"), ("mpi4py-carried", "tab:olive")):
+                key = f"{method}_busbw_GBps"
+                if method.startswith("mpi4py") and r["devices_per_rank"] != 1:
                     continue
+                if not any(key in row for row in r["rows"]):
+                    continue  # a run from before the method
                 ax.plot([row["bytes"] for row in r["rows"]],
-                        [row[f"{method}_busbw_GBps"] for row in r["rows"]], style,
+                        [row.get(key, float("nan")) for row in r["rows"]], style,
                         color=color, marker=".",
                         label=f"{'ours' if method == 'mpi' else method} "
                               f"{r['ranks']}x{r['devices_per_rank']}")

@@ -75,6 +75,12 @@ class Status {
     s.message_ = prefix + message_;
     return s;
   }
+  // The same status with `suffix` after its text (a timeout's transport state).
+  Status WithSuffix(const std::string& suffix) const {
+    Status s = *this;
+    s.message_ += suffix;
+    return s;
+  }
 
  private:
   Status(StatusCode code, std::string message) : code_(code), message_(std::move(message)) {}

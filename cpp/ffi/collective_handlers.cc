@@ -943,6 +943,9 @@ ffi::Error Failure(const Status& s, std::string_view op, std::string_view operan
       << "complete (" << s.message() << "): a peer (" << Peers(*state.mpi, ranks) << ") did not take part, is "
       << "stuck, has died, or cannot be reached (set JAX_CPU_MPI_RECV_TIMEOUT to wait "
       << "longer).";
+    // The point-to-point state too: a peer may wait in a precv for a send of ours that is
+    // deferred or still in flight while we wait here.
+    if (!Closing()) m << state.mpi->StallReport(/*peer_rank=*/-1);
   } else {
     m << " failed: " << s.message();
   }

@@ -102,10 +102,15 @@ bool ReceivesInGroup(const OpInfo& info, int64_t partition) {
   return FindPeerIn(info.group_pairs, partition, /*me_is_source=*/false) >= 0;
 }
 
-// Tags keep device pairs apart between one pair of processes.
+// Tags keep device pairs apart between one pair of processes: the tag of the messages from
+// src_dev to dst_dev (checked against MPI's limit by MpiTag).
+int64_t PairTag(const OpInfo& info, int64_t src_dev, int64_t dst_dev) {
+  return src_dev * info.num_devices + dst_dev;
+}
+
 ffi::ErrorOr<int> MpiTag(const OpInfo& info, const MpiTransport& mpi, int64_t src_dev,
                          int64_t dst_dev) {
-  int64_t tag = src_dev * info.num_devices + dst_dev;
+  const int64_t tag = PairTag(info, src_dev, dst_dev);
   if (tag > mpi.tag_ub()) {
     std::ostringstream s;
     s << info.op << ": " << info.num_devices << " devices need MPI tags up to "
@@ -188,7 +193,9 @@ ffi::Error Psend(int64_t run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partiti
     // Finished by the precv that keeps the operand; its error names this psend. The text
     // is made only on failure: this runs for every send of an exchange.
     rt.kept_sends().Add(x.untyped_data(), run_id, me, operand_kept,
-                        [mpi, in_flight, dest, op = std::string(op),
+                        [mpi, in_flight, dest, tag = *tag,
+                         reverse_tag = static_cast<int>(PairTag(info, peer_dev, my_dev)),
+                                           op = std::string(op),
                                            operand = std::string(operand), me, peer,
                                            me_process = device_process[me],
                                            peer_process = device_process[peer]](
@@ -208,6 +215,9 @@ ffi::Error Psend(int64_t run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partiti
       what << op << " of " << operand << " from partition " << me << " (process "
            << me_process << ") to partition " << peer << " (process " << peer_process << ")"
            << MpiPeer(dest) << " failed: ";
+      if (done.code() == StatusCode::kSendTimeout && !Closing()) {
+        done = done.WithSuffix(mpi->StallReport(dest, reverse_tag, tag));
+      }
       return done.WithPrefix(what.str());
     });
   }
@@ -229,6 +239,9 @@ ffi::Error Psend(int64_t run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partiti
     std::ostringstream s;
     s << op << " of " << operand << " from " << ProcessSuffix(info, me) << " to "
       << ProcessSuffix(info, peer) << MpiPeer(dest) << " failed: " << r.message();
+    if (r.code() == StatusCode::kSendTimeout && !Closing()) {
+      s << mpi->StallReport(dest, static_cast<int>(PairTag(info, peer_dev, my_dev)), *tag);
+    }
     return ffi::Error::Internal(s.str());
   }
   return ffi::Error::Success();
@@ -264,8 +277,10 @@ std::string TypeMismatch(const OpInfo& info, int64_t me, int64_t peer, size_t by
 }
 
 // `mpi_peer`: MpiPeer() of the sender when the message comes over MPI, else empty.
+// `partly`: the transport's word that the message matched but did not arrive whole (its
+// sender stopped mid-message), else empty.
 std::string Timeout(const OpInfo& info, int64_t me, int64_t peer, double seconds,
-                    const std::string& mpi_peer = "") {
+                    const std::string& mpi_peer = "", const std::string& partly = "") {
   std::ostringstream s;
   if (Closing()) {  // ended by the exit (Runtime::close), not by its own deadline
     s << info.op << " on " << ProcessSuffix(info, me) << " was still waiting for "
@@ -277,9 +292,14 @@ std::string Timeout(const OpInfo& info, int64_t me, int64_t peer, double seconds
     return s.str();
   }
   s << info.op << " on " << ProcessSuffix(info, me) << " waited " << seconds
-    << " s for " << info.operand << " from " << ProcessSuffix(info, peer) << mpi_peer
-    << " and no message arrived: no psend with the pair (" << peer << ", " << me
-    << ") ran";
+    << " s for " << info.operand << " from " << ProcessSuffix(info, peer) << mpi_peer;
+  if (!partly.empty()) {
+    s << " and the message did not arrive whole (" << partly
+      << "): the peer process is stuck, has died, or cannot be reached over the network "
+         "(set JAX_CPU_MPI_RECV_TIMEOUT to wait longer).";
+    return s.str();
+  }
+  s << " and no message arrived: no psend with the pair (" << peer << ", " << me << ") ran";
   if (!mpi_peer.empty()) {
     s << ", or the peer process is stuck, has died, or cannot be reached over the network";
   }
@@ -368,8 +388,16 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
   // An op ended at exit says nothing about its peer (it may just be slower to finish).
   if (!Closing()) rt.note_unreachable_peer(source);
   if (r.code() == StatusCode::kTimeout) {
+    // The transport's state goes with the error (not at exit: the peer is only slower):
+    // a stall seen once in many launches is explained by the error it ends with.
+    std::string state;
+    if (!Closing()) {
+      state = mpi->StallReport(source, *tag, static_cast<int>(PairTag(info, my_dev, peer_dev)));
+    }
     return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
-                      Timeout(info, me, peer, config.recv_timeout_s, MpiPeer(source)));
+                      Timeout(info, me, peer, config.recv_timeout_s, MpiPeer(source),
+                              r.message()) +
+                          state);
   }
   std::ostringstream s;
   s << op << " of " << operand << " on " << ProcessSuffix(info, me) << " from "

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <string_view>
 
 #include "common/immortal.h"
 
@@ -233,9 +234,12 @@ void Runtime::settle_run_after_failure(int64_t run_id, int64_t partition,
 }
 
 void Runtime::note_failed_op(const std::string& error) {
+  // Alike by their first line: the lines after it (a timeout's transport state, with its
+  // times) differ from one failure of the same op to the next. The first one's are kept.
+  auto head = [](std::string_view text) { return text.substr(0, text.find('\n')); };
   std::lock_guard<std::mutex> lock(failed_mu_);
   for (auto& [text, count] : failed_ops_) {
-    if (text == error) {
+    if (head(text) == head(error)) {
       ++count;
       return;
     }
@@ -251,7 +255,15 @@ std::vector<std::string> Runtime::take_failed_ops() {
   std::lock_guard<std::mutex> lock(failed_mu_);
   std::vector<std::string> lines;
   for (const auto& [text, count] : failed_ops_) {
-    lines.push_back(count == 1 ? text : text + " (" + std::to_string(count) + " times)");
+    if (count == 1) {
+      lines.push_back(text);
+      continue;
+    }
+    // The count goes with the op's line, not after the transport state's lines under it.
+    std::string line = text;
+    const size_t head_end = std::min(line.find('\n'), line.size());
+    line.insert(head_end, " (" + std::to_string(count) + " times)");
+    lines.push_back(std::move(line));
   }
   if (failed_ops_dropped_ > 0) {
     lines.push_back(std::to_string(failed_ops_dropped_) + " other distinct error(s) not kept");

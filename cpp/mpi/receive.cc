@@ -19,10 +19,17 @@ Status MpiTransport::Recv(int source_rank, int tag, void* out, size_t bytes,
   const uint64_t seq = ch.next_recv_seq++;  // every message counts, whatever its size
   trace::NoteSeq(seq);
   const uint64_t desc_hash = DescriptionHash(desc);
-  if (bytes >= kRendezvousMinBytes || (sender_kept && bytes >= kKeptRendezvousMinBytes)) {
-    return RecvLarge(seq, source_rank, tag, out, bytes, desc_hash, deadline);
-  }
-  return RecvStaged(source_rank, tag, out, bytes, desc_hash, deadline);
+  // What StallReport tells of this receive.
+  ch.recv_rendezvous =
+      bytes >= kRendezvousMinBytes || (sender_kept && bytes >= kKeptRendezvousMinBytes);
+  ch.direct_posted = false;
+  ch.staged_matched = false;
+  ch.recv_end = ChannelState::RecvEnd::kRunning;
+  Status received = ch.recv_rendezvous
+                        ? RecvLarge(seq, source_rank, tag, out, bytes, desc_hash, deadline)
+                        : RecvStaged(source_rank, tag, out, bytes, desc_hash, deadline);
+  ch.recv_end = received.ok() ? ChannelState::RecvEnd::kTaken : ChannelState::RecvEnd::kFailed;
+  return received;
 }
 
 namespace {
@@ -133,6 +140,9 @@ std::string MpiTransport::BrokenMessage() const {
 }
 
 void MpiTransport::NoteBreak(std::string_view error) {
+  // Its first line: the lines after it are the transport's state at the time (StallReport),
+  // which every later error would otherwise repeat.
+  error = error.substr(0, error.find('\n'));
   std::lock_guard<std::mutex> lock(break_mu_);
   if (break_cause_.empty()) break_cause_ = error;
 }
@@ -212,7 +222,10 @@ Status MpiTransport::RecvStaged(int source_rank, int tag, void* out, size_t byte
       int rc = MPI_Improbe(source_rank, tag, comm_, &flag, &message, &status);
       if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Improbe", rc);
     }
-    if (flag) break;
+    if (flag) {
+      Channel(source_rank, tag).staged_matched = true;  // for StallReport (recv_mu is held)
+      break;
+    }
     if (Status s = ProgressDeferred(deadline); !s.ok()) return s;
     if ((++polls & 63) == 0) {
       {

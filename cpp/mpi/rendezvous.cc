@@ -47,6 +47,9 @@ Status MpiTransport::PollReady(ChannelState& ch, uint64_t seq, int dest_rank, in
         !s.ok()) {
       return s;
     }
+    ++ch.ready_seen;  // for StallReport
+    ch.last_ready_seen = *signal;
+    ch.last_ready_seen_at = std::chrono::steady_clock::now();
     if (take(*signal)) return Status::Ok();
   }
 }
@@ -374,6 +377,7 @@ Status MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out
   // ready signals do not depend on them: every rank of a ring signals before it waits.
   std::vector<MPI_Request> requests;
   auto* dst = static_cast<std::byte*>(out);
+  ChannelState& ch = Channel(source_rank, tag);  // for StallReport; Recv holds its recv_mu
   auto post_receives = [&]() -> Status {
     requests.reserve(bytes / kDirectChunkBytes + 1);
     std::unique_lock<std::mutex> lock = MpiCallLock();
@@ -392,6 +396,7 @@ Status MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out
         return Status::MpiError("MPI_Irecv", rc);
       }
     }
+    ch.direct_posted = true;
     return Status::Ok();
   };
   bool posted = !send_first;
@@ -415,6 +420,9 @@ Status MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out
       return Status::MpiError("MPI_Isend of the ready signal", rc);
     }
     control_sends_.push_back(std::move(control));
+    ++ch.ready_sent;
+    ch.last_ready_sent_seq = seq;
+    ch.last_ready_sent_at = std::chrono::steady_clock::now();
   }
   Backoff backoff;
   uint64_t polls = 0;

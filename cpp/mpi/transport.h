@@ -54,7 +54,8 @@
 //
 // The code is split by concern: mpi/setup.cc (communicators, channels), mpi/send_queue.cc
 // (staged sends, the in-flight bound, progress), mpi/rendezvous.cc (direct path),
-// mpi/receive.cc (staged receives, waits and cancellation), mpi/drain.cc (exit).
+// mpi/receive.cc (staged receives, waits and cancellation), mpi/drain.cc (exit),
+// mpi/stall_report.cc (what a timeout's error tells of the transport).
 #pragma once
 
 #include <mpi.h>
@@ -92,7 +93,8 @@ namespace jcm {
 //   ChannelState::send_mu  that channel's next_send_seq, has_early_ready, early_ready; held
 //                  for a whole Send, so one psend per channel runs at a time.
 //   ChannelState::recv_mu  that channel's next_recv_seq; held for a whole Recv.
-//   Order: a channel's send_mu/recv_mu before mu_; channels_mu_ is never held with another.
+//   Order: a channel's send_mu/recv_mu before mu_; channels_mu_ is a leaf (taken last,
+//   never with another taken after it).
 //   Set once by Create, read without a lock: the communicators, rank_, size_, tag_ub_,
 //   thread_multiple_, rank_of_process_, clock_offset_, wait_choice_, id_. has_pending_ is
 //   read without a lock, broken_ is an atomic.
@@ -271,6 +273,21 @@ class MpiTransport {
   uint64_t direct_sends() const;
   uint64_t staged_large_sends() const;
 
+  // mpi/stall_report.cc. What this process knows of its exchanges with MPI rank
+  // `peer_rank` (every peer if -1), for the error of an op that timed out, so that a rare
+  // stall explains itself without a rerun: per channel with that peer (the ones of tags
+  // `recv_tag` and `send_tag` first, -1 for none), the messages numbered so far each way
+  // (the peer's own count shows in the ready signals it sent), the latest ready signal
+  // read and sent, a deferred send, how a receive waits (staged or rendezvous, its direct
+  // receives posted or not); what the peer has sent that nobody received yet (an
+  // MPI_Iprobe of each communicator, unless the transport is broken); and the process's
+  // sends in flight (staged, direct, deferred, ready signals). Built only on that path:
+  // the channel and send-queue mutexes are tried for a short while (one that another
+  // thread keeps shows as busy), the leaf mutexes (channels_mu_, deferred_mu_) and MPI's
+  // call lock are taken; the caller holds none of the transport's. One line per item, each
+  // indented.
+  std::string StallReport(int peer_rank, int recv_tag = -1, int send_tag = -1);
+
   // A group's communicator as its caller keeps it from call to call (in a call site's entry
   // of a device thread, which only that thread uses): the collectives below look the group
   // up by its key once per transport and store it here; later calls take it without a
@@ -421,6 +438,22 @@ class MpiTransport {
     ReadySignal early_ready;
     std::shared_ptr<DirectSend> deferred;  // a deferred send of this channel, if any
     uint64_t deferred_id = 0;  // under deferred_mu_: when it was deferred (DeferredMark)
+    // What StallReport tells of the channel: the ready signals either way, and how its
+    // current (or last) receive waits. Written where they happen, read only by the report.
+    // Under send_mu: the ready signals read from the receiver (PollReady), and the latest.
+    uint64_t ready_seen = 0;
+    ReadySignal last_ready_seen;
+    std::chrono::steady_clock::time_point last_ready_seen_at;
+    // Under recv_mu: the ready signals sent to the sender (RecvLarge), the latest one's
+    // message and time; the latest receive: its path, whether its direct receives were
+    // posted and a staged message matched, and how it ended.
+    uint64_t ready_sent = 0;
+    uint64_t last_ready_sent_seq = 0;
+    std::chrono::steady_clock::time_point last_ready_sent_at;
+    bool recv_rendezvous = false;
+    bool direct_posted = false;
+    bool staged_matched = false;
+    enum class RecvEnd : uint8_t { kRunning, kTaken, kFailed } recv_end = RecvEnd::kRunning;
   };
   struct ControlSend {
     std::unique_ptr<ReadySignal> signal;

@@ -257,7 +257,8 @@ def test_two_ranks_run_the_collectives_benchmark(tmp_path):
     assert run.returncode == 0, run.report()
     printed = run.by_rank()[0]
     columns = ["size (B)", "count", "type", "gloo us", "gloo busbw", "MPI (ours) us",
-               "ours busbw", "mpi4py us", "mpi4py busbw", "ours / mpi4py speed",
+               "ours busbw", "mpi4py us", "mpi4py busbw", "mpi4py carried us",
+               "carried busbw", "ours / mpi4py speed", "ours / carried speed",
                "gloo / ours time"]
     for op in bench_collectives.OPS:
         data = json.loads((tmp_path / f"{op}_perf-2x1.json").read_text())
@@ -277,6 +278,7 @@ def test_two_ranks_run_the_collectives_benchmark(tmp_path):
                 assert r[f"{m}_busbw_GBps"] == pytest.approx(
                     r[f"{m}_algbw_GBps"] * factor), (op, m)
             assert r["mpi_vs_mpi4py"] == pytest.approx(r["mpi4py_us"] / r["mpi_us"])
+            assert r["mpi_vs_carried"] == pytest.approx(r["mpi4py-carried_us"] / r["mpi_us"])
             assert r["gloo_vs_mpi"] == pytest.approx(r["gloo_us"] / r["mpi_us"])
             assert any(line.split()[:2] == [op, str(r["bytes"])] for line in printed), (
                 op, r["bytes"], printed)
@@ -292,6 +294,68 @@ def test_two_ranks_run_the_collectives_benchmark(tmp_path):
             assert len(row) == len(columns) and row[2] == "float32", row
             values = [float(c) for i, c in enumerate(row) if i != 2]
             assert all(np.isfinite(v) for v in values), row
+
+
+class _RecordingComm:
+    """mpi4py's calls of the collectives benchmark on one rank, recorded: each call's
+    (name, operand, result), and a result of twice the operand (all_reduce, alltoall) so
+    that a loop's values show whether it fed its results back."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, np.ndarray, np.ndarray]] = []
+
+    def _call(self, name: str, send: np.ndarray, recv: np.ndarray) -> None:
+        self.calls.append((name, send, recv))
+        if send.size == recv.size:
+            recv[...] = 2 * send
+
+    def Allreduce(self, send, recv, op=None):
+        self._call("Allreduce", send, recv)
+
+    def Alltoall(self, send, recv):
+        self._call("Alltoall", send, recv)
+
+    def Allgather(self, send, recv):
+        self._call("Allgather", send, recv)
+
+    def Reduce_scatter_block(self, send, recv, op=None):
+        self._call("Reduce_scatter_block", send, recv)
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather", "reduce_scatter", "alltoall"])
+@pytest.mark.parametrize("devices_per_rank", [1, 2])
+def test_carried_reference_moves_its_operands_as_the_scan_does(op, devices_per_rank):
+    """mpi4py-carried: all_reduce's and alltoall's calls take the last call's result as
+    their operand (two buffers in turn), all_gather's and reduce_scatter's keep one
+    unchanging operand, as the scan carries them; every loop (one launch) starts from the
+    same values; the buffers have mpi_call's sizes."""
+    from jax_cpu_mpi.bench import collectives as bench_collectives
+
+    devices, elements = 2 * devices_per_rank, 8 * devices_per_rank
+    comm = _RecordingComm()
+    loop = bench_collectives.carried_loop(comm, op, elements, devices, devices_per_rank,
+                                          reduction="sum")
+    for _ in range(2):
+        comm.calls.clear()
+        loop(3)
+        assert len(comm.calls) == 3
+        sends = [c[1] for c in comm.calls]
+        recvs = [c[2] for c in comm.calls]
+        block = elements // devices * devices_per_rank
+        sizes = {"all_reduce": (elements, elements),
+                 "alltoall": (elements * devices_per_rank,) * 2,
+                 "all_gather": (block, elements), "reduce_scatter": (elements, block)}[op]
+        assert all((s.size, r.size) == sizes for s, r in zip(sends, recvs, strict=True))
+        if op in ("all_reduce", "alltoall"):
+            for before, after in zip(comm.calls, comm.calls[1:], strict=False):
+                assert after[1] is before[2] and after[2] is before[1], op
+            assert not np.shares_memory(sends[0], recvs[0])
+            # Ones, doubled by each of the 3 calls: the loop started from the launch's
+            # operand again.
+            np.testing.assert_array_equal(recvs[-1], np.full(sizes[1], 8, np.float32))
+        else:
+            assert all(s is sends[0] for s in sends) and all(r is recvs[0] for r in recvs)
+            assert not np.shares_memory(sends[0], recvs[0])
 
 
 def test_gpu_methods_run_their_programs_on_any_two_devices():

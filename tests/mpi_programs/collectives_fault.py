@@ -58,12 +58,14 @@ else:
         print(f"FAIL: {what}", flush=True)
         raise SystemExit(1)
 
+    # A timeout's error carries the transport's state (MpiTransport::StallReport).
+    STATE = "\n  Transport state at the timeout (this process is MPI rank 0"
     g = jax.jit(jax.shard_map(lambda v: jax.lax.all_gather(v, "x", tiled=True), mesh=mesh,
                               in_specs=P("x"), out_specs=P("x"), check_vma=False))
     fails(lambda: g(x), "the all_gather completed without its peer",
-          ("all_gather", "MPI rank 1", "not created in time"), 3 + 4, "raised as expected")
+          ("all_gather", "MPI rank 1", "not created in time", STATE), 3 + 4, "raised as expected")
     fails(lambda: rs(x_rs), "the psum_scatter completed without its peer",
-          ("reduce_scatter", "MPI rank 1", "did not complete"), 3 + 4, "raised as expected")
+          ("reduce_scatter", "MPI rank 1", "did not complete", STATE), 3 + 4, "raised as expected")
     fails(lambda: f(x), "the psum completed without its peer",
           ("psum", "MPI rank 1", "did not complete"), 3 + 4, "raised as expected")
     # The psum's request was abandoned (MPI cannot cancel a collective): any later MPI call

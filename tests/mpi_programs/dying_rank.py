@@ -15,6 +15,11 @@
   sends straight from its operand, a send that cannot complete; a thread of rank 0 then
   SIGKILLs rank 1.
 * ``exits-mid-rendezvous``: rank 1 waits in that precv and leaves with ``os._exit(0)``.
+* ``stopped-mid-rendezvous``: rank 1 stops itself there, as in ``killed-mid-rendezvous``,
+  and nobody kills it: rank 0's psend, kept in flight by the precv that keeps its operand,
+  waits for a receiver that signalled ready and never takes the bytes; that precv must fail
+  with the send's timeout error (the psend, its peer, the transport's state), and the job
+  end (MPI_Abort ends the stopped rank).
 * ``stopped-then-peer-exits``: rank 1 stops itself (SIGSTOP) and never answers; rank 0's
   precv times out, rank 0 catches the ``JaxRuntimeError`` and calls ``sys.exit(3)``: the whole
   launch must end at once (``MPI_Abort``), not wait for the stopped rank.
@@ -121,7 +126,8 @@ if SCENARIO.endswith("mid-rendezvous"):
 
     import threading
 
-    threading.Thread(target=kill_peer, daemon=True).start()
+    if not SCENARIO.startswith("stopped"):  # stopped: rank 0's own send times out instead
+        threading.Thread(target=kill_peer, daemon=True).start()
 
 start = time.perf_counter()
 try:

@@ -126,8 +126,18 @@ def dangling(v):
 
 
 with config.overrides(gpu_parity=False):
+    # The error carries the transport's state (MpiTransport::StallReport): this channel's
+    # receives (the latest the one that failed, a small one: staged, none matched), and
+    # nothing left unreceived from rank 0, which sent every message it had.
     expect_error(dangling, ["precv", "waited 3", "from partition 0 (process 0)",
-                            "JAX_CPU_MPI_RECV_TIMEOUT"])
+                            "JAX_CPU_MPI_RECV_TIMEOUT",
+                            "\n  Transport state at the timeout (this process is MPI rank 1; "
+                            "the peer MPI rank 0;",
+                            "\n    receives from rank 0, tag 1: the latest, #",
+                            ", failed; it was a staged receive (no staged message matched); "
+                            "ready signals sent: ",
+                            "\n    unreceived from rank 0 now: nothing",
+                            "\n    this process: 0 staged sends in flight (0 bytes)"])
 barrier("after timeout")
 
 # The channel is still usable after both errors.

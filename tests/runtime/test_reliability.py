@@ -281,6 +281,9 @@ FAULT_LAUNCHES: dict[str, tuple[str, tuple[str, ...], dict]] = {
        for scenario in ("killed-while-peer-receives", "killed-while-peer-sends",
                         "killed-mid-rendezvous", "exits-while-peer-sends",
                         "exits-mid-rendezvous", "hangs-while-peer-receives")},
+    # Rank 0's kept psend and the precv that finishes it time out after 3 s.
+    "stopped-mid-rendezvous": ("dying_rank.py", ("stopped-mid-rendezvous",),
+                               {"timeout": DYING_TIMEOUT, "env": _dying_env(3)}),
     # Rank 0's precv times out after 3 s.
     "stopped-then-peer-exits": ("dying_rank.py", ("stopped-then-peer-exits",),
                                 {"timeout": DYING_TIMEOUT, "env": _dying_env(3)}),
@@ -378,6 +381,42 @@ def test_stuck_peer_makes_precv_fail_and_the_job_abort(fault_job):
 
 @pytest.mark.mpi
 @pytest.mark.timeout(FAULT_TEST_TIMEOUT)
+@pytest.mark.parametrize("fault_job", ["stopped-mid-rendezvous"], indirect=True)
+def test_kept_send_to_a_receiver_that_stopped_after_signalling_ready_times_out(fault_job):
+    # Rank 1 waits in its precv of 64 MiB (receives posted, ready signal sent) and stops
+    # (SIGSTOP). Rank 0's psend finds the signal and sends straight from its operand, left
+    # in flight for the precv that keeps the operand; that precv (device 0 receives nothing
+    # in the op) finishes the send, which waits a whole timeout for the stopped receiver.
+    # The precv must fail with the send's error, naming the psend and its peer, followed by
+    # the transport's state at the timeout (MpiTransport::StallReport) like every timeout
+    # between processes; the error left uncaught then aborts the job, stopped rank included.
+    run, everything = fault_job.run, _check_dying(fault_job)
+    assert run.returncode != 0, run.report()
+    out = run.rank_output.get(0, "")
+    assert "process 1: stopping inside the rendezvous" in run.rank_output.get(1, ""), run.report()
+    failed = re.search(r"process 0: failed after ([0-9.]+) s: JaxRuntimeError: (.*)", out)
+    assert failed, run.report()
+    assert float(failed.group(1)) < 3 + 1 + 3, run.report()  # timeout, cancel grace, margin
+    assert failed.group(2).startswith(
+        "INTERNAL: psend(axis_name=('x',), perm=[(0, 1)]) of uint8[16384,4096] from partition "
+        "0 (process 0) to partition 1 (process 1) (MPI rank 1 on host "), run.report()
+    for part in ("failed: the receiver signalled that it was ready for this message, then did "
+                 "not take it before the timeout (JAX_CPU_MPI_RECV_TIMEOUT)",
+                 "\n  Transport state at the timeout (this process is MPI rank 0; the peer MPI "
+                 "rank 1;",
+                 # The send's channel: its message, and the ready signal it went direct on.
+                 "\n    sends to rank 1, tag 1: 1 sent or under way (the latest #0); ready "
+                 "signals read from the receiver: 1, the latest for #0 (67108864 bytes), ",
+                 # Its matched send could not be cancelled: abandoned, the transport broken.
+                 "\n    unreceived from rank 1: not probed (the transport is broken",
+                 "\n    this process: 0 staged sends in flight (0 bytes), 0 direct sends in "
+                 "flight, 0 deferred, ", "1 abandoned requests"):
+        assert part in out, (part, run.report())
+    assert "aborting the MPI job (MPI_Abort)" in everything, run.report()
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(FAULT_TEST_TIMEOUT)
 @pytest.mark.parametrize("fault_job", ["stopped-then-peer-exits"], indirect=True)
 def test_handled_error_after_a_stopped_peer_aborts_the_whole_launch(fault_job):
     # Rank 1 stops (SIGSTOP) and never answers; rank 0's precv times out after 3 s, rank 0
@@ -422,6 +461,21 @@ def test_sender_stopped_mid_message_fails_the_receive_in_time(fault_job):
                    "from partition 0 (process 0) (MPI rank 0")
     for part in first_error:
         assert part in out, run.report()
+    # The error says whether the message started to arrive, and carries the transport's
+    # state (MpiTransport::StallReport): how the receive went, and what rank 0 sent that
+    # nobody took (once a receive was abandoned, the broken transport probes nothing).
+    state = {"eager": ("it was a staged receive (no staged message matched)",
+                       "unreceived from rank 0 now: nothing"),
+             "staged": ("the message did not arrive whole (the message started to arrive "
+                        "but its payload did not complete in time)",
+                        "a staged message matched)", "not probed (the transport is broken"),
+             "direct": ("the message did not arrive whole (a direct message started to "
+                        "arrive but did not complete)",
+                        "rendezvous-size receive (direct receives posted, ",
+                        "not probed (the transport is broken")}[path]
+    for part in ("Transport state at the timeout (this process is MPI rank 1; the peer MPI "
+                 "rank 0;", "receives from rank 0, tag 1: the latest, #", *state):
+        assert part in out, (part, run.report())
     if path != "eager":
         later = re.search(r"process 1: the next op failed at once: (.*)", out)
         assert later, run.report()
@@ -429,6 +483,8 @@ def test_sender_stopped_mid_message_fails_the_receive_in_time(fault_job):
         assert "this process makes no more MPI calls" in broken, run.report()
         for part in ("precv(axis_name=('x',), perm=[(0, 1)])", *first_error[1:]):
             assert part in cause, (part, run.report())
+        # Only the first error's first line: not its state again.
+        assert "Transport state" not in cause, run.report()
     assert "aborting the MPI job (MPI_Abort)" in out, run.report()
 
 

@@ -2,19 +2,25 @@
 ``alltoall_perf`` for CPU jobs: ``psum`` / ``all_gather`` / ``psum_scatter`` / ``all_to_all``
 over gloo (JAX's path), over MPI (jax_cpu_mpi), and raw MPI (mpi4py's ``Allreduce``,
 ``Allgather``, ``Reduce_scatter_block``, ``Alltoall``) of the same bytes, side by side.
+Raw MPI runs twice: ``mpi4py`` calls on one unchanging operand (as nccl-tests does), and
+``mpi4py-carried`` makes the same calls with the operands moving as our scan's do (the
+last result is the next operand of an all_reduce or alltoall; :func:`carried_loop`): an
+operand just written by the previous call must reach the peer from this rank's caches,
+while an unchanging one can stay cached on both sides from call to call, which alone made
+MPI's own all_to_all of 256 KiB twice as fast in C (``benchmarks/alltoall_carried.c``).
 
 Run under an MPI launcher, e.g.
 ``mpirun -n 2 python -m jax_cpu_mpi.bench.collectives --devices 1 --out DIR``.
 
-Each size runs ``--rounds`` interleaved rounds (gloo, mpi, mpi4py, then again), each round
-timing ``--iters`` collectives: a jitted ``lax.scan`` of psums for JAX (one dispatch per
-round, the per-op time is the round's time over ``--iters``), a loop of the MPI call for
-mpi4py. In each round every method first runs ``--warmup`` untimed launches (loops of
-calls for mpi4py) of its own, as nccl-tests warms up before it times: the first launch of a
-2-device program after another method ran (gloo's round, or a pause) took several times a
-warm one's, and that cost is the launch's, not the collective's. Reported: the median per-op
-time over rounds, nccl-tests' ``algbw`` (bytes / time)
-and ``busbw`` (``algbw * 2 (P - 1) / P`` for all_reduce, ``algbw * (P - 1) / P`` for the
+Each size runs ``--rounds`` interleaved rounds (gloo, mpi, mpi4py, mpi4py-carried, then
+again), each round timing ``--iters`` collectives: a jitted ``lax.scan`` of psums for JAX
+(one dispatch per round, the per-op time is the round's time over ``--iters``), a loop of
+the MPI call for mpi4py. In each round every method first runs ``--warmup`` untimed
+launches (loops of calls for mpi4py) of its own, as nccl-tests warms up before it times:
+the first launch of a 2-device program after another method ran (gloo's round, or a
+pause) took several times a warm one's, and that cost is the launch's, not the
+collective's. Reported: the median per-op time over rounds, nccl-tests' ``algbw`` (bytes /
+time) and ``busbw`` (``algbw * 2 (P - 1) / P`` for all_reduce, ``algbw * (P - 1) / P`` for the
 others, P ranks). The size is nccl-tests': all_reduce the buffer, all_gather the gathered
 output, reduce_scatter the input, alltoall the buffer (per device).
 
@@ -49,8 +55,10 @@ from typing import Any
 
 #: Benchmark -> (JAX collective, mpi4py call, busbw factor of P ranks).
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "alltoall")
-#: What runs each op: JAX's collective over gloo, over MPI (ours), and mpi4py's call.
-METHODS = ("gloo", "mpi", "mpi4py")
+#: What runs each op: JAX's collective over gloo, over MPI (ours), mpi4py's call on one
+#: unchanging operand, and mpi4py's call whose operands move as our scan's do
+#: (:func:`carried_loop`).
+METHODS = ("gloo", "mpi", "mpi4py", "mpi4py-carried")
 
 
 #: glibc's tunable that has malloc mark its large blocks MADV_HUGEPAGE as it maps them, so
@@ -102,6 +110,72 @@ def mpi_call(comm: Any, op: str, elements: int, devices: int,
     buf = np.ones(elements * k, np.float32)
     out = np.empty_like(buf)
     return lambda: comm.Alltoall(buf, out)
+
+
+def carried_loop(comm: Any, op: str, elements: int, devices: int, devices_per_rank: int,
+                 *, reduction: Any = None) -> Callable[[int], None]:
+    """A loop of ``op``'s MPI call (:func:`mpi_call`'s, on the same bytes, out of place),
+    whose operands move as those of :func:`scan_program`'s scan do: ``loop(iters)`` runs
+    what one launch of the scan runs, as MPI calls on numpy buffers.
+
+    - all_reduce, alltoall: the scan's operand is the last result. Here each call's output
+      is the next call's operand (two buffers in turn), so the peer reads (and this rank
+      reduces) bytes that were just written, as in the scan; :func:`mpi_call` re-sends one
+      unchanging buffer, whose bytes can stay in the caches of both ranks from call to call
+      (in C, ``benchmarks/alltoall_carried.c``).
+    - all_gather, reduce_scatter: the scan carries the operand unchanged beside the result
+      (no slice or copy inside the loop), so the calls are :func:`mpi_call`'s.
+
+    And what a launch does before its loop: the scan's carry starts as a copy of the
+    launch's operand (XLA cannot update a parameter in place), here a copy of an untouched
+    operand into the first call's buffer (all_gather: the operand's first block into the
+    source, the operand into the result; reduce_scatter: the operand's first block into the
+    result). That also starts every loop from the same values (a carried all_reduce of
+    ones doubles them at every call).
+
+    ``reduction``: the MPI op of the reductions (``MPI.SUM`` if None)."""
+    import numpy as np
+
+    if reduction is None:
+        from mpi4py import MPI
+
+        reduction = MPI.SUM
+    k = devices_per_rank
+    block = elements // devices
+    if op in ("all_reduce", "alltoall"):
+        size = elements if op == "all_reduce" else elements * k
+        launch = np.ones(size, np.float32)
+        carry, other = np.empty_like(launch), np.empty_like(launch)
+
+        def loop(iters: int) -> None:
+            a, b = carry, other
+            np.copyto(a, launch)
+            for _ in range(iters):
+                if op == "all_reduce":
+                    comm.Allreduce(a, b, op=reduction)
+                else:
+                    comm.Alltoall(a, b)
+                a, b = b, a
+        return loop
+    if op == "all_gather":
+        launch = np.ones(elements, np.float32)
+        source, result = np.empty(block * k, np.float32), np.empty(elements, np.float32)
+
+        def loop(iters: int) -> None:
+            np.copyto(source, launch[:block * k])
+            np.copyto(result, launch)
+            for _ in range(iters):
+                comm.Allgather(source, result)
+        return loop
+    if op != "reduce_scatter":
+        raise ValueError(f"carried_loop: no MPI call for {op!r}; one of {OPS}")
+    source, result = np.ones(elements, np.float32), np.empty(block * k, np.float32)
+
+    def loop(iters: int) -> None:
+        np.copyto(result, source[:block * k])
+        for _ in range(iters):
+            comm.Reduce_scatter_block(source, result, op=reduction)
+    return loop
 
 
 def scan_program(op: str, elements: int, mesh: Any, iters: int) -> tuple[Callable, Any]:
@@ -232,12 +306,17 @@ def main() -> int:
         f(x).block_until_ready()
         return (time.perf_counter() - t) / args.iters
 
-    def time_mpi4py(call) -> float:
+    def time_mpi4py(loop) -> float:
         comm.Barrier()
         t = time.perf_counter()
-        for _ in range(args.iters):
-            call()
+        loop(args.iters)
         return (time.perf_counter() - t) / args.iters
+
+    def calls(call):
+        def loop(iters: int) -> None:
+            for _ in range(iters):
+                call()
+        return loop
 
     ranks = comm.Get_size()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -257,10 +336,12 @@ def main() -> int:
                 nbytes = elements * 4
             timers = {}
             for m in methods:
-                if m == "mpi4py":
-                    call = mpi_call(comm, op, elements, n, args.devices)
-                    call()
-                    timers[m] = lambda call=call: time_mpi4py(call)
+                if m in ("mpi4py", "mpi4py-carried"):
+                    loop = (calls(mpi_call(comm, op, elements, n, args.devices))
+                            if m == "mpi4py" else
+                            carried_loop(comm, op, elements, n, args.devices))
+                    loop(1)
+                    timers[m] = lambda loop=loop: time_mpi4py(loop)
                 else:
                     f, x = program(op, m, elements)
                     timers[m] = lambda f=f, x=x: time_jax(f, x)
@@ -280,6 +361,7 @@ def main() -> int:
                    **{f"{k}_busbw_GBps": nbytes / v / 1e9 * factor
                       for k, v in medians.items()},
                    "mpi_vs_mpi4py": medians["mpi4py"] / medians["mpi"],
+                   "mpi_vs_carried": medians["mpi4py-carried"] / medians["mpi"],
                    "gloo_vs_mpi": medians["gloo"] / medians["mpi"]}
             rows.append(row)
             if rank0:
@@ -305,7 +387,16 @@ def main() -> int:
 
 def _line(r: dict) -> str:
     return (f"{r['bytes']:>10} B  gloo {r['gloo_us']:10.1f} us  mpi {r['mpi_us']:10.1f} us  "
-            f"mpi4py {r['mpi4py_us']:10.1f} us  ours/mpi4py speed {r['mpi_vs_mpi4py']:.2f}")
+            f"mpi4py {r['mpi4py_us']:10.1f} us  carried {r['mpi4py-carried_us']:10.1f} us  "
+            f"ours/mpi4py speed {r['mpi_vs_mpi4py']:.2f}  "
+            f"ours/carried speed {r['mpi_vs_carried']:.2f}")
+
+
+def _cell(r: dict, key: str, digits: int) -> str:
+    """``r[key]`` with ``digits`` decimals; "-" for a method the run left out (NaN) or a
+    column its JSON does not have (a run from before ``mpi4py-carried``)."""
+    v = r.get(key, float("nan"))
+    return "-" if v != v else f"{v:.{digits}f}"
 
 
 _WHAT = {"all_reduce": ("psum", "MPI_Allreduce", "2(P-1)/P"),
@@ -332,18 +423,26 @@ def _table(op: str, rows: list[dict], ranks: int, devices: int, iters: int,
             + ("" if tunables is None else
                f"; every process with GLIBC_TUNABLES={tunables}" if tunables else
                "; glibc's malloc as the environment had it (no GLIBC_TUNABLES)")
+            + ("" if not any("mpi4py-carried_us" in r for r in rows) else
+               ". mpi4py carried: the same call, its operands moving as the scan's do (for "
+               "all_reduce and alltoall the last result is the next operand, two buffers "
+               "in turn)")
             + "\n\n"
             "| size (B) | count | type | gloo us | gloo busbw | MPI (ours) us | ours busbw | "
-            "mpi4py us | mpi4py busbw | ours / mpi4py speed | gloo / ours time |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|")
+            "mpi4py us | mpi4py busbw | mpi4py carried us | carried busbw | "
+            "ours / mpi4py speed | ours / carried speed | gloo / ours time |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
-        lines.append(f"| {r['bytes']} | {r.get('count', r['bytes'] // 4)} | "
-                     f"{r.get('type', 'float32')} | {r['gloo_us']:.1f} | "
-                     f"{r['gloo_busbw_GBps']:.3f} | "
-                     f"{r['mpi_us']:.1f} | {r['mpi_busbw_GBps']:.3f} | {r['mpi4py_us']:.1f} | "
-                     f"{r['mpi4py_busbw_GBps']:.3f} | {r['mpi_vs_mpi4py']:.2f} | "
-                     f"{r['gloo_vs_mpi']:.1f} |")
+        cells = [str(r["bytes"]), str(r.get("count", r["bytes"] // 4)),
+                 r.get("type", "float32"),
+                 _cell(r, "gloo_us", 1), _cell(r, "gloo_busbw_GBps", 3),
+                 _cell(r, "mpi_us", 1), _cell(r, "mpi_busbw_GBps", 3),
+                 _cell(r, "mpi4py_us", 1), _cell(r, "mpi4py_busbw_GBps", 3),
+                 _cell(r, "mpi4py-carried_us", 1), _cell(r, "mpi4py-carried_busbw_GBps", 3),
+                 _cell(r, "mpi_vs_mpi4py", 2), _cell(r, "mpi_vs_carried", 2),
+                 _cell(r, "gloo_vs_mpi", 1)]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
