@@ -249,8 +249,6 @@ NB_MODULE(_jax_cpu_mpi, m) {
     d["mpi_peak_inflight_bytes"] = mpi ? mpi->peak_inflight_bytes() : 0;
     d["mpi_direct_sends"] = mpi ? mpi->direct_sends() : 0;
     d["mpi_staged_large_sends"] = mpi ? mpi->staged_large_sends() : 0;
-    // Rendezvous receives whose ready signal another precv of their group sent ahead.
-    d["mpi_announced_receives"] = mpi ? mpi->announced_receives() : 0;
     // psends that returned with their operand still being read, finished by a later precv.
     d["kept_sends"] = rt.kept_sends().kept_total();
     d["kept_sends_unfinished"] = rt.kept_sends().pending();

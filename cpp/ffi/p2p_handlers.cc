@@ -15,13 +15,9 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
-#include <map>
-#include <mutex>
-#include <optional>
 #include <sstream>
 #include <string>
 #include <string_view>
-#include <utility>
 
 #include "ffi/p2p_handlers.h"
 #include "common/keep_freed_memory.h"
@@ -40,9 +36,6 @@ using I64Span = ffi::Span<const int64_t>;
 // Outputs from this size on are worth posting deferred sends before their zero-fill (the
 // smallest deferred send is the transport's rendezvous size, 256 KiB).
 constexpr size_t kPostBeforeZeroFillBytes = size_t{256} << 10;
-// The smallest receive that AnnounceGroup signals ahead: the smallest whose sender reads
-// ready signals (a kept psend's rendezvous, mpi/transport.h; the transport checks again).
-constexpr size_t kAnnounceMinBytes = size_t{16} << 10;
 
 // Everything the lowering tells a handler about one psend/precv.
 struct OpInfo {
@@ -55,12 +48,6 @@ struct OpInfo {
   // The pairs of the precvs that finish the op's group of sends (passes/kept_operands.py),
   // empty when no precv keeps the operands.
   I64Span group_pairs;
-  // precv, in a group of several precvs over MPI (passes/kept_operands.py): the group's
-  // number and its precvs' count, then each other precv whose receive it may announce
-  // (AnnounceGroup), as its output's byte count, its pair count and its pairs; and those
-  // outputs' descriptions, one a line. Empty otherwise.
-  I64Span announce;
-  std::string_view announce_operands;
 };
 
 std::string ProcessSuffix(const OpInfo& info, int64_t partition) {
@@ -301,67 +288,6 @@ std::string Timeout(const OpInfo& info, int64_t me, int64_t peer, double seconds
   return s.str();
 }
 
-// Whether a precv of a step's group is the first of the group to run on its device in
-// this round (a round: each member once, as in one step of a loop), per program run: XLA
-// runs the group's precvs of a device in an order of its choosing, and a run that failed
-// midway (XLA skips the rest) leaves a round unfinished, which the next run does not see.
-bool FirstOfRound(int64_t run_id, int64_t partition, int64_t group, int64_t members) {
-  struct Round {
-    int64_t run_id = 0;
-    int64_t done = 0;  // members counted in the round under way
-  };
-  static std::mutex mu;
-  static std::map<std::pair<int64_t, int64_t>, Round> rounds;
-  std::lock_guard<std::mutex> lock(mu);
-  Round& round = rounds[{partition, group}];
-  if (round.run_id != run_id) round = Round{run_id, 0};
-  const bool first = round.done == 0;
-  if (++round.done >= members) round.done = 0;
-  return first;
-}
-
-// The first precv of a step's group to run on a device sends the ready signals of the
-// group's other receives over MPI on this device (`announce`: MpiTransport::Announce)
-// before it zero-fills or receives, so that the peers' sends of the step start now, not
-// once this precv is done: both directions of a step written as two ops (one per
-// direction) are then in flight while each device zero-fills the output of the op it is
-// no destination of, as with one op and its cycle. Best effort: a failure here is the
-// other precv's to report when it receives.
-void AnnounceGroup(const OpInfo& info, int64_t me, int64_t run_id) {
-  const I64Span a = info.announce;
-  if (a.size() < 2 || !FirstOfRound(run_id, me, a[0], a[1])) return;
-  const I64Span device_index = info.device_index, device_process = info.device_process;
-  const int64_t n = static_cast<int64_t>(device_index.size());
-  const int64_t own_peer = FindPeer(info, me, /*me_is_source=*/false);
-  std::string_view descs = info.announce_operands;
-  std::shared_ptr<MpiTransport> mpi;  // taken once a receive needs it
-  std::optional<Runtime::MpiOpScope> active;
-  for (size_t i = 2; i + 2 <= a.size();) {
-    const int64_t bytes = a[i], pair_count = a[i + 1];
-    const size_t line = descs.find('\n');
-    const std::string_view desc = descs.substr(0, line);
-    descs = line == std::string_view::npos ? std::string_view() : descs.substr(line + 1);
-    if (pair_count < 0 || a.size() - i - 2 < static_cast<size_t>(2 * pair_count)) return;
-    const I64Span pairs(a.begin() + i + 2, static_cast<size_t>(2 * pair_count));
-    i += 2 + static_cast<size_t>(2 * pair_count);
-    if (bytes < static_cast<int64_t>(kAnnounceMinBytes)) continue;
-    const int64_t peer = FindPeerIn(pairs, me, /*me_is_source=*/false);
-    // Its channel's next message is this precv's own (the pass announces no such pair).
-    if (peer < 0 || peer >= n || peer == own_peer) continue;
-    if (device_process[peer] == device_process[me]) continue;  // the mailbox: no signals
-    if (!mpi) {
-      active.emplace();  // the exit keeps the transport until this returns
-      mpi = Runtime::Get().state().mpi;
-      if (!mpi) return;
-    }
-    const int64_t tag = device_index[peer] * info.num_devices + device_index[me];
-    const int source = mpi->RankOfProcess(device_process[peer]);
-    if (tag > mpi->tag_ub() || source < 0) continue;  // that precv reports it
-    (void)mpi->Announce(source, static_cast<int>(tag), static_cast<size_t>(bytes), desc,
-                        /*sender_kept=*/true);
-  }
-}
-
 // Sets *deadline to the receive's deadline once it has one (it is left alone otherwise).
 ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> out,
                    const OpInfo& info, Clock::time_point* deadline_out) {
@@ -459,10 +385,6 @@ ffi::Error Precv(int64_t run_id, ffi::Token /*token*/, ffi::Buffer<ffi::U32> par
                  int64_t operand_kept) {
   const std::string_view op = info.op;
   Clock::time_point receive_deadline = Clock::time_point::min();
-  if (info.announce.size() > 0) {
-    const int64_t me = static_cast<int64_t>(partition.typed_data()[0]);
-    if (CheckTables(info, me).success()) AnnounceGroup(info, me, run_id);  // else Receive fails
-  }
   ffi::Error received = Receive(partition, out, info, &receive_deadline);
   // After a successful receive a kept send gets a whole timeout of its own, as a psend
   // would. After a failed one it gets what is left of the receive's deadline, at least
@@ -568,11 +490,9 @@ ffi::Error PsendImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> par
                      ffi::Result<ffi::Token> token, ffi::Result<ffi::Buffer<ffi::U32>> done,
                      I64Span pairs, I64Span device_index, I64Span device_process,
                      int64_t num_devices, std::string_view op, std::string_view operand,
-                     int64_t operand_kept, I64Span group_pairs, I64Span announce,
-                     std::string_view announce_operands) {
+                     int64_t operand_kept, I64Span group_pairs) {
   done->typed_data()[0] = 0;
-  const OpInfo info{op,          operand,     pairs,    device_index,     device_process,
-                    num_devices, group_pairs, announce, announce_operands};
+  const OpInfo info{op, operand, pairs, device_index, device_process, num_devices, group_pairs};
   if (trace::Mode() == 0) [[likely]] {
     return Settled(Noted(Psend(run.run_id, x, partition, token, info, operand_kept)),
                    run.run_id, partition);
@@ -586,10 +506,8 @@ ffi::Error PrecvImpl(ffi::RunId run, ffi::Token token, ffi::Buffer<ffi::U32> par
                      ffi::RemainingArgs kept, ffi::Result<ffi::AnyBuffer> out, I64Span pairs,
                      I64Span device_index, I64Span device_process, int64_t num_devices,
                      std::string_view op, std::string_view operand, int64_t operand_kept,
-                     I64Span group_pairs, I64Span announce,
-                     std::string_view announce_operands) {
-  const OpInfo info{op,          operand,     pairs,    device_index,     device_process,
-                    num_devices, group_pairs, announce, announce_operands};
+                     I64Span group_pairs) {
+  const OpInfo info{op, operand, pairs, device_index, device_process, num_devices, group_pairs};
   if (trace::Mode() == 0) [[likely]] {
     return Settled(Noted(Precv(run.run_id, token, partition, kept, out, info, operand_kept)),
                    run.run_id, partition);
@@ -614,9 +532,7 @@ auto WithRoutingAttributes(Binding binding) {
       .template Attr<std::string_view>("op")
       .template Attr<std::string_view>("operand")
       .template Attr<int64_t>("operand_kept")
-      .template Attr<jcm::I64Span>("group_pairs")
-      .template Attr<jcm::I64Span>("announce")
-      .template Attr<std::string_view>("announce_operands");
+      .template Attr<jcm::I64Span>("group_pairs");
 }
 }  // namespace
 

@@ -19,36 +19,10 @@ Status MpiTransport::Recv(int source_rank, int tag, void* out, size_t bytes,
   const uint64_t seq = ch.next_recv_seq++;  // every message counts, whatever its size
   trace::NoteSeq(seq);
   const uint64_t desc_hash = DescriptionHash(desc);
-  bool signalled = false;
-  if (ch.has_announced) [[unlikely]] {
-    const ReadySignal& a = ch.announced;
-    signalled = a.seq == seq && a.bytes == bytes && a.desc_hash == desc_hash;
-    // Another byte count or description (a receive Announce did not foresee): the sender
-    // stages for that signal, and the signal this receive sends too is then an old one.
-    if (a.seq <= seq) ch.has_announced = false;
-  }
-  if (signalled) announced_receives_.fetch_add(1, std::memory_order_relaxed);
-  if (Rendezvous(bytes, sender_kept)) {
-    return RecvLarge(seq, source_rank, tag, out, bytes, desc_hash, deadline, signalled);
+  if (bytes >= kRendezvousMinBytes || (sender_kept && bytes >= kKeptRendezvousMinBytes)) {
+    return RecvLarge(seq, source_rank, tag, out, bytes, desc_hash, deadline);
   }
   return RecvStaged(source_rank, tag, out, bytes, desc_hash, deadline);
-}
-
-Status MpiTransport::Announce(int source_rank, int tag, size_t bytes, std::string_view desc,
-                              bool sender_kept) {
-  if (!Rendezvous(bytes, sender_kept)) return Status::Ok();
-  ChannelState& ch = Channel(source_rank, tag);
-  // Held only by a Recv of this channel, which signals for itself.
-  std::unique_lock<std::mutex> channel_lock(ch.recv_mu, std::try_to_lock);
-  if (!channel_lock.owns_lock()) return Status::Ok();
-  const uint64_t seq = ch.next_recv_seq;
-  if (ch.has_announced && ch.announced.seq >= seq) return Status::Ok();
-  if (Status s = Usable(); !s.ok()) return s;
-  const ReadySignal signal{seq, bytes, DescriptionHash(desc)};
-  if (Status s = SendReadySignal(source_rank, tag, signal); !s.ok()) return s;
-  ch.has_announced = true;
-  ch.announced = signal;
-  return Status::Ok();
 }
 
 namespace {

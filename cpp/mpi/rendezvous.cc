@@ -340,21 +340,9 @@ bool MpiTransport::HasDeferredUpTo(uint64_t mark) {
                      [mark](const ChannelState* ch) { return ch->deferred_id <= mark; });
 }
 
-Status MpiTransport::SendReadySignal(int source_rank, int tag, const ReadySignal& signal) {
-  ControlSend control;
-  control.signal = std::make_unique<ReadySignal>(signal);
-  std::unique_lock<std::mutex> lock(mu_);  // control_sends_ (and MPI if needed)
-  int rc = MPI_Isend(control.signal.get(), sizeof(ReadySignal), MPI_BYTE, source_rank, tag,
-                     ctrl_comm_, &control.request);
-  if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Isend of the ready signal", rc);
-  control_sends_.push_back(std::move(control));
-  return Status::Ok();
-}
-
 Status MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out,
                                size_t bytes, uint64_t desc_hash,
-                               std::chrono::steady_clock::time_point deadline,
-                               bool signalled) {
+                               std::chrono::steady_clock::time_point deadline) {
   // While a send of ours is still deferred (see below), the ready signal goes first: the
   // peer's send waits for it, and the loop below finds a staged message. Only the sends
   // deferred before this receive count (in an exchange or a ring, its own op's psend), so
@@ -410,14 +398,23 @@ Status MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out
   if (posted) {
     if (Status s = post_receives(); !s.ok()) return s;
   }
-  if (!signalled) {
-    if (Status s = SendReadySignal(source_rank, tag, ReadySignal{seq, bytes, desc_hash});
-        !s.ok()) {
+  {
+    ControlSend control;
+    control.signal = std::make_unique<ReadySignal>();
+    control.signal->seq = seq;
+    control.signal->bytes = bytes;
+    control.signal->desc_hash = desc_hash;
+    std::unique_lock<std::mutex> lock(mu_);  // control_sends_ (and MPI if needed)
+    int rc = MPI_Isend(control.signal.get(), sizeof(ReadySignal), MPI_BYTE, source_rank, tag,
+                       ctrl_comm_, &control.request);
+    if (rc != MPI_SUCCESS) {
+      lock.unlock();
       size_t cancelled = 0;
       bool abandoned = false;
       (void)CancelWithGrace(requests, &cancelled, &abandoned, nullptr);  // as above
-      return s;
+      return Status::MpiError("MPI_Isend of the ready signal", rc);
     }
+    control_sends_.push_back(std::move(control));
   }
   Backoff backoff;
   uint64_t polls = 0;

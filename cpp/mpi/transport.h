@@ -31,8 +31,6 @@
 // for a receiver that is not ready: it defers the send (DirectSend), and the receive loops
 // post it straight from the operand when the ready signal comes (ProgressDeferred), so both
 // directions move at once; the precv that keeps the operand stages what is still deferred.
-// A receive may also have its ready signal sent ahead (Announce) by another precv of its
-// step's group that runs before it on its device: that receive then sends none.
 // A receive made while a send of ours is deferred (to its peer, or in a ring to the next
 // rank) signals ready first and posts its receives only once the sends deferred before it are
 // posted (RecvLarge), so that MPI cannot copy the peer's message in before our send has
@@ -93,8 +91,7 @@ namespace jcm {
 //                  to one stays valid without the lock).
 //   ChannelState::send_mu  that channel's next_send_seq, has_early_ready, early_ready; held
 //                  for a whole Send, so one psend per channel runs at a time.
-//   ChannelState::recv_mu  that channel's next_recv_seq, has_announced, announced; held for
-//                  a whole Recv.
+//   ChannelState::recv_mu  that channel's next_recv_seq; held for a whole Recv.
 //   Order: a channel's send_mu/recv_mu before mu_; channels_mu_ is never held with another.
 //   Set once by Create, read without a lock: the communicators, rank_, size_, tag_ub_,
 //   thread_multiple_, rank_of_process_, clock_offset_, wait_choice_, id_. has_pending_ is
@@ -249,18 +246,6 @@ class MpiTransport {
   // pile up unread (or never come).
   Status Recv(int source_rank, int tag, void* out, size_t bytes, std::string_view desc,
               std::chrono::steady_clock::time_point deadline, bool sender_kept = false);
-  // Sends, ahead of its Recv, the ready signal of the channel's next message, for a receive
-  // that Recv (same `bytes`, `desc`, `sender_kept`) will make on this thread's device later
-  // in the step: another op of the step's group (passes/kept_operands.py), which XLA runs
-  // after the caller's. The sender's deferred send (or its direct one) can then start
-  // while this device zero-fills or receives another op's message, rather than after it;
-  // the Recv finds its signal sent and sends none. Nothing is posted: the sender's direct
-  // send (synchronous mode) waits unmatched until that Recv posts its receives, as when a
-  // Recv signals before it posts (RecvLarge). Does nothing below the rendezvous sizes (no
-  // ready signal is read there), when a signal is already out for a message not yet
-  // received on the channel, or when its Recv is under way.
-  Status Announce(int source_rank, int tag, size_t bytes, std::string_view desc,
-                  bool sender_kept);
 
   // At exit (collective over the communicator): completes every outstanding send and waits
   // for every rank to get there (joining them halfway to the deadline even with sends still
@@ -285,10 +270,6 @@ class MpiTransport {
   // Sends of the rendezvous path that went straight from the operand / through a copy.
   uint64_t direct_sends() const;
   uint64_t staged_large_sends() const;
-  // Receives whose ready signal Announce sent ahead of them.
-  uint64_t announced_receives() const {
-    return announced_receives_.load(std::memory_order_relaxed);
-  }
 
   // A group's communicator as its caller keeps it from call to call (in a call site's entry
   // of a device thread, which only that thread uses): the collectives below look the group
@@ -439,10 +420,6 @@ class MpiTransport {
     bool has_early_ready = false;  // a ready signal for a later message
     ReadySignal early_ready;
     std::shared_ptr<DirectSend> deferred;  // a deferred send of this channel, if any
-    // Under recv_mu: the ready signal Announce sent for message announced.seq, if that
-    // message has not been received yet (Recv then sends none if its own would be equal).
-    bool has_announced = false;
-    ReadySignal announced;
     uint64_t deferred_id = 0;  // under deferred_mu_: when it was deferred (DeferredMark)
   };
   struct ControlSend {
@@ -546,17 +523,8 @@ class MpiTransport {
   // deferred no later than `mark` is still deferred (cheap when none is).
   uint64_t DeferredMark();
   bool HasDeferredUpTo(uint64_t mark);
-  // `signalled`: Announce already sent this message's ready signal.
   Status RecvLarge(uint64_t seq, int source_rank, int tag, void* out, size_t bytes,
-                   uint64_t desc_hash, std::chrono::steady_clock::time_point deadline,
-                   bool signalled);
-  // Sends `signal` to `source_rank` on the control communicator (completed later by
-  // ProgressLocked, which frees it).
-  Status SendReadySignal(int source_rank, int tag, const ReadySignal& signal);
-  // Whether a message of `bytes` takes the rendezvous path (Recv).
-  static bool Rendezvous(size_t bytes, bool sender_kept) {
-    return bytes >= kRendezvousMinBytes || (sender_kept && bytes >= kKeptRendezvousMinBytes);
-  }
+                   uint64_t desc_hash, std::chrono::steady_clock::time_point deadline);
 
   MPI_Comm comm_ = MPI_COMM_NULL;         // staged messages
   MPI_Comm ctrl_comm_ = MPI_COMM_NULL;    // ready signals, receiver -> sender
@@ -577,7 +545,6 @@ class MpiTransport {
   uint64_t peak_inflight_bytes_ = 0;
   uint64_t direct_sends_ = 0;
   uint64_t staged_large_sends_ = 0;
-  std::atomic<uint64_t> announced_receives_{0};
   std::deque<ControlSend> control_sends_;  // ready signals not yet completed
   std::vector<std::shared_ptr<DirectSend>> direct_in_flight_;  // left in flight
   std::vector<Abandoned> abandoned_;  // never tested again, never freed

@@ -25,7 +25,6 @@ import jax_cpu_mpi
 from conftest import make_mesh
 from jax_cpu_mpi import config
 from jax_cpu_mpi._src import compat as _compat
-from jax_cpu_mpi._src.passes import kept_operands
 
 FORWARD = [(0, 1)]
 BACKWARD = [(1, 0)]
@@ -322,35 +321,3 @@ def test_a_step_of_two_ops_is_one_group_and_the_next_step_another():
     np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(spmd(want_body, mesh)(x)))
     stats = jax_cpu_mpi.stats()
     assert stats["kept_sends"] > before and stats["kept_sends_unfinished"] == 0
-
-
-def test_a_group_announces_its_other_receives_between_processes(monkeypatch):
-    """Each precv of a step's group carries the others' byte counts, pairs and descriptions
-    (``announce``): at run time the first of them to run on a device sends the ready signals
-    of the others' MPI receives before its own zero-fill or receive. Not in a program of one
-    process (the mailbox reads no signals), not for a group of one precv, and not for
-    members that share a pair (two messages on one channel)."""
-    mesh = make_mesh((2, "x"))
-    out = jax.ShapeDtypeStruct((1 << 16,), np.float32)
-
-    def body(v):
-        t1, t2 = jax_cpu_mpi.psend(v, "x", FORWARD), jax_cpu_mpi.psend(v * 2, "x", BACKWARD)
-        a, b = jax_cpu_mpi.precv(t1, out, "x", FORWARD), jax_cpu_mpi.precv(t2, out, "x", BACKWARD)
-        return jax_cpu_mpi.precv(jax_cpu_mpi.psend(a + b, "x", FORWARD), out, "x", FORWARD)
-
-    def same_pair(v):
-        t1, t2 = jax_cpu_mpi.psend(v, "x", FORWARD), jax_cpu_mpi.psend(v * 2, "x", FORWARD)
-        return jax_cpu_mpi.precv(t1, out, "x", FORWARD) + jax_cpu_mpi.precv(t2, out, "x", FORWARD)
-
-    x = sharded(mesh, 1 << 16)
-    assert not any("announce = dense<[" in c for c in custom_calls(spmd(body, mesh), x))
-    monkeypatch.setattr(kept_operands, "_one_process", lambda op: False)
-    precvs = [c for c in custom_calls(spmd(body, mesh), x) if "@jax_cpu_mpi_precv" in c]
-    bytes_ = (1 << 16) * 4
-    # [group, members, then the other member: its bytes, one pair, the pair]
-    assert f"announce = dense<[1, 2, {bytes_}, 1, 1, 0]>" in precvs[0], precvs[0]
-    assert f"announce = dense<[1, 2, {bytes_}, 1, 0, 1]>" in precvs[1], precvs[1]
-    assert all('announce_operands = "float32[65536]"' in c for c in precvs[:2]), precvs
-    assert "announce = dense<>" in precvs[2] and 'announce_operands = ""' in precvs[2]
-    calls = custom_calls(spmd(same_pair, mesh), x)
-    assert all("announce = dense<>" in c for c in calls), calls

@@ -31,12 +31,6 @@ OPERAND_KEPT = "operand_kept"
 #: A psend may defer a send while its device receives in the group; a precv takes the
 #: deferred send's path when its sender receives in the group.
 GROUP_PAIRS = "group_pairs"
-#: precv: the other precvs of its group (passes/kept_operands.py), whose receives it
-#: announces (their ready signals sent before its own zero-fill or receive): for each,
-#: its output's byte count, its pair count and its pairs, flat; empty until that pass runs.
-ANNOUNCE = "announce"
-#: precv: the descriptions of those precvs' outputs (``float32[4]``), one a line.
-ANNOUNCE_OPERANDS = "announce_operands"
 #: ``order_token(last collective's result) -> s32[]``: the ordering pass's loop token
 #: (passes/ordered_collectives.py); reads no bytes, writes 0.
 ORDER_TOKEN_TARGET = "jax_cpu_mpi_order_token"
@@ -60,8 +54,6 @@ def attributes(*, pairs: np.ndarray, device_index: np.ndarray, device_process: n
         "operand": operand,
         OPERAND_KEPT: np.int64(0),
         GROUP_PAIRS: np.zeros(0, dtype=np.int64),
-        ANNOUNCE: np.zeros(0, dtype=np.int64),
-        ANNOUNCE_OPERANDS: "",
     }
 
 
@@ -165,13 +157,6 @@ def set_array_attribute(op: Any, name: str, values: np.ndarray) -> None:
     """Set (or add) an int64 array attribute of a custom call (as ``pairs``)."""
     entries = backend_config(op)
     entries[name] = mlir.ir_attribute(np.asarray(values, dtype=np.int64).reshape(-1))
-    op.attributes[_BACKEND_CONFIG] = ir.DictAttr.get(entries)
-
-
-def set_string_attribute(op: Any, name: str, value: str) -> None:
-    """Set (or add) a string attribute of a custom call (as ``operand``)."""
-    entries = backend_config(op)
-    entries[name] = ir.StringAttr.get(value)
     op.attributes[_BACKEND_CONFIG] = ir.DictAttr.get(entries)
 
 

@@ -15,11 +15,7 @@ directions, a pipeline tick) form a group: each precv of the group keeps the ope
 the group's psends before it, a psend's ``operand_kept`` counts its keepers, and the last
 keeper to run finishes the send, so that a device's sends of the step stay in flight
 while it receives; ``group_pairs`` (the pairs of the keepers) tells a psend whether its
-device receives in the group, where it may defer a send (mpi/transport.h). Between
-processes each precv of a group of several also carries the others' byte counts, pairs and
-descriptions (``announce``): the first of them to run on a device sends the ready signals
-of the others' receives before its own zero-fill or receive, so that their senders need not
-wait for it (cpp/ffi/p2p_handlers.cc).
+device receives in the group, where it may defer a send (mpi/transport.h).
 
 The psend and precv must share a block: a precv of the same block runs whenever the psend
 does (a precv in a branch of a ``cond`` might not). The pass runs on the finished module
@@ -41,8 +37,6 @@ import numpy as np
 
 from jax_cpu_mpi._src.compat import ir
 from jax_cpu_mpi._src.ffi.custom_calls import (
-    ANNOUNCE,
-    ANNOUNCE_OPERANDS,
     GROUP_PAIRS,
     OPERAND_KEPT,
     PRECV_TARGET,
@@ -53,13 +47,10 @@ from jax_cpu_mpi._src.ffi.custom_calls import (
     operations,
     set_array_attribute,
     set_int_attribute,
-    set_string_attribute,
-    string_attribute,
     with_extra_operands,
     with_int_attribute,
 )
 from jax_cpu_mpi._src.lowering import rules
-from jax_cpu_mpi._src.passes.combined_all_reduces import _bytes
 
 
 def _token_sources(token: Any) -> list[Any]:
@@ -174,8 +165,8 @@ def _phases(block: Any, pairs: dict[Any, Any]) -> tuple[dict[Any, int], dict[Any
     return phase, position
 
 
-def _groups(precvs: list[Any]) -> tuple[dict[Any, list[Any]], dict[Any, list[Any]]]:
-    """``({precv: the psends whose sends it helps finish}, {precv: its group's precvs})``.
+def _groups(precvs: list[Any]) -> dict[Any, list[Any]]:
+    """``{precv: the psends whose sends it helps finish}``.
 
     In each block, the kept pairs of one phase (:func:`_phases`) form a group, and each
     precv of a group keeps the operands of the group's psends that come before it in the
@@ -189,79 +180,20 @@ def _groups(precvs: list[Any]) -> tuple[dict[Any, list[Any]], dict[Any, list[Any
         if _moves_data(precv) and (psend := _sending_psend(precv)) is not None:
             pairs_by_block.setdefault(precv.block, {})[precv] = psend
     groups: dict[Any, list[Any]] = {}
-    members: dict[Any, list[Any]] = {}
     for block, pairs in pairs_by_block.items():
         if len(set(pairs.values())) == 1:  # one psend: its precvs keep it alone
             groups.update({precv: [psend] for precv, psend in pairs.items()})
-            together = list(pairs)
-            members.update(dict.fromkeys(together, together))
             continue
         phase, position = _phases(block, pairs)
         by_phase: dict[int, list[Any]] = {}
-        precvs_by_phase: dict[int, list[Any]] = {}
-        for precv, psend in pairs.items():
-            psends = by_phase.setdefault(phase[psend], [])
-            if psend not in psends:
-                psends.append(psend)
-            precvs_by_phase.setdefault(phase[psend], []).append(precv)
+        for psend in pairs.values():
+            members = by_phase.setdefault(phase[psend], [])
+            if psend not in members:
+                members.append(psend)
         for precv, psend in pairs.items():
             groups[precv] = [p for p in by_phase[phase[psend]]
                              if position[p] < position[precv]]
-            members[precv] = precvs_by_phase[phase[psend]]
-    return groups, members
-
-
-def _one_process(op: Any) -> bool:
-    """Whether the program of ``op`` runs in one process: its messages go through the
-    mailbox, which reads no ready signals."""
-    return bool(np.unique(array_attribute(op, "device_process")).size < 2)
-
-
-def _announced(members: list[Any], key: int) -> dict[Any, tuple[np.ndarray, str]]:
-    """The ``announce`` and ``announce_operands`` attributes of each precv of the group
-    ``key`` (numbered in the module) whose precvs are ``members``; empty if none announces.
-
-    ``announce``: ``[key, len(members)]``, then, for each other member whose receive the
-    precv may announce at run time (its ready signal sent before the precv's own zero-fill
-    or receive: cpp/ffi/p2p_handlers.cc), that member's output's byte count, its pair count
-    and its pairs; ``announce_operands``: those members' descriptions, one a line. XLA runs
-    the group's precvs of a device in an order of its choosing: the first of them to run
-    announces the others, and every member counts itself.
-
-    A member that shares a pair with another member is announced by none: the two would
-    share a channel, and a signal sent for the channel's next message, with one member's
-    byte count and description, might meet the other's.
-    """
-    if len(members) < 2 or _one_process(members[0]):
-        return {}
-    pairs = [[tuple(p) for p in array_attribute(op, "pairs").reshape(-1, 2).tolist()]
-             for op in members]
-    uses: dict[tuple[int, int], int] = {}
-    for found in pairs:
-        for pair in set(found):
-            uses[pair] = uses.get(pair, 0) + 1
-    records: list[tuple[list[int], str] | None] = []
-    for op, found in zip(members, pairs, strict=True):
-        try:
-            size = _bytes(ir.RankedTensorType(op.results[0].type))
-        except ValueError:  # no width known: not announced (it signals when it receives)
-            size = None
-        if size is None or any(uses[pair] > 1 for pair in found):
-            records.append(None)
-            continue
-        records.append(([size, len(found), *(i for pair in found for i in pair)],
-                        string_attribute(op, "operand")))
-    if sum(r is not None for r in records) == 0:
-        return {}
-    result = {}
-    for op in members:
-        flat, descriptions = [key, len(members)], []
-        for other, record in zip(members, records, strict=True):
-            if other != op and record is not None:
-                flat += record[0]
-                descriptions.append(record[1])
-        result[op] = (np.asarray(flat, dtype=np.int64), "\n".join(descriptions))
-    return result
+    return groups
 
 
 def _unique(values: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
@@ -278,14 +210,7 @@ def keep_psend_operands(module: Any) -> int:
     with module.context:
         precvs = [op for op in operations(module.operation)
                   if call_target(op) == PRECV_TARGET and int_attribute(op, OPERAND_KEPT) == 0]
-        groups, members = _groups(precvs)
-        # By position, read before any call changes: an MLIR operation's hash follows its
-        # attributes, so a changed one is no longer found as a key.
-        by_group: dict[int, tuple[np.ndarray, str]] = {}
-        group_lists = {id(m): m for m in members.values()}
-        for key, group_members in enumerate(group_lists.values(), start=1):
-            by_group.update({id(op): a for op, a in _announced(group_members, key).items()})
-        announced = [by_group.get(id(op)) for op in precvs]
+        groups = _groups(precvs)
         keepers: dict[Any, list[Any]] = {}  # psend -> the precvs of its group
         for precv, group in groups.items():
             for psend in group:
@@ -297,7 +222,7 @@ def keep_psend_operands(module: Any) -> int:
         kept = 0
         # One at a time, each precv's extra operands found only when it is rebuilt: one may
         # be the result of a precv rebuilt (and erased) just before.
-        for op, announce in zip(precvs, announced, strict=True):
+        for op in precvs:
             if not _moves_data(op):  # a barrier's ordering precv
                 extra = _psends_done(op)
             else:
@@ -313,9 +238,6 @@ def keep_psend_operands(module: Any) -> int:
                     set_array_attribute(op, GROUP_PAIRS,
                                         array_attribute(_sending_psend(op), GROUP_PAIRS))
                     kept += 1
-                if announce is not None:
-                    set_array_attribute(op, ANNOUNCE, announce[0])
-                    set_string_attribute(op, ANNOUNCE_OPERANDS, announce[1])
             if extra:
                 _rebuild_precv(op, extra)
         return kept
