@@ -8,7 +8,11 @@ link, MPI forced onto TCP with ``UCX_TLS=tcp,self``; needs root), runs
 ``--out`` writes (results.jsonl, osu.txt, nccl.txt, targets.txt, plot.png) and stdout.txt
 to OUT_DIR (default ``benchmarks/results/p2p/two-hosts-tcp``). Default methods: psend/precv
 (one call per message and inside a scan), raw MPI (mpi4py) and JAX's ppermute over gloo;
-pass ``--methods`` to change them.
+pass ``--methods`` to change them. Every other option goes to the benchmark as given, so
+``--pattern exchange,ring,bibw,multi-pair`` records the two-way and many-pair patterns
+(``jax_cpu_mpi.bench.patterns``) across the hosts too. At large sizes, lower
+``--window-bytes``, ``--scan-bytes`` and ``--iter-bytes``: their defaults size a sample for
+shared memory, and over the TCP link one sample of 16 MiB messages then moves gigabytes.
 
 This measures the software over a real TCP stack (the kernel's, through a veth pair), not a
 network: both "hosts" share the machine's cores and memory bandwidth. Compare the methods
