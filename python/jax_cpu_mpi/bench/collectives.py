@@ -90,26 +90,36 @@ def mpi_call(comm: Any, op: str, elements: int, devices: int,
     device of the op's larger buffer, ``devices`` in the whole mesh. The process's
     ``devices_per_rank`` devices meet first, so one rank sends what they hold together,
     except for all_reduce, whose devices reduce in process to one device's bytes first."""
-    import numpy as np
     from mpi4py import MPI
+
+    return _mpi_call(comm, op, elements, devices, devices_per_rank, MPI.SUM)[0]
+
+
+def _mpi_call(comm: Any, op: str, elements: int, devices: int, devices_per_rank: int,
+              reduction: Any) -> tuple[Callable[[], None], Any, Any]:
+    """:func:`mpi_call`'s call with ``reduction`` as the MPI op of the reductions, and the
+    numpy buffers it sends from and receives into (in that order), for
+    :func:`carried_loop`, whose all_gather and reduce_scatter loops make the same call
+    after they have written their launch's values into those buffers."""
+    import numpy as np
 
     k = devices_per_rank
     if op == "all_reduce":
         buf = np.ones(elements, np.float32)
         out = np.empty_like(buf)
-        return lambda: comm.Allreduce(buf, out, op=MPI.SUM)
+        return (lambda: comm.Allreduce(buf, out, op=reduction)), buf, out
     block = elements // devices
     if op == "all_gather":
         buf, out = np.ones(block * k, np.float32), np.empty(elements, np.float32)
-        return lambda: comm.Allgather(buf, out)
+        return (lambda: comm.Allgather(buf, out)), buf, out
     if op == "reduce_scatter":
         buf, out = np.ones(elements, np.float32), np.empty(block * k, np.float32)
-        return lambda: comm.Reduce_scatter_block(buf, out, op=MPI.SUM)
+        return (lambda: comm.Reduce_scatter_block(buf, out, op=reduction)), buf, out
     if op != "alltoall":
         raise ValueError(f"mpi_call: no MPI call for {op!r}; one of {OPS}")
     buf = np.ones(elements * k, np.float32)
     out = np.empty_like(buf)
-    return lambda: comm.Alltoall(buf, out)
+    return (lambda: comm.Alltoall(buf, out)), buf, out
 
 
 def carried_loop(comm: Any, op: str, elements: int, devices: int, devices_per_rank: int,
@@ -157,24 +167,20 @@ def carried_loop(comm: Any, op: str, elements: int, devices: int, devices_per_ra
                     comm.Alltoall(a, b)
                 a, b = b, a
         return loop
-    if op == "all_gather":
-        launch = np.ones(elements, np.float32)
-        source, result = np.empty(block * k, np.float32), np.empty(elements, np.float32)
-
-        def loop(iters: int) -> None:
-            np.copyto(source, launch[:block * k])
-            np.copyto(result, launch)
-            for _ in range(iters):
-                comm.Allgather(source, result)
-        return loop
-    if op != "reduce_scatter":
+    if op not in ("all_gather", "reduce_scatter"):
         raise ValueError(f"carried_loop: no MPI call for {op!r}; one of {OPS}")
-    source, result = np.ones(elements, np.float32), np.empty(block * k, np.float32)
+    call, source, result = _mpi_call(comm, op, elements, devices, k, reduction)
+    # all_gather's launch operand is the gathered shape, reduce_scatter's its source.
+    launch = np.ones(elements, np.float32) if op == "all_gather" else source
 
     def loop(iters: int) -> None:
-        np.copyto(result, source[:block * k])
+        if op == "all_gather":
+            np.copyto(source, launch[:block * k])
+            np.copyto(result, launch)
+        else:
+            np.copyto(result, launch[:block * k])
         for _ in range(iters):
-            comm.Reduce_scatter_block(source, result, op=reduction)
+            call()
     return loop
 
 
