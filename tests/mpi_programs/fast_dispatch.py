@@ -5,7 +5,10 @@ _fast_dispatch.py): after the first call, no call reaches ``ExecuteReplicated.__
 The program sends 0 -> 2 (process 0 to process 1) when ``go`` is 1, and leaves device 2's
 precv unmatched when it is 0: after successful calls on the C++ path, that precv's timeout
 reaches process 1 as the ``jax.errors.JaxRuntimeError`` of JAX's own dispatch, naming the op
-and the peer, and the same program then works again with the right values.
+and the peer, and the same program then works again with the right values. When it is 0,
+device 1 also sends to device 3 (a psend whose pairs no precv matches): the timeout's
+transport state finds that message unreceived on its own tag, and a precv of its pair then
+takes it whole.
 
 Then the same with one device of each process (the usual MPI job) and little more than
 psend/precv: under 1000 flops XLA would run it inline, and JAX's C++ path would raise its
@@ -34,6 +37,9 @@ from jax_cpu_mpi._src.dispatch import device_thread_hint as _device_thread_hint
 assert jax.local_device_count() == 2, jax.local_devices()
 me = jax.process_index()
 PAIR = [(0, 2)]  # device 0 (process 0) -> device 2 (process 1)
+# Device 1 (process 0) -> device 3 (process 1), when device 2's precv is lost: MPI tag
+# 1 * 4 + 3 (the devices' positions in the job), where the lost precv waits on tag 0 * 4 + 2.
+STRAY = [(1, 3)]
 
 python_calls = [0]
 _original = _compat.ExecuteReplicated.__call__
@@ -50,16 +56,17 @@ _compat.ExecuteReplicated.__call__ = _counting
 mesh = jax.make_mesh((4,), ("x",))
 
 
-def hop_or_lose(v, go, pair):
-    """The hop over ``pair`` when ``go`` is 1; else a precv nothing sends to: it times out."""
+def hop_or_lose(v, go, pair, stray=None):
+    """The hop over ``pair`` when ``go`` is 1; else a precv nothing sends to: it times out
+    (after a psend over the pairs ``stray``, if given, which nothing receives)."""
 
     def send(v):
         token = jax_cpu_mpi.psend(v, "x", pair)
         return jax_cpu_mpi.precv(token, jax.ShapeDtypeStruct(v.shape, v.dtype), "x", pair)
 
     def lost(v):
-        return jax_cpu_mpi.precv(jax.lax.create_token(), jax.ShapeDtypeStruct(v.shape, v.dtype),
-                                 "x", pair)
+        token = jax.lax.create_token() if stray is None else jax_cpu_mpi.psend(v, "x", stray)
+        return jax_cpu_mpi.precv(token, jax.ShapeDtypeStruct(v.shape, v.dtype), "x", pair)
 
     return jax.lax.cond(go[0] > 0, send, lost, v) + 0 * v
 
@@ -70,7 +77,7 @@ def reference(mesh, pair):
 
 
 def body(v, go):  # device 2's precv times out when go is 0
-    return hop_or_lose(v, go, PAIR)
+    return hop_or_lose(v, go, PAIR, STRAY)
 
 
 config.configure(gpu_parity=False)  # GPU rejects the unmatched precv when compiling
@@ -85,8 +92,9 @@ def check(out: jax.Array) -> None:
     np.testing.assert_array_equal(common.gather(out), expected)
 
 
-def run_and_lose_one(f, x, check, what: str, receiver: int) -> None:
-    """4 calls on the C++ path, a lost message (process 1's precv times out), 2 calls more."""
+def run_and_lose_one(f, x, check, what: str, receiver: int, state=()) -> None:
+    """4 calls on the C++ path, a lost message (process 1's precv times out, its error
+    holding the parts ``state`` too), 2 calls more."""
     check(f(x, go))  # compiles, through JAX's Python dispatch
     python_calls[0] = 0
     for _ in range(4):
@@ -98,7 +106,7 @@ def run_and_lose_one(f, x, check, what: str, receiver: int) -> None:
     except jax.errors.JaxRuntimeError as e:
         assert me == 1, f"process {me} has no receive to fail: {e}"
         for part in ("precv", f"partition {receiver} (process 1)", "partition 0 (process 0)",
-                     "waited"):
+                     "waited", *state):
             assert part in str(e), (part, str(e))
         print(f"process {me}: {what}: raised as expected", flush=True)
     else:
@@ -110,7 +118,15 @@ def run_and_lose_one(f, x, check, what: str, receiver: int) -> None:
     assert python_calls[0] == 0, f"{what}: {python_calls[0]} calls went through Python"
 
 
-run_and_lose_one(f, x, check, "2 devices per process", receiver=2)
+run_and_lose_one(f, x, check, "2 devices per process", receiver=2,
+                 state=("\n    receives from rank 0, tag 2: the latest, #",
+                        "\n    unreceived from rank 0 now: a staged message or chunk on tag 7 ("))
+# The stray message waited whole for a precv of its pair (device 1's block of x).
+take_stray = jax.jit(jax.shard_map(
+    lambda v: jax_cpu_mpi.precv(jax.lax.create_token(), jax.ShapeDtypeStruct(v.shape, v.dtype),
+                                "x", STRAY),
+    mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+np.testing.assert_array_equal(common.gather(take_stray(x))[12:], value[4:8])
 
 # One device of each process: partition 0 (process 0) -> partition 1 (process 1).
 mesh1 = jax.sharding.Mesh(np.array([jax.devices()[0], jax.devices()[2]]), ("x",))
