@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -59,6 +60,21 @@ def test_errors_over_mpi():
     run = run_mpi("p2p_errors.py", nprocs=2, timeout=160,
                   env={"JAX_CPU_MPI_RECV_TIMEOUT": "3"})
     assert_mpi_ok(run, 2)
+    # The exit report (Runtime::note_failed_op): errors alike by their first line counted
+    # there, "(2 times)" (each retyped message, sender first and receiver first; the two
+    # timeouts), the first one's lines under it kept, the count not after them: the
+    # first timeout's transport state, not the second's.
+    out = run.rank_output[1]
+    assert "jax_cpu_mpi: at exit, process 1 had 13 failed psend/precv" in out, run.report()
+    assert out.count("must have the same shape and dtype. (2 times)\n") == 8, run.report()
+    latest = dict(re.findall(r"timeout (\d): receives from rank 0, tag 1: the latest, #(\d+)",
+                             out))
+    assert len(latest) == 2 and latest["0"] != latest["1"], run.report()
+    timeout = re.search(r"\n  - precv\(axis_name=\('x',\), perm=\[\(0, 1\)\]\) on partition 1 "
+                        r"\(process 1\) waited 3 s [^\n]* \(2 times\)\n  Transport state at the "
+                        r"timeout [^\n]*\n    receives from rank 0, tag 1: the latest, #(\d+), ",
+                        out)
+    assert timeout and timeout.group(1) == latest["0"], run.report()
 
 
 @pytest.mark.timeout(180)
