@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <fstream>
+#include <string>
 
 #if defined(__GLIBC__)
 #include <malloc.h>
@@ -39,6 +40,18 @@ size_t HugePageBytes() {
 }
 
 }  // namespace
+
+size_t TransparentHugePageBytes() {
+  static const size_t bytes = [] {
+    std::ifstream in("/sys/kernel/mm/transparent_hugepage/enabled");
+    std::string setting;
+    if (!std::getline(in, setting) || setting.find("[never]") != std::string::npos) {
+      return size_t{0};
+    }
+    return HugePageBytes();
+  }();
+  return bytes;
+}
 
 void AdviseHugePages(void* data, size_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)

@@ -31,6 +31,10 @@ inline constexpr size_t kFreshMapMinBytes = size_t{32} << 20;
 // bytes either way. A hint only: the contents do not change, and failures are ignored.
 void AdviseHugePages(void* data, size_t bytes);
 
+// The size of a transparent huge page where the kernel backs a range advised with
+// AdviseHugePages by them (THP "madvise" or "always"), else 0 (no THP, or "never").
+size_t TransparentHugePageBytes();
+
 // From this many bytes a collective's output gets AdviseHugePages before MPI writes it:
 // numpy's threshold for the same hint, so that the collective writes into the pages mpi4py's
 // call on a numpy array of that size would (a range this large holds a whole huge page).

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <exception>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -15,7 +16,11 @@
 
 #if defined(__linux__)
 #include <fcntl.h>
+#include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <unistd.h>
+
+#include <cerrno>
 #endif
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -194,6 +199,86 @@ bool FillSkippingUntouched(std::byte* data, size_t bytes, bool stream) {
   Fill(at(run), static_cast<size_t>(data + bytes - at(run)), stream);
   return true;
 }
+
+// /proc/<pid>/maps's PROCMAP_QUERY ioctl (Linux 6.11): the mapping that covers an address,
+// without reading the whole text of the maps file. Declared here: the C library's kernel
+// headers may predate it; the layout is the kernel's ABI (include/uapi/linux/fs.h).
+struct ProcmapQuery {
+  uint64_t size;
+  uint64_t query_flags;
+  uint64_t query_addr;
+  uint64_t vma_start;
+  uint64_t vma_end;
+  uint64_t vma_flags;
+  uint64_t vma_page_size;
+  uint64_t vma_offset;
+  uint64_t inode;
+  uint32_t dev_major;
+  uint32_t dev_minor;
+  uint32_t vma_name_size;
+  uint32_t build_id_size;
+  uint64_t vma_name_addr;
+  uint64_t build_id_addr;
+};
+constexpr unsigned long kProcmapQuery = _IOWR('f', 17, ProcmapQuery);
+constexpr uint64_t kVmaWritable = 0x02, kVmaShared = 0x08;
+
+// Whether [begin, end) lies in private, writable mappings that no file backs (glibc's heap
+// and its mmapped blocks), asked of the kernel mapping by mapping. nullopt where the kernel
+// has no PROCMAP_QUERY (the caller may then read /proc/self/maps, which is slower).
+std::optional<bool> PrivateAnonymousByQuery(uintptr_t begin, uintptr_t end) {
+  // Opened per call, not kept: a descriptor opened before a fork would describe the parent.
+  const int fd = open("/proc/self/maps", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return std::nullopt;
+  std::optional<bool> result = true;
+  for (uintptr_t at = begin; at < end;) {
+    ProcmapQuery q{};
+    q.size = sizeof(q);
+    q.query_addr = at;
+    if (ioctl(fd, kProcmapQuery, &q) != 0) {
+      result = errno == ENOTTY || errno == EINVAL ? std::nullopt : std::optional<bool>(false);
+      break;
+    }
+    const bool anonymous = q.inode == 0 && q.dev_major == 0 && q.dev_minor == 0;
+    if (q.vma_start > at || q.vma_end <= at || (q.vma_flags & kVmaShared) != 0 ||
+        (q.vma_flags & kVmaWritable) == 0 || !anonymous) {
+      result = false;
+      break;
+    }
+    at = q.vma_end;
+  }
+  close(fd);
+  return result;
+}
+
+// Zeroes [data, data + bytes) by giving the whole huge pages inside it back to the kernel
+// (madvise MADV_DONTNEED) where they lie in private anonymous mappings: such a page reads as
+// zeros from then on, and a later read maps the kernel's shared zero page (one fault per
+// huge page) instead of this thread writing every byte. The range is first advised for huge
+// pages, so that a later write faults them back in 2 MiB at a time, which costs about what
+// writing the zeros now would. The bytes outside the whole huge pages are written. False
+// (nothing written) where that cannot be done: no THP, a range without a whole huge page, a
+// shared, file-backed or locked mapping, or a kernel that does not say.
+bool FillByDroppingHugePages(std::byte* data, size_t bytes, bool stream) {
+  const size_t huge = TransparentHugePageBytes();
+  if (huge == 0) return false;
+  const auto start = reinterpret_cast<uintptr_t>(data);
+  const uintptr_t begin = (start + huge - 1) & ~(huge - 1);
+  const uintptr_t end = (start + bytes) & ~(huge - 1);
+  if (end <= begin) return false;
+  std::optional<bool> anonymous = PrivateAnonymousByQuery(begin, end);
+  if (!anonymous.has_value() && bytes >= kFreshMapMinBytes) {
+    anonymous = PrivateAnonymous(begin, end);  // worth a read of the maps text at this size
+  }
+  if (!anonymous.value_or(false)) return false;
+  auto* first = reinterpret_cast<std::byte*>(begin);
+  auto* last = reinterpret_cast<std::byte*>(end);
+  (void)madvise(first, end - begin, MADV_HUGEPAGE);
+  if (madvise(first, end - begin, MADV_DONTNEED) != 0) return false;  // e.g. mlocked
+  Fill(data, static_cast<size_t>(first - data), stream);
+  Fill(last, static_cast<size_t>(data + bytes - last), stream);
+  return true;
+}
 #endif
 
 }  // namespace
@@ -203,6 +288,10 @@ void ZeroFill(void* data, size_t bytes) {
   const size_t streaming = StreamingZeroFillMinBytes();
   const bool stream = streaming != 0 && bytes >= streaming;
 #if defined(__linux__)
+  if (bytes >= kDropHugePagesMinBytes &&
+      FillByDroppingHugePages(static_cast<std::byte*>(data), bytes, stream)) {
+    return;
+  }
   // A block this large may be a fresh map at every call (common/keep_freed_memory.h): its
   // pages are zeros until touched, and writing them would fault each one in, have the kernel
   // clear it, and then write its bytes a second time.

@@ -13,11 +13,23 @@
 // pages are neither present nor swapped out (/proc/self/pagemap) and the buffer lies in
 // private anonymous mappings (/proc/self/maps), it writes only the other pages. The output
 // then holds zeros all the same, and stays unpopulated until something writes it.
+//
+// From kDropHugePagesMinBytes, where the kernel has transparent huge pages, ZeroFill gives
+// the whole huge pages of a buffer in private anonymous mappings back to the kernel instead
+// of writing them (madvise MADV_DONTNEED): they read as zeros from then on. A precv that is
+// no destination at every step of a loop (the first stage of a pipeline, one direction of a
+// two-op exchange) then costs a system call, not a pass over its output; a later write of
+// the range faults the pages back in, a huge page at a time, for about what writing the
+// zeros would have cost.
 #pragma once
 
 #include <cstddef>
 
 namespace jcm {
+
+// From this size ZeroFill may give a buffer's whole huge pages back to the kernel: a range
+// this large holds at least one whole 2 MiB page wherever it starts.
+inline constexpr size_t kDropHugePagesMinBytes = size_t{4} << 20;
 
 void ZeroFill(void* data, size_t bytes);
 
