@@ -308,13 +308,10 @@ NB_MODULE(_jax_cpu_mpi, m) {
   m.def("streaming_zero_fill_min_bytes", &jcm::StreamingZeroFillMinBytes,
         "Size from which the zeros of a precv that is no destination are written with "
         "streaming stores (0: never on this platform).");
-  m.def("zero_fill_drop_min_bytes",
-        []() -> size_t {
-          return jcm::TransparentHugePageBytes() != 0 ? jcm::kDropHugePagesMinBytes : 0;
-        },
+  m.def("zero_fill_drop_min_bytes", &jcm::ZeroFillDropMinBytes,
         "Size from which the zeros of a precv that is no destination give the output's "
-        "whole huge pages back to the kernel instead of writing them (0: never, no "
-        "transparent huge pages here).");
+        "whole huge pages back to the kernel instead of writing them (larger where the "
+        "kernel has no PROCMAP_QUERY; 0: never, no transparent huge pages here).");
   m.def("zero_fill",
         [](nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> buffer) {
           jcm::ZeroFill(buffer.data(), buffer.size());

@@ -220,6 +220,7 @@ struct ProcmapQuery {
   uint64_t vma_name_addr;
   uint64_t build_id_addr;
 };
+static_assert(sizeof(ProcmapQuery) == 104, "struct procmap_query is 104 bytes (0xC0686611)");
 constexpr unsigned long kProcmapQuery = _IOWR('f', 17, ProcmapQuery);
 constexpr uint64_t kVmaWritable = 0x02, kVmaShared = 0x08;
 
@@ -251,6 +252,18 @@ std::optional<bool> PrivateAnonymousByQuery(uintptr_t begin, uintptr_t end) {
   return result;
 }
 
+// Whether this kernel answers PROCMAP_QUERY, asked once (of this function's own static, which
+// lies in a mapping): where it does not, a call need not open the maps file to learn it, and
+// below kFreshMapMinBytes nothing is given back.
+bool HasProcmapQuery() {
+  static const bool has = [] {
+    static const char probe = 0;
+    const auto at = reinterpret_cast<uintptr_t>(&probe);
+    return PrivateAnonymousByQuery(at, at + 1).has_value();
+  }();
+  return has;
+}
+
 // Zeroes [data, data + bytes) by giving the whole huge pages inside it back to the kernel
 // (madvise MADV_DONTNEED) where they lie in private anonymous mappings: such a page reads as
 // zeros from then on, and a later read maps the kernel's shared zero page (one fault per
@@ -266,11 +279,12 @@ bool FillByDroppingHugePages(std::byte* data, size_t bytes, bool stream) {
   const uintptr_t begin = (start + huge - 1) & ~(huge - 1);
   const uintptr_t end = (start + bytes) & ~(huge - 1);
   if (end <= begin) return false;
-  std::optional<bool> anonymous = PrivateAnonymousByQuery(begin, end);
-  if (!anonymous.has_value() && bytes >= kFreshMapMinBytes) {
-    anonymous = PrivateAnonymous(begin, end);  // worth a read of the maps text at this size
-  }
-  if (!anonymous.value_or(false)) return false;
+  // Without the query, the maps text is read (ZeroFillDropMinBytes: only at a size where that
+  // read is worth it).
+  const bool anonymous = HasProcmapQuery()
+                             ? PrivateAnonymousByQuery(begin, end).value_or(false)
+                             : PrivateAnonymous(begin, end);
+  if (!anonymous) return false;
   auto* first = reinterpret_cast<std::byte*>(begin);
   auto* last = reinterpret_cast<std::byte*>(end);
   (void)madvise(first, end - begin, MADV_HUGEPAGE);
@@ -283,12 +297,22 @@ bool FillByDroppingHugePages(std::byte* data, size_t bytes, bool stream) {
 
 }  // namespace
 
+size_t ZeroFillDropMinBytes() {
+#if defined(__linux__)
+  if (TransparentHugePageBytes() == 0) return 0;
+  return HasProcmapQuery() ? kDropHugePagesMinBytes : kFreshMapMinBytes;
+#else
+  return 0;
+#endif
+}
+
 void ZeroFill(void* data, size_t bytes) {
   if (bytes == 0) return;
   const size_t streaming = StreamingZeroFillMinBytes();
   const bool stream = streaming != 0 && bytes >= streaming;
 #if defined(__linux__)
-  if (bytes >= kDropHugePagesMinBytes &&
+  const size_t drop = ZeroFillDropMinBytes();
+  if (drop != 0 && bytes >= drop &&
       FillByDroppingHugePages(static_cast<std::byte*>(data), bytes, stream)) {
     return;
   }

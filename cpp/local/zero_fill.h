@@ -14,7 +14,7 @@
 // private anonymous mappings (/proc/self/maps), it writes only the other pages. The output
 // then holds zeros all the same, and stays unpopulated until something writes it.
 //
-// From kDropHugePagesMinBytes, where the kernel has transparent huge pages, ZeroFill gives
+// From ZeroFillDropMinBytes(), where the kernel has transparent huge pages, ZeroFill gives
 // the whole huge pages of a buffer in private anonymous mappings back to the kernel instead
 // of writing them (madvise MADV_DONTNEED): they read as zeros from then on. A precv that is
 // no destination at every step of a loop (the first stage of a pipeline, one direction of a
@@ -32,6 +32,11 @@ namespace jcm {
 inline constexpr size_t kDropHugePagesMinBytes = size_t{4} << 20;
 
 void ZeroFill(void* data, size_t bytes);
+
+// The size from which ZeroFill gives whole huge pages back: kDropHugePagesMinBytes where the
+// kernel answers PROCMAP_QUERY (Linux 6.11), kFreshMapMinBytes where /proc/self/maps must be
+// read instead, 0 where there are no transparent huge pages.
+size_t ZeroFillDropMinBytes();
 
 // The size from which ZeroFill streams (0: never, on this platform).
 size_t StreamingZeroFillMinBytes();
