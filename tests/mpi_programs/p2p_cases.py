@@ -214,6 +214,56 @@ def two_way_exchange(mesh, gather: Gather, *, nbytes: int = 32 << 20):
     return got, want
 
 
+def two_op_exchange_in_scan(mesh, gather: Gather, *, count: int, form: str, steps: int = 3,
+                            calls: int = 3):
+    """The two-op exchange in a ``lax.scan``: at each step both devices psend, one op per
+    direction (0 -> 1, 1 -> 0), then precv both, ``count`` int32 per message. At every step
+    each device is no destination of one of the two precvs, whose output (a buffer XLA
+    reuses from step to step) must be zeros: from 4 MiB its whole huge pages are given back
+    to the kernel instead of written, the bytes around them written (cpp/local/zero_fill.h).
+
+    ``form="carried"``: as the benchmarks' ``psend2/scan`` (each op's result in the loop
+    carry, the first step before the loop, the two ORed after it). ``form="combined"``: each
+    step's results summed into the next step's message, so the buffers XLA reuses held other
+    values before. Checked against NumPy, bit for bit. ``calls`` calls of one compiled
+    program: a later call's buffers may be pages that an earlier call wrote and freed."""
+    axis = mesh.axis_names[0]
+    up, down = [(0, 1)], [(1, 0)]
+    x0 = sample((2 * count,), np.int32, seed=11)
+    x = put(mesh, P(axis), x0)
+    like = jax.ShapeDtypeStruct((count,), np.int32)
+
+    def exchange(v):
+        t_up, t_down = jax_cpu_mpi.psend(v, axis, up), jax_cpu_mpi.psend(v, axis, down)
+        return tuple(jax.lax.pcast(jax_cpu_mpi.precv(t, like, axis, pairs), axis, to="varying")
+                     for t, pairs in ((t_up, up), (t_down, down)))
+
+    def body(v):
+        if form == "carried":
+            def carried(carry, _):
+                return (carry[0], exchange(jax.lax.optimization_barrier(carry[0]))), None
+
+            (_, ys), _ = jax.lax.scan(carried, (v, exchange(v)), None, length=steps - 1)
+            return ys[0] | ys[1]
+
+        def combined(c, _):
+            r_up, r_down = exchange(c)
+            return r_up + 3 * r_down + 1, None
+
+        return jax.lax.scan(combined, v, None, length=steps)[0]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=P(axis)))
+    got = np.stack([gather(f(x)) for _ in range(calls)])
+    a = [x0[:count], x0[count:]]
+    if form == "carried":
+        want = np.concatenate([a[1], a[0]])
+    else:
+        for _ in range(steps):  # device 0 receives 1 -> 0 (down), device 1 receives 0 -> 1
+            a = [3 * a[1] + 1, a[0] + 1]
+        want = np.concatenate(a)
+    return got, np.stack([want] * calls)
+
+
 def late_receiver_exchange(mesh, gather: Gather, *, late: int, nbytes: int = 32 << 20,
                            delay_s: float = 0.25):
     """An exchange whose device ``late`` comes late: ``nbytes`` to it, 8 B back.
