@@ -1,8 +1,13 @@
 """Every schedule under mpirun: loss, gradients and outputs equal the one-device reference.
 
-Arguments: ``STAGES MICROBATCHES [DATA]``; the devices of all processes form the mesh
-(stages x data). One launch runs every schedule (compiling is the cost, not the run); the
-results are replicated, and process 0 compares them with the reference.
+Arguments: ``STAGES MICROBATCHES [DATA] [--large=NAME,...]``; the devices of all processes
+form the mesh (stages x data). One launch runs every schedule (compiling is the cost, not the
+run); the results are replicated, and process 0 compares them with the reference. The
+schedules named in ``--large`` run with microbatches of ``LARGE_SAMPLES`` samples: messages
+of 4 MiB + 4 KiB + 192 B (activations and cotangents), from which a precv that is no
+destination (the first stage's forward receive, the last stage's backward one) gives its
+output's whole huge pages back instead of writing zeros (cpp/local/zero_fill.h), in the
+schedule's scan whose buffers XLA reuses.
 """
 
 from __future__ import annotations
@@ -12,16 +17,21 @@ import sys
 import _mpi_common  # noqa: F401  (devices, distributed runtime, jax_cpu_mpi)
 import jax
 from _mpi_common import ok
-from pipeline_cases import Case, compare, run_pipeline, within
+from pipeline_cases import MICROBATCH, Case, compare, run_pipeline, within
 
-stages, microbatches = int(sys.argv[1]), int(sys.argv[2])
-data = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+LARGE_SAMPLES = (1 << 16) + 67  # x WIDTH 8 x 2 leaves x 4 B
+flags = [a for a in sys.argv[1:] if a.startswith("--")]
+args = [a for a in sys.argv[1:] if not a.startswith("--")]
+large = next((f.split("=", 1)[1].split(",") for f in flags if f.startswith("--large=")), [])
+stages, microbatches = int(args[0]), int(args[1])
+data = int(args[2]) if len(args) > 2 else 1
 devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
 # 1F1B and ZB-H1 also return the microbatches' gradients (formed on stage 0, shared);
 # GPipe and interleaved 1F1B keep their forwards' residuals (remat=False).
 cases = [Case(name, stages=stages, microbatches=microbatches, data=data,
               input_grads=name in ("1f1b", "zero-bubble"),
-              remat=name in ("1f1b", "zero-bubble"))
+              remat=name in ("1f1b", "zero-bubble"),
+              samples=LARGE_SAMPLES if name in large else MICROBATCH)
          for name in ("gpipe", "1f1b", "interleaved-1f1b:2", "zero-bubble")]
 # Every process runs every pipeline first, then process 0 alone compiles the references:
 # a process that ran ahead into the next pipeline while process 0 compiled a reference would
