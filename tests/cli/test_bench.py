@@ -205,6 +205,7 @@ def test_one_process_runs_the_in_process_methods(tmp_path):
     assert header["config"]["fast_dispatch"] is True and header["config"]["recv_timeout"] > 0
     assert header["features_not_active"] == [], header["features_not_active"]
     assert header["streaming_zero_fill_min_bytes"] == ext.streaming_zero_fill_min_bytes()
+    assert header["zero_fill_drop_min_bytes"] == ext.zero_fill_drop_min_bytes()
     _check_results(results, list(options.LOCAL_METHODS), tmp_path)
     assert any("MPI methods skipped" in note for note in notes)
 

@@ -121,6 +121,9 @@ def _package_build() -> dict[str, Any]:
         f["feature"] for f in compat.report() if f["state"] not in ("active", "not needed"))
     # Zero-fills of this size and more use streaming stores (from the machine's cache size).
     info["streaming_zero_fill_min_bytes"] = ext.streaming_zero_fill_min_bytes()
+    # And from this size their whole huge pages are given back instead (0: never; larger
+    # where the kernel has no PROCMAP_QUERY): the two-op and pipeline timings depend on it.
+    info["zero_fill_drop_min_bytes"] = ext.zero_fill_drop_min_bytes()
     try:
         built = os.path.getmtime(ext.__file__)
         info["extension_built"] = datetime.datetime.fromtimestamp(built).isoformat(
