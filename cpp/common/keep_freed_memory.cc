@@ -2,6 +2,7 @@
 
 #include <climits>  // first: a C library header defines __GLIBC__ where it is glibc
 
+#include <atomic>
 #include <cstdint>
 #include <fstream>
 #include <string>
@@ -15,6 +16,12 @@
 
 namespace jcm {
 
+namespace {
+std::atomic<bool> g_keeping_freed_memory{false};
+}  // namespace
+
+bool KeepingFreedMemory() { return g_keeping_freed_memory.load(std::memory_order_relaxed); }
+
 bool KeepFreedMemory() {
 #if defined(__GLIBC__)
   // No new mmapped blocks: large blocks come from the heap (a thread's arena falls back to
@@ -23,6 +30,7 @@ bool KeepFreedMemory() {
   const bool no_mmap = mallopt(M_MMAP_MAX, 0) == 1;
   // The heap's free top is never given back (INT_MAX: mallopt takes an int).
   const bool no_trim = mallopt(M_TRIM_THRESHOLD, INT_MAX) == 1;
+  if (no_mmap && no_trim) g_keeping_freed_memory.store(true, std::memory_order_relaxed);
   return no_mmap && no_trim;
 #else
   return false;

@@ -18,6 +18,10 @@ namespace jcm {
 // where the C library is not glibc, or it refused one of them.
 bool KeepFreedMemory();
 
+// Whether KeepFreedMemory applied its settings in this process: the process keeps its pages,
+// and the zeros of a precv (local/zero_fill.h) are then written, not given back to the kernel.
+bool KeepingFreedMemory();
+
 // Blocks at least this large may be fresh maps at every call even with KeepFreedMemory: a
 // thread's arena (where XLA's executing threads allocate) grows by heaps of at most 64 MiB,
 // and glibc maps a block that does not fit one afresh, and unmaps it when it is freed (and

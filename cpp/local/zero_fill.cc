@@ -299,7 +299,9 @@ bool FillByDroppingHugePages(std::byte* data, size_t bytes, bool stream) {
 
 size_t ZeroFillDropMinBytes() {
 #if defined(__linux__)
-  if (TransparentHugePageBytes() == 0) return 0;
+  // JAX_CPU_MPI_KEEP_FREED_MEMORY asks that buffers stay in memory, so that writing them
+  // faults nothing in: a buffer given back would fault in again at its next write.
+  if (TransparentHugePageBytes() == 0 || KeepingFreedMemory()) return 0;
   return HasProcmapQuery() ? kDropHugePagesMinBytes : kFreshMapMinBytes;
 #else
   return 0;

@@ -35,7 +35,8 @@ void ZeroFill(void* data, size_t bytes);
 
 // The size from which ZeroFill gives whole huge pages back: kDropHugePagesMinBytes where the
 // kernel answers PROCMAP_QUERY (Linux 6.11), kFreshMapMinBytes where /proc/self/maps must be
-// read instead, 0 where there are no transparent huge pages.
+// read instead, 0 where there are no transparent huge pages or the process keeps its freed
+// memory (KeepingFreedMemory: JAX_CPU_MPI_KEEP_FREED_MEMORY).
 size_t ZeroFillDropMinBytes();
 
 // The size from which ZeroFill streams (0: never, on this platform).

@@ -337,7 +337,9 @@ VARIABLES: tuple[Variable, ...] = (
              "holds less), and what a block finds free depends on what ran before (docs "
              "\"Benchmarks\": the faults per hop, with and without). Cost: the process "
              "holds on to the peak of its heap until it exits, and that peak may be higher "
-             "(20-30 % in the benchmark); no effect where the C library is not glibc", None,
+             "(20-30 % in the benchmark); the zeros of a precv that is no destination are then "
+             "written, not given back to the kernel (docs \"Concepts\"); no effect where "
+             "the C library is not glibc", None,
              _boolean("keep freed memory", "glibc's defaults")),
     Variable("JAX_CPU_MPI_TRACE", "runtime", "(off)",
              "a directory: every process records each psend/precv it executes (device, peer, "
