@@ -2,10 +2,8 @@
 // envelope, or a chunk header and its chunks; mpi/framing.h), and the waits with a
 // deadline that cancel, and abandon what MPI cannot cancel, at that deadline (see the top
 // of mpi/transport.h).
-#include <array>
 #include <climits>
 #include <cstring>
-#include <memory>
 #include <utility>
 
 #include "mpi/internal.h"
@@ -35,19 +33,6 @@ Status MpiTransport::Recv(int source_rank, int tag, void* out, size_t bytes,
 }
 
 namespace {
-
-// A small staged message (every message of a latency-bound exchange) lands in a buffer that
-// its device thread keeps from one receive to the next, instead of two allocations (the
-// buffer, the shared owner) per message. Reused only while nothing else holds it: a receive
-// abandoned at its deadline keeps its buffer alive (Abandon), and the thread makes another.
-constexpr size_t kReusedScratchBytes = 1024;
-using ReusedScratch = std::array<std::byte, kReusedScratchBytes>;
-
-std::shared_ptr<ReusedScratch> ThreadScratch() {
-  thread_local std::shared_ptr<ReusedScratch> scratch;
-  if (!scratch || scratch.use_count() != 1) scratch = std::make_shared<ReusedScratch>();
-  return scratch;
-}
 
 // Whether a one-message payload of `payload_bytes` with trailer `e` is what the receiver
 // waits for (`bytes` bytes of the description hashed `desc_hash`).
@@ -329,26 +314,15 @@ Status MpiTransport::RecvOneMessage(MPI_Message* message, int count, void* out, 
   }
   // Small (a copy costs less than a datatype), or not the byte count expected (drained to
   // keep the channel in step): through a buffer of our own.
-  std::byte* scratch = nullptr;
-  std::shared_ptr<void> keep_alive;
-  if (static_cast<size_t>(count) <= kReusedScratchBytes) {
-    std::shared_ptr<ReusedScratch> reused = ThreadScratch();
-    scratch = reused->data();
-    keep_alive = std::move(reused);
-  } else {
-    auto pooled = std::make_shared<PooledBuffer>(
-        GlobalBufferPool().Acquire(static_cast<size_t>(count)));
-    scratch = pooled->data();
-    keep_alive = std::move(pooled);
-  }
-  // A copy: `keep_alive` keeps `scratch` alive for the copies below.
-  if (Status s = ReceiveMatched(message, scratch, count, deadline, keep_alive); !s.ok()) {
+  auto scratch = std::make_shared<PooledBuffer>(
+      GlobalBufferPool().Acquire(static_cast<size_t>(count)));
+  if (Status s = ReceiveMatched(message, scratch->data(), count, deadline, scratch); !s.ok()) {
     return s;
   }
   Envelope trailer;
-  std::memcpy(&trailer, scratch + payload, sizeof(trailer));
+  std::memcpy(&trailer, scratch->data() + payload, sizeof(trailer));
   Status arrived = Arrived(trailer, payload, bytes, desc_hash);
-  if (arrived.ok() && bytes > 0) std::memcpy(out, scratch, bytes);
+  if (arrived.ok() && bytes > 0) std::memcpy(out, scratch->data(), bytes);
   return arrived;
 }
 
