@@ -50,6 +50,38 @@ struct OpInfo {
   I64Span group_pairs;
 };
 
+// Unpacks the lowering's `routing` attribute (python/jax_cpu_mpi/_src/ffi/custom_calls.py):
+// the header [num_devices, operand_kept, partitions, pair values, group pair values], then
+// the pairs, device_index, device_process and group_pairs, one after another. One
+// attribute, not six: XLA's FFI decodes every attribute of a call, by name, on each call,
+// and a psend and a precv run for every message. False if the sizes do not add up.
+bool Unpack(I64Span routing, std::string_view op, std::string_view operand, OpInfo* info,
+            int64_t* operand_kept) {
+  constexpr size_t kHeader = 5;
+  if (routing.size() < kHeader) return false;
+  const int64_t n = routing[2], n_pairs = routing[3], n_group = routing[4];
+  if (n < 0 || n_pairs < 0 || n_group < 0 ||
+      static_cast<uint64_t>(n_pairs) + 2 * static_cast<uint64_t>(n) +
+              static_cast<uint64_t>(n_group) != routing.size() - kHeader) {
+    return false;
+  }
+  const int64_t* at = routing.begin() + kHeader;
+  auto take = [&at](int64_t size) {
+    I64Span span(at, static_cast<size_t>(size));
+    at += size;
+    return span;
+  };
+  info->op = op;
+  info->operand = operand;
+  info->num_devices = routing[0];
+  *operand_kept = routing[1];
+  info->pairs = take(n_pairs);
+  info->device_index = take(n);
+  info->device_process = take(n);
+  info->group_pairs = take(n_group);
+  return true;
+}
+
 std::string ProcessSuffix(const OpInfo& info, int64_t partition) {
   std::ostringstream s;
   s << "partition " << partition;
@@ -59,10 +91,14 @@ std::string ProcessSuffix(const OpInfo& info, int64_t partition) {
   return s.str();
 }
 
+ffi::Error Malformed(std::string_view op) {
+  return ffi::Error::Internal(std::string(op) + ": malformed attributes");
+}
+
 ffi::Error CheckTables(const OpInfo& info, int64_t me) {
   const int64_t n = static_cast<int64_t>(info.device_index.size());
   if (info.pairs.size() % 2 != 0 || static_cast<int64_t>(info.device_process.size()) != n) {
-    return ffi::Error::Internal(std::string(info.op) + ": malformed attributes");
+    return Malformed(info.op);
   }
   if (me < 0 || me >= n) {
     std::ostringstream s;
@@ -516,11 +552,13 @@ ffi::Error Settled(ffi::Error result, int64_t run_id, ffi::Buffer<ffi::U32> part
 // after this psend (an optimization_barrier's array, passes/kept_operands.py) takes it.
 ffi::Error PsendImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
                      ffi::Result<ffi::Token> token, ffi::Result<ffi::Buffer<ffi::U32>> done,
-                     I64Span pairs, I64Span device_index, I64Span device_process,
-                     int64_t num_devices, std::string_view op, std::string_view operand,
-                     int64_t operand_kept, I64Span group_pairs) {
+                     std::string_view op, std::string_view operand, I64Span routing) {
   done->typed_data()[0] = 0;
-  const OpInfo info{op, operand, pairs, device_index, device_process, num_devices, group_pairs};
+  OpInfo info;
+  int64_t operand_kept = 0;
+  if (!Unpack(routing, op, operand, &info, &operand_kept)) [[unlikely]] {
+    return Settled(Noted(Malformed(op)), run.run_id, partition);
+  }
   if (trace::Mode() == 0) [[likely]] {
     return Settled(Noted(Psend(run.run_id, x, partition, token, info, operand_kept)),
                    run.run_id, partition);
@@ -531,11 +569,13 @@ ffi::Error PsendImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> par
 }
 
 ffi::Error PrecvImpl(ffi::RunId run, ffi::Token token, ffi::Buffer<ffi::U32> partition,
-                     ffi::RemainingArgs kept, ffi::Result<ffi::AnyBuffer> out, I64Span pairs,
-                     I64Span device_index, I64Span device_process, int64_t num_devices,
-                     std::string_view op, std::string_view operand, int64_t operand_kept,
-                     I64Span group_pairs) {
-  const OpInfo info{op, operand, pairs, device_index, device_process, num_devices, group_pairs};
+                     ffi::RemainingArgs kept, ffi::Result<ffi::AnyBuffer> out,
+                     std::string_view op, std::string_view operand, I64Span routing) {
+  OpInfo info;
+  int64_t operand_kept = 0;
+  if (!Unpack(routing, op, operand, &info, &operand_kept)) [[unlikely]] {
+    return Settled(Noted(Malformed(op)), run.run_id, partition);
+  }
   if (trace::Mode() == 0) [[likely]] {
     return Settled(Noted(Precv(run.run_id, token, partition, kept, out, info, operand_kept)),
                    run.run_id, partition);
@@ -553,14 +593,9 @@ namespace {
 template <typename Binding>
 auto WithRoutingAttributes(Binding binding) {
   return std::move(binding)
-      .template Attr<jcm::I64Span>("pairs")
-      .template Attr<jcm::I64Span>("device_index")
-      .template Attr<jcm::I64Span>("device_process")
-      .template Attr<int64_t>("num_devices")
       .template Attr<std::string_view>("op")
       .template Attr<std::string_view>("operand")
-      .template Attr<int64_t>("operand_kept")
-      .template Attr<jcm::I64Span>("group_pairs");
+      .template Attr<jcm::I64Span>("routing");
 }
 }  // namespace
 

@@ -18,9 +18,24 @@
 
 namespace jcm {
 
-// Whether MPI calls are allowed now. A failure of the query itself counts as "not usable":
-// nothing can be called then anyway.
+// Whether WatchFinalize's callback is in place, and whether MPI_Finalize has run it.
+inline std::atomic<bool> g_finalize_watched{false};
+inline std::atomic<bool> g_finalize_begun{false};
+
+// Makes MPI_Finalize tell MpiIsUsable that it has begun (once per process; MPI must be
+// initialized): MPI_Finalize first frees MPI_COMM_SELF's attributes, calling their delete
+// callbacks (MPI standard, "Allowing User Functions at Process Termination"). Without it
+// (the registration failed) MpiIsUsable asks MPI.
+void WatchFinalize();
+
+// Whether MPI calls are allowed now. The receive and send loops ask on every poll: once
+// WatchFinalize is in place it is two flags, not two calls into MPI (MPI, once
+// initialized, stays so). A failure of the query itself counts as "not usable": nothing
+// can be called then anyway.
 inline bool MpiIsUsable() {
+  if (g_finalize_watched.load(std::memory_order_acquire)) [[likely]] {
+    return !g_finalize_begun.load(std::memory_order_acquire);
+  }
   int initialized = 0, finalized = 0;
   if (MPI_Initialized(&initialized) != MPI_SUCCESS) return false;
   if (MPI_Finalized(&finalized) != MPI_SUCCESS) return false;

@@ -26,8 +26,8 @@ Status MpiTransport::Recv(int source_rank, int tag, void* out, size_t bytes,
   ch.staged_matched = false;
   ch.recv_end = ChannelState::RecvEnd::kRunning;
   Status received = ch.recv_rendezvous
-                        ? RecvLarge(seq, source_rank, tag, out, bytes, desc_hash, deadline)
-                        : RecvStaged(source_rank, tag, out, bytes, desc_hash, deadline);
+                        ? RecvLarge(ch, seq, source_rank, tag, out, bytes, desc_hash, deadline)
+                        : RecvStaged(ch, source_rank, tag, out, bytes, desc_hash, deadline);
   ch.recv_end = received.ok() ? ChannelState::RecvEnd::kTaken : ChannelState::RecvEnd::kFailed;
   return received;
 }
@@ -206,8 +206,8 @@ Status MpiTransport::ReceiveChunks(int source_rank, int tag, std::byte* out, siz
   return WaitAll(requests, deadline, std::move(keep_alive));
 }
 
-Status MpiTransport::RecvStaged(int source_rank, int tag, void* out, size_t bytes,
-                                uint64_t desc_hash,
+Status MpiTransport::RecvStaged(ChannelState& ch, int source_rank, int tag, void* out,
+                                size_t bytes, uint64_t desc_hash,
                                 std::chrono::steady_clock::time_point deadline) {
   trace::NotePath(trace::Path::kStaged);
   MPI_Message message = MPI_MESSAGE_NULL;
@@ -223,7 +223,7 @@ Status MpiTransport::RecvStaged(int source_rank, int tag, void* out, size_t byte
       if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Improbe", rc);
     }
     if (flag) {
-      Channel(source_rank, tag).staged_matched = true;  // for StallReport (recv_mu is held)
+      ch.staged_matched = true;  // for StallReport (recv_mu is held)
       break;
     }
     if (Status s = ProgressDeferred(deadline); !s.ok()) return s;

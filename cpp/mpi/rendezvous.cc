@@ -343,8 +343,8 @@ bool MpiTransport::HasDeferredUpTo(uint64_t mark) {
                      [mark](const ChannelState* ch) { return ch->deferred_id <= mark; });
 }
 
-Status MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out,
-                               size_t bytes, uint64_t desc_hash,
+Status MpiTransport::RecvLarge(ChannelState& ch, uint64_t seq, int source_rank, int tag,
+                               void* out, size_t bytes, uint64_t desc_hash,
                                std::chrono::steady_clock::time_point deadline) {
   // While a send of ours is still deferred (see below), the ready signal goes first: the
   // peer's send waits for it, and the loop below finds a staged message. Only the sends
@@ -361,7 +361,7 @@ Status MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out
     if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Iprobe", rc);
     if (flag) {
       if (lock.owns_lock()) lock.unlock();
-      return RecvStaged(source_rank, tag, out, bytes, desc_hash, deadline);
+      return RecvStaged(ch, source_rank, tag, out, bytes, desc_hash, deadline);
     }
   }
   // Post the receives into the output, then tell the sender that we are ready. In an
@@ -377,7 +377,6 @@ Status MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out
   // ready signals do not depend on them: every rank of a ring signals before it waits.
   std::vector<MPI_Request> requests;
   auto* dst = static_cast<std::byte*>(out);
-  ChannelState& ch = Channel(source_rank, tag);  // for StallReport; Recv holds its recv_mu
   auto post_receives = [&]() -> Status {
     requests.reserve(bytes / kDirectChunkBytes + 1);
     std::unique_lock<std::mutex> lock = MpiCallLock();
@@ -482,7 +481,7 @@ Status MpiTransport::RecvLarge(uint64_t seq, int source_rank, int tag, void* out
       if (cancelled != requests.size()) {
         return Status::Invalid("internal error: a direct message arrived in part only");
       }
-      if (staged) return RecvStaged(source_rank, tag, out, bytes, desc_hash, deadline);
+      if (staged) return RecvStaged(ch, source_rank, tag, out, bytes, desc_hash, deadline);
       return Status::Timeout();
     }
     backoff.Pause();

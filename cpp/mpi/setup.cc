@@ -81,12 +81,32 @@ WaitChoice ChooseWait(WaitChoice wait) {
   return wait;
 }
 
+int NoteFinalizeBegun(MPI_Comm /*comm*/, int /*keyval*/, void* /*value*/, void* /*extra*/) {
+  g_finalize_begun.store(true, std::memory_order_release);
+  return MPI_SUCCESS;
+}
+
 }  // namespace
+
+void WatchFinalize() {
+  static const bool watched = [] {
+    int keyval = MPI_KEYVAL_INVALID;
+    if (MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, NoteFinalizeBegun, &keyval, nullptr) !=
+        MPI_SUCCESS) {
+      return false;
+    }
+    if (MPI_Comm_set_attr(MPI_COMM_SELF, keyval, nullptr) != MPI_SUCCESS) return false;
+    g_finalize_watched.store(true, std::memory_order_release);
+    return true;
+  }();
+  (void)watched;
+}
 
 Status MpiTransport::Create(MPI_Comm comm, std::vector<int> rank_of_process,
                             Clock::time_point deadline, WaitChoice wait,
                             std::unique_ptr<MpiTransport>* out) {
   if (!MpiIsUsable()) return Status::Invalid("MPI is not initialized (or already finalized)");
+  WatchFinalize();
   auto t = std::make_unique<MpiTransport>(PrivateTag{});
   static std::atomic<uint64_t> last_id{0};
   t->id_ = ++last_id;

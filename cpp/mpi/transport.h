@@ -498,8 +498,9 @@ class MpiTransport {
   Status ReceiveChunks(int source_rank, int tag, std::byte* out, size_t total,
                        size_t chunk_bytes, std::chrono::steady_clock::time_point deadline,
                        std::shared_ptr<void> keep_alive = nullptr);
-  Status RecvStaged(int source_rank, int tag, void* out, size_t bytes, uint64_t desc_hash,
-                    std::chrono::steady_clock::time_point deadline);
+  // `ch`: the channel of (source_rank, tag), whose recv_mu the caller (Recv) holds.
+  Status RecvStaged(ChannelState& ch, int source_rank, int tag, void* out, size_t bytes,
+                    uint64_t desc_hash, std::chrono::steady_clock::time_point deadline);
   // Receives the matched one-message payload of `count` bytes (payload and Envelope).
   Status RecvOneMessage(MPI_Message* message, int count, void* out, size_t bytes,
                         uint64_t desc_hash, std::chrono::steady_clock::time_point deadline);
@@ -556,8 +557,10 @@ class MpiTransport {
   // deferred no later than `mark` is still deferred (cheap when none is).
   uint64_t DeferredMark();
   bool HasDeferredUpTo(uint64_t mark);
-  Status RecvLarge(uint64_t seq, int source_rank, int tag, void* out, size_t bytes,
-                   uint64_t desc_hash, std::chrono::steady_clock::time_point deadline);
+  // `ch`: as for RecvStaged.
+  Status RecvLarge(ChannelState& ch, uint64_t seq, int source_rank, int tag, void* out,
+                   size_t bytes, uint64_t desc_hash,
+                   std::chrono::steady_clock::time_point deadline);
 
   MPI_Comm comm_ = MPI_COMM_NULL;         // staged messages
   MPI_Comm ctrl_comm_ = MPI_COMM_NULL;    // ready signals, receiver -> sender

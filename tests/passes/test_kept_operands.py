@@ -25,6 +25,7 @@ import jax_cpu_mpi
 from conftest import make_mesh
 from jax_cpu_mpi import config
 from jax_cpu_mpi._src import compat as _compat
+from jax_cpu_mpi._src.ffi import custom_calls as _custom_calls
 
 FORWARD = [(0, 1)]
 BACKWARD = [(1, 0)]
@@ -57,8 +58,18 @@ def custom_calls(f, x) -> list[str]:
     return [line for line in text.splitlines() if "stablehlo.custom_call @jax_cpu_mpi_p" in line]
 
 
+def routing(line: str) -> dict:
+    """The fields of a call's packed integer attribute (custom_calls.ROUTING)."""
+    values = re.search(r"routing = dense<\[([-\d, ]+)\]>", line).group(1)
+    return _custom_calls.unpack_routing(np.array([int(v) for v in values.split(",")]))
+
+
 def kept(line: str) -> int:
-    return int(re.search(r"operand_kept = (\d+)", line).group(1))
+    return routing(line)[_custom_calls.OPERAND_KEPT]
+
+
+def group_pairs(line: str) -> list[int]:
+    return routing(line)[_custom_calls.GROUP_PAIRS].tolist()
 
 
 @pytest.fixture
@@ -314,9 +325,8 @@ def test_a_step_of_two_ops_is_one_group_and_the_next_step_another():
     f = spmd(body, mesh)
     calls = custom_calls(f, x)
     assert [kept(c) for c in calls] == [2, 2, 4, 4, 1, 2], calls
-    both_ways = "group_pairs = dense<[0, 1, 1, 0]>"
-    assert all(both_ways in c for c in calls[:4]), calls
-    assert all("group_pairs = dense<[0, 1]>" in c for c in calls[4:]), calls
+    assert all(group_pairs(c) == [0, 1, 1, 0] for c in calls[:4]), calls
+    assert all(group_pairs(c) == [0, 1] for c in calls[4:]), calls
     before = jax_cpu_mpi.stats()["kept_sends"]
     np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(spmd(want_body, mesh)(x)))
     stats = jax_cpu_mpi.stats()

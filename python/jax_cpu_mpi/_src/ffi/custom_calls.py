@@ -38,6 +38,20 @@ ORDER_TOKEN_TARGET = "jax_cpu_mpi_order_token"
 #: values: no pairs, no data moved, and not a psend/precv to the GPU-parity check.
 ORDERING_OP = "optimization_barrier ordering (no pairs, moves no data)"
 
+#: A psend/precv call's integers, packed into one int64 array attribute: XLA's FFI decodes
+#: every attribute of a call, by name, on each call, and a psend and a precv run for every
+#: message. Its fields are read and written by name, as if they were attributes of their
+#: own, through the functions below: ``num_devices`` (devices in the whole job, for MPI
+#: tags) and OPERAND_KEPT (integers); ``pairs`` (flat source-target pairs),
+#: ``device_index`` (partition -> dense global device index), ``device_process``
+#: (partition -> ``jax.process_index()``) and GROUP_PAIRS (arrays). Layout (unpacked by
+#: cpp/ffi/p2p_handlers.cc): [num_devices, operand_kept, partitions, pair values, group
+#: pair values], then pairs, device_index, device_process, group_pairs.
+ROUTING = "routing"
+_ROUTING_INTS = ("num_devices", OPERAND_KEPT)
+_ROUTING_ARRAYS = ("pairs", "device_index", "device_process", GROUP_PAIRS)
+_ROUTING_HEADER = 5
+
 _BACKEND_CONFIG = "mhlo.backend_config"
 
 
@@ -46,15 +60,45 @@ def attributes(*, pairs: np.ndarray, device_index: np.ndarray, device_process: n
     """The FFI attributes of a psend/precv call (``operand_kept`` starts at 0: the
     kept-operands pass raises it)."""
     return {
-        "pairs": np.asarray(pairs, dtype=np.int64).reshape(-1),
-        "device_index": device_index,
-        "device_process": device_process,
-        "num_devices": np.int64(num_devices),
         "op": op,
         "operand": operand,
-        OPERAND_KEPT: np.int64(0),
-        GROUP_PAIRS: np.zeros(0, dtype=np.int64),
+        ROUTING: pack_routing({
+            "num_devices": num_devices, OPERAND_KEPT: 0, "pairs": pairs,
+            "device_index": device_index, "device_process": device_process,
+            GROUP_PAIRS: np.zeros(0, dtype=np.int64)}),
     }
+
+
+def pack_routing(fields: dict[str, Any]) -> np.ndarray:
+    """The ROUTING array of ``fields`` (every name of _ROUTING_INTS and _ROUTING_ARRAYS)."""
+    arrays = [np.asarray(fields[name], dtype=np.int64).reshape(-1) for name in _ROUTING_ARRAYS]
+    pair_values, index, process, group = arrays
+    if index.size != process.size:
+        raise ValueError(f"device_index has {index.size} partitions, device_process "
+                         f"{process.size}")
+    header = np.array([int(fields["num_devices"]), int(fields[OPERAND_KEPT]), index.size,
+                       pair_values.size, group.size], dtype=np.int64)
+    return np.concatenate([header, *arrays])
+
+
+def unpack_routing(routing: np.ndarray) -> dict[str, Any]:
+    """The fields of a ROUTING array (ints, and int64 arrays of their own)."""
+    num_devices, kept, partitions, pair_values, group = (
+        int(v) for v in routing[:_ROUTING_HEADER])
+    fields: dict[str, Any] = {"num_devices": num_devices, OPERAND_KEPT: kept}
+    at = _ROUTING_HEADER
+    for name, size in zip(_ROUTING_ARRAYS, (pair_values, partitions, partitions, group),
+                          strict=True):
+        fields[name] = np.array(routing[at:at + size], dtype=np.int64)
+        at += size
+    return fields
+
+
+def _routing_fields(entries: dict[str, Any]) -> dict[str, Any] | None:
+    """The unpacked ROUTING attribute among a call's attributes, None where it has none."""
+    attr = entries.get(ROUTING)
+    return None if attr is None else unpack_routing(
+        np.array(ir.DenseIntElementsAttr(attr), dtype=np.int64))
 
 
 def operations(op: Any) -> Iterator[Any]:
@@ -125,17 +169,23 @@ def string_attribute(op: Any, name: str) -> str:
 
 
 def int_attribute(op: Any, name: str) -> int | None:
-    """An integer attribute, None where the call has none of that name."""
-    value = backend_config(op).get(name)
+    """An integer attribute (or ROUTING field), None where the call has none of that name."""
+    entries = backend_config(op)
+    if name in _ROUTING_INTS and (fields := _routing_fields(entries)) is not None:
+        return int(fields[name])
+    value = entries.get(name)
     return None if value is None else ir.IntegerAttr(value).value
 
 
 def array_attribute(op: Any, name: str) -> np.ndarray:
-    """An integer array attribute (``pairs``, ``device_process``...) as int64, a copy of
-    its own: a splat attribute (every element equal, as the pairs ``[(0, 0)]``) reads as an
-    array of zero strides, which MLIR refuses when it is written back as an attribute."""
-    attr = ir.DictAttr(op.attributes[_BACKEND_CONFIG])[name]
-    return np.array(ir.DenseIntElementsAttr(attr), dtype=np.int64)
+    """An integer array attribute (or ROUTING field: ``pairs``, ``device_process``...) as
+    int64, a copy of its own: a splat attribute (every element equal, as the pairs
+    ``[(0, 0)]``) reads as an array of zero strides, which MLIR refuses when it is written
+    back as an attribute."""
+    entries = backend_config(op)
+    if name in _ROUTING_ARRAYS and (fields := _routing_fields(entries)) is not None:
+        return fields[name]
+    return np.array(ir.DenseIntElementsAttr(entries[name]), dtype=np.int64)
 
 
 def pairs(op: Any) -> tuple[tuple[int, int], ...]:
@@ -154,16 +204,27 @@ def set_int_attribute(op: Any, name: str, value: int) -> None:
 
 
 def set_array_attribute(op: Any, name: str, values: np.ndarray) -> None:
-    """Set (or add) an int64 array attribute of a custom call (as ``pairs``)."""
+    """Set (or add) an int64 array attribute (or ROUTING field) of a custom call (as
+    GROUP_PAIRS)."""
     entries = backend_config(op)
-    entries[name] = mlir.ir_attribute(np.asarray(values, dtype=np.int64).reshape(-1))
+    values = np.asarray(values, dtype=np.int64).reshape(-1)
+    if name in _ROUTING_ARRAYS and (fields := _routing_fields(entries)) is not None:
+        fields[name] = values
+        entries[ROUTING] = mlir.ir_attribute(pack_routing(fields))
+    else:
+        entries[name] = mlir.ir_attribute(values)
     op.attributes[_BACKEND_CONFIG] = ir.DictAttr.get(entries)
 
 
 def with_int_attribute(op: Any, name: str, value: int) -> Any:
-    """The call's backend_config with ``name`` set to the int64 ``value``."""
+    """The call's backend_config with ``name`` (an attribute or ROUTING field) set to the
+    int64 ``value``."""
     entries = backend_config(op)
-    entries[name] = ir.IntegerAttr.get(ir.IntegerType.get_signless(64), value)
+    if name in _ROUTING_INTS and (fields := _routing_fields(entries)) is not None:
+        fields[name] = value
+        entries[ROUTING] = mlir.ir_attribute(pack_routing(fields))
+    else:
+        entries[name] = ir.IntegerAttr.get(ir.IntegerType.get_signless(64), value)
     return ir.DictAttr.get(entries)
 
 
