@@ -74,8 +74,8 @@ def pack_routing(fields: dict[str, Any]) -> np.ndarray:
     arrays = [np.asarray(fields[name], dtype=np.int64).reshape(-1) for name in _ROUTING_ARRAYS]
     pair_values, index, process, group = arrays
     if index.size != process.size:
-        raise ValueError(f"device_index has {index.size} partitions, device_process "
-                         f"{process.size}")
+        raise ValueError(f"psend/precv routing: device_index has {index.size} partitions, "
+                         f"device_process {process.size}")
     header = np.array([int(fields["num_devices"]), int(fields[OPERAND_KEPT]), index.size,
                        pair_values.size, group.size], dtype=np.int64)
     return np.concatenate([header, *arrays])
