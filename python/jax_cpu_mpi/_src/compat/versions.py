@@ -2,7 +2,7 @@
 
 jax_cpu_mpi reaches into JAX internals (:mod:`jax_cpu_mpi._src.compat`), which move between
 releases. The requirements admit every JAX from the oldest to the newest tested series
-(``jax>=0.10.2,<0.13``); on a version not listed here the package still imports and works
+(``jax>=0.10.2,<0.12.1``); on a version not listed here the package still imports and works
 as far as the internals it finds allow, and warns once so that a surprise has a name.
 """
 
