@@ -302,6 +302,30 @@ def test_nothing_is_off_with_this_jax(baseline):
         assert state in ("active", "not needed"), (name, state)
 
 
+def test_collectives_install_whole_or_not_at_all(zygote, baseline):
+    """A JAX without the lowering rule of one collective leaves the feature off with every
+    collective on JAX's own lowering: none over MPI without the ordering pass that the
+    feature installs after its rules (jax 0.12.1's first run left psum and all_gather over
+    MPI, unordered, and pipelines over MPI hung)."""
+    assert {"psum", "all_gather", "all_to_all"} <= set(baseline["cpu_mpi_rules"]), baseline
+    facts = zygote.probe("drop-rule", "jax._src.lax.parallel:all_to_all_p")
+    _assert_jax_works(facts)
+    assert facts["states"]["collectives"] == "off", facts["states"]
+    assert facts["cpu_mpi_rules"] == [], facts["cpu_mpi_rules"]
+    assert any("collectives" in w for w in facts["compat_warnings"]), facts["compat_warnings"]
+
+
+def test_a_collective_rewritten_before_lowering_needs_no_rule(zygote, baseline):
+    """jax 0.12.1 rewrites unreduced_reduce_scatter into psum_scatter before lowering and
+    has no rule for it: the collectives stay on, the others' rules all registered."""
+    facts = zygote.probe("make-high", "jax._src.lax.parallel:unreduced_reduce_scatter_p")
+    _assert_jax_works(facts)
+    assert facts["states"]["collectives"] == "active", facts["states"]
+    assert facts["compat_warnings"] == [], facts["compat_warnings"]
+    assert facts["cpu_mpi_rules"] == sorted(
+        set(baseline["cpu_mpi_rules"]) - {"unreduced_reduce_scatter"}), facts["cpu_mpi_rules"]
+
+
 @pytest.mark.parametrize("path", sorted(NAMES))
 def test_missing_private_name_switches_off_only_its_feature(baseline, zygote, path):
     how = "hide" if path in JAX_NEEDS_ITSELF or ":" not in path else "delete"

@@ -11,7 +11,12 @@ module), HOW one of
   old one). A module is hidden by making its import fail;
 * ``change``: replace a function by one with another signature;
 * ``break-parity`` / ``break-barrier``: make the GPU-parity check / the token barrier fail
-  while a program is lowered (a changed internal seen only at run time).
+  while a program is lowered (a changed internal seen only at run time);
+* ``drop-rule``: PATH names a primitive; remove JAX's lowering rule for it (as a release
+  that moved the rule elsewhere);
+* ``make-high``: as ``drop-rule``, and give the primitive a ``to_lojax`` of its own (as jax
+  0.12.1 did to ``unreduced_reduce_scatter``: rewritten into other primitives before
+  lowering, with no rule of its own).
 
 Then, without importing jax_cpu_mpi by hand (JAX's plugin discovery does): ``jax.devices()``,
 a jitted program, a shard_map with psum, a psend/precv program, a barrier over a token,
@@ -69,6 +74,13 @@ elif how == "change":
         return original(ctx, axis_name=axis_names, perm=permutation, op_name=name)
 
     setattr(module, attr, changed)
+elif how in ("drop-rule", "make-high"):
+    from jax._src.interpreters import mlir as _mlir
+
+    primitive = getattr(importlib.import_module(module_name), attr)
+    _mlir._lowerings.pop(primitive, None)  # jax 0.12.1 has none for some
+    if how == "make-high":
+        primitive.to_lojax = lambda hi_val, **params: hi_val
 elif how not in ("none", "break-parity", "break-barrier"):
     raise SystemExit(f"unknown HOW {how!r}")
 
@@ -139,6 +151,13 @@ def _barrier(v):
 
 facts["barrier"] = _outcome(lambda: {"hlo": jax.jit(jax.shard_map(
     _barrier, mesh=mesh, in_specs=P("x"), out_specs=P("x"))).lower(xs).as_text()})
+
+# The CPU lowering rules jax_cpu_mpi's collectives registered (all of them or none).
+from jax._src.interpreters import mlir as _mlir  # noqa: E402
+
+facts["cpu_mpi_rules"] = sorted(
+    p.name for p, entry in _mlir._platform_specific_lowerings.get("cpu", {}).items()
+    if getattr(getattr(entry, "rule", entry), "__name__", "").endswith("_lowering_cpu_mpi"))
 
 facts["features"] = jax_cpu_mpi.features()
 facts["states"] = {f["feature"]: f["state"] for f in facts["features"]}

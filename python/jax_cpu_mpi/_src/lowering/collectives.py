@@ -377,19 +377,31 @@ _rules: dict[Any, Any] = {}
 
 
 def register() -> None:
-    """Register the CPU lowerings of the collectives over MPI (idempotent)."""
+    """Register the CPU lowerings of the collectives over MPI (idempotent).
+
+    Every rule is made before any is registered: making one reads JAX's own rule for the
+    primitive, and a JAX whose rules moved must leave the feature off with JAX's lowerings
+    in place, not half of the collectives over MPI without the ordering pass that
+    ``install`` adds after this returns (their order against psend/precv would then differ
+    between processes).
+    """
     register_targets()
-    for prim in (compat.psum_p, compat.pmax_p, compat.pmin_p, compat.psum_invariant_p):
-        if prim not in _rules:
-            _rules[prim] = _make_rule(prim)
-        register_lowering(prim, _rules[prim], platform="cpu")
-    for prim, kind in ((compat.all_gather_p, "all_gather"),
-                       (compat.all_gather_invariant_p, "all_gather"),
-                       (compat.all_gather_reduced_p, "all_gather"),
-                       (compat.reduce_scatter_p, "reduce_scatter"),
-                       (compat.unreduced_reduce_scatter_p, "reduce_scatter"),
-                       (compat.all_to_all_p, "all_to_all")):
-        if prim not in _rules:
-            _rules[prim] = _make_exchange_rule(prim, kind)
-        register_lowering(prim, _rules[prim], platform="cpu")
+    kinds = [(prim, None) for prim in (compat.psum_p, compat.pmax_p, compat.pmin_p,
+                                       compat.psum_invariant_p)]
+    kinds += [(compat.all_gather_p, "all_gather"),
+              (compat.all_gather_invariant_p, "all_gather"),
+              (compat.all_gather_reduced_p, "all_gather"),
+              (compat.reduce_scatter_p, "reduce_scatter"),
+              (compat.unreduced_reduce_scatter_p, "reduce_scatter"),
+              (compat.all_to_all_p, "all_to_all")]
+    rules = dict(_rules)
+    for prim, kind in kinds:
+        if compat.lowered_as_other_primitives(prim) or prim in rules:
+            continue
+        rules[prim] = _make_rule(prim) if kind is None else _make_exchange_rule(prim, kind)
+    if compat.ppermute_p not in compat.default_lowerings:  # _ppermute_rule falls back to it
+        raise KeyError(compat.ppermute_p)
+    _rules.update(rules)
+    for prim, rule in rules.items():
+        register_lowering(prim, rule, platform="cpu")
     register_lowering(compat.ppermute_p, _ppermute_rule, platform="cpu")
