@@ -61,14 +61,20 @@ size_t TransparentHugePageBytes() {
   return bytes;
 }
 
-void AdviseHugePages(void* data, size_t bytes) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
+std::span<std::byte> WholeHugePages(void* data, size_t bytes) {
   static const size_t huge = HugePageBytes();
-  if (huge == 0) return;
-  const uintptr_t start = reinterpret_cast<uintptr_t>(data);
+  if (huge == 0) return {};
+  const auto start = reinterpret_cast<uintptr_t>(data);
   const uintptr_t begin = (start + huge - 1) & ~(huge - 1);
   const uintptr_t end = (start + bytes) & ~(huge - 1);
-  if (end > begin) (void)madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+  if (end <= begin) return {};
+  return {reinterpret_cast<std::byte*>(begin), static_cast<size_t>(end - begin)};
+}
+
+void AdviseHugePages(void* data, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  const std::span<std::byte> pages = WholeHugePages(data, bytes);
+  if (!pages.empty()) (void)madvise(pages.data(), pages.size(), MADV_HUGEPAGE);
 #else
   (void)data;
   (void)bytes;

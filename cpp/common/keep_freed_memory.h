@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstddef>
+#include <span>
 
 namespace jcm {
 
@@ -34,6 +35,10 @@ inline constexpr size_t kFreshMapMinBytes = size_t{32} << 20;
 // one page fault per huge page instead of one per 4 KiB page; the kernel zeroes the same
 // bytes either way. A hint only: the contents do not change, and failures are ignored.
 void AdviseHugePages(void* data, size_t bytes);
+
+// The whole transparent huge pages (PMD-sized, aligned) inside [data, data + bytes): the range
+// AdviseHugePages advises. Empty where it holds none, or the kernel has no huge pages.
+std::span<std::byte> WholeHugePages(void* data, size_t bytes);
 
 // The size of a transparent huge page where the kernel backs a range advised with
 // AdviseHugePages by them (THP "madvise" or "always"), else 0 (no THP, or "never").

@@ -50,20 +50,29 @@ struct OpInfo {
   I64Span group_pairs;
 };
 
+// What the lowering's `routing` attribute says of one psend/precv, unpacked.
+struct Routing {
+  OpInfo info;
+  int64_t operand_kept;  // how many precvs keep the psend's operand alive (0: none)
+};
+
+ffi::Error Malformed(std::string_view op) {
+  return ffi::Error::Internal(std::string(op) + ": malformed attributes");
+}
+
 // Unpacks the lowering's `routing` attribute (python/jax_cpu_mpi/_src/ffi/custom_calls.py):
 // the header [num_devices, operand_kept, partitions, pair values, group pair values], then
 // the pairs, device_index, device_process and group_pairs, one after another. One
 // attribute, not six: XLA's FFI decodes every attribute of a call, by name, on each call,
-// and a psend and a precv run for every message. False if the sizes do not add up.
-bool Unpack(I64Span routing, std::string_view op, std::string_view operand, OpInfo* info,
-            int64_t* operand_kept) {
+// and a psend and a precv run for every message. Malformed if the sizes do not add up.
+ffi::ErrorOr<Routing> Unpack(I64Span routing, std::string_view op, std::string_view operand) {
   constexpr size_t kHeader = 5;
-  if (routing.size() < kHeader) return false;
+  if (routing.size() < kHeader) return ffi::Unexpected(Malformed(op));
   const int64_t n = routing[2], n_pairs = routing[3], n_group = routing[4];
   if (n < 0 || n_pairs < 0 || n_group < 0 ||
       static_cast<uint64_t>(n_pairs) + 2 * static_cast<uint64_t>(n) +
               static_cast<uint64_t>(n_group) != routing.size() - kHeader) {
-    return false;
+    return ffi::Unexpected(Malformed(op));
   }
   const int64_t* at = routing.begin() + kHeader;
   auto take = [&at](int64_t size) {
@@ -71,15 +80,16 @@ bool Unpack(I64Span routing, std::string_view op, std::string_view operand, OpIn
     at += size;
     return span;
   };
-  info->op = op;
-  info->operand = operand;
-  info->num_devices = routing[0];
-  *operand_kept = routing[1];
-  info->pairs = take(n_pairs);
-  info->device_index = take(n);
-  info->device_process = take(n);
-  info->group_pairs = take(n_group);
-  return true;
+  Routing r{};
+  r.info.op = op;
+  r.info.operand = operand;
+  r.info.num_devices = routing[0];
+  r.operand_kept = routing[1];
+  r.info.pairs = take(n_pairs);
+  r.info.device_index = take(n);
+  r.info.device_process = take(n);
+  r.info.group_pairs = take(n_group);
+  return r;
 }
 
 std::string ProcessSuffix(const OpInfo& info, int64_t partition) {
@@ -89,10 +99,6 @@ std::string ProcessSuffix(const OpInfo& info, int64_t partition) {
     s << " (process " << info.device_process[partition] << ")";
   }
   return s.str();
-}
-
-ffi::Error Malformed(std::string_view op) {
-  return ffi::Error::Internal(std::string(op) + ": malformed attributes");
 }
 
 ffi::Error CheckTables(const OpInfo& info, int64_t me) {
@@ -554,11 +560,12 @@ ffi::Error PsendImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> par
                      ffi::Result<ffi::Token> token, ffi::Result<ffi::Buffer<ffi::U32>> done,
                      std::string_view op, std::string_view operand, I64Span routing) {
   done->typed_data()[0] = 0;
-  OpInfo info;
-  int64_t operand_kept = 0;
-  if (!Unpack(routing, op, operand, &info, &operand_kept)) [[unlikely]] {
-    return Settled(Noted(Malformed(op)), run.run_id, partition);
+  ffi::ErrorOr<Routing> unpacked = Unpack(routing, op, operand);
+  if (unpacked.has_error()) [[unlikely]] {
+    return Settled(Noted(unpacked.error()), run.run_id, partition);
   }
+  const OpInfo& info = unpacked->info;
+  const int64_t operand_kept = unpacked->operand_kept;
   if (trace::Mode() == 0) [[likely]] {
     return Settled(Noted(Psend(run.run_id, x, partition, token, info, operand_kept)),
                    run.run_id, partition);
@@ -571,11 +578,12 @@ ffi::Error PsendImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> par
 ffi::Error PrecvImpl(ffi::RunId run, ffi::Token token, ffi::Buffer<ffi::U32> partition,
                      ffi::RemainingArgs kept, ffi::Result<ffi::AnyBuffer> out,
                      std::string_view op, std::string_view operand, I64Span routing) {
-  OpInfo info;
-  int64_t operand_kept = 0;
-  if (!Unpack(routing, op, operand, &info, &operand_kept)) [[unlikely]] {
-    return Settled(Noted(Malformed(op)), run.run_id, partition);
+  ffi::ErrorOr<Routing> unpacked = Unpack(routing, op, operand);
+  if (unpacked.has_error()) [[unlikely]] {
+    return Settled(Noted(unpacked.error()), run.run_id, partition);
   }
+  const OpInfo& info = unpacked->info;
+  const int64_t operand_kept = unpacked->operand_kept;
   if (trace::Mode() == 0) [[likely]] {
     return Settled(Noted(Precv(run.run_id, token, partition, kept, out, info, operand_kept)),
                    run.run_id, partition);

@@ -7,6 +7,7 @@
 #include <exception>
 #include <fstream>
 #include <optional>
+#include <span>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -273,22 +274,21 @@ bool HasProcmapQuery() {
 // (nothing written) where that cannot be done: no THP, a range without a whole huge page, a
 // shared, file-backed or locked mapping, or a kernel that does not say.
 bool FillByDroppingHugePages(std::byte* data, size_t bytes, bool stream) {
-  const size_t huge = TransparentHugePageBytes();
-  if (huge == 0) return false;
-  const auto start = reinterpret_cast<uintptr_t>(data);
-  const uintptr_t begin = (start + huge - 1) & ~(huge - 1);
-  const uintptr_t end = (start + bytes) & ~(huge - 1);
-  if (end <= begin) return false;
+  if (TransparentHugePageBytes() == 0) return false;
+  const std::span<std::byte> pages = WholeHugePages(data, bytes);
+  if (pages.empty()) return false;
+  std::byte* const first = pages.data();
+  std::byte* const last = first + pages.size();
+  const auto begin = reinterpret_cast<uintptr_t>(first);
+  const auto end = reinterpret_cast<uintptr_t>(last);
   // Without the query, the maps text is read (ZeroFillDropMinBytes: only at a size where that
   // read is worth it).
   const bool anonymous = HasProcmapQuery()
                              ? PrivateAnonymousByQuery(begin, end).value_or(false)
                              : PrivateAnonymous(begin, end);
   if (!anonymous) return false;
-  auto* first = reinterpret_cast<std::byte*>(begin);
-  auto* last = reinterpret_cast<std::byte*>(end);
-  (void)madvise(first, end - begin, MADV_HUGEPAGE);
-  if (madvise(first, end - begin, MADV_DONTNEED) != 0) return false;  // e.g. mlocked
+  AdviseHugePages(data, bytes);
+  if (madvise(first, pages.size(), MADV_DONTNEED) != 0) return false;  // e.g. mlocked
   Fill(data, static_cast<size_t>(first - data), stream);
   Fill(last, static_cast<size_t>(data + bytes - last), stream);
   return true;

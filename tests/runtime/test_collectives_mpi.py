@@ -11,13 +11,25 @@ from mpi_launcher import assert_mpi_ok, run_mpi
 pytestmark = pytest.mark.mpi
 
 
+@pytest.fixture(scope="module")
+def compilation_cache(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """JAX's persistent compilation cache, one for this file's launches. The park mode is
+    read at run time (set_meeting_handoff), not when a program is lowered or compiled, so
+    the 2-device launches compile the same programs: the second loads the first's. What is
+    compared (results, which path the devices took) happens when the programs run."""
+    return {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax-cache")),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("devices_per_process", "park"), [(1, "auto"), (2, "on"), (2, "off")])
-def test_collectives_over_mpi_equal_gloo_and_numpy(devices_per_process, park):
+def test_collectives_over_mpi_equal_gloo_and_numpy(devices_per_process, park,
+                                                    compilation_cache):
     # With 2 devices per rank, both ways a device that does not lead its process's meeting
     # waits for the leader: parked (its call returns a pending future) and waiting in it.
     run = run_mpi("collectives_cases.py", nprocs=2, devices_per_process=devices_per_process,
-                  timeout=220, env={"JAX_CPU_MPI_PARK": park})
+                  timeout=220, env={"JAX_CPU_MPI_PARK": park, **compilation_cache})
     assert_mpi_ok(run, 2)
     lines = [line for lines in run.by_rank().values() for line in lines]
     assert not any(line.startswith("FAIL") for line in lines), run.report()
