@@ -249,4 +249,35 @@ class Backoff {
   FineTimerSlack slack_;  // the thread's own slack comes back when the wait ends
 };
 
+// How long a wait spins before it yields (Backoff::SkipSpin), per thread and kind of wait,
+// adapted like an adaptive mutex's spin count: where the scheduler put both ranks on one
+// core (unbound ranks now and then) the peer runs only once the waiter yields, so every
+// poll of a fixed spin (Backoff's kSpinFor) is lost, at every message. A wait that ends
+// while spinning lets the next spin a little longer; one that had to yield halves it, and
+// below kMinNs the wait yields at once, trying the whole spin again every kProbe waits.
+// With a core per rank a wait that outlasts the spin (a peer still computing, a large
+// message's copy) halves it away too, at no cost: its yields find no other thread to run.
+// Used by the collectives' waits (PollCollective) and the rendezvous receive's (RecvLarge).
+class AdaptiveSpin {
+ public:
+  static constexpr int64_t kMaxNs = 10'000;  // Backoff::kSpinFor
+  static constexpr int64_t kMinNs = 500;
+  static constexpr uint32_t kProbe = 32;
+
+  // The spin of this wait, in ns (0: yield at once).
+  int64_t Begin() {
+    if (budget_ns_ >= kMinNs) return budget_ns_;
+    return ++skipped_ % kProbe == 0 ? kMaxNs : 0;
+  }
+  // `in_spin`: the wait ended before its spin ran out.
+  void End(int64_t spun_ns, bool in_spin) {
+    if (spun_ns == 0) return;  // no spin: nothing learned
+    budget_ns_ = in_spin ? std::min(kMaxNs, spun_ns + spun_ns / 4) : spun_ns / 2;
+  }
+
+ private:
+  int64_t budget_ns_ = kMaxNs;
+  uint32_t skipped_ = 0;
+};
+
 }  // namespace jcm

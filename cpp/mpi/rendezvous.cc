@@ -424,6 +424,24 @@ Status MpiTransport::RecvLarge(ChannelState& ch, uint64_t seq, int source_rank, 
     ch.last_ready_sent_at = std::chrono::steady_clock::now();
   }
   Backoff backoff;
+  // The wait's spin adapts (AdaptiveSpin): where the scheduler put both ranks on one core,
+  // the peer's send, its ready signal and MPI's handshakes each came only once this
+  // thread had spun out Backoff's whole spin and yielded, at every message of an exchange.
+  // Not with several devices per process: there a yield hands the core to a sibling
+  // device thread, which may not be the one this wait needs.
+  thread_local AdaptiveSpin adaptive;
+  const bool adapts = !backoff.spins_long() && wait_choice_.local_devices == 1;
+  const int64_t spin_ns = adapts ? adaptive.Begin() : -1;
+  bool spinning = adapts;
+  std::chrono::steady_clock::time_point spin_start{};
+  struct Learn {  // however the wait ends
+    AdaptiveSpin& adaptive;
+    const int64_t& spin_ns;
+    const bool& spinning;
+    ~Learn() {
+      if (spin_ns >= 0) adaptive.End(spin_ns, spinning);
+    }
+  } learn{adaptive, spin_ns, spinning};
   uint64_t polls = 0;
   while (true) {
     // Our own deferred sends, as their receivers get ready: both directions at once.
@@ -483,6 +501,16 @@ Status MpiTransport::RecvLarge(ChannelState& ch, uint64_t seq, int source_rank, 
       }
       if (staged) return RecvStaged(ch, source_rank, tag, out, bytes, desc_hash, deadline);
       return Status::Timeout();
+    }
+    if (spinning) {
+      const auto now = std::chrono::steady_clock::now();
+      if (spin_start == std::chrono::steady_clock::time_point{}) {
+        spin_start = now;
+        backoff.Waiting();
+      }
+      if (spin_ns > 0 && now - spin_start < std::chrono::nanoseconds(spin_ns)) continue;
+      spinning = false;
+      backoff.SkipSpin();
     }
     backoff.Pause();
   }
