@@ -280,4 +280,42 @@ class AdaptiveSpin {
   uint32_t skipped_ = 0;
 };
 
+// A polling wait's pause: a spin of the length `adaptive` gives (AdaptiveSpin), then
+// `backoff`'s yields and sleeps; what the wait learned goes back to `adaptive` when it ends
+// (however it ends: the destructor). Without `adapts`, `backoff` alone.
+class AdaptedPause {
+ public:
+  AdaptedPause(AdaptiveSpin& adaptive, Backoff& backoff, bool adapts)
+      : adaptive_(adaptive),
+        backoff_(backoff),
+        spin_ns_(adapts ? adaptive.Begin() : -1),
+        spinning_(adapts) {}
+  ~AdaptedPause() {
+    if (spin_ns_ >= 0) adaptive_.End(spin_ns_, spinning_);
+  }
+  AdaptedPause(const AdaptedPause&) = delete;
+  AdaptedPause& operator=(const AdaptedPause&) = delete;
+
+  void Pause() {
+    if (spinning_) {
+      const auto now = std::chrono::steady_clock::now();
+      if (spin_start_ == std::chrono::steady_clock::time_point{}) {
+        spin_start_ = now;
+        backoff_.Waiting();
+      }
+      if (spin_ns_ > 0 && now - spin_start_ < std::chrono::nanoseconds(spin_ns_)) return;
+      spinning_ = false;
+      backoff_.SkipSpin();
+    }
+    backoff_.Pause();
+  }
+
+ private:
+  AdaptiveSpin& adaptive_;
+  Backoff& backoff_;
+  const int64_t spin_ns_;
+  bool spinning_;
+  std::chrono::steady_clock::time_point spin_start_{};
+};
+
 }  // namespace jcm
