@@ -257,7 +257,8 @@ class Backoff {
 // below kMinNs the wait yields at once, trying the whole spin again every kProbe waits.
 // With a core per rank a wait that outlasts the spin (a peer still computing, a large
 // message's copy) halves it away too, at no cost: its yields find no other thread to run.
-// Used by the collectives' waits (PollCollective) and the rendezvous receive's (RecvLarge).
+// Used by the collectives' waits (PollCollective) and a precv's (RecvStaged, RecvLarge,
+// FinishDirect: AdaptedPause).
 class AdaptiveSpin {
  public:
   static constexpr int64_t kMaxNs = 10'000;  // Backoff::kSpinFor
