@@ -7,9 +7,10 @@ message from its psend to the end of its precv, for ``psend/scan`` next to raw M
 Patterns (``--kinds``): ``multi-pair`` (osu_mbw_mr's windows, as ``--pattern multi-pair`` of
 the benchmark: ``--window`` messages one way, then a 4-byte acknowledgement back,
 ``--windows`` windows per call), ``hop`` (the ping-pong scan of ``--pattern pingpong``,
-``--hops`` one-way hops per call) and ``ring`` (``--pattern ring``: every rank sends to the
-next and receives from the previous one, ``--hops`` steps per call). Each is timed for
-``psend/scan`` and for ``mpi4py`` (windows of ``Isend``/``Irecv``, ``Send``/``Recv``,
+``--hops`` one-way hops per call), ``ring`` (``--pattern ring``: every rank sends to the
+next and receives from the previous one, ``--hops`` steps per call) and ``exchange``
+(``--pattern exchange`` of 2 ranks, as one op and as two, ``psend2/scan``). Each is timed
+for ``psend/scan`` and for ``mpi4py`` (windows of ``Isend``/``Irecv``, ``Send``/``Recv``,
 ``Sendrecv``), the hop also for ``psend-donated/scan`` (receiving into the previous call's
 results, donated: no fresh buffers per call), in rounds that run every variant ``--calls``
 times in turn after a barrier, so that a loaded machine slows them alike. Every rank prints,
@@ -110,6 +111,26 @@ def _variants(session: Any, args: argparse.Namespace, n: int) -> Variants:
             return carries[rank]
 
         out["hop psend-donated/scan"] = (donated_hops, args.hops, check)
+    if "exchange" in kinds and nranks == 2:
+        # The two-way step of ``--pattern exchange``: as one op (a cycle) and as two ops,
+        # one per direction (psend2: what GPU-parity programs and the pipeline executor
+        # write; a device's precv of the other direction only writes zeros).
+        perm = patterns.pairs("exchange", nranks)
+        with overrides(gpu_parity=False):
+            one_op = patterns._scan_program(mesh, "psend", perm, args.hops).lower(x).compile()
+            two_ops = patterns._scan_program(mesh, "psend2", perm,
+                                             args.hops).lower(x).compile()
+        peer = rank ^ 1
+
+        def mpi_exchange() -> None:
+            for _ in range(args.hops):
+                comm.Sendrecv(send, peer, 6, recv, peer, 6)
+
+        out["exchange psend/scan"] = (lambda: jax.block_until_ready(one_op(x)), args.hops,
+                                      check)
+        out["exchange psend2/scan"] = (lambda: jax.block_until_ready(two_ops(x)), args.hops,
+                                       check)
+        out["exchange mpi4py"] = (mpi_exchange, args.hops, None)
     if "ring" in kinds:
         with overrides(gpu_parity=False):
             ring = patterns._scan_program(mesh, "psend", patterns.pairs("ring", nranks),

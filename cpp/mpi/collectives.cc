@@ -114,43 +114,20 @@ Status MpiTransport::GroupComm(const std::string& key, const std::vector<int>& r
 
 namespace {
 
-// How long a small collective's wait spins before it yields, per thread, adapted like an
-// adaptive mutex's spin count. The peer's reply takes a round trip of a few us when each
+// How long a small collective's wait spins before it yields, per thread: AdaptiveSpin
+// (mpi/internal.h). The peer's reply takes a round trip of a few us when each
 // rank has a core; but where the scheduler put both ranks on one core (unbound ranks now
 // and then, a node with more busy threads than cores) the peer runs only once this thread
 // yields, so every poll of the spin is lost: it was most of a small collective's time
 // there (the wait's own spin, kSpinFor or kSoonSpins polls, against MPICH's blocking
-// call, which yields sooner). A wait that ends while spinning lets the next spin a little
-// longer; one that had to yield halves it, and below kCollectiveSpinMin the wait yields at
-// once, trying the whole spin again every kCollectiveSpinProbe waits. With several devices
+// call, which yields sooner). With several devices
 // per process only for waits of up to kAdaptiveSpinBytes (with one, larger waits adapt a
 // budget of their own: PollCollective). From 16 KiB (beyond MPICH's eager cells) a wait
 // with each rank on its own core already outlasts the spin often enough to halve it away:
 // with 2 devices per rank on a quiet 2-core node the 16-64 KiB psum then yielded 4-5 times
 // an op, 9-11 context switches instead of 1 (benchmarks/wait_placement.py --devices 2),
 // where the fixed spin kept 1. JAX_CPU_MPI_WAIT=spin keeps its long spin.
-constexpr int64_t kCollectiveSpinMaxNs = 10'000;
-constexpr int64_t kCollectiveSpinMinNs = 500;
-constexpr uint32_t kCollectiveSpinProbe = 32;
 constexpr size_t kAdaptiveSpinBytes = size_t{8} << 10;
-
-class AdaptiveSpin {
- public:
-  // The spin of this wait, in ns (0: yield at once).
-  int64_t Begin() {
-    if (budget_ns_ >= kCollectiveSpinMinNs) return budget_ns_;
-    return ++skipped_ % kCollectiveSpinProbe == 0 ? kCollectiveSpinMaxNs : 0;
-  }
-  void End(int64_t spun_ns, bool in_spin) {
-    if (spun_ns == 0) return;  // no spin: nothing learned
-    budget_ns_ = in_spin ? std::min(kCollectiveSpinMaxNs, spun_ns + spun_ns / 4)
-                         : spun_ns / 2;
-  }
-
- private:
-  int64_t budget_ns_ = kCollectiveSpinMaxNs;
-  uint32_t skipped_ = 0;
-};
 
 }  // namespace
 

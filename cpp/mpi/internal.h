@@ -249,4 +249,74 @@ class Backoff {
   FineTimerSlack slack_;  // the thread's own slack comes back when the wait ends
 };
 
+// How long a wait spins before it yields (Backoff::SkipSpin), per thread and kind of wait,
+// adapted like an adaptive mutex's spin count: where the scheduler put both ranks on one
+// core (unbound ranks now and then) the peer runs only once the waiter yields, so every
+// poll of a fixed spin (Backoff's kSpinFor) is lost, at every message. A wait that ends
+// while spinning lets the next spin a little longer; one that had to yield halves it, and
+// below kMinNs the wait yields at once, trying the whole spin again every kProbe waits.
+// With a core per rank a wait that outlasts the spin (a peer still computing, a large
+// message's copy) halves it away too, at no cost: its yields find no other thread to run.
+// Used by the collectives' waits (PollCollective) and a precv's (RecvStaged, RecvLarge,
+// FinishDirect: AdaptedPause).
+class AdaptiveSpin {
+ public:
+  static constexpr int64_t kMaxNs = 10'000;  // Backoff::kSpinFor
+  static constexpr int64_t kMinNs = 500;
+  static constexpr uint32_t kProbe = 32;
+
+  // The spin of this wait, in ns (0: yield at once).
+  int64_t Begin() {
+    if (budget_ns_ >= kMinNs) return budget_ns_;
+    return ++skipped_ % kProbe == 0 ? kMaxNs : 0;
+  }
+  // `in_spin`: the wait ended before its spin ran out.
+  void End(int64_t spun_ns, bool in_spin) {
+    if (spun_ns == 0) return;  // no spin: nothing learned
+    budget_ns_ = in_spin ? std::min(kMaxNs, spun_ns + spun_ns / 4) : spun_ns / 2;
+  }
+
+ private:
+  int64_t budget_ns_ = kMaxNs;
+  uint32_t skipped_ = 0;
+};
+
+// A polling wait's pause: a spin of the length `adaptive` gives (AdaptiveSpin), then
+// `backoff`'s yields and sleeps; what the wait learned goes back to `adaptive` when it ends
+// (however it ends: the destructor). Without `adapts`, `backoff` alone.
+class AdaptedPause {
+ public:
+  AdaptedPause(AdaptiveSpin& adaptive, Backoff& backoff, bool adapts)
+      : adaptive_(adaptive),
+        backoff_(backoff),
+        spin_ns_(adapts ? adaptive.Begin() : -1),
+        spinning_(adapts) {}
+  ~AdaptedPause() {
+    if (spin_ns_ >= 0) adaptive_.End(spin_ns_, spinning_);
+  }
+  AdaptedPause(const AdaptedPause&) = delete;
+  AdaptedPause& operator=(const AdaptedPause&) = delete;
+
+  void Pause() {
+    if (spinning_) {
+      const auto now = std::chrono::steady_clock::now();
+      if (spin_start_ == std::chrono::steady_clock::time_point{}) {
+        spin_start_ = now;
+        backoff_.Waiting();
+      }
+      if (spin_ns_ > 0 && now - spin_start_ < std::chrono::nanoseconds(spin_ns_)) return;
+      spinning_ = false;
+      backoff_.SkipSpin();
+    }
+    backoff_.Pause();
+  }
+
+ private:
+  AdaptiveSpin& adaptive_;
+  Backoff& backoff_;
+  const int64_t spin_ns_;
+  bool spinning_;
+  std::chrono::steady_clock::time_point spin_start_{};
+};
+
 }  // namespace jcm

@@ -213,28 +213,36 @@ Status MpiTransport::RecvStaged(ChannelState& ch, int source_rank, int tag, void
   MPI_Message message = MPI_MESSAGE_NULL;
   MPI_Status status;
   Backoff backoff;
-  uint64_t polls = 0;
-  while (true) {
-    int flag = 0;
-    {
-      std::unique_lock<std::mutex> lock = MpiCallLock();
-      if (Status s = Usable(); !s.ok()) return s;
-      int rc = MPI_Improbe(source_rank, tag, comm_, &flag, &message, &status);
-      if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Improbe", rc);
-    }
-    if (flag) {
-      ch.staged_matched = true;  // for StallReport (recv_mu is held)
-      break;
-    }
-    if (Status s = ProgressDeferred(deadline); !s.ok()) return s;
-    if ((++polls & 63) == 0) {
+  {
+    // The wait for the message: its spin adapts as the rendezvous waits' do (RecvLarge), with
+    // a budget of its own (where both ranks share a core the peer's psend runs only once
+    // this thread yields).
+    thread_local AdaptiveSpin adaptive;
+    AdaptedPause pause(adaptive, backoff,
+                       !backoff.spins_long() && wait_choice_.local_devices == 1);
+    uint64_t polls = 0;
+    while (true) {
+      int flag = 0;
       {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (Status s = ProgressLocked(); !s.ok()) return s;
+        std::unique_lock<std::mutex> lock = MpiCallLock();
+        if (Status s = Usable(); !s.ok()) return s;
+        int rc = MPI_Improbe(source_rank, tag, comm_, &flag, &message, &status);
+        if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Improbe", rc);
       }
-      if (Expired(deadline)) return Status::Timeout();
+      if (flag) {
+        ch.staged_matched = true;  // for StallReport (recv_mu is held)
+        break;
+      }
+      if (Status s = ProgressDeferred(deadline); !s.ok()) return s;
+      if ((++polls & 63) == 0) {
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          if (Status s = ProgressLocked(); !s.ok()) return s;
+        }
+        if (Expired(deadline)) return Status::Timeout();
+      }
+      pause.Pause();
     }
-    backoff.Pause();
   }
 
   int count = 0;

@@ -107,26 +107,33 @@ Status MpiTransport::FinishDirect(const std::shared_ptr<DirectSend>& send,
     }
   }
   Backoff backoff;
-  uint64_t polls = 0;
-  while (true) {
-    if (Status s = ProgressDeferred(deadline); !s.ok()) return s;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (send->done) return send->failed;
-      if (!MpiIsUsable()) return Status::Invalid(kMpiNotUsable);
-      if (Status s = ProgressLocked(); !s.ok()) return s;
-      if (send->done) return send->failed;
-      // A broken transport (see Usable) stops the wait too: its request is then cancelled
-      // or abandoned like one at its deadline, never left to a later progress call.
-      if ((++polls & 63) == 0 && (Expired(deadline) || broken())) {
-        // Ours alone from here: the progress of other threads no longer tests it.
-        direct_in_flight_.erase(
-            std::remove(direct_in_flight_.begin(), direct_in_flight_.end(), send),
-            direct_in_flight_.end());
-        break;
+  {
+    // The wait for the receiver to take the bytes: its spin adapts as RecvLarge's does
+    // (where both ranks share a core, the receiver copies only once this thread yields).
+    thread_local AdaptiveSpin adaptive;
+    AdaptedPause pause(adaptive, backoff,
+                       !backoff.spins_long() && wait_choice_.local_devices == 1);
+    uint64_t polls = 0;
+    while (true) {
+      if (Status s = ProgressDeferred(deadline); !s.ok()) return s;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (send->done) return send->failed;
+        if (!MpiIsUsable()) return Status::Invalid(kMpiNotUsable);
+        if (Status s = ProgressLocked(); !s.ok()) return s;
+        if (send->done) return send->failed;
+        // A broken transport (see Usable) stops the wait too: its request is then cancelled
+        // or abandoned like one at its deadline, never left to a later progress call.
+        if ((++polls & 63) == 0 && (Expired(deadline) || broken())) {
+          // Ours alone from here: the progress of other threads no longer tests it.
+          direct_in_flight_.erase(
+              std::remove(direct_in_flight_.begin(), direct_in_flight_.end(), send),
+              direct_in_flight_.end());
+          break;
+        }
       }
+      pause.Pause();
     }
-    backoff.Pause();
   }
   // The receiver matched (or will never match) a send from an operand that XLA is about to
   // reuse: cancel what can be cancelled, abandon the rest (the transport is then broken).
@@ -424,6 +431,14 @@ Status MpiTransport::RecvLarge(ChannelState& ch, uint64_t seq, int source_rank, 
     ch.last_ready_sent_at = std::chrono::steady_clock::now();
   }
   Backoff backoff;
+  // The wait's spin adapts (AdaptiveSpin): where the scheduler put both ranks on one core,
+  // the peer's send, its ready signal and MPI's handshakes each came only once this
+  // thread had spun out Backoff's whole spin and yielded, at every message of an exchange.
+  // Not with several devices per process: there a yield hands the core to a sibling
+  // device thread, which may not be the one this wait needs.
+  thread_local AdaptiveSpin adaptive;
+  AdaptedPause pause(adaptive, backoff,
+                     !backoff.spins_long() && wait_choice_.local_devices == 1);
   uint64_t polls = 0;
   while (true) {
     // Our own deferred sends, as their receivers get ready: both directions at once.
@@ -484,7 +499,7 @@ Status MpiTransport::RecvLarge(ChannelState& ch, uint64_t seq, int source_rank, 
       if (staged) return RecvStaged(ch, source_rank, tag, out, bytes, desc_hash, deadline);
       return Status::Timeout();
     }
-    backoff.Pause();
+    pause.Pause();
   }
 }
 
