@@ -218,8 +218,7 @@ Status MpiTransport::RecvStaged(ChannelState& ch, int source_rank, int tag, void
     // a budget of its own (where both ranks share a core the peer's psend runs only once
     // this thread yields).
     thread_local AdaptiveSpin adaptive;
-    AdaptedPause pause(adaptive, backoff,
-                       !backoff.spins_long() && wait_choice_.local_devices == 1);
+    AdaptedPause pause(adaptive, backoff, PointToPointSpinAdapts(backoff));
     uint64_t polls = 0;
     while (true) {
       int flag = 0;

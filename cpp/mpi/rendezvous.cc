@@ -93,6 +93,10 @@ Status MpiTransport::SendDirect(int dest_rank, int tag, const void* data, size_t
   return FinishDirect(send, deadline);
 }
 
+bool MpiTransport::PointToPointSpinAdapts(const Backoff& backoff) const {
+  return !backoff.spins_long() && wait_choice_.local_devices == 1;
+}
+
 Status MpiTransport::FinishDirect(const std::shared_ptr<DirectSend>& send,
                                   std::chrono::steady_clock::time_point deadline) {
   if (send->channel) {  // a deferred send: post it, or stage it, now if not done yet
@@ -111,8 +115,7 @@ Status MpiTransport::FinishDirect(const std::shared_ptr<DirectSend>& send,
     // The wait for the receiver to take the bytes: its spin adapts as RecvLarge's does
     // (where both ranks share a core, the receiver copies only once this thread yields).
     thread_local AdaptiveSpin adaptive;
-    AdaptedPause pause(adaptive, backoff,
-                       !backoff.spins_long() && wait_choice_.local_devices == 1);
+    AdaptedPause pause(adaptive, backoff, PointToPointSpinAdapts(backoff));
     uint64_t polls = 0;
     while (true) {
       if (Status s = ProgressDeferred(deadline); !s.ok()) return s;
@@ -434,11 +437,8 @@ Status MpiTransport::RecvLarge(ChannelState& ch, uint64_t seq, int source_rank, 
   // The wait's spin adapts (AdaptiveSpin): where the scheduler put both ranks on one core,
   // the peer's send, its ready signal and MPI's handshakes each came only once this
   // thread had spun out Backoff's whole spin and yielded, at every message of an exchange.
-  // Not with several devices per process: there a yield hands the core to a sibling
-  // device thread, which may not be the one this wait needs.
   thread_local AdaptiveSpin adaptive;
-  AdaptedPause pause(adaptive, backoff,
-                     !backoff.spins_long() && wait_choice_.local_devices == 1);
+  AdaptedPause pause(adaptive, backoff, PointToPointSpinAdapts(backoff));
   uint64_t polls = 0;
   while (true) {
     // Our own deferred sends, as their receivers get ready: both directions at once.

@@ -82,6 +82,8 @@
 
 namespace jcm {
 
+class Backoff;  // mpi/internal.h
+
 // Locking:
 //   mu_            pending_, has_pending_ (written), inflight_bytes_, the counters
 //                  (sends_completed_, peak_inflight_bytes_, direct_sends_,
@@ -557,6 +559,11 @@ class MpiTransport {
   // deferred no later than `mark` is still deferred (cheap when none is).
   uint64_t DeferredMark();
   bool HasDeferredUpTo(uint64_t mark);
+  // Whether a point-to-point wait (RecvStaged, RecvLarge, FinishDirect) adapts its spin
+  // (AdaptiveSpin, AdaptedPause): not under JAX_CPU_MPI_WAIT=spin, and not with several
+  // devices per process, where a yield hands the core to a sibling device thread, which may
+  // not be the one the wait needs.
+  bool PointToPointSpinAdapts(const Backoff& backoff) const;
   // `ch`: as for RecvStaged.
   Status RecvLarge(ChannelState& ch, uint64_t seq, int source_rank, int tag, void* out,
                    size_t bytes, uint64_t desc_hash,
