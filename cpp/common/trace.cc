@@ -13,6 +13,7 @@
 namespace jcm::trace {
 
 std::atomic<uint32_t> g_mode{0};
+std::atomic<int64_t> g_process{0};
 
 const char* PathName(Path path) {
   switch (path) {

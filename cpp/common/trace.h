@@ -27,6 +27,15 @@ inline constexpr uint32_t kLog = 2;     // one line per message on stderr
 extern std::atomic<uint32_t> g_mode;
 inline uint32_t Mode() { return g_mode.load(std::memory_order_relaxed); }
 
+// This process's jax.process_index(), for the events whose op cannot tell it (a mark). Set
+// from Python, not baked into the program as an attribute: every process must compile the
+// same program, or XLA's collectives between processes (gloo) never meet (jax 0.12.1).
+extern std::atomic<int64_t> g_process;
+inline int64_t ThisProcess() { return g_process.load(std::memory_order_relaxed); }
+inline void SetThisProcess(int64_t process) {
+  g_process.store(process, std::memory_order_relaxed);
+}
+
 // kMark: a point in a program's run that the program itself names (a pipeline tick's
 // start): no message; `seq` holds the tick, `label` what the program says of it.
 // kAllReduce: a collective between processes (ffi/collective_handlers.cc): peer -1, wait the

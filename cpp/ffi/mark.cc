@@ -21,8 +21,7 @@ void PassThrough(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
 }
 
 ffi::Error MarkImpl(int32_t device_ordinal, ffi::AnyBuffer label, ffi::AnyBuffer after,
-                    ffi::Result<ffi::AnyBuffer> label_out, ffi::Result<ffi::AnyBuffer> after_out,
-                    int64_t process) {
+                    ffi::Result<ffi::AnyBuffer> label_out, ffi::Result<ffi::AnyBuffer> after_out) {
   if (label.element_type() != ffi::DataType::S32 || label.element_count() != 4) {
     return ffi::Error::InvalidArgument(
         "jax_cpu_mpi mark: the label must be int32[4] (tick, action, microbatch, virtual "
@@ -32,7 +31,7 @@ ffi::Error MarkImpl(int32_t device_ordinal, ffi::AnyBuffer label, ffi::AnyBuffer
     const int32_t* words = label.typed_data<int32_t>();
     jcm::trace::Event e;
     e.start_ns = jcm::trace::NowNs();
-    e.process = process;
+    e.process = jcm::trace::ThisProcess();
     e.device = device_ordinal;  // this process's device ordinal: Python maps it to the id
     e.seq = static_cast<uint64_t>(words[0]);
     e.op = jcm::trace::Op::kMark;
@@ -54,5 +53,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JcmMark, MarkImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("process"));
+                                  .Ret<ffi::AnyBuffer>());

@@ -267,6 +267,8 @@ NB_MODULE(_jax_cpu_mpi, m) {
         nb::arg("record"), nb::arg("log"), nb::arg("events_per_thread"),
         "Switch the per-message timeline (record) and the stderr log (log); "
         "events_per_thread bounds each thread's buffer between two trace_take calls.");
+  m.def("trace_set_process", &jcm::trace::SetThisProcess, nb::arg("process"),
+        "This process's jax.process_index(), which the marks' events carry.");
   m.def("trace_mode", [] {
     const uint32_t mode = jcm::trace::Mode();
     return nb::make_tuple((mode & jcm::trace::kRecord) != 0, (mode & jcm::trace::kLog) != 0);

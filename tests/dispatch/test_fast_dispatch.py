@@ -253,6 +253,29 @@ def test_device_thread_hint_changes_no_result_and_is_not_in_gpu_programs():
     assert _device_thread_hint.HINT_TARGET not in no_p2p.lower(jnp.arange(3.0)).as_text()
 
 
+def test_device_thread_hint_is_the_same_whichever_process_lowers(monkeypatch):
+    """Every process lowers every program, for its devices and the others': the hint goes
+    into all of them or none (it looks at every process's devices, not the lowering one's),
+    since processes that compile different programs never meet in XLA's own collectives
+    (jax 0.12.1). Here the lowering process pretends to be another one than the mesh's."""
+    mesh1 = make_mesh((1, "x"))
+    x = jax.device_put(jnp.arange(6.0), NamedSharding(mesh1, P("x")))
+
+    def lowered_text() -> str:
+        program = jax.jit(jax.shard_map(
+            lambda v: jax_cpu_mpi.precv(jax_cpu_mpi.psend(v, "x", [(0, 0)]),
+                                        jax.ShapeDtypeStruct(v.shape, v.dtype), "x", [(0, 0)]),
+            mesh=mesh1, in_specs=P("x"), out_specs=P("x")))
+        return program.lower(x).as_text()
+
+    with config.overrides(gpu_parity=False):
+        here = lowered_text()
+        monkeypatch.setattr(jax, "process_index", lambda *args, **kwargs: 1)
+        elsewhere = lowered_text()
+    assert _device_thread_hint.HINT_TARGET in here
+    assert elsewhere == here
+
+
 @pytest.mark.parametrize("custom_calls", [0, 5, 3000])
 def test_device_thread_hint_outweighs_the_custom_calls(custom_calls):
     """XLA counts a custom call as -1 flop: the hint's add grows with them, and stays over

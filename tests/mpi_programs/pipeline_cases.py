@@ -100,9 +100,9 @@ def put(mesh, spec, value):
                                         lambda index: value[index])
 
 
-def run_pipeline(case: Case, devices) -> tuple:
-    """Run ``case`` on ``devices`` (stages x data); returns its inputs (NumPy) and results
-    (loss, gradients, outputs[, input gradients]: NumPy, whole on every process)."""
+def pipeline_program(case: Case, devices) -> tuple:
+    """``case`` on ``devices`` (stages x data): the jitted pipeline, its arguments (global
+    arrays) and its inputs (NumPy)."""
     schedule = case.schedule()
     S, V, M, D = case.stages, schedule.virtual_stages, case.microbatches, case.data
     dtype = jnp.bfloat16 if case.dtype == "bfloat16" else np.float32
@@ -122,8 +122,15 @@ def run_pipeline(case: Case, devices) -> tuple:
     data = P(None, "data") if D > 1 else P()
     args = (jax.tree.map(lambda a: put(mesh, P("stage"), a), params),
             jax.tree.map(lambda a: put(mesh, data, a), xs), put(mesh, data, ys))
+    return f, args, (params, xs, ys)
+
+
+def run_pipeline(case: Case, devices) -> tuple:
+    """Run ``case`` on ``devices`` (stages x data); returns its inputs (NumPy) and results
+    (loss, gradients, outputs[, input gradients]: NumPy, whole on every process)."""
+    f, args, inputs = pipeline_program(case, devices)
     results = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), f(*args))
-    return (params, xs, ys), results
+    return inputs, results
 
 
 def worst(errors) -> float:

@@ -1,5 +1,10 @@
 """Every schedule under mpirun: loss, gradients and outputs equal the one-device reference.
 
+Every process must also compile the same program: a program that differs between processes
+(one process's index in a custom call's attributes) runs here on jax 0.10.2 to 0.12.0.1, but
+with jax 0.12.1 its first collective of XLA's own (gloo) waits forever. The compiled text of
+the first schedule's program is compared across processes (through mpi4py, not JAX).
+
 Arguments: ``STAGES MICROBATCHES [DATA] [--large=NAME,...]``; the devices of all processes
 form the mesh (stages x data). One launch runs every schedule (compiling is the cost, not the
 run); the results are replicated, and process 0 compares them with the reference. The
@@ -12,12 +17,14 @@ schedule's scan whose buffers XLA reuses.
 
 from __future__ import annotations
 
+import difflib
 import sys
 
 import _mpi_common  # noqa: F401  (devices, distributed runtime, jax_cpu_mpi)
 import jax
 from _mpi_common import ok
-from pipeline_cases import MICROBATCH, Case, compare, run_pipeline, within
+from mpi4py import MPI
+from pipeline_cases import MICROBATCH, Case, compare, pipeline_program, run_pipeline, within
 
 LARGE_SAMPLES = (1 << 16) + 67  # x WIDTH 8 x 2 leaves x 4 B
 flags = [a for a in sys.argv[1:] if a.startswith("--")]
@@ -37,6 +44,14 @@ cases = [Case(name, stages=stages, microbatches=microbatches, data=data,
 # a process that ran ahead into the next pipeline while process 0 compiled a reference would
 # wait for its messages, on a loaded machine past the receive timeout.
 runs = [run_pipeline(case, devices) for case in cases]
+program, program_args, _ = pipeline_program(cases[0], devices)
+texts = MPI.COMM_WORLD.allgather(program.lower(*program_args).compile().as_text())
+if texts[jax.process_index()] != texts[0]:
+    differs = [line for line in difflib.unified_diff(
+        texts[0].splitlines(), texts[jax.process_index()].splitlines(), "process 0",
+        f"process {jax.process_index()}", n=0, lineterm="")][:12]
+    raise SystemExit(f"process {jax.process_index()}: compiled a program that differs from "
+                     f"process 0's ({cases[0].name}):\n" + "\n".join(differs))
 failed = []
 if jax.process_index() == 0:
     for case, run in zip(cases, runs, strict=True):

@@ -17,7 +17,7 @@ runs the program on a device thread, it reports errors through its outputs as
 jit's C++ path take it. The program's results are unchanged.
 
 It runs only where it can pay: the program is lowered for CPU alone, holds our psend/precv
-custom calls, runs on exactly one device of this process, makes no array over 256 KiB
+custom calls, runs on exactly one device of each process, makes no array over 256 KiB
 (see ``SMALL_ARRAY_BYTES``), JAX's asynchronous CPU dispatch is on and fast dispatch is
 configured on. It is the last pass of :mod:`jax_cpu_mpi._src.passes.hook`: the GPU-parity
 check and the kept-operands pass see the program before it adds anything.
@@ -68,11 +68,16 @@ def _custom_calls(module: Any) -> list[Any]:
     return [op for op in operations(module.operation) if call_target(op) is not None]
 
 
-def _devices_here(p2p_op: Any) -> int:
-    """Devices of this process among the partitions of a psend/precv (its lowering's table
-    of the process of each partition)."""
+def _most_devices_of_a_process(p2p_op: Any) -> int:
+    """The most devices any one process has among the partitions of a psend/precv (its
+    lowering's table of the process of each partition).
+
+    Every process's, not this one's: the hint goes into every process's program or into
+    none, since a program must be the same on every process (XLA's collectives between
+    processes never meet otherwise: jax 0.12.1), and a process can have more devices than
+    another."""
     processes = array_attribute(p2p_op, "device_process")
-    return int(np.count_nonzero(processes == jax.process_index()))
+    return int(np.unique(processes, return_counts=True)[1].max())
 
 
 def hint_elements(custom_calls: int) -> int:
@@ -163,14 +168,14 @@ def _hint_block(module: Any, p2p: set[Any]) -> Any | None:
 
 def add_device_thread_hint(module: Any) -> bool:
     """Adds the hint (where :func:`_hint_block` says) to a lowered module whose psend/precv
-    calls run on one device of this process and whose arrays are small, unless it has one;
+    calls run on one device of each process and whose arrays are small, unless it has one;
     returns whether it did."""
     with module.context, ir.Location.unknown():
         calls = _custom_calls(module)
         p2p = [op for op in calls if is_p2p(op)]
         if not p2p or any(call_target(op) == HINT_TARGET for op in calls):
             return False
-        if _devices_here(p2p[0]) != 1:
+        if _most_devices_of_a_process(p2p[0]) != 1:
             return False  # two or more: XLA runs the program on device threads already
         if _largest_array_bytes(module) > SMALL_ARRAY_BYTES:
             return False  # large buffers: better allocated and filled by the calling thread

@@ -38,3 +38,11 @@ def targets_available() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def tell_this_process(process_index: int) -> None:
+    """Tell the handlers this process's ``jax.process_index()`` (the marks' events carry it).
+
+    Not an attribute of the call: a program must be the same on every process, or XLA's
+    collectives between processes (gloo) wait for each other forever (jax 0.12.1)."""
+    ext.trace_set_process(process_index)

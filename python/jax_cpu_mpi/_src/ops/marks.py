@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jax_cpu_mpi._src.ffi import registration
 from jax_cpu_mpi._src.ops.vma import vary, vma_of
 
 MARK_TARGET = "jax_cpu_mpi_mark"
@@ -35,8 +36,6 @@ ACTION_NAMES = {IDLE: "idle", FORWARD: "F", BACKWARD: "B", WEIGHT: "W", END: "en
 
 
 def _targets_registered() -> bool:
-    from jax_cpu_mpi._src.ffi import registration
-
     return registration.targets_available()
 
 
@@ -46,7 +45,10 @@ def _call(label: jax.Array, after: Any) -> tuple[jax.Array, Any]:
         (jax.ShapeDtypeStruct(label.shape, label.dtype),
          jax.ShapeDtypeStruct(after.shape, after.dtype)),
         vmap_method="sequential", input_output_aliases={0: 0, 1: 1})
-    out = call(label, after, process=np.int64(jax.process_index()))
+    # The process reaches the handler out of band: an attribute would make each process's
+    # program differ, and XLA's collectives between processes need the same program on all.
+    registration.tell_this_process(jax.process_index())
+    out = call(label, after)
     # JAX cannot type a custom call's results inside shard_map: they vary as the operands.
     return vary(out[0], vma_of(label)), vary(out[1], vma_of(after))
 
