@@ -125,12 +125,17 @@ def pipeline_program(case: Case, devices) -> tuple:
     return f, args, (params, xs, ys)
 
 
-def run_pipeline(case: Case, devices) -> tuple:
-    """Run ``case`` on ``devices`` (stages x data); returns its inputs (NumPy) and results
-    (loss, gradients, outputs[, input gradients]: NumPy, whole on every process)."""
-    f, args, inputs = pipeline_program(case, devices)
+def run_program(f, args, inputs) -> tuple:
+    """Run a :func:`pipeline_program`; returns its inputs (NumPy) and results (loss,
+    gradients, outputs[, input gradients]: NumPy, whole on every process)."""
     results = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), f(*args))
     return inputs, results
+
+
+def run_pipeline(case: Case, devices) -> tuple:
+    """Run ``case`` on ``devices`` (stages x data): :func:`run_program` of its
+    :func:`pipeline_program`."""
+    return run_program(*pipeline_program(case, devices))
 
 
 def worst(errors) -> float:
