@@ -414,11 +414,14 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
   // from a smaller size on and reads this receive's ready signal (mpi/transport.h); a
   // sender that never reads ready signals must get none (they would pile up unread).
   const bool sender_kept = info.group_pairs.size() > 0;
+  // A kept sender that receives nothing in the group frames its message from its operand
+  // at once (MpiTransport::SendFramed): it reads no ready signal.
+  const bool sender_one_way = sender_kept && !ReceivesInGroup(info, peer);
   // A large output is likely a fresh map (common/keep_freed_memory.h) that MPI's copy would
   // otherwise fault in a 4 KiB page at a time, inside the transfer.
   if (bytes >= kFreshMapMinBytes) AdviseHugePages(out->untyped_data(), bytes);
   Status r = mpi->Recv(source, *tag, out->untyped_data(), bytes, operand, deadline,
-                       sender_kept);
+                       sender_kept, sender_one_way);
   if (r.ok()) return ffi::Error::Success();
   if (r.code() == StatusCode::kSizeMismatch) {
     return ffi::Error::InvalidArgument(

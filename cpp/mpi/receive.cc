@@ -13,15 +13,18 @@ namespace jcm {
 
 Status MpiTransport::Recv(int source_rank, int tag, void* out, size_t bytes,
                           std::string_view desc, std::chrono::steady_clock::time_point deadline,
-                          bool sender_kept) {
+                          bool sender_kept, bool sender_one_way) {
   ChannelState& ch = Channel(source_rank, tag);
   std::lock_guard<std::mutex> channel_lock(ch.recv_mu);
   const uint64_t seq = ch.next_recv_seq++;  // every message counts, whatever its size
   trace::NoteSeq(seq);
   const uint64_t desc_hash = DescriptionHash(desc);
   // What StallReport tells of this receive.
+  // A kept one-way sender frames every message from its operand (SendFramed): no
+  // rendezvous, whatever the size.
   ch.recv_rendezvous =
-      bytes >= kRendezvousMinBytes || (sender_kept && bytes >= kKeptRendezvousMinBytes);
+      !(sender_kept && sender_one_way) &&
+      (bytes >= kRendezvousMinBytes || (sender_kept && bytes >= kKeptRendezvousMinBytes));
   ch.direct_posted = false;
   ch.staged_matched = false;
   ch.recv_end = ChannelState::RecvEnd::kRunning;

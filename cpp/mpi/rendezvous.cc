@@ -93,6 +93,49 @@ Status MpiTransport::SendDirect(int dest_rank, int tag, const void* data, size_t
   return FinishDirect(send, deadline);
 }
 
+Status MpiTransport::SendFramed(int dest_rank, int tag, const void* data, size_t bytes,
+                                const Desc& desc,
+                                std::chrono::steady_clock::time_point deadline,
+                                std::shared_ptr<DirectSend>* kept) {
+  trace::NotePath(trace::Path::kDirect);
+  auto send = std::make_shared<DirectSend>();
+  // The chunk header says how the receiver posts the chunks: one message up to
+  // kDirectChunkBytes (MPI moves it in one copy, straight from the operand).
+  send->header = std::make_unique<Envelope>(MakeEnvelope(kChunkMagic, bytes, desc.hash,
+                                                         desc.text));
+  send->header->chunk_bytes = std::min(bytes, kDirectChunkBytes);
+  send->requests.reserve(bytes / kDirectChunkBytes + 2);
+  const auto* src = static_cast<const std::byte*>(data);
+  {
+    std::unique_lock<std::mutex> lock(mu_);  // direct_in_flight_ (and MPI if needed)
+    auto isend = [&](const void* buf, size_t count) {
+      send->requests.emplace_back();
+      int rc = MPI_Isend(buf, static_cast<int>(count), MPI_BYTE, dest_rank, tag, comm_,
+                         &send->requests.back());
+      if (rc != MPI_SUCCESS) send->requests.pop_back();
+      return rc;
+    };
+    int rc = isend(send->header.get(), sizeof(Envelope));
+    for (size_t offset = 0; offset < bytes && rc == MPI_SUCCESS;
+         offset += kDirectChunkBytes) {
+      rc = isend(src + offset, std::min(kDirectChunkBytes, bytes - offset));
+    }
+    if (rc != MPI_SUCCESS) {
+      if (!send->requests.empty()) {
+        // The pieces already posted read from the operand: finish them before returning.
+        direct_in_flight_.push_back(send);
+        lock.unlock();
+        (void)FinishDirect(send, deadline);  // the Isend failure is the error to report
+      }
+      return Status::MpiError("MPI_Isend", rc);
+    }
+    send->posted_for_test = StopMidSendForTest::Posted(bytes);
+    direct_in_flight_.push_back(send);
+  }
+  *kept = std::move(send);
+  return Status::Ok();
+}
+
 bool MpiTransport::PointToPointSpinAdapts(const Backoff& backoff) const {
   return !backoff.spins_long() && wait_choice_.local_devices == 1;
 }
@@ -152,6 +195,11 @@ Status MpiTransport::FinishDirect(const std::shared_ptr<DirectSend>& send,
     return Status::Ok();
   }
   if (!Expired(deadline)) return Status::Invalid(BrokenMessage());  // stopped by the break
+  if (send->header) {
+    return Status::SendTimeout(
+        "the receiver did not take this message before the timeout "
+        "(JAX_CPU_MPI_RECV_TIMEOUT); did its process fail or exit?");
+  }
   return Status::SendTimeout(
       "the receiver signalled that it was ready for this message, then did not take it "
       "before the timeout (JAX_CPU_MPI_RECV_TIMEOUT); did its process fail or exit?");

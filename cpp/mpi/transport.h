@@ -35,6 +35,17 @@
 // rank) signals ready first and posts its receives only once the sends deferred before it are
 // posted (RecvLarge), so that MPI cannot copy the peer's message in before our send has
 // started.
+// A kept psend whose device receives nothing in the op's group (one-way: a hop, a stream, a
+// pipeline's first stage) takes none of these paths from kKeptRendezvousMinBytes on: it
+// sends the staged framing (a chunk header, then the payload) straight from its operand at
+// once, without looking for a ready signal (SendFramed), and the receiver, which knows
+// from the op's group that its sender is one-way, takes it the staged way and signals
+// nothing. The ready signal's trip sat on every such hop's path (the receiver signals only
+// once it has taken the previous message, when the sender is already sending the next),
+// and a receiver not yet ready got a staging copy. The price: MPI cannot cancel a send,
+// so the precv that keeps the operand waits until the receiver has taken the bytes (its
+// precv of the same op), however late it comes, up to the timeout; the sender no longer
+// runs ahead of a one-way stream by more than the message in flight.
 // XLA's thunk executor skips every thunk after one fails, so the precv that keeps the
 // operand may never run: an op of ours that fails finishes the kept sends of its program
 // run (XLA's RunId) before it returns, while their operands are still alive
@@ -222,6 +233,9 @@ class MpiTransport {
     uint64_t max_inflight_bytes = 0;
     std::chrono::steady_clock::time_point deferred_at;
     Status failed;  // under mu_: why a deferred send could not be posted (with done)
+    // A one-way send framed from its operand (SendFramed): its chunk header, which its first
+    // request sends; the receiver never signalled for it.
+    std::unique_ptr<Envelope> header;
   };
 
   // `desc` describes the operand ("float32[4]"); the receiver checks it against its own.
@@ -229,7 +243,7 @@ class MpiTransport {
   // direct send may be left in flight: *kept is then set, else left null.
   // `may_defer` (with `kept`): the psend's own precv receives too (an exchange, a ring), so a
   // large send whose receiver is not ready yet is deferred (see DirectSend) rather than
-  // staged. One-way sends are not: a staged copy lets the sender run ahead of a stream.
+  // staged. A kept send without it is one-way: framed from the operand (SendFramed).
   Status Send(int dest_rank, int tag, const void* data, size_t bytes, std::string_view desc,
               uint64_t max_inflight_bytes, std::chrono::steady_clock::time_point deadline,
               std::shared_ptr<DirectSend>* kept = nullptr, bool may_defer = false);
@@ -248,8 +262,12 @@ class MpiTransport {
   // finish it, and in a cycle it defers), so it takes the rendezvous path from
   // kKeptRendezvousMinBytes on: so does the receive. Both ends must agree, or ready signals
   // pile up unread (or never come).
+  // `sender_one_way` (with `sender_kept`): the sender's device receives nothing in the op's
+  // group, so its kept psend frames the message straight from its operand (SendFramed)
+  // and the receive takes it the staged way, without a ready signal.
   Status Recv(int source_rank, int tag, void* out, size_t bytes, std::string_view desc,
-              std::chrono::steady_clock::time_point deadline, bool sender_kept = false);
+              std::chrono::steady_clock::time_point deadline, bool sender_kept = false,
+              bool sender_one_way = false);
 
   // At exit (collective over the communicator): completes every outstanding send and waits
   // for every rank to get there (joining them halfway to the deadline even with sends still
@@ -389,12 +407,11 @@ class MpiTransport {
   // defers, each receiver posts its receive into its output and signals, and the receive
   // loops then post the sends straight from the operands, as MPI_Sendrecv posts its receive
   // before its send: neither end copies, no send waits in a probe's unexpected-message
-  // handshake (beyond MPI's eager size). One-way, MPICH sends such a message by its own
-  // rendezvous already (a single copy from 8 KiB on shared memory,
-  // MPIR_CVAR_CH4_IPC_CMA_P2P_THRESHOLD), so a receiver that is waiting saves the staging
-  // copy; the direct send stays in flight for the kept operand's precv, and a receiver that
-  // is not waiting gets a staged copy after the sender's short look for its ready signal.
-  // Either way no progress thread is woken, as a staged send wakes it.
+  // handshake (beyond MPI's eager size). One-way, the send is framed from the operand
+  // (SendFramed): MPICH sends such a message by its own rendezvous (a single copy from
+  // 8 KiB on shared memory, MPIR_CVAR_CH4_IPC_CMA_P2P_THRESHOLD), so no end copies; the
+  // send stays in flight for the kept operand's precv, and no progress thread is woken, as
+  // a staged send wakes it.
   static constexpr size_t kKeptRendezvousMinBytes = size_t{16} << 10;
   static constexpr size_t kStageStepBytes = size_t{128} << 10;
   // Smallest one-message payload received straight into the output (with its trailer
@@ -539,6 +556,15 @@ class MpiTransport {
                    std::chrono::steady_clock::time_point deadline,
                    std::shared_ptr<DirectSend>* kept, bool may_defer = false,
                    std::shared_ptr<DirectSend> into = nullptr);
+  // A kept one-way send (Send's `kept` without `may_defer`): the staged framing (a chunk
+  // header, then the payload in chunks of kDirectChunkBytes) sent straight from the
+  // operand, at once, without waiting for a ready signal; left in flight in *kept for the
+  // precv that keeps the operand (FinishDirect). The receiver (Recv's `sender_one_way`)
+  // takes it as a staged message: a message and a wait fewer than the rendezvous, and no
+  // staging copy for a receiver that comes late.
+  Status SendFramed(int dest_rank, int tag, const void* data, size_t bytes, const Desc& desc,
+                    std::chrono::steady_clock::time_point deadline,
+                    std::shared_ptr<DirectSend>* kept);
   // Marks a deferred send that could not be sent as done with `failure` (its precv reports).
   void FailDeferred(const std::shared_ptr<DirectSend>& send, Status failure);
   // Starts the direct send; finishes it too unless `kept` takes it.

@@ -10,14 +10,14 @@
   rank 1's precv must give up after ``JAX_CPU_MPI_RECV_TIMEOUT`` with an error naming it.
 * ``exits-while-peer-sends``: like the second, but rank 1 leaves with ``os._exit(0)``: the
   launcher sees no failure, so rank 0's own precv timeout must end it.
-* ``killed-mid-rendezvous``: rank 1 waits in its precv of 64 MiB (receives posted into its
-  output, ready signal sent) and stops itself (SIGSTOP); rank 0 finds the ready signal and
-  sends straight from its operand, a send that cannot complete; a thread of rank 0 then
-  SIGKILLs rank 1.
+* ``killed-mid-rendezvous``: rank 1 waits in its precv of 64 MiB and stops itself
+  (SIGSTOP); rank 0's one-way psend, whose operand its precv keeps, sends straight from its
+  operand (no ready signal), a send that cannot complete; a thread of rank 0 then SIGKILLs
+  rank 1.
 * ``exits-mid-rendezvous``: rank 1 waits in that precv and leaves with ``os._exit(0)``.
 * ``stopped-mid-rendezvous``: rank 1 stops itself there, as in ``killed-mid-rendezvous``,
   and nobody kills it: rank 0's psend, kept in flight by the precv that keeps its operand,
-  waits for a receiver that signalled ready and never takes the bytes; that precv must fail
+  waits for a receiver that never takes the bytes; that precv must fail
   with the send's timeout error (the psend, its peer, the transport's state), and the job
   end (MPI_Abort ends the stopped rank).
 * ``stopped-then-peer-exits``: rank 1 stops itself (SIGSTOP) and never answers; rank 0's
@@ -104,14 +104,14 @@ if SCENARIO.endswith("mid-rendezvous"):
 
     pids = MPI.COMM_WORLD.allgather(os.getpid())
     if me == 1:
-        pending = compiled(x)  # dispatched: the device thread posts its precv, signals ready
+        pending = compiled(x)  # dispatched: the device thread waits in its precv
         time.sleep(1.5)
         if SCENARIO.startswith("exits"):
             die("exit")
         print(f"process {me}: stopping inside the rendezvous", flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(3600)
-    time.sleep(3.0)  # rank 1's ready signal has arrived
+    time.sleep(3.0)  # rank 1 waits in its precv
 
     def kill_peer() -> None:
         time.sleep(3.0)  # by now rank 0 is in its direct send

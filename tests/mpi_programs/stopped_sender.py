@@ -16,9 +16,10 @@ message has left by then). Rank 0 sends
   psend posts the header and the chunks and returns; 0.2 s later (its progress thread
   tests the send) it stops. Rank 1's precv, 1.5 s after, matches the header and every
   chunk, whose payload cannot move before that match, and never comes.
-* ``direct`` (64 MiB), the receiver ready first: rank 0 finds the ready signal, sends
-  straight from its operand, and stops 2 ms after posting, while the payload flows (64 MiB
-  take far longer than that over TCP); rank 1's receive into its output has matched.
+* ``direct`` (64 MiB), the receiver ready first: rank 0's one-way psend, whose operand its
+  precv keeps, sends straight from its operand (a chunk header, then the payload, without
+  a ready signal), and stops 2 ms after posting, while the payload flows (64 MiB take far
+  longer than that over TCP); rank 1's receive into its output has matched.
 
 In the last two a matched receive cannot be cancelled: rank 1 must still fail with the
 precv timeout error, within ``JAX_CPU_MPI_RECV_TIMEOUT`` and a grace period, and report the
@@ -80,7 +81,7 @@ if me == 0:
         os.kill(os.getpid(), signal.SIGSTOP)
     else:
         if PATH == "direct":
-            time.sleep(1.5)  # rank 1 waits in its precv, its ready signal sent
+            time.sleep(1.5)  # rank 1 waits in its precv
         ext._stop_mid_next_mpi_send(N, STOP_AFTER_S)
         print(f"process 0: sending; stops {STOP_AFTER_S} s after posting", flush=True)
     jax.block_until_ready(compiled(x))

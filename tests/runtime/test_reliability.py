@@ -382,11 +382,11 @@ def test_stuck_peer_makes_precv_fail_and_the_job_abort(fault_job):
 @pytest.mark.mpi
 @pytest.mark.timeout(FAULT_TEST_TIMEOUT)
 @pytest.mark.parametrize("fault_job", ["stopped-mid-rendezvous"], indirect=True)
-def test_kept_send_to_a_receiver_that_stopped_after_signalling_ready_times_out(fault_job):
-    # Rank 1 waits in its precv of 64 MiB (receives posted, ready signal sent) and stops
-    # (SIGSTOP). Rank 0's psend finds the signal and sends straight from its operand, left
-    # in flight for the precv that keeps the operand; that precv (device 0 receives nothing
-    # in the op) finishes the send, which waits a whole timeout for the stopped receiver.
+def test_kept_one_way_send_to_a_receiver_stopped_in_its_precv_times_out(fault_job):
+    # Rank 1 waits in its precv of 64 MiB and stops (SIGSTOP). Rank 0's psend (one-way:
+    # device 0 receives nothing in the op) sends straight from its operand without a ready
+    # signal, left in flight for the precv that keeps the operand; that precv finishes the
+    # send, which waits a whole timeout for the stopped receiver (MPI cannot cancel it).
     # The precv must fail with the send's error, naming the psend and its peer, followed by
     # the transport's state at the timeout (MpiTransport::StallReport) like every timeout
     # between processes; the error left uncaught then aborts the job, stopped rank included.
@@ -400,13 +400,13 @@ def test_kept_send_to_a_receiver_that_stopped_after_signalling_ready_times_out(f
     assert failed.group(2).startswith(
         "INTERNAL: psend(axis_name=('x',), perm=[(0, 1)]) of uint8[16384,4096] from partition "
         "0 (process 0) to partition 1 (process 1) (MPI rank 1 on host "), run.report()
-    for part in ("failed: the receiver signalled that it was ready for this message, then did "
-                 "not take it before the timeout (JAX_CPU_MPI_RECV_TIMEOUT)",
+    for part in ("failed: the receiver did not take this message before the timeout "
+                 "(JAX_CPU_MPI_RECV_TIMEOUT)",
                  "\n  Transport state at the timeout (this process is MPI rank 0; the peer MPI "
                  "rank 1;",
-                 # The send's channel: its message, and the ready signal it went direct on.
+                 # The send's channel: its message, sent without a ready signal.
                  "\n    sends to rank 1, tag 1: 1 sent or under way (the latest #0); ready "
-                 "signals read from the receiver: 1, the latest for #0 (67108864 bytes), ",
+                 "signals read from the receiver: 0\n",
                  # Its matched send could not be cancelled: abandoned, the transport broken.
                  "\n    unreceived from rank 1: not probed (the transport is broken",
                  "\n    this process: 0 staged sends in flight (0 bytes), 0 direct sends in "
@@ -469,10 +469,11 @@ def test_sender_stopped_mid_message_fails_the_receive_in_time(fault_job):
              "staged": ("the message did not arrive whole (the message started to arrive "
                         "but its payload did not complete in time)",
                         "a staged message matched)", "not probed (the transport is broken"),
-             "direct": ("the message did not arrive whole (a direct message started to "
-                        "arrive but did not complete)",
-                        "rendezvous-size receive (direct receives posted, ",
-                        "not probed (the transport is broken")}[path]
+             # One-way and kept: framed from the operand (a chunk header, then the
+             # payload), without a ready signal, and received as a staged message.
+             "direct": ("the message did not arrive whole (the message started to arrive "
+                        "but its payload did not complete in time)",
+                        "a staged message matched)", "not probed (the transport is broken")}[path]
     for part in ("Transport state at the timeout (this process is MPI rank 1; the peer MPI "
                  "rank 0;", "receives from rank 0, tag 1: the latest, #", *state):
         assert part in out, (part, run.report())
@@ -537,7 +538,8 @@ def test_rendezvous_direct_staged_and_mismatched_messages(rendezvous_run):
         out = _case_output(run, "paths", rank)
         for size in ((64 << 10) + 8, 1 << 20, (8 << 20) + 4096):
             assert f"ok   {size} bytes, receiver ready first: direct" in out, run.report()
-            assert f"ok   {size} bytes, receiver late: staged" in out, run.report()
+            # One-way and kept: straight from the operand however late the receiver.
+            assert f"ok   {size} bytes, receiver late: direct" in out, run.report()
         assert f"ok   {8 << 10} bytes, receiver ready first: staged" in out, run.report()
         assert out.count("ok   mismatch") == 4, run.report()
         assert out.count("ok   channel after errors") == 3, run.report()
