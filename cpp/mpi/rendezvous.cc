@@ -54,6 +54,38 @@ Status MpiTransport::PollReady(ChannelState& ch, uint64_t seq, int dest_rank, in
   }
 }
 
+Status MpiTransport::PostFromOperand(const std::shared_ptr<DirectSend>& send,
+                                     MpiPostFn post, const char* post_name, MPI_Comm comm,
+                                     int dest_rank, int tag, const void* data, size_t bytes,
+                                     std::chrono::steady_clock::time_point deadline) {
+  send->requests.reserve(send->requests.size() + bytes / kDirectChunkBytes + 2);
+  const auto* src = static_cast<const std::byte*>(data);
+  std::unique_lock<std::mutex> lock(mu_);  // direct_in_flight_ (and MPI if needed)
+  auto post_one = [&](const void* buf, size_t count) {
+    send->requests.emplace_back();
+    int rc = post(buf, static_cast<int>(count), MPI_BYTE, dest_rank, tag, comm,
+                  &send->requests.back());
+    if (rc != MPI_SUCCESS) send->requests.pop_back();
+    return rc;
+  };
+  int rc = send->header ? post_one(send->header.get(), sizeof(Envelope)) : MPI_SUCCESS;
+  for (size_t offset = 0; offset < bytes && rc == MPI_SUCCESS; offset += kDirectChunkBytes) {
+    rc = post_one(src + offset, std::min(kDirectChunkBytes, bytes - offset));
+  }
+  if (rc != MPI_SUCCESS) {
+    if (!send->requests.empty()) {
+      // The pieces already posted read from the operand: finish them before returning.
+      direct_in_flight_.push_back(send);
+      lock.unlock();
+      (void)FinishDirect(send, deadline);  // the failed post is the error to report
+    }
+    return Status::MpiError(post_name, rc);
+  }
+  send->posted_for_test = StopMidSendForTest::Posted(bytes);
+  direct_in_flight_.push_back(send);
+  return Status::Ok();
+}
+
 Status MpiTransport::SendDirect(int dest_rank, int tag, const void* data, size_t bytes,
                                 std::chrono::steady_clock::time_point deadline,
                                 std::shared_ptr<DirectSend>* kept,
@@ -61,30 +93,12 @@ Status MpiTransport::SendDirect(int dest_rank, int tag, const void* data, size_t
   // A deferred send is posted on behalf of whatever op polls: not that op's path.
   if (!into) trace::NotePath(trace::Path::kDirect);
   std::shared_ptr<DirectSend> send = into ? std::move(into) : std::make_shared<DirectSend>();
-  send->requests.reserve(bytes / kDirectChunkBytes + 1);
-  const auto* src = static_cast<const std::byte*>(data);
-  {
-    std::unique_lock<std::mutex> lock(mu_);  // direct_in_flight_ (and MPI if needed)
-    for (size_t offset = 0; offset < bytes; offset += kDirectChunkBytes) {
-      const size_t n = std::min(kDirectChunkBytes, bytes - offset);
-      send->requests.emplace_back();
-      // Synchronous mode: once it completes, the receive has matched, so the receiver can
-      // never cancel it as a receive that a staged message superseded.
-      int rc = MPI_Issend(src + offset, static_cast<int>(n), MPI_BYTE, dest_rank, tag,
-                          direct_comm_, &send->requests.back());
-      if (rc != MPI_SUCCESS) {
-        send->requests.pop_back();
-        if (!send->requests.empty()) {
-          // The pieces already posted read from the operand: finish them before returning.
-          direct_in_flight_.push_back(send);
-          lock.unlock();
-          (void)FinishDirect(send, deadline);  // the Issend failure is the error to report
-        }
-        return Status::MpiError("MPI_Issend", rc);
-      }
-    }
-    send->posted_for_test = StopMidSendForTest::Posted(bytes);
-    direct_in_flight_.push_back(send);
+  // Synchronous mode: once it completes, the receive has matched, so the receiver can
+  // never cancel it as a receive that a staged message superseded.
+  if (Status s = PostFromOperand(send, &MPI_Issend, "MPI_Issend", direct_comm_, dest_rank,
+                                 tag, data, bytes, deadline);
+      !s.ok()) {
+    return s;
   }
   if (kept) {
     *kept = std::move(send);
@@ -97,40 +111,19 @@ Status MpiTransport::SendFramed(int dest_rank, int tag, const void* data, size_t
                                 const Desc& desc,
                                 std::chrono::steady_clock::time_point deadline,
                                 std::shared_ptr<DirectSend>* kept) {
-  trace::NotePath(trace::Path::kDirect);
+  // The staged framing, so the receiver takes it as a staged message: the sender notes
+  // what the receiver sees (no copy is made, but no direct receive takes it either).
+  trace::NotePath(trace::Path::kStaged);
   auto send = std::make_shared<DirectSend>();
   // The chunk header says how the receiver posts the chunks: one message up to
   // kDirectChunkBytes (MPI moves it in one copy, straight from the operand).
   send->header = std::make_unique<Envelope>(MakeEnvelope(kChunkMagic, bytes, desc.hash,
                                                          desc.text));
   send->header->chunk_bytes = std::min(bytes, kDirectChunkBytes);
-  send->requests.reserve(bytes / kDirectChunkBytes + 2);
-  const auto* src = static_cast<const std::byte*>(data);
-  {
-    std::unique_lock<std::mutex> lock(mu_);  // direct_in_flight_ (and MPI if needed)
-    auto isend = [&](const void* buf, size_t count) {
-      send->requests.emplace_back();
-      int rc = MPI_Isend(buf, static_cast<int>(count), MPI_BYTE, dest_rank, tag, comm_,
-                         &send->requests.back());
-      if (rc != MPI_SUCCESS) send->requests.pop_back();
-      return rc;
-    };
-    int rc = isend(send->header.get(), sizeof(Envelope));
-    for (size_t offset = 0; offset < bytes && rc == MPI_SUCCESS;
-         offset += kDirectChunkBytes) {
-      rc = isend(src + offset, std::min(kDirectChunkBytes, bytes - offset));
-    }
-    if (rc != MPI_SUCCESS) {
-      if (!send->requests.empty()) {
-        // The pieces already posted read from the operand: finish them before returning.
-        direct_in_flight_.push_back(send);
-        lock.unlock();
-        (void)FinishDirect(send, deadline);  // the Isend failure is the error to report
-      }
-      return Status::MpiError("MPI_Isend", rc);
-    }
-    send->posted_for_test = StopMidSendForTest::Posted(bytes);
-    direct_in_flight_.push_back(send);
+  if (Status s = PostFromOperand(send, &MPI_Isend, "MPI_Isend", comm_, dest_rank, tag, data,
+                                 bytes, deadline);
+      !s.ok()) {
+    return s;
   }
   *kept = std::move(send);
   return Status::Ok();
@@ -191,7 +184,7 @@ Status MpiTransport::FinishDirect(const std::shared_ptr<DirectSend>& send,
     std::lock_guard<std::mutex> lock(mu_);
     send->done = true;
     ++sends_completed_;
-    ++direct_sends_;
+    if (!send->header) ++direct_sends_;  // a framed send is received as a staged one
     return Status::Ok();
   }
   if (!Expired(deadline)) return Status::Invalid(BrokenMessage());  // stopped by the break

@@ -63,7 +63,7 @@ Status MpiTransport::ProgressLocked() {
     if (done) {
       send.done = true;
       ++sends_completed_;
-      ++direct_sends_;
+      if (!send.header) ++direct_sends_;  // a framed send is received as a staged one
       it = direct_in_flight_.erase(it);
     } else {
       ++it;

@@ -567,6 +567,16 @@ class MpiTransport {
                     std::shared_ptr<DirectSend>* kept);
   // Marks a deferred send that could not be sent as done with `failure` (its precv reports).
   void FailDeferred(const std::shared_ptr<DirectSend>& send, Status failure);
+  // What MPI_Isend and MPI_Issend are: how PostFromOperand posts.
+  using MpiPostFn = int (*)(const void*, int, MPI_Datatype, int, int, MPI_Comm, MPI_Request*);
+  // Posts `bytes` from `data` with `post` (`post_name` for the error) on `comm`, in pieces
+  // of at most kDirectChunkBytes, after `send`'s header if it has one: each piece a request
+  // of `send`, which then goes into direct_in_flight_. A post that fails leaves earlier
+  // pieces reading the operand: they are finished (FinishDirect) before the error returns.
+  Status PostFromOperand(const std::shared_ptr<DirectSend>& send, MpiPostFn post,
+                         const char* post_name, MPI_Comm comm, int dest_rank, int tag,
+                         const void* data, size_t bytes,
+                         std::chrono::steady_clock::time_point deadline);
   // Starts the direct send; finishes it too unless `kept` takes it.
   // `into`: the deferred send to post (else a new one).
   Status SendDirect(int dest_rank, int tag, const void* data, size_t bytes,
@@ -612,6 +622,7 @@ class MpiTransport {
   uint64_t inflight_bytes_ = 0;
   uint64_t sends_completed_ = 0;
   uint64_t peak_inflight_bytes_ = 0;
+  // Sends a direct receive took (not framed ones: their receiver takes them staged).
   uint64_t direct_sends_ = 0;
   uint64_t staged_large_sends_ = 0;
   std::deque<ControlSend> control_sends_;  // ready signals not yet completed

@@ -7,11 +7,12 @@ after the other, each between ``== case NAME: start`` and ``== case NAME: done``
 rank; the cases that say 1 device per rank use the first device of each rank):
 
 * ``paths`` (1 device per rank): the receiver ready first and the receiver late by 1.5 s:
-  a one-way psend whose operand its precv keeps goes straight from the operand either way,
-  without waiting for a ready signal (``mpi_direct_sends`` grows, and the psend returns
-  before it completes: ``kept_sends`` grows; ``mpi_staged_large_sends`` does not), at
-  64 KiB + 8 B (below the plain rendezvous size), 1 MiB and 8 MiB + 4 KiB (its chunk
-  header, then the payload),
+  a one-way psend whose operand its precv keeps is framed straight from the operand either
+  way (its chunk header, then the payload), without waiting for a ready signal, and
+  received as a staged message: the psend returns before it completes (``kept_sends``
+  grows), and neither ``mpi_direct_sends`` (no direct receive takes it) nor
+  ``mpi_staged_large_sends`` (no staging copy) does, at 64 KiB + 8 B (below the plain
+  rendezvous size), 1 MiB and 8 MiB + 4 KiB,
   and at 8 KiB (below that size: staged whoever comes first, neither count moves);
   byte-count mismatches with the receiver ready first (the sender must stage, the receiver
   reports the same error as on the plain path, the sender does not hang), a 8 B message
@@ -126,16 +127,17 @@ def run_paths() -> None:
                 np.testing.assert_array_equal(got, pattern(n, salt), err_msg=f"{n} {mode}")
             else:
                 direct, staged, kept = (a - b for a, b in zip(after, before, strict=True))
-                # A one-way psend whose operand its precv keeps sends straight from the
-                # operand at once, whoever comes first (no ready signal, no staging copy
-                # for a late receiver), the psend returning while the receiver copies (the
-                # precv that takes its token finishes it).
-                want = (1, 0, 1)
+                # A one-way psend whose operand its precv keeps is framed from the operand
+                # at once, whoever comes first (no ready signal, no staging copy for a late
+                # receiver, received as a staged message: not a direct send), the psend
+                # returning while the receiver copies (the precv that takes its token
+                # finishes it).
+                want = (0, 0, 1)
                 if n < 16 << 10:  # the plain small path: copied, sent, never kept
                     want = (0, 0, 0)
                 assert (direct, staged, kept) == want, (n, mode, direct, staged, kept)
                 assert jax_cpu_mpi.stats()["kept_sends_unfinished"] == 0
-            path = "direct" if n >= 16 << 10 else "staged"
+            path = "framed" if n >= 16 << 10 else "staged"
             print(f"ok   {n} bytes, {mode}: {path}", flush=True)
             barrier(f"{n} {mode} done")
 

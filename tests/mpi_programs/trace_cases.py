@@ -2,8 +2,10 @@
 
 Launched with ``JAX_CPU_MPI_TRACE=DIR`` and ``JAX_CPU_MPI_DEBUG=1``: a ring over the 4
 devices (two in-process hops, two over MPI, 8 B each, ``RING_CALLS`` times), then 1 MiB from
-device 1 (process 0) to device 2 (process 1), sent after the receiver is ready (the direct
-path; the psend returns before it completes: kept) and then before (the sender may stage).
+device 1 (process 0) to device 2 (process 1), sent after the receiver is ready and then
+before (one-way: framed from the operand either way, received as a staged message; the
+psend returns before it completes: kept), then 1 MiB both ways between them in one op (a
+cycle: the sends wait for the receivers' ready signals and go direct).
 Each process prints how many psend/precv it executed per path family, and the MPI
 transport's own counters, for tests/trace/test_trace.py to compare with the files.
 """
@@ -26,6 +28,7 @@ me = jax.process_index()
 mesh = jax.make_mesh((4,), ("x",))
 ring = [(i, (i + 1) % 4) for i in range(4)]
 one_way = [(1, 2)]
+cycle = [(1, 2), (2, 1)]
 
 
 def program(perm):
@@ -65,6 +68,10 @@ for sender_late in (True, False):
         time.sleep(0.3)
     jax.block_until_ready(g(big))
     count(one_way)
+h = program(cycle)
+for _ in range(2):
+    jax.block_until_ready(h(big))
+    count(cycle)
 after = jax_cpu_mpi.stats()
 path = jax_cpu_mpi.trace_flush()
 print("TRACE-FILE", path)

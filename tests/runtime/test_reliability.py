@@ -537,9 +537,9 @@ def test_rendezvous_direct_staged_and_mismatched_messages(rendezvous_run):
     for rank in (0, 1):
         out = _case_output(run, "paths", rank)
         for size in ((64 << 10) + 8, 1 << 20, (8 << 20) + 4096):
-            assert f"ok   {size} bytes, receiver ready first: direct" in out, run.report()
-            # One-way and kept: straight from the operand however late the receiver.
-            assert f"ok   {size} bytes, receiver late: direct" in out, run.report()
+            # One-way and kept: framed from the operand however late the receiver.
+            assert f"ok   {size} bytes, receiver ready first: framed" in out, run.report()
+            assert f"ok   {size} bytes, receiver late: framed" in out, run.report()
         assert f"ok   {8 << 10} bytes, receiver ready first: staged" in out, run.report()
         assert out.count("ok   mismatch") == 4, run.report()
         assert out.count("ok   channel after errors") == 3, run.report()
