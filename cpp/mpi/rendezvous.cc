@@ -191,7 +191,8 @@ Status MpiTransport::FinishDirect(const std::shared_ptr<DirectSend>& send,
   if (send->header) {
     return Status::SendTimeout(
         "the receiver did not take this message before the timeout "
-        "(JAX_CPU_MPI_RECV_TIMEOUT); did its process fail or exit?");
+        "(JAX_CPU_MPI_RECV_TIMEOUT); did its process fail or exit, or not reach its precv "
+        "of this op in time? (set JAX_CPU_MPI_RECV_TIMEOUT to wait longer)");
   }
   return Status::SendTimeout(
       "the receiver signalled that it was ready for this message, then did not take it "

@@ -4,12 +4,13 @@
 
 * ``killed-while-peer-receives``: rank 1 waits in a precv for rank 0, which is SIGKILLed
   (it never sends).
-* ``killed-while-peer-sends``: rank 0 has a 256 MiB psend to rank 1 in flight and waits in
-  a precv for rank 1's reply; rank 1 is SIGKILLed instead of receiving.
+* ``killed-while-peer-sends``: rank 0 has a 256 MiB psend to rank 1 in flight (one-way and
+  kept: framed from its operand) and waits in the precv that keeps its operand for rank 1
+  to take it; rank 1 is SIGKILLed instead of receiving.
 * ``hangs-while-peer-receives``: rank 0 stays alive but never sends (stuck elsewhere):
   rank 1's precv must give up after ``JAX_CPU_MPI_RECV_TIMEOUT`` with an error naming it.
 * ``exits-while-peer-sends``: like the second, but rank 1 leaves with ``os._exit(0)``: the
-  launcher sees no failure, so rank 0's own precv timeout must end it.
+  launcher may see no failure, so the timeout of rank 0's wait for its send must end it.
 * ``killed-mid-rendezvous``: rank 1 waits in its precv of 64 MiB and stops itself
   (SIGSTOP); rank 0's one-way psend, whose operand its precv keeps, sends straight from its
   operand (no ready signal), a send that cannot complete; a thread of rank 0 then SIGKILLs
