@@ -146,6 +146,30 @@ Status MpiTransport::FinishDirect(const std::shared_ptr<DirectSend>& send,
       }
     }
   }
+  // A framed (one-way) send is waited for here until the receiver's precv of the psend's
+  // op takes it: MPI cannot cancel a send whose operand XLA is about to reuse. Why that
+  // wait, which the staged copy it replaces never had, adds no deadlock:
+  // - The receiver needs nothing more from this device for it: every piece was posted when
+  //   the psend ran, and this loop keeps MPI progressing (over TCP the bytes move only
+  //   while the sender calls MPI) and posts this process's deferred sends.
+  // - This precv is the send's last keeper on this device (kept-operands pass): it runs no
+  //   earlier than the precv of the psend's own op, which is the precv the receiver takes
+  //   the message in. Every process runs the same compiled program (identical text, so the
+  //   same thunk sequence), so whatever the receiver runs before that precv and needs this
+  //   device for (a message from it, a collective it must join) this device has run
+  //   before it too: the messages were posted, the collective joined.
+  // - Only two devices that run that precv and an independent collective in opposite
+  //   orders could wait for each other here (this one in the precv, the receiver in the
+  //   collective). XLA orders our custom calls by their buffers alone, but one device's
+  //   thread runs the compiled sequence, or its ready queue, in one deterministic order,
+  //   the same on every device; an order differs only where XLA hands ready calls to
+  //   another thread (or resumes after an asynchronous call), and a call run elsewhere
+  //   runs while this one waits. The mirror divergence (the receiver's precv before the
+  //   collective, the sender's psend after it) deadlocks a plain receive as much.
+  //   tests/mpi_programs/rendezvous.py's `ordering` case runs a hop between two independent
+  //   psums (MPI and gloo) and two one-way ops in opposite directions in one step, under
+  //   a short timeout.
+  // And it is bounded: at the deadline the send is abandoned and the precv fails.
   Backoff backoff;
   {
     // The wait for the receiver to take the bytes: its spin adapts as RecvLarge's does

@@ -3,8 +3,8 @@ whose operand a precv keeps): every way it can go.
 
 ``rendezvous.py CASE[,CASE...]`` under ``mpirun -n 2`` (``ring``: ``-n 3``), the cases one
 after the other, each between ``== case NAME: start`` and ``== case NAME: done`` lines
-(tests/runtime/test_reliability.py runs the first three in one launch, with 4 devices per
-rank; the cases that say 1 device per rank use the first device of each rank):
+(tests/runtime/test_reliability.py runs the first three and ``ordering`` in one launch, with
+4 devices per rank; the cases that say 1 device per rank use the first device of each rank):
 
 * ``paths`` (1 device per rank): the receiver ready first and the receiver late by 1.5 s:
   a one-way psend whose operand its precv keeps is framed straight from the operand either
@@ -18,6 +18,12 @@ rank; the cases that say 1 device per rank use the first device of each rank):
   reports the same error as on the plain path, the sender does not hang), a 8 B message
   into a 8 MiB precv that is ready first (a ready signal the sender never reads), and
   afterwards the channel still delivers both ways, direct, with the right bytes.
+* ``ordering`` (2 devices per rank, and the first of each): the wait of a one-way framed
+  send's keeper precv for its receiver (mpi/rendezvous.cc, FinishDirect) under a 5 s
+  receive timeout: a 64 KiB + 8 B hop between two psums that do not depend on it, over
+  MPI and over gloo, and two one-way ops between the ranks in opposite directions in one
+  step with a psum between, their precvs in the order of their psends and reversed; each
+  with either rank late, every byte and sum checked, the psends framed.
 * ``many-channels`` (4 devices per rank): every device of rank 0 sends 512 KiB to every
   device of rank 1 and back, all psends before the precvs (GPU parity off), 16 channels
   each way used from 4 device threads at once, some messages direct and some staged, 6
@@ -460,13 +466,120 @@ def run_ring() -> None:
     print(f"ok   ring of {ranks}: {direct} direct sends", flush=True)
 
 
+def run_ordering() -> None:
+    """A one-way kept psend of 16 KiB or more is framed from its operand, and the precv
+    that keeps the operand waits until the receiver's precv takes it (MPI cannot cancel a
+    send): nothing the receiver runs before that precv may wait for the sender past it.
+    Under a short receive timeout, so that such a wait fails the case instead of hanging:
+    a hop between two psums that do not depend on it (MPI collectives, then gloo), with
+    either rank late; and, on 2 devices per rank, two one-way ops between the ranks in
+    opposite directions in one step, their precvs in the other order than their psends
+    (and in the same), with a psum in between. Each checks its bytes and that the psends
+    went framed (kept, neither direct nor staged-copied)."""
+    before_timeout = config.current().recv_timeout
+    jax_cpu_mpi.configure(recv_timeout=ORDERING_TIMEOUT)
+    try:
+        _ordering_cases()
+    finally:
+        jax_cpu_mpi.configure(recv_timeout=before_timeout)
+
+
+ORDERING_TIMEOUT = 5.0
+ORDERING_BYTES = (64 << 10) + 8
+
+
+def _framed_check(name: str, before: tuple[int, int, int], sends: int) -> None:
+    direct, staged, kept = (a - b for a, b in zip(counters(), before, strict=True))
+    assert (direct, staged, kept) == (0, 0, sends), (name, direct, staged, kept)
+
+
+def _ordering_cases() -> None:
+    n = ORDERING_BYTES
+    mesh = pair_mesh()
+
+    def hop_between_psums(v, w):
+        like = jax.ShapeDtypeStruct(v.shape, v.dtype)
+        a = jax.lax.psum(w, "x")
+        got = jax_cpu_mpi.precv(jax_cpu_mpi.psend(v, "x", FWD), like, "x", FWD)
+        b = jax.lax.psum(w * 2, "x")
+        return got, a, b
+
+    x = common.global_array(mesh, P("x"), np.concatenate([pattern(n, 9), pattern(n, 10)]))
+    w = common.global_array(mesh, P("x"), np.arange(8, dtype=np.float32))
+    for collectives in ("mpi", "gloo"):
+        with config.overrides(collectives=collectives):
+            f = jax.jit(jax.shard_map(hop_between_psums, mesh=mesh, in_specs=(P("x"), P("x")),
+                                      out_specs=(P("x"), P("x"), P("x"))))
+            f.lower(x, w).compile()
+        for late in (0, 1):
+            barrier(f"ordering hop {collectives} {late}")
+            before = counters()
+            if me == late:
+                time.sleep(0.5)
+            got, a, b = (local(out) for out in jax.block_until_ready(f(x, w)))
+            if me == 1:
+                np.testing.assert_array_equal(got, pattern(n, 9))
+            else:
+                _framed_check(f"hop {collectives}", before, 1)
+            np.testing.assert_array_equal(a, [4, 6, 8, 10])
+            np.testing.assert_array_equal(b, [8, 12, 16, 20])
+            print(f"ok   ordering hop between psums ({collectives}), rank {late} late",
+                  flush=True)
+        barrier(f"ordering hop {collectives} done")
+
+    # Mesh positions 0, 1 on rank 0 and 2, 3 on rank 1: 0 -> 2 and 3 -> 1 are one-way
+    # (their senders receive nothing in the step), each from a device whose sibling
+    # receives.
+    firsts = [sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)[:2]
+              for p in range(2)]
+    mesh4 = jax.sharding.Mesh(np.array(firsts[0] + firsts[1]), ("x",))
+    across, back = [(0, 2)], [(3, 1)]
+
+    def opposite(v, w, *, precvs_reversed: bool):
+        like = jax.ShapeDtypeStruct(v.shape, v.dtype)
+        t1, t2 = jax_cpu_mpi.psend(v, "x", across), jax_cpu_mpi.psend(v, "x", back)
+        s = jax.lax.psum(w, "x")
+        if precvs_reversed:
+            r2 = jax_cpu_mpi.precv(t2, like, "x", back)
+            r1 = jax_cpu_mpi.precv(t1, like, "x", across)
+        else:
+            r1 = jax_cpu_mpi.precv(t1, like, "x", across)
+            r2 = jax_cpu_mpi.precv(t2, like, "x", back)
+        return r1 | r2, s
+
+    blocks = [pattern(n, 11 + i) for i in range(4)]
+    x4 = common.global_array(mesh4, P("x"), np.concatenate(blocks))
+    w4 = common.global_array(mesh4, P("x"), np.arange(8, dtype=np.float32))
+    for precvs_reversed in (True, False):
+        with config.overrides(gpu_parity=False):
+            f = jax.jit(jax.shard_map(
+                functools.partial(opposite, precvs_reversed=precvs_reversed), mesh=mesh4,
+                in_specs=(P("x"), P("x")), out_specs=(P("x"), P("x"))))
+            f.lower(x4, w4).compile()
+        order = "reversed" if precvs_reversed else "same"
+        for late in (0, 1):
+            barrier(f"ordering opposite {order} {late}")
+            before = counters()
+            if me == late:
+                time.sleep(0.5)
+            got, s = (common.gather(out) for out in jax.block_until_ready(f(x4, w4)))
+            _framed_check(f"opposite {order}", before, 1)  # one one-way sender per rank
+            zeros = np.zeros(n, np.uint8)
+            want = np.concatenate([zeros, blocks[3], blocks[0], zeros])
+            np.testing.assert_array_equal(got, want, err_msg=order)
+            np.testing.assert_array_equal(s, np.tile([12, 16], 4))
+            print(f"ok   ordering two one-way ops, precvs in {order} order, rank {late} late",
+                  flush=True)
+        barrier(f"ordering opposite {order} done")
+
+
 def _send_only(v):
     jax_cpu_mpi.psend(v, "x", FWD)  # side-effecting: stays in the program
     return v
 
 
 RUN = {"paths": run_paths, "many-channels": run_many_channels, "exchange": run_exchange,
-       "ring": run_ring, "never-received": run_never_received}
+       "ring": run_ring, "ordering": run_ordering, "never-received": run_never_received}
 assert "never-received" not in CASES or CASES == ["never-received"], CASES  # it ends the job
 for case in CASES:
     print(f"== case {case}: start", flush=True)

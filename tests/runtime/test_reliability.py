@@ -509,9 +509,10 @@ def test_large_send_nobody_receives_returns_and_exit_does_not_hang(fault_job):
 # --- 4b. the rendezvous path of large MPI messages -----------------------------------------
 
 #: The cases of rendezvous.py that one launch runs, in order (4 devices per process: the
-#: many-channels case uses them all, the others the first device of each process). One
-#: launch instead of three: each would pay its ranks' imports and JAX's startup.
-RENDEZVOUS_CASES = ("paths", "exchange", "many-channels")
+#: many-channels case uses them all, ordering two, the others the first device of each
+#: process). One launch instead of four: each would pay its ranks' imports and JAX's
+#: startup.
+RENDEZVOUS_CASES = ("paths", "exchange", "many-channels", "ordering")
 RENDEZVOUS_TIMEOUT = 400
 
 
@@ -562,6 +563,24 @@ def test_rendezvous_exchanges_both_ways_at_once(rendezvous_run):
             assert f"ok   exchange two ops apart {size} bytes" in out, run.report()
         assert out.count("ok   cycle mismatch") == 5, run.report()
         assert "ok   exchange after mismatches" in out, run.report()
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(RENDEZVOUS_TIMEOUT + 30)
+def test_one_way_kept_send_waits_for_no_receiver_that_waits_for_it(rendezvous_run):
+    """The precv that keeps a one-way framed send waits until its receiver takes it: a hop
+    between independent psums (MPI and gloo) and two one-way ops in opposite directions in
+    one step must complete, every byte right, within a short receive timeout."""
+    run = rendezvous_run
+    for rank in (0, 1):
+        out = _case_output(run, "ordering", rank)
+        for late in (0, 1):
+            for collectives in ("mpi", "gloo"):
+                assert f"ok   ordering hop between psums ({collectives}), rank {late} late" \
+                    in out, run.report()
+            for order in ("reversed", "same"):
+                assert (f"ok   ordering two one-way ops, precvs in {order} order, rank {late} "
+                        "late") in out, run.report()
 
 
 @pytest.mark.mpi
