@@ -515,7 +515,7 @@ def _ordering_cases() -> None:
             barrier(f"ordering hop {collectives} {late}")
             before = counters()
             if me == late:
-                time.sleep(0.5)
+                time.sleep(0.2)
             got, a, b = (local(out) for out in jax.block_until_ready(f(x, w)))
             if me == 1:
                 np.testing.assert_array_equal(got, pattern(n, 9))
@@ -561,7 +561,7 @@ def _ordering_cases() -> None:
             barrier(f"ordering opposite {order} {late}")
             before = counters()
             if me == late:
-                time.sleep(0.5)
+                time.sleep(0.2)
             got, s = (common.gather(out) for out in jax.block_until_ready(f(x4, w4)))
             _framed_check(f"opposite {order}", before, 1)  # one one-way sender per rank
             zeros = np.zeros(n, np.uint8)
