@@ -56,6 +56,13 @@ struct Routing {
   int64_t operand_kept;  // how many precvs keep the psend's operand alive (0: none)
 };
 
+// A send that gave up at its deadline is a timeout, as a precv's is (DEADLINE_EXCEEDED, so
+// a caller can tell both from a broken transport); any other failed send is internal.
+ffi::ErrorCode ErrorCodeOf(const Status& failed) {
+  return failed.code() == StatusCode::kSendTimeout ? ffi::ErrorCode::kDeadlineExceeded
+                                                   : ffi::ErrorCode::kInternal;
+}
+
 ffi::Error Malformed(std::string_view op) {
   return ffi::Error::Internal(std::string(op) + ": malformed attributes");
 }
@@ -284,7 +291,7 @@ ffi::Error Psend(int64_t run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partiti
     if (r.code() == StatusCode::kSendTimeout && !Closing()) {
       s << mpi->StallReport(dest, static_cast<int>(PairTag(info, peer_dev, my_dev)), *tag);
     }
-    return ffi::Error::Internal(s.str());
+    return ffi::Error(ErrorCodeOf(r), s.str());
   }
   return ffi::Error::Success();
 }
@@ -492,7 +499,7 @@ ffi::Error Precv(int64_t run_id, ffi::Token /*token*/, ffi::Buffer<ffi::U32> par
                                 std::to_string(operand_kept) + ")");
   }
   if (received.failure() || send_status.ok()) return received;
-  return ffi::Error::Internal(send_status.message());
+  return ffi::Error(ErrorCodeOf(send_status), send_status.message());
 }
 
 // Tracing (common/trace.h): the op's event, timed around the whole handler. A device that

@@ -398,8 +398,9 @@ def test_kept_one_way_send_to_a_receiver_stopped_in_its_precv_times_out(fault_jo
     assert failed, run.report()
     assert float(failed.group(1)) < 3 + 1 + 3, run.report()  # timeout, cancel grace, margin
     assert failed.group(2).startswith(
-        "INTERNAL: psend(axis_name=('x',), perm=[(0, 1)]) of uint8[16384,4096] from partition "
-        "0 (process 0) to partition 1 (process 1) (MPI rank 1 on host "), run.report()
+        "DEADLINE_EXCEEDED: psend(axis_name=('x',), perm=[(0, 1)]) of "
+        "uint8[16384,4096] from partition 0 (process 0) to partition 1 (process 1) "
+        "(MPI rank 1 on host "), run.report()
     for part in ("failed: the receiver did not take this message before the timeout "
                  "(JAX_CPU_MPI_RECV_TIMEOUT)",
                  "\n  Transport state at the timeout (this process is MPI rank 0; the peer MPI "

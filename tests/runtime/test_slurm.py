@@ -163,8 +163,9 @@ def test_dead_rank_ends_the_step(cluster):
     # Within the timeout and the cancel's grace (mpi/transport.h, kCancelGrace), plus margin.
     assert float(failed.group(1)) < 5 + 1 + 3, step.report()
     assert failed.group(2).startswith(
-        "INTERNAL: psend(axis_name=('x',), perm=[(0, 1)]) of uint8[65536,4096] from partition "
-        "0 (process 0) to partition 1 (process 1) (MPI rank 1 on host "), step.report()
+        "DEADLINE_EXCEEDED: psend(axis_name=('x',), perm=[(0, 1)]) of "
+        "uint8[65536,4096] from partition 0 (process 0) to partition 1 (process 1) "
+        "(MPI rank 1 on host "), step.report()
     assert ("failed: the receiver did not take this message before the timeout "
             "(JAX_CPU_MPI_RECV_TIMEOUT); did its process fail or exit, or not reach its precv "
             "of this op in time? (set JAX_CPU_MPI_RECV_TIMEOUT to wait longer)"
