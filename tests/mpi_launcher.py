@@ -71,8 +71,10 @@ def communicate_or_kill(command: list[str], timeout: float,
     """Run ``command`` in a session of its own: its output (stderr folded into stdout) and
     exit status, or None as the status once ``timeout`` seconds passed and its whole process
     group was killed (mpirun's and srun's children too, so nothing outlives the test)."""
+    # errors="replace": a launcher or library may print bytes that are not UTF-8 (a garbled
+    # PMI message); the test must fail on what the job did, with its output, not on decoding.
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True, **popen_kwargs)
+                            text=True, errors="replace", start_new_session=True, **popen_kwargs)
     try:
         output, _ = proc.communicate(timeout=timeout)
         return output, proc.returncode

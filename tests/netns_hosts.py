@@ -254,7 +254,8 @@ class TwoHosts:
         full_env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
         full_env.update(genv)
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=full_env, start_new_session=True)
+                                text=True, errors="replace", env=full_env,
+                                start_new_session=True)
         job = Job(proc, Path(outdir), self)
         errors: list[BaseException] = []
         injector = None

@@ -51,6 +51,12 @@ SRUN_NONE = ("XLA_FLAGS=--xla_force_host_platform_device_count=2 "
              "srun -n 2 --mpi=none .venv/bin/python example.py")
 #: A launch that works takes seconds; this is what a loaded 2-core CI machine may need.
 LAUNCH_TIMEOUT = 180
+#: Slurm 22.05's pmi2 plugin's error when it misreads a long PMI request (docs/launchers.md).
+PMI2_MISREAD = "mpi/pmi2: value not properly terminated in client request"
+#: The across-nodes launch's tries and each one's timeout: a launch takes a few seconds; one
+#: whose PMI request was misread waits in MPI_Init until it is killed.
+PMI2_MISREAD_TRIES = 3
+PMI2_TRY_TIMEOUT = 80
 
 
 def _skip_or_fail_in_ci(what: str, reason: str | None) -> None:
@@ -203,7 +209,7 @@ def two_node_cluster():
 
 
 @pytest.mark.across_hosts
-@pytest.mark.timeout(LAUNCH_TIMEOUT + 120)
+@pytest.mark.timeout(PMI2_MISREAD_TRIES * PMI2_TRY_TIMEOUT + 120)
 def test_srun_across_two_nodes(two_node_cluster, workdir):
     """``srun -N 2``: one task on each host, MPI over TCP across the veth link (the only way
     between the namespaces), the README example's output."""
@@ -215,9 +221,18 @@ def test_srun_across_two_nodes(two_node_cluster, workdir):
     # UCX on the link's interface only (each host has one of the two; UCX warns about the
     # other): with every interface, UCX's addresses are long enough that Slurm 22.05's pmi2
     # plugin now and then misreads the PMI request that carries them ("value not properly
-    # terminated in client request") and MPI_Init fails (2 runs in 6 in the test bed).
-    step = cluster.run(["bash", "-c", line], LAUNCH_TIMEOUT, cwd=workdir,
-                       env={"UCX_TLS": "tcp,self",
-                            "UCX_NET_DEVICES": ",".join(cluster.hosts.veths.values())})
-    assert step.returncode == 0, step.report() + cluster.logs()
+    # terminated in client request") and MPI_Init fails (2 runs in 6 in the test bed). With
+    # the machine loaded it still does (2 runs in 6 with 3 busy loops beside the test):
+    # MPI_Init then waits forever, so that step is killed at a shorter timeout and run again,
+    # for that signature only (docs/launchers.md says so); any other failure fails at once.
+    tries = []
+    for _ in range(PMI2_MISREAD_TRIES):
+        step = cluster.run(["bash", "-c", line], PMI2_TRY_TIMEOUT, cwd=workdir,
+                           env={"UCX_TLS": "tcp,self",
+                                "UCX_NET_DEVICES": ",".join(cluster.hosts.veths.values())})
+        tries.append(step)
+        if step.returncode == 0 or PMI2_MISREAD not in step.output:
+            break
+    report = "\n".join(t.report() for t in tries)
+    assert step.returncode == 0, report + cluster.logs()
     assert _readme_example()[1] in step.output.splitlines(), step.report()
