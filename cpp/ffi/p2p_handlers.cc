@@ -414,9 +414,14 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
   // from a smaller size on and reads this receive's ready signal (mpi/transport.h); a
   // sender that never reads ready signals must get none (they would pile up unread).
   const bool sender_kept = info.group_pairs.size() > 0;
-  // A large output is likely a fresh map (common/keep_freed_memory.h) that MPI's copy would
-  // otherwise fault in a 4 KiB page at a time, inside the transfer.
-  if (bytes >= kFreshMapMinBytes) AdviseHugePages(out->untyped_data(), bytes);
+  // A large output is often fresh memory (XLA allocates a program's outputs at every call:
+  // a new map, or heap that glibc trimmed). Unadvised, it gets 4 KiB pages for as long as it
+  // lives: MPI's copy into it faults them in one at a time, and every later hop that sends
+  // from it or receives into it again (a loop carry) handles 512 times as many pages (MPICH's
+  // single copy pins each page of the sender's buffer). From NumPy's threshold for the same
+  // hint, as a collective's output: mpi4py's receive into a NumPy array that large writes
+  // huge pages. A no-op on memory already faulted in, and cheap once the range is advised.
+  if (bytes >= kHugePageHintBytes) AdviseHugePages(out->untyped_data(), bytes);
   Status r = mpi->Recv(source, *tag, out->untyped_data(), bytes, operand, deadline,
                        sender_kept);
   if (r.ok()) return ffi::Error::Success();
