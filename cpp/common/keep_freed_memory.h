@@ -44,7 +44,8 @@ std::span<std::byte> WholeHugePages(void* data, size_t bytes);
 // AdviseHugePages by them (THP "madvise" or "always"), else 0 (no THP, or "never").
 size_t TransparentHugePageBytes();
 
-// From this many bytes a collective's output gets AdviseHugePages before MPI writes it:
+// From this many bytes a collective's output, and a precv's from another process, gets
+// AdviseHugePages before MPI writes it:
 // numpy's threshold for the same hint, so that the collective writes into the pages mpi4py's
 // call on a numpy array of that size would (a range this large holds a whole huge page).
 inline constexpr size_t kHugePageHintBytes = size_t{4} << 20;

@@ -424,9 +424,14 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
   // A kept sender that receives nothing in the group frames its message from its operand
   // at once (MpiTransport::SendFramed): it reads no ready signal.
   const bool sender_one_way = sender_kept && !ReceivesInGroup(info, peer);
-  // A large output is likely a fresh map (common/keep_freed_memory.h) that MPI's copy would
-  // otherwise fault in a 4 KiB page at a time, inside the transfer.
-  if (bytes >= kFreshMapMinBytes) AdviseHugePages(out->untyped_data(), bytes);
+  // A large output is often fresh memory (XLA allocates a program's outputs at every call:
+  // a new map, or heap that glibc trimmed). Unadvised, it gets 4 KiB pages for as long as it
+  // lives: MPI's copy into it faults them in one at a time, and every later hop that sends
+  // from it or receives into it again (a loop carry) handles 512 times as many pages (MPICH's
+  // single copy pins each page of the sender's buffer). From NumPy's threshold for the same
+  // hint, as a collective's output: mpi4py's receive into a NumPy array that large writes
+  // huge pages. A no-op on memory already faulted in, and cheap once the range is advised.
+  if (bytes >= kHugePageHintBytes) AdviseHugePages(out->untyped_data(), bytes);
   Status r = mpi->Recv(source, *tag, out->untyped_data(), bytes, operand, deadline,
                        sender_kept, sender_one_way);
   if (r.ok()) return ffi::Error::Success();

@@ -58,6 +58,52 @@ for dtype in cases.ALL_DTYPES:
 # 32 bytes: the size of the chunked protocol's header, must still arrive as plain data.
 check("32-byte messages", cases.permute_vs_ppermute(mesh, gather, axis="x", perm=ring,
                                                       dtype=np.float32, block=(8,)))
+
+
+def huge_page_advice(nbytes: int) -> dict | None:
+    """One way from the first device of rank 0 to the first of rank 1, ``nbytes`` (made in the
+    program: no NumPy array of that size, which NumPy advises itself, comes near it): on the
+    receiving process, whether the VMAs over the whole huge pages of the precv's output are
+    advised for huge pages (smaps' VmFlags ``hg``, cpp/ffi/p2p_handlers.cc), and whether the
+    bytes arrived. None on the sending process."""
+    count = nbytes // 4
+    per_process = n // jax.process_count()
+    cross = jax.make_mesh((2,), ("x",), devices=[jax.devices()[0], jax.devices()[per_process]])
+
+    def body(v):
+        message = jax.numpy.arange(count, dtype=np.uint32) + v[0]
+        return cases.sendrecv(message, "x", [(0, 1)])
+
+    spec = jax.sharding.PartitionSpec("x")
+    f = jax.jit(jax.shard_map(body, mesh=cross, in_specs=spec, out_specs=spec))
+    out = jax.block_until_ready(f(cases.put(cross, spec, np.arange(2, dtype=np.uint32))))
+    receiver = cross.devices.flat[1]
+    if receiver.process_index != jax.process_index():
+        return None
+    shard = next(s.data for s in out.addressable_shards if s.device == receiver)
+    start = shard.unsafe_buffer_pointer()
+    huge = 2 << 20
+    first, last = -(-start // huge) * huge, (start + nbytes) // huge * huge
+    advised = []
+    with open("/proc/self/smaps") as smaps:
+        lo = hi = 0
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(a, 16) for a in head.split("-"))
+            elif head == "VmFlags:" and hi > first and lo < last:
+                advised.append("hg" in line.split()[1:])
+    return {"advised": bool(advised) and all(advised), "vmas": len(advised),
+            "right": bool((np.asarray(shard) == np.arange(count, dtype=np.uint32)).all())}
+
+
+# A 6 MiB receive, before any other large one in this process: its output, fresh memory,
+# is advised for huge pages (as NumPy advises its arrays from 4 MiB), so that MPI's copy
+# into it, and every later use of it, goes through 2 MiB pages.
+if LARGE:
+    print("hugepage " + json.dumps(huge_page_advice(6 << 20)), flush=True)
+
+
 # Above the chunking threshold (4 MiB), with a ragged last chunk.
 if LARGE:
     check("chunked 9 MiB + 12 B messages", cases.permute_vs_ppermute(
@@ -98,6 +144,7 @@ cross = jax.make_mesh((2,), ("x",), devices=[jax.devices()[0], jax.devices()[per
 assert cross.devices.flat[0].process_index != cross.devices.flat[1].process_index
 with config.overrides(gpu_parity=True):
     check("send, compute, send back", cases.send_compute_send_back(cross, gather), exact=False)
+
 check("two-way 64 KiB exchange, sends first",
       cases.two_way_exchange(cross, gather, nbytes=64 << 10))
 if LARGE:

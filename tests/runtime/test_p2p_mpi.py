@@ -13,6 +13,15 @@ from mpi_launcher import assert_mpi_ok, run_mpi
 pytestmark = pytest.mark.mpi
 
 
+def _transparent_huge_pages() -> bool:
+    """Whether the kernel backs a range advised with MADV_HUGEPAGE by huge pages."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("devices_per_process", [1, 2])
 def test_all_scenarios_over_mpi(devices_per_process):
@@ -53,6 +62,13 @@ def test_all_scenarios_over_mpi(devices_per_process):
         waited = json.loads(next(x for x in rank_lines if x.startswith("longwait "))[9:])
         if waited["receiver"] and chosen["mode"] == "soon":
             assert waited["sleeps"] <= waited["seconds"] / 250e-6, run.report()
+        # The first large receive's output was advised for huge pages (where the kernel has
+        # transparent huge pages), and its bytes arrived.
+        if os.environ.get("JCM_TEST_SMALL_MESSAGES_ONLY") != "1":
+            advice = json.loads(next(x for x in rank_lines if x.startswith("hugepage "))[9:])
+            if advice is not None:
+                assert advice["right"], run.report()
+                assert advice["advised"] or not _transparent_huge_pages(), run.report()
         # A 64 MiB block allocated again after one was freed: kept, none of its 16384 pages
         # faults again; glibc's default maps it afresh (16384 faults, 32 with huge pages).
         faults = json.loads(next(x for x in rank_lines if x.startswith("malloc "))[7:])
