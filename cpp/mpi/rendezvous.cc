@@ -54,6 +54,12 @@ Status MpiTransport::PollReady(ChannelState& ch, uint64_t seq, int dest_rank, in
   }
 }
 
+void MpiTransport::CompleteDirectLocked(DirectSend& send) {
+  send.done = true;
+  ++sends_completed_;
+  if (!send.header) ++direct_sends_;  // a framed send is received as a staged one
+}
+
 Status MpiTransport::PostFromOperand(const std::shared_ptr<DirectSend>& send,
                                      MpiPostFn post, const char* post_name, MPI_Comm comm,
                                      int dest_rank, int tag, const void* data, size_t bytes,
@@ -206,9 +212,7 @@ Status MpiTransport::FinishDirect(const std::shared_ptr<DirectSend>& send,
   if (!s.ok() && !abandoned) return s;
   if (cancelled == 0 && !abandoned) {  // delivered whole, just in time
     std::lock_guard<std::mutex> lock(mu_);
-    send->done = true;
-    ++sends_completed_;
-    if (!send->header) ++direct_sends_;  // a framed send is received as a staged one
+    CompleteDirectLocked(*send);
     return Status::Ok();
   }
   if (!Expired(deadline)) return Status::Invalid(BrokenMessage());  // stopped by the break

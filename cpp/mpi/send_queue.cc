@@ -61,9 +61,7 @@ Status MpiTransport::ProgressLocked() {
                          MPI_STATUSES_IGNORE);
     if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Testall", rc);
     if (done) {
-      send.done = true;
-      ++sends_completed_;
-      if (!send.header) ++direct_sends_;  // a framed send is received as a staged one
+      CompleteDirectLocked(send);
       it = direct_in_flight_.erase(it);
     } else {
       ++it;

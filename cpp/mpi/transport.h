@@ -567,6 +567,9 @@ class MpiTransport {
                     std::shared_ptr<DirectSend>* kept);
   // Marks a deferred send that could not be sent as done with `failure` (its precv reports).
   void FailDeferred(const std::shared_ptr<DirectSend>& send, Status failure);
+  // A send of direct_in_flight_ whose requests all completed: done, and counted (a framed
+  // send not as a direct one: its receiver takes it staged). Under mu_.
+  void CompleteDirectLocked(DirectSend& send);
   // What MPI_Isend and MPI_Issend are: how PostFromOperand posts.
   using MpiPostFn = int (*)(const void*, int, MPI_Datatype, int, int, MPI_Comm, MPI_Request*);
   // Posts `bytes` from `data` with `post` (`post_name` for the error) on `comm`, in pieces
