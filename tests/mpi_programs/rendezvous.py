@@ -507,24 +507,26 @@ def _ordering_cases() -> None:
     x = common.global_array(mesh, P("x"), np.concatenate([pattern(n, 9), pattern(n, 10)]))
     w = common.global_array(mesh, P("x"), np.arange(8, dtype=np.float32))
     for collectives in ("mpi", "gloo"):
+        # The calls too under the setting, as the lowering reads it: a call outside could
+        # lower the program again with the default collectives.
         with config.overrides(collectives=collectives):
             f = jax.jit(jax.shard_map(hop_between_psums, mesh=mesh, in_specs=(P("x"), P("x")),
                                       out_specs=(P("x"), P("x"), P("x"))))
             f.lower(x, w).compile()
-        for late in (0, 1):
-            barrier(f"ordering hop {collectives} {late}")
-            before = counters()
-            if me == late:
-                time.sleep(0.2)
-            got, a, b = (local(out) for out in jax.block_until_ready(f(x, w)))
-            if me == 1:
-                np.testing.assert_array_equal(got, pattern(n, 9))
-            else:
-                _framed_check(f"hop {collectives}", before, 1)
-            np.testing.assert_array_equal(a, [4, 6, 8, 10])
-            np.testing.assert_array_equal(b, [8, 12, 16, 20])
-            print(f"ok   ordering hop between psums ({collectives}), rank {late} late",
-                  flush=True)
+            for late in (0, 1):
+                barrier(f"ordering hop {collectives} {late}")
+                before = counters()
+                if me == late:
+                    time.sleep(0.2)
+                got, a, b = (local(out) for out in jax.block_until_ready(f(x, w)))
+                if me == 1:
+                    np.testing.assert_array_equal(got, pattern(n, 9))
+                else:
+                    _framed_check(f"hop {collectives}", before, 1)
+                np.testing.assert_array_equal(a, [4, 6, 8, 10])
+                np.testing.assert_array_equal(b, [8, 12, 16, 20])
+                print(f"ok   ordering hop between psums ({collectives}), rank {late} late",
+                      flush=True)
         barrier(f"ordering hop {collectives} done")
 
     # Mesh positions 0, 1 on rank 0 and 2, 3 on rank 1: 0 -> 2 and 3 -> 1 are one-way
@@ -551,25 +553,25 @@ def _ordering_cases() -> None:
     x4 = common.global_array(mesh4, P("x"), np.concatenate(blocks))
     w4 = common.global_array(mesh4, P("x"), np.arange(8, dtype=np.float32))
     for precvs_reversed in (True, False):
+        order = "reversed" if precvs_reversed else "same"
         with config.overrides(gpu_parity=False):
             f = jax.jit(jax.shard_map(
                 functools.partial(opposite, precvs_reversed=precvs_reversed), mesh=mesh4,
                 in_specs=(P("x"), P("x")), out_specs=(P("x"), P("x"))))
             f.lower(x4, w4).compile()
-        order = "reversed" if precvs_reversed else "same"
-        for late in (0, 1):
-            barrier(f"ordering opposite {order} {late}")
-            before = counters()
-            if me == late:
-                time.sleep(0.2)
-            got, s = (common.gather(out) for out in jax.block_until_ready(f(x4, w4)))
-            _framed_check(f"opposite {order}", before, 1)  # one one-way sender per rank
-            zeros = np.zeros(n, np.uint8)
-            want = np.concatenate([zeros, blocks[3], blocks[0], zeros])
-            np.testing.assert_array_equal(got, want, err_msg=order)
-            np.testing.assert_array_equal(s, np.tile([12, 16], 4))
-            print(f"ok   ordering two one-way ops, precvs in {order} order, rank {late} late",
-                  flush=True)
+            for late in (0, 1):
+                barrier(f"ordering opposite {order} {late}")
+                before = counters()
+                if me == late:
+                    time.sleep(0.2)
+                got, s = (common.gather(out) for out in jax.block_until_ready(f(x4, w4)))
+                _framed_check(f"opposite {order}", before, 1)  # one one-way sender per rank
+                zeros = np.zeros(n, np.uint8)
+                want = np.concatenate([zeros, blocks[3], blocks[0], zeros])
+                np.testing.assert_array_equal(got, want, err_msg=order)
+                np.testing.assert_array_equal(s, np.tile([12, 16], 4))
+                print(f"ok   ordering two one-way ops, precvs in {order} order, rank {late} "
+                      "late", flush=True)
         barrier(f"ordering opposite {order} done")
 
 
