@@ -493,6 +493,18 @@ def _framed_check(name: str, before: tuple[int, int, int], sends: int) -> None:
     assert (direct, staged, kept) == (0, 0, sends), (name, direct, staged, kept)
 
 
+def _each_rank_late(name: str, f, *args):
+    """Compiles ``f`` for ``args``, then runs it once with each rank late in turn: yields
+    (the late rank, the transport's counters before the call, the call's results)."""
+    f.lower(*args).compile()
+    for late in (0, 1):
+        barrier(f"ordering {name} {late}")
+        before = counters()
+        if me == late:
+            time.sleep(0.2)
+        yield late, before, jax.block_until_ready(f(*args))
+
+
 def _ordering_cases() -> None:
     n = ORDERING_BYTES
     mesh = pair_mesh()
@@ -512,13 +524,8 @@ def _ordering_cases() -> None:
         with config.overrides(collectives=collectives):
             f = jax.jit(jax.shard_map(hop_between_psums, mesh=mesh, in_specs=(P("x"), P("x")),
                                       out_specs=(P("x"), P("x"), P("x"))))
-            f.lower(x, w).compile()
-            for late in (0, 1):
-                barrier(f"ordering hop {collectives} {late}")
-                before = counters()
-                if me == late:
-                    time.sleep(0.2)
-                got, a, b = (local(out) for out in jax.block_until_ready(f(x, w)))
+            for late, before, outs in _each_rank_late(f"hop {collectives}", f, x, w):
+                got, a, b = (local(out) for out in outs)
                 if me == 1:
                     np.testing.assert_array_equal(got, pattern(n, 9))
                 else:
@@ -558,13 +565,8 @@ def _ordering_cases() -> None:
             f = jax.jit(jax.shard_map(
                 functools.partial(opposite, precvs_reversed=precvs_reversed), mesh=mesh4,
                 in_specs=(P("x"), P("x")), out_specs=(P("x"), P("x"))))
-            f.lower(x4, w4).compile()
-            for late in (0, 1):
-                barrier(f"ordering opposite {order} {late}")
-                before = counters()
-                if me == late:
-                    time.sleep(0.2)
-                got, s = (common.gather(out) for out in jax.block_until_ready(f(x4, w4)))
+            for late, before, outs in _each_rank_late(f"opposite {order}", f, x4, w4):
+                got, s = (common.gather(out) for out in outs)
                 _framed_check(f"opposite {order}", before, 1)  # one one-way sender per rank
                 zeros = np.zeros(n, np.uint8)
                 want = np.concatenate([zeros, blocks[3], blocks[0], zeros])
