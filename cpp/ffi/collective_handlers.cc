@@ -1464,6 +1464,13 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
   auto bytes = [](const void* p) { return static_cast<const std::byte*>(p); };
   auto wbytes = [](void* p) { return static_cast<std::byte*>(p); };
   thread_local StagingBuffer send_staging, recv_staging;
+  // all_gather in group order between processes, with several devices here: this process's
+  // blocks go into every local output before the MPI call (which gathers into out[0]), and
+  // only the other processes' blocks are copied from out[0] after it. Copying all of out[0]
+  // after it read this process's blocks a second time, from memory: each piece of an
+  // operand is now read once and written into every output while it is in the cache.
+  const bool own_blocks_first = c.kind == Exchange::kAllGather && spans && l.identity &&
+                                out.size() > 1;
   std::byte* send_stage = nullptr;  // set where this call stages its blocks
   std::byte* recv_stage = nullptr;
   const void* send = nullptr;
@@ -1497,8 +1504,18 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
       if (m == 1 && spans && l.identity) {
         send = in[0];  // MPI reads the operand itself
       } else {
+        constexpr size_t kPiece = size_t{256} << 10;  // well within a core's L2
         for (size_t i = 0; i < m; ++i) {
-          std::memcpy(wbytes(recv) + (l.first[l.mine] + i) * B, in[local_of(mine[i])], B);
+          const size_t to = (l.first[l.mine] + i) * B;
+          const std::byte* from = bytes(in[local_of(mine[i])]);
+          for (size_t at = 0; at < B; at += kPiece) {
+            const size_t len = std::min(kPiece, B - at);
+            std::memcpy(wbytes(recv) + to + at, from + at, len);
+            if (!own_blocks_first) continue;
+            for (size_t k = 1; k < out.size(); ++k) {
+              std::memcpy(wbytes(out[k]) + to + at, from + at, len);
+            }
+          }
         }
         send = MPI_IN_PLACE;
       }
@@ -1826,7 +1843,17 @@ ffi::Error LeadExchange(const ExchangeCall& c, std::span<const void* const> in,
           }
         }
       }
-      for (size_t k = 1; k < out.size(); ++k) std::memcpy(out[k], out[0], n * B);
+      if (own_blocks_first) {
+        for (size_t k = 1; k < out.size(); ++k) {
+          for (size_t q = 0; q < Q; ++q) {
+            if (q == static_cast<size_t>(l.mine)) continue;
+            const size_t at = static_cast<size_t>(l.first[q]) * B;
+            std::memcpy(wbytes(out[k]) + at, bytes(out[0]) + at, l.positions[q].size() * B);
+          }
+        }
+      } else {
+        for (size_t k = 1; k < out.size(); ++k) std::memcpy(out[k], out[0], n * B);
+      }
       break;
     case Exchange::kReduceScatter:
       if (pairwise) {
