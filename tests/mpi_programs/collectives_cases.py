@@ -267,6 +267,11 @@ exchange_case("psum_scatter/float32/big/dim=0/tiled=True", values("float32", (n 
 exchange_case("all_gather/int32/huge/axis=0/tiled=True", values("int32", (1 << 19,), seed),
               functools.partial(jax.lax.all_gather, axis=0, tiled=True),
               lambda v, i: np.concatenate(list(v)))
+# A block of a whole copy piece and a tail: with several devices per process, the leader
+# copies its process's blocks into every local output 256 KiB at a time (LeadExchange).
+exchange_case("all_gather/int8/(262147,)/axis=0/tiled=True", values("int8", ((1 << 18) + 3,), seed),
+              functools.partial(jax.lax.all_gather, axis=0, tiled=True),
+              lambda v, i: np.concatenate(list(v)))
 exchange_case("all_to_all/float64/big/split=0/concat=1", values("float64", (n << 14, 4), seed),
               functools.partial(jax.lax.all_to_all, split_axis=0, concat_axis=1, tiled=True),
               lambda v, i: np.concatenate([split(v[j], 0)[i] for j in range(n)], axis=1))
