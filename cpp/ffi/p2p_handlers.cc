@@ -430,8 +430,13 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
   // from it or receives into it again (a loop carry) handles 512 times as many pages (MPICH's
   // single copy pins each page of the sender's buffer). From NumPy's threshold for the same
   // hint, as a collective's output: mpi4py's receive into a NumPy array that large writes
-  // huge pages. A no-op on memory already faulted in, and cheap once the range is advised.
-  if (bytes >= kHugePageHintBytes) AdviseHugePages(out->untyped_data(), bytes);
+  // huge pages. A no-op on memory already faulted in, and cheap once the range is advised:
+  // memory already faulted in with 4 KiB pages (a carry whose first value XLA wrote, a
+  // donated buffer) is collapsed into huge pages the second time it receives.
+  if (bytes >= kHugePageHintBytes) {
+    AdviseHugePages(out->untyped_data(), bytes);
+    CollapseReusedBuffer(out->untyped_data(), bytes);
+  }
   Status r = mpi->Recv(source, *tag, out->untyped_data(), bytes, operand, deadline,
                        sender_kept, sender_one_way);
   if (r.ok()) return ffi::Error::Success();
