@@ -229,6 +229,10 @@ ffi::Error Psend(int64_t run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partiti
                                 ProcessSuffix(info, peer));
   }
   const Config& config = state.config;
+  // An operand sent again and again (a parameter sent at every step of a loop, a carry
+  // received into and sent from) has its 4 KiB pages moved onto huge pages, once: MPI's
+  // single copy out of it pins each of the sender's pages (common/keep_freed_memory.h).
+  if (bytes >= kHugePageHintBytes) CollapseReusedBuffer(x.untyped_data(), bytes);
   std::shared_ptr<MpiTransport::DirectSend> in_flight;
   // This device also receives in the op's group (a cycle, or another op of the step): the
   // precvs that keep the operand run next and receive, so a large send may wait there for

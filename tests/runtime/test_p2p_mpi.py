@@ -86,6 +86,13 @@ def test_all_scenarios_over_mpi(devices_per_process):
                 assert carry["right"], run.report()
                 if _transparent_huge_pages() and _kernel_at_least(6, 1):
                     assert carry["huge_bytes"] == carry["range_bytes"] > 0, run.report()
+        # The same for a parameter that another program wrote and every step sends, on the
+        # sending process (its receiver got the bytes, checked on either process).
+        if os.environ.get("JCM_TEST_SMALL_MESSAGES_ONLY") != "1":
+            sent = json.loads(next(x for x in rank_lines if x.startswith("sendhuge "))[9:])
+            assert sent["right"], run.report()
+            if "huge_bytes" in sent and _transparent_huge_pages() and _kernel_at_least(6, 1):
+                assert sent["huge_bytes"] == sent["range_bytes"] > 0, run.report()
         # A 64 MiB block allocated again after one was freed: kept, none of its 16384 pages
         # faults again; glibc's default maps it afresh (16384 faults, 32 with huge pages).
         faults = json.loads(next(x for x in rank_lines if x.startswith("malloc "))[7:])
