@@ -2,6 +2,7 @@
 
 #include <climits>  // first: a C library header defines __GLIBC__ where it is glibc
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <fstream>
@@ -69,6 +70,39 @@ std::span<std::byte> WholeHugePages(void* data, size_t bytes) {
   const uintptr_t end = (start + bytes) & ~(huge - 1);
   if (end <= begin) return {};
   return {reinterpret_cast<std::byte*>(begin), static_cast<size_t>(end - begin)};
+}
+
+void CollapseReusedBuffer(void* data, size_t bytes) {
+#if defined(__linux__)
+  constexpr int kMadvCollapse = 25;  // MADV_COLLAPSE (Linux 6.1); the C headers may lack it
+  if (TransparentHugePageBytes() == 0) return;
+  struct Seen {
+    const void* data = nullptr;
+    size_t bytes = 0;
+    bool collapsed = false;
+  };
+  // The last buffers this thread was asked about, a ring: a loop's carries and a pipeline's
+  // few buffers fit, and a lookup is a scan of a few words.
+  thread_local std::array<Seen, 8> seen{};
+  thread_local size_t next = 0;
+  for (Seen& s : seen) {
+    if (s.data != data || s.bytes != bytes) continue;
+    // Asked once per buffer: the kernel's collapse of huge pages already in place is cheap
+    // but not free (it drains every CPU's page lists first).
+    if (s.collapsed) return;
+    s.collapsed = true;
+    const std::span<std::byte> pages = WholeHugePages(data, bytes);
+    // A hint only, as AdviseHugePages: the contents do not change, and a kernel without
+    // MADV_COLLAPSE (or without free huge pages) refuses; the 4 KiB pages then stay.
+    if (!pages.empty()) (void)madvise(pages.data(), pages.size(), kMadvCollapse);
+    return;
+  }
+  seen[next] = Seen{data, bytes, false};
+  next = (next + 1) % seen.size();
+#else
+  (void)data;
+  (void)bytes;
+#endif
 }
 
 void AdviseHugePages(void* data, size_t bytes) {

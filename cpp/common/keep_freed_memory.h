@@ -36,6 +36,17 @@ inline constexpr size_t kFreshMapMinBytes = size_t{32} << 20;
 // bytes either way. A hint only: the contents do not change, and failures are ignored.
 void AdviseHugePages(void* data, size_t bytes);
 
+// For a buffer that is written again and again (a loop's carry, a donated buffer), the
+// second time this thread asks about it: has the kernel move the whole huge pages inside
+// [data, data + bytes) that are 4 KiB pages onto huge pages, once (madvise MADV_COLLAPSE,
+// Linux 6.1; the contents do not change). AdviseHugePages cannot: a range that was written
+// before it was advised (the carry's first value, computed by XLA; a buffer XLA wrote and the
+// program donates back at every call) keeps its 4 KiB pages for as long as it lives, and MPI's
+// single copy into or out of it then pins and walks 512 times as many pages, at every
+// message. The first time only notes the buffer: a buffer received into once would pay the
+// collapse (a copy of its bytes) and gain nothing from it.
+void CollapseReusedBuffer(void* data, size_t bytes);
+
 // The whole transparent huge pages (PMD-sized, aligned) inside [data, data + bytes): the range
 // AdviseHugePages advises. Empty where it holds none, or the kernel has no huge pages.
 std::span<std::byte> WholeHugePages(void* data, size_t bytes);

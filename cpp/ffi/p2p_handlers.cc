@@ -229,6 +229,10 @@ ffi::Error Psend(int64_t run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partiti
                                 ProcessSuffix(info, peer));
   }
   const Config& config = state.config;
+  // An operand sent again and again (a parameter sent at every step of a loop, a carry
+  // received into and sent from) has its 4 KiB pages moved onto huge pages, once: MPI's
+  // single copy out of it pins each of the sender's pages (common/keep_freed_memory.h).
+  if (bytes >= kHugePageHintBytes) CollapseReusedBuffer(x.untyped_data(), bytes);
   std::shared_ptr<MpiTransport::DirectSend> in_flight;
   // This device also receives in the op's group (a cycle, or another op of the step): the
   // precvs that keep the operand run next and receive, so a large send may wait there for
@@ -430,8 +434,13 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
   // from it or receives into it again (a loop carry) handles 512 times as many pages (MPICH's
   // single copy pins each page of the sender's buffer). From NumPy's threshold for the same
   // hint, as a collective's output: mpi4py's receive into a NumPy array that large writes
-  // huge pages. A no-op on memory already faulted in, and cheap once the range is advised.
-  if (bytes >= kHugePageHintBytes) AdviseHugePages(out->untyped_data(), bytes);
+  // huge pages. A no-op on memory already faulted in, and cheap once the range is advised:
+  // memory already faulted in with 4 KiB pages (a carry whose first value XLA wrote, a
+  // donated buffer) is collapsed into huge pages the second time it receives.
+  if (bytes >= kHugePageHintBytes) {
+    AdviseHugePages(out->untyped_data(), bytes);
+    CollapseReusedBuffer(out->untyped_data(), bytes);
+  }
   Status r = mpi->Recv(source, *tag, out->untyped_data(), bytes, operand, deadline,
                        sender_kept, sender_one_way);
   if (r.ok()) return ffi::Error::Success();

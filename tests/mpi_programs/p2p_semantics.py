@@ -104,6 +104,102 @@ if LARGE:
     print("hugepage " + json.dumps(huge_page_advice(6 << 20)), flush=True)
 
 
+def huge_coverage(start: int, nbytes: int) -> tuple[int, int]:
+    """Bytes of the whole huge pages inside [start, start + nbytes) that smaps says are
+    huge pages (each VMA's AnonHugePages, at most its part inside), and those pages' bytes."""
+    huge = 2 << 20
+    first, last = -(-start // huge) * huge, (start + nbytes) // huge * huge
+    covered = 0
+    with open("/proc/self/smaps") as smaps:
+        lo = hi = 0
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and not fields[0].endswith(":"):
+                lo, hi = (int(a, 16) for a in fields[0].split("-"))
+            elif fields[0] == "AnonHugePages:" and hi > first and lo < last:
+                covered += min(int(fields[1]) << 10, min(hi, last) - max(lo, first))
+    return covered, last - first
+
+
+def carry_huge_pages(nbytes: int) -> dict | None:
+    """Round trips of ``nbytes`` between the first devices of ranks 0 and 1 in a scan whose
+    carry starts from values the program computes: XLA writes them into the carry's buffers
+    before any precv runs, which then have 4 KiB pages (unadvised memory where THP is
+    "madvise"), and each step receives into the same buffers again. On the process of the
+    first receiver: how much of the whole huge pages of its received carry are huge pages
+    after the loop (huge_coverage; cpp/common/keep_freed_memory.h, CollapseReusedBuffer), and
+    whether the bytes arrived. None on the other process."""
+    count = nbytes // 4
+    per_process = n // jax.process_count()
+    cross = jax.make_mesh((2,), ("x",), devices=[jax.devices()[0], jax.devices()[per_process]])
+
+    def body(v):
+        z0 = jax.numpy.arange(count, dtype=np.uint32) + v[0]
+        y0 = jax.numpy.arange(count, dtype=np.uint32) * np.uint32(3) + v[0]
+
+        def round_trip(carry, _):
+            y = jax.lax.pcast(cases.sendrecv(carry[0], "x", [(0, 1)]), "x", to="varying")
+            z = jax.lax.pcast(cases.sendrecv(y, "x", [(1, 0)]), "x", to="varying")
+            return (z, y), None
+
+        return jax.lax.scan(round_trip, (z0, y0), None, length=3)[0][1]
+
+    spec = jax.sharding.PartitionSpec("x")
+    f = jax.jit(jax.shard_map(body, mesh=cross, in_specs=spec, out_specs=spec))
+    out = jax.block_until_ready(f(cases.put(cross, spec, np.zeros(2, dtype=np.uint32))))
+    receiver = cross.devices.flat[1]
+    if receiver.process_index != jax.process_index():
+        return None
+    shard = next(s.data for s in out.addressable_shards if s.device == receiver)
+    covered, whole = huge_coverage(shard.unsafe_buffer_pointer(), nbytes)
+    return {"huge_bytes": covered, "range_bytes": whole,
+            "right": bool((np.asarray(shard) == np.arange(count, dtype=np.uint32)).all())}
+
+
+# A loop's carry of 6 MiB that XLA wrote before the first receive into it: collapsed into
+# huge pages the second time it receives (where the kernel has MADV_COLLAPSE).
+if LARGE:
+    print("carryhuge " + json.dumps(carry_huge_pages(6 << 20)), flush=True)
+
+
+def sent_operand_huge_pages(nbytes: int) -> dict | None:
+    """Three one-way hops from the first device of rank 0 to the first of rank 1 of the same
+    operand, a parameter that another program computed (XLA wrote it unadvised: 4 KiB pages
+    where THP is "madvise"): on the sending process, how much of the operand's whole huge
+    pages are huge pages after them (collapsed at its second send, CollapseReusedBuffer);
+    on both, whether the bytes that this process holds arrived."""
+    count = nbytes // 4
+    per_process = n // jax.process_count()
+    cross = jax.make_mesh((2,), ("x",), devices=[jax.devices()[0], jax.devices()[per_process]])
+    spec = jax.sharding.PartitionSpec("x")
+    make = jax.jit(jax.shard_map(lambda v: jax.numpy.arange(count, dtype=np.uint32) + v[0],
+                                 mesh=cross, in_specs=spec, out_specs=spec))
+    x = make(cases.put(cross, spec, np.zeros(2, dtype=np.uint32)))
+
+    def body(v):
+        def step(carry, _):
+            source = jax.lax.optimization_barrier(v)
+            return jax.lax.pcast(cases.sendrecv(source, "x", [(0, 1)]), "x", to="varying"), None
+
+        return jax.lax.scan(step, jax.numpy.zeros_like(v), None, length=3)[0]
+
+    f = jax.jit(jax.shard_map(body, mesh=cross, in_specs=spec, out_specs=spec))
+    out = jax.block_until_ready(f(x))
+    sender, receiver = cross.devices.flat
+    right = all(bool((np.asarray(s.data) == np.arange(count, dtype=np.uint32)).all())
+                for s in out.addressable_shards if s.device == receiver)
+    if sender.process_index != jax.process_index():
+        return {"right": right}
+    shard = next(s.data for s in x.addressable_shards if s.device == sender)
+    covered, whole = huge_coverage(shard.unsafe_buffer_pointer(), nbytes)
+    return {"huge_bytes": covered, "range_bytes": whole, "right": right}
+
+
+# A 10 MiB parameter sent at every step: collapsed into huge pages at its second send.
+if LARGE:
+    print("sendhuge " + json.dumps(sent_operand_huge_pages(10 << 20)), flush=True)
+
+
 # Above the chunking threshold (4 MiB), with a ragged last chunk.
 if LARGE:
     check("chunked 9 MiB + 12 B messages", cases.permute_vs_ppermute(
