@@ -13,8 +13,9 @@ wrapper, and UCX is forced onto TCP (``tests/netns_hosts.py``). One rank per hos
   timeout, the rank on the other host killed. ``scripts/two_host_faults.py`` runs the
   link-down case over more sizes, both directions and repeated trials.
 
-Each test makes its own pair of hosts (unique names), deletes it afterwards, also when the
-test fails, and skips with the reason where namespaces cannot be made (not root, no ``ip``).
+Each job runs on a pair of hosts of its own (unique names), deleted afterwards, also when
+the test fails; the tests skip with the reason where namespaces cannot be made (not root, no
+``ip``). The fault jobs, which mostly wait, run a few at a time, each test checking its own.
 """
 
 from __future__ import annotations
@@ -23,11 +24,15 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
-from mpi_launcher import assert_mpi_ok
-from netns_hosts import TwoHosts, unavailable_reason
+from mpi_launcher import MpiRun, assert_mpi_ok
+from netns_hosts import Job, TwoHosts, unavailable_reason
 
 pytestmark = [pytest.mark.mpi, pytest.mark.across_hosts]
 
@@ -112,21 +117,145 @@ def test_info_names_both_hosts_and_the_transports(hosts):
 
 
 # --- network faults ------------------------------------------------------------------------
+#
+# A fault job mostly waits (for the loop to start, then a receive timeout of several
+# seconds), so this file's fault jobs run a few at a time (fault_jobs below), each on a pair
+# of hosts of its own, instead of one after the other. Each test still checks, and reports,
+# its own job; a job that ends or fails early does not touch the others' hosts.
 
 
 def _fault_env(**extra: str) -> dict[str, str]:
     return {"JAX_CPU_MPI_RECV_TIMEOUT": str(FAULT_RECV_TIMEOUT), **extra}
 
 
-@pytest.mark.timeout(150)
-def test_link_down_uncaught_error_ends_every_rank_promptly(hosts):
-    def cut(job):
+#: The receive timeout of the 1 MiB link-down tests, and the seconds their launch may take
+#: beyond it after the link goes down.
+BIG_FAULT_RECV_TIMEOUT = 10
+BIG_FAULT_SLACK = 30.0
+#: A psend/precv that gave up at its deadline: a precv's own timeout, or the error of a send
+#: that the precv finished (a direct send whose receiver stopped taking it, an in-flight bound
+#: that never cleared).
+_TIMEOUT_ERROR = re.compile(r"DEADLINE_EXCEEDED: precv\(axis_name=\('x',\)|psend\(axis_name="
+                            r"\('x',\).* failed: .*(JAX_CPU_MPI_RECV_TIMEOUT|gave up waiting)")
+#: The limit of each fault job's launch (TwoHosts.run kills it there).
+FAULT_JOB_TIMEOUT = 120
+#: Fault jobs running at once: their ranks mostly wait, but each starts with imports and a
+#: compile, and the tests time how soon a job ends after its fault.
+FAULT_JOBS_AT_ONCE = 3
+#: The pytest limit of a fault test: its own job (the launch, then up to 15 s for the ranks
+#: on the other host to end and 30 s for the fault injector) and the jobs queued before it.
+FAULT_TEST_TIMEOUT = 3 * (FAULT_JOB_TIMEOUT + 60) + 60
+FLAP_OUTAGE = 2.0  # seconds the link is down in the flap job
+
+
+def _link_down(hosts: TwoHosts, *, back_after_exits: bool = False) -> Callable[[Job], None]:
+    """Takes the link down once rank 0 loops; with ``back_after_exits``, brings it back once
+    both ranks have exited."""
+
+    def cut(job: Job) -> None:
         job.wait_for(0, "JCM-LOOPING")
         job.mark("down")
         hosts.set_link(False)
+        if back_after_exits:
+            # mpiexec on host A cannot learn that host B's ranks ended while the link is
+            # down: wait for both ranks to exit, then bring the link back so that it can.
+            job.wait_for_exits(2, timeout=FAULT_RECV_TIMEOUT + 60)
+            job.mark("up")
+            hosts.set_link(True)
 
-    run = hosts.run("network_fault.py", "uncaught", env=_fault_env(), during=cut, timeout=120)
-    job = run.job
+    return cut
+
+
+def _flap(hosts: TwoHosts, workdir: Path) -> MpiRun:
+    # A 2 s outage, a 15 s receive timeout. The loop runs until the link is back (the file
+    # below), so the outage falls inside it however loaded the machine is.
+    link_back = workdir / "link-back-up"
+
+    def flap(job: Job) -> None:
+        job.wait_for(0, "JCM-LOOPING")
+        hosts.set_link(False)
+        time.sleep(FLAP_OUTAGE)
+        hosts.set_link(True)
+        link_back.touch()
+
+    return hosts.run("network_fault.py", "flap", during=flap, timeout=FAULT_JOB_TIMEOUT,
+                     env={"JAX_CPU_MPI_RECV_TIMEOUT": "15", "JCM_FLAP_CALLS": "100000",
+                          "JCM_FLAP_UNTIL": str(link_back)})
+
+
+def _kill_rank_1(hosts: TwoHosts, _: Path) -> MpiRun:
+    def kill(job: Job) -> None:
+        job.wait_for(0, "JCM-LOOPING")
+        line = job.wait_for(1, "pid ")
+        job.mark("kill")
+        os.kill(int(re.search(r"pid (\d+)", line).group(1)), signal.SIGKILL)
+
+    return hosts.run("network_fault.py", "uncaught", env=_fault_env(), during=kill,
+                     timeout=FAULT_JOB_TIMEOUT)
+
+#: Every fault job: name -> its launch on a fresh pair of hosts (the longest first: the
+#: 1 MiB ones wait for a longer receive timeout).
+FAULT_LAUNCHES: dict[str, Callable[[TwoHosts, Path], MpiRun]] = {
+    **{f"1mib-{mode}": (lambda hosts, _, mode=mode: hosts.run(
+        "network_fault.py", mode, str(1 << 20), "pingpong", during=_link_down(hosts),
+        timeout=FAULT_JOB_TIMEOUT,
+        env={"JAX_CPU_MPI_RECV_TIMEOUT": str(BIG_FAULT_RECV_TIMEOUT)}))
+       for mode in ("uncaught", "catch-exit")},
+    "catch-exit-aborts": lambda hosts, _: hosts.run(
+        "network_fault.py", "catch-exit", env=_fault_env(), during=_link_down(hosts),
+        timeout=FAULT_JOB_TIMEOUT),
+    # JAX_CPU_MPI_ABORT_ON_ERROR=0: each process ends alone (the default aborts the launch).
+    "catch-exit-alone": lambda hosts, _: hosts.run(
+        "network_fault.py", "catch-exit", during=_link_down(hosts, back_after_exits=True),
+        timeout=FAULT_JOB_TIMEOUT, env=_fault_env(JAX_CPU_MPI_ABORT_ON_ERROR="0")),
+    "uncaught": lambda hosts, _: hosts.run(
+        "network_fault.py", "uncaught", env=_fault_env(), during=_link_down(hosts),
+        timeout=FAULT_JOB_TIMEOUT),
+    "flap": _flap,
+    "killed": _kill_rank_1,
+}
+
+
+@dataclass
+class FaultJob:
+    name: str  # of FAULT_LAUNCHES
+    hosts: TwoHosts  # deleted once the job ended; its names stay for the checks
+    run: MpiRun
+
+    @property
+    def job(self) -> Job:
+        return self.run.job  # type: ignore[attr-defined]
+
+
+def _launch(name: str, workdir: Path) -> FaultJob:
+    with TwoHosts() as hosts:
+        run = FAULT_LAUNCHES[name](hosts, workdir)
+    run.command.insert(0, f"[fault job {name!r}]")  # named in the report
+    return FaultJob(name, hosts, run)
+
+
+@pytest.fixture(scope="module")
+def fault_jobs(request, tmp_path_factory) -> dict[str, Future]:
+    """name -> the Future of its job. The jobs of the selected tests start at the first such
+    test, FAULT_JOBS_AT_ONCE at a time, in FAULT_LAUNCHES' order."""
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"two-host test bed unavailable: {reason}")
+    wanted = set()
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        if item.module is request.module and callspec and "fault" in callspec.params:
+            wanted.add(callspec.params["fault"])
+    with ThreadPoolExecutor(FAULT_JOBS_AT_ONCE, thread_name_prefix="fault-job") as pool:
+        yield {name: pool.submit(_launch, name, tmp_path_factory.mktemp(name))
+               for name in FAULT_LAUNCHES if name in wanted}
+
+
+@pytest.mark.timeout(FAULT_TEST_TIMEOUT)
+@pytest.mark.parametrize("fault", ["uncaught"])
+def test_link_down_uncaught_error_ends_every_rank_promptly(fault_jobs, fault):
+    done = fault_jobs[fault].result()
+    run, job, hosts = done.run, done.job, done.hosts
     assert run.returncode not in (None, 0), run.report()
     # Every rank raised within the receive timeout plus a few seconds, with an error naming
     # the op, the pair and the peer's host; the job ended right after, on both hosts.
@@ -140,23 +269,13 @@ def test_link_down_uncaught_error_ends_every_rank_promptly(hosts):
     assert "MPI_Abort" in _all_output(run), run.report()
 
 
-@pytest.mark.timeout(150)
-def test_link_down_caught_error_and_sys_exit_ends_the_process_promptly(hosts):
-    def cut(job):
-        job.wait_for(0, "JCM-LOOPING")
-        job.mark("down")
-        hosts.set_link(False)
-        # mpiexec on host A cannot learn that host B's ranks ended while the link is down:
-        # wait for both ranks to exit, then bring the link back so that it can.
-        job.wait_for_exits(2, timeout=FAULT_RECV_TIMEOUT + 60)
-        job.mark("up")
-        hosts.set_link(True)
-
+@pytest.mark.timeout(FAULT_TEST_TIMEOUT)
+@pytest.mark.parametrize("fault", ["catch-exit-alone"])
+def test_link_down_caught_error_and_sys_exit_ends_the_process_promptly(fault_jobs, fault):
     # JAX_CPU_MPI_ABORT_ON_ERROR=0: each process ends alone (the default aborts the launch:
     # the next test).
-    run = hosts.run("network_fault.py", "catch-exit", during=cut, timeout=120,
-                    env=_fault_env(JAX_CPU_MPI_ABORT_ON_ERROR="0"))
-    job = run.job
+    done = fault_jobs[fault].result()
+    run, job = done.run, done.job
     assert sorted(job.exits) == [0, 1], run.report()
     for rank in (0, 1):
         status, exited_at = job.exits[rank]
@@ -172,19 +291,14 @@ def test_link_down_caught_error_and_sys_exit_ends_the_process_promptly(hosts):
     assert run.returncode is not None, run.report()  # mpiexec ended once the link was back
 
 
-@pytest.mark.timeout(150)
-def test_link_down_caught_error_and_sys_exit_aborts_the_whole_launch(hosts):
+@pytest.mark.timeout(FAULT_TEST_TIMEOUT)
+@pytest.mark.parametrize("fault", ["catch-exit-aborts"])
+def test_link_down_caught_error_and_sys_exit_aborts_the_whole_launch(fault_jobs, fault):
     # The default: a process that exits (here sys.exit(1) after catching the precv error)
     # from a job whose peer stopped answering aborts the launch (MPI_Abort), so mpiexec ends
     # within seconds, with the link still down, instead of waiting for the other host.
-    def cut(job):
-        job.wait_for(0, "JCM-LOOPING")
-        job.mark("down")
-        hosts.set_link(False)
-
-    run = hosts.run("network_fault.py", "catch-exit", env=_fault_env(), during=cut,
-                    timeout=120)
-    job = run.job
+    done = fault_jobs[fault].result()
+    run, job = done.run, done.job
     assert run.returncode not in (None, 0), run.report()
     assert job.ended_at - job.marks["down"] < FAULT_RECV_TIMEOUT + PROMPT, run.report()
     for rank in (0, 1):
@@ -193,85 +307,50 @@ def test_link_down_caught_error_and_sys_exit_aborts_the_whole_launch(hosts):
         run.report()
 
 
-#: The receive timeout of the 1 MiB link-down tests, and the seconds their launch may take
-#: beyond it after the link goes down.
-BIG_FAULT_RECV_TIMEOUT = 10
-BIG_FAULT_SLACK = 30.0
-#: A psend/precv that gave up at its deadline: a precv's own timeout, or the error of a send
-#: that the precv finished (a direct send whose receiver stopped taking it, an in-flight bound
-#: that never cleared).
-_TIMEOUT_ERROR = re.compile(r"DEADLINE_EXCEEDED: precv\(axis_name=\('x',\)|psend\(axis_name="
-                            r"\('x',\).* failed: .*(JAX_CPU_MPI_RECV_TIMEOUT|gave up waiting)")
-
-
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("mode", ["uncaught", "catch-exit"])
-def test_link_down_mid_1_mib_messages_ends_the_launch(hosts, mode):
+@pytest.mark.timeout(FAULT_TEST_TIMEOUT)
+@pytest.mark.parametrize("fault", ["1mib-uncaught", "1mib-catch-exit"],
+                         ids=["uncaught", "catch-exit"])
+def test_link_down_mid_1_mib_messages_ends_the_launch(fault_jobs, fault):
     # 1 MiB each way: the rendezvous path (straight from the operand when the receiver is
     # ready first, else staged), where a receive may have matched a message that the dead
     # link then cuts in half (MPI cannot cancel it: it is abandoned at the deadline). With
     # the link down for good, mpiexec on host A ends only through rank 0: its precv must
     # time out, and the error (uncaught, or caught and sys.exit(1)) abort the launch.
-    def cut(job):
-        job.wait_for(0, "JCM-LOOPING")
-        job.mark("down")
-        hosts.set_link(False)
-
-    run = hosts.run("network_fault.py", mode, str(1 << 20), "pingpong", during=cut,
-                    timeout=120, env={"JAX_CPU_MPI_RECV_TIMEOUT": str(BIG_FAULT_RECV_TIMEOUT)})
-    job = run.job
+    done = fault_jobs[fault].result()
+    run, job = done.run, done.job
     assert run.returncode not in (None, 0), run.report()
     assert job.ended_at - job.marks["down"] < BIG_FAULT_RECV_TIMEOUT + BIG_FAULT_SLACK, \
         run.report()
     assert _TIMEOUT_ERROR.search(run.rank_output[0]), run.report()
-    if mode == "catch-exit":
+    if fault == "1mib-catch-exit":
         assert "JCM-CAUGHT" in run.rank_output[0], run.report()
         assert "aborting the whole MPI launch (MPI_Abort)" in _all_output(run), run.report()
     else:
         assert "MPI_Abort" in _all_output(run), run.report()
 
 
-@pytest.mark.timeout(150)
-def test_link_down_and_up_within_the_timeout_the_loop_continues(hosts, tmp_path):
+@pytest.mark.timeout(FAULT_TEST_TIMEOUT)
+@pytest.mark.parametrize("fault", ["flap"])
+def test_link_down_and_up_within_the_timeout_the_loop_continues(fault_jobs, fault):
     # A 2 s outage, a 15 s receive timeout: TCP retransmits, and every call completes with
-    # exact values (the loop stalls for the outage, then goes on). The loop runs until the
-    # link is back (the file below), so the outage falls inside it however loaded the
-    # machine is.
-    outage = 2.0
-    link_back = tmp_path / "link-back-up"
-
-    def flap(job):
-        job.wait_for(0, "JCM-LOOPING")
-        hosts.set_link(False)
-        time.sleep(outage)
-        hosts.set_link(True)
-        link_back.touch()
-
-    run = hosts.run("network_fault.py", "flap", during=flap, timeout=120,
-                    env={"JAX_CPU_MPI_RECV_TIMEOUT": "15", "JCM_FLAP_CALLS": "100000",
-                         "JCM_FLAP_UNTIL": str(link_back)})
+    # exact values (the loop stalls for the outage, then goes on).
+    run = fault_jobs[fault].result().run
     assert_mpi_ok(run, 2)
     calls = set()
     for rank in (0, 1):
         longest = re.search(r"JCM-LONGEST-CALL ([\d.]+) s", run.rank_output[rank])
-        assert longest and float(longest.group(1)) >= 0.75 * outage, run.report()
+        assert longest and float(longest.group(1)) >= 0.75 * FLAP_OUTAGE, run.report()
         completed = re.search(r"completed (\d+) calls", run.rank_output[rank])
         assert completed, run.report()
         calls.add(int(completed.group(1)))
     assert len(calls) == 1 and calls.pop() < 100000, run.report()
 
 
-@pytest.mark.timeout(150)
-def test_rank_on_the_other_host_killed_ends_the_job_naming_the_host(hosts):
-    def kill(job):
-        job.wait_for(0, "JCM-LOOPING")
-        line = job.wait_for(1, "pid ")
-        job.mark("kill")
-        os.kill(int(re.search(r"pid (\d+)", line).group(1)), signal.SIGKILL)
-
-    run = hosts.run("network_fault.py", "uncaught", env=_fault_env(), during=kill,
-                    timeout=120)
-    job = run.job
+@pytest.mark.timeout(FAULT_TEST_TIMEOUT)
+@pytest.mark.parametrize("fault", ["killed"])
+def test_rank_on_the_other_host_killed_ends_the_job_naming_the_host(fault_jobs, fault):
+    done = fault_jobs[fault].result()
+    run, job, hosts = done.run, done.job, done.hosts
     assert run.returncode not in (None, 0), run.report()
     assert job.ended_at - job.marks["kill"] < PROMPT, run.report()
     # Hydra's report names the host of the rank that died, and the signal.

@@ -5,12 +5,25 @@ from __future__ import annotations
 import json
 import os
 import re
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
-from mpi_launcher import assert_mpi_ok, run_mpi
+from mpi_launcher import MpiRun, assert_mpi_ok, run_mpi
 
 pytestmark = pytest.mark.mpi
+
+#: The launches of the tests after the scenarios: each mostly waits (receive timeouts of 3 s,
+#: a sleep of 3 s), so they run at once, started by the first of those tests (waiting_jobs).
+#: name -> (program, launcher keywords).
+WAITING_LAUNCHES: dict[str, tuple[str, dict]] = {
+    "errors": ("p2p_errors.py", {"timeout": 160, "env": {"JAX_CPU_MPI_RECV_TIMEOUT": "3"}}),
+    "fast-dispatch": ("fast_dispatch.py", {"devices_per_process": 2, "timeout": 160,
+                                           "env": {"JAX_CPU_MPI_RECV_TIMEOUT": "3"}}),
+    "send-lifecycle": ("send_lifecycle.py", {"timeout": 160}),
+}
+#: The pytest limit of each of those tests: its launch's limit, all three running at once.
+WAITING_TEST_TIMEOUT = 180
 
 
 def _transparent_huge_pages() -> bool:
@@ -102,10 +115,24 @@ def test_all_scenarios_over_mpi(devices_per_process):
             assert faults["faults"] >= 32, run.report()
 
 
-@pytest.mark.timeout(180)
-def test_errors_over_mpi():
-    run = run_mpi("p2p_errors.py", nprocs=2, timeout=160,
-                  env={"JAX_CPU_MPI_RECV_TIMEOUT": "3"})
+def _launch(name: str) -> MpiRun:
+    program, kwargs = WAITING_LAUNCHES[name]
+    run = run_mpi(program, nprocs=2, **kwargs)
+    run.command.insert(0, f"[job {name!r}]")  # named in the report
+    return run
+
+
+@pytest.fixture(scope="module")
+def waiting_jobs() -> dict[str, Future]:
+    """name -> the Future of its launch; all of WAITING_LAUNCHES start at the first test
+    that asks (a test run alone still waits for the others' launches)."""
+    with ThreadPoolExecutor(len(WAITING_LAUNCHES), thread_name_prefix="p2p-job") as pool:
+        yield {name: pool.submit(_launch, name) for name in WAITING_LAUNCHES}
+
+
+@pytest.mark.timeout(WAITING_TEST_TIMEOUT)
+def test_errors_over_mpi(waiting_jobs):
+    run = waiting_jobs["errors"].result()
     assert_mpi_ok(run, 2)
     # The exit report (Runtime::note_failed_op): errors alike by their first line counted
     # there, "(2 times)" (each retyped message, sender first and receiver first; the two
@@ -124,20 +151,19 @@ def test_errors_over_mpi():
     assert timeout and timeout.group(1) == latest["0"], run.report()
 
 
-@pytest.mark.timeout(180)
-def test_fast_dispatch_over_mpi_and_its_errors():
+@pytest.mark.timeout(WAITING_TEST_TIMEOUT)
+def test_fast_dispatch_over_mpi_and_its_errors(waiting_jobs):
     """2 devices per rank, then 1 device of each rank (with the device-thread hint): jit's
     C++ path, and a precv's timeout still a JaxRuntimeError."""
-    run = run_mpi("fast_dispatch.py", nprocs=2, devices_per_process=2, timeout=160,
-                  env={"JAX_CPU_MPI_RECV_TIMEOUT": "3"})
+    run = waiting_jobs["fast-dispatch"].result()
     assert_mpi_ok(run, 2)
     for what in ("2 devices per process", "1 device per process"):
         assert f"{what}: raised as expected" in run.rank_output[1], run.report()
 
 
-@pytest.mark.timeout(180)
-def test_inflight_bound_and_sends_in_flight_at_exit():
-    run = run_mpi("send_lifecycle.py", nprocs=2, timeout=160)
+@pytest.mark.timeout(WAITING_TEST_TIMEOUT)
+def test_inflight_bound_and_sends_in_flight_at_exit(waiting_jobs):
+    run = waiting_jobs["send-lifecycle"].result()
     assert_mpi_ok(run, 2)
     everything = run.launcher_output + "".join(run.rank_output.values())
     for bad in ("undelivered", "never received", "pending", "leaked"):
