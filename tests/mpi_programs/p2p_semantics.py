@@ -60,6 +60,39 @@ check("32-byte messages", cases.permute_vs_ppermute(mesh, gather, axis="x", perm
                                                       dtype=np.float32, block=(8,)))
 
 
+def whole_huge_pages(start: int, nbytes: int) -> tuple[int, int]:
+    """The 2 MiB-aligned range of the whole huge pages inside [start, start + nbytes)."""
+    huge = 2 << 20
+    return -(-start // huge) * huge, (start + nbytes) // huge * huge
+
+
+def smaps_over(start: int, nbytes: int, field: str):
+    """(lo, hi, the line's fields) for each line ``field`` of /proc/self/smaps in a VMA
+    [lo, hi) that overlaps the whole huge pages inside [start, start + nbytes)."""
+    first, last = whole_huge_pages(start, nbytes)
+    with open("/proc/self/smaps") as smaps:
+        lo = hi = 0
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and not fields[0].endswith(":"):
+                lo, hi = (int(a, 16) for a in fields[0].split("-"))
+            elif fields[0] == field and hi > first and lo < last:
+                yield lo, hi, fields
+
+
+def receiver_shard(cross: jax.sharding.Mesh, body, operand: np.ndarray) -> jax.Array | None:
+    """``body`` under shard_map over the 2-device mesh ``cross`` (axis "x"), on ``operand``
+    split over it: the output's shard on the second device (the receiver) on its process,
+    None on the other process."""
+    spec = jax.sharding.PartitionSpec("x")
+    f = jax.jit(jax.shard_map(body, mesh=cross, in_specs=spec, out_specs=spec))
+    out = jax.block_until_ready(f(cases.put(cross, spec, operand)))
+    receiver = cross.devices.flat[1]
+    if receiver.process_index != jax.process_index():
+        return None
+    return next(s.data for s in out.addressable_shards if s.device == receiver)
+
+
 def huge_page_advice(nbytes: int) -> dict | None:
     """One way from the first device of rank 0 to the first of rank 1, ``nbytes`` (made in the
     program: no NumPy array of that size, which NumPy advises itself, comes near it): on the
@@ -74,25 +107,11 @@ def huge_page_advice(nbytes: int) -> dict | None:
         message = jax.numpy.arange(count, dtype=np.uint32) + v[0]
         return cases.sendrecv(message, "x", [(0, 1)])
 
-    spec = jax.sharding.PartitionSpec("x")
-    f = jax.jit(jax.shard_map(body, mesh=cross, in_specs=spec, out_specs=spec))
-    out = jax.block_until_ready(f(cases.put(cross, spec, np.arange(2, dtype=np.uint32))))
-    receiver = cross.devices.flat[1]
-    if receiver.process_index != jax.process_index():
+    shard = receiver_shard(cross, body, np.arange(2, dtype=np.uint32))
+    if shard is None:
         return None
-    shard = next(s.data for s in out.addressable_shards if s.device == receiver)
     start = shard.unsafe_buffer_pointer()
-    huge = 2 << 20
-    first, last = -(-start // huge) * huge, (start + nbytes) // huge * huge
-    advised = []
-    with open("/proc/self/smaps") as smaps:
-        lo = hi = 0
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(a, 16) for a in head.split("-"))
-            elif head == "VmFlags:" and hi > first and lo < last:
-                advised.append("hg" in line.split()[1:])
+    advised = ["hg" in fields[1:] for _, _, fields in smaps_over(start, nbytes, "VmFlags:")]
     return {"advised": bool(advised) and all(advised), "vmas": len(advised),
             "right": bool((np.asarray(shard) == np.arange(count, dtype=np.uint32)).all())}
 
@@ -107,17 +126,9 @@ if LARGE:
 def huge_coverage(start: int, nbytes: int) -> tuple[int, int]:
     """Bytes of the whole huge pages inside [start, start + nbytes) that smaps says are
     huge pages (each VMA's AnonHugePages, at most its part inside), and those pages' bytes."""
-    huge = 2 << 20
-    first, last = -(-start // huge) * huge, (start + nbytes) // huge * huge
-    covered = 0
-    with open("/proc/self/smaps") as smaps:
-        lo = hi = 0
-        for line in smaps:
-            fields = line.split()
-            if "-" in fields[0] and not fields[0].endswith(":"):
-                lo, hi = (int(a, 16) for a in fields[0].split("-"))
-            elif fields[0] == "AnonHugePages:" and hi > first and lo < last:
-                covered += min(int(fields[1]) << 10, min(hi, last) - max(lo, first))
+    first, last = whole_huge_pages(start, nbytes)
+    covered = sum(min(int(fields[1]) << 10, min(hi, last) - max(lo, first))
+                  for lo, hi, fields in smaps_over(start, nbytes, "AnonHugePages:"))
     return covered, last - first
 
 
@@ -144,13 +155,9 @@ def carry_huge_pages(nbytes: int) -> dict | None:
 
         return jax.lax.scan(round_trip, (z0, y0), None, length=3)[0][1]
 
-    spec = jax.sharding.PartitionSpec("x")
-    f = jax.jit(jax.shard_map(body, mesh=cross, in_specs=spec, out_specs=spec))
-    out = jax.block_until_ready(f(cases.put(cross, spec, np.zeros(2, dtype=np.uint32))))
-    receiver = cross.devices.flat[1]
-    if receiver.process_index != jax.process_index():
+    shard = receiver_shard(cross, body, np.zeros(2, dtype=np.uint32))
+    if shard is None:
         return None
-    shard = next(s.data for s in out.addressable_shards if s.device == receiver)
     covered, whole = huge_coverage(shard.unsafe_buffer_pointer(), nbytes)
     return {"huge_bytes": covered, "range_bytes": whole,
             "right": bool((np.asarray(shard) == np.arange(count, dtype=np.uint32)).all())}
