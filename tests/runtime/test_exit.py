@@ -7,6 +7,8 @@ peer that has finished makes the launch run into it (killed: a failing test).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from mpi_launcher import assert_mpi_ok, run_mpi
@@ -41,14 +43,21 @@ def test_dropped_output_ends_its_ops_at_exit_with_the_status_asked_for():
     oks = sum(text.count("JCM-OK") for text in run.rank_output.values())
     assert run.returncode == 3 and oks == 2, run.report()
     out = run.rank_output[0]
-    assert out.count("jax_cpu_mpi: at exit") == 1 and REPORT in out, run.report()
-    # Ended at exit when the program had not got there (JAX 0.12's C++ dispatch leaves it
-    # behind), or refused for its size when it had (JAX 0.10.2's dispatch keeps it alive).
-    assert "  - precv(axis_name=('x',), perm=[(7, 0)]) on partition 0 (process 0)" in out, \
+    # How far the dropped program got before the exit is the scheduler's: on a loaded
+    # machine a device of process 0 may not even reach its chain psend within the grace
+    # (JAX 0.12's dispatch returns at once), which the report then lists too. What must
+    # hold: one report, the back edge's precv in it, and every op it lists ended by the exit
+    # (or refused for its size), none failed any other way.
+    assert out.count("jax_cpu_mpi: at exit") == 1, run.report()
+    assert re.search(r"jax_cpu_mpi: at exit, process 0 had \d+ failed psend/precv", out), \
         run.report()
-    assert ("when the process exited: ended at exit after the grace period "
-            "(JAX_CPU_MPI_EXIT_GRACE)" in out
-            or "but the matching psend sent float32[8,8] (256 bytes)" in out), run.report()
+    listed = [line for line in out.splitlines() if line.startswith("  - ")]
+    assert any(line.startswith("  - precv(axis_name=('x',), perm=[(7, 0)])")
+               and "on partition 0 (process 0)" in line for line in listed), run.report()
+    ended = ("when the process exited: ended at exit after the grace period",
+             "ran after this process closed its MPI transport at exit",
+             "but the matching psend sent float32[8,8] (256 bytes)")
+    assert all(any(e in line for e in ended) for line in listed), run.report()
 
 
 @pytest.mark.mpi
