@@ -44,7 +44,8 @@ void AdviseHugePages(void* data, size_t bytes);
 // program donates back at every call) keeps its 4 KiB pages for as long as it lives, and MPI's
 // single copy into or out of it then pins and walks 512 times as many pages, at every
 // message. The first time only notes the buffer: a buffer received into once would pay the
-// collapse (a copy of its bytes) and gain nothing from it.
+// collapse (a copy of its bytes) and gain nothing from it. Buffers are known by address and
+// size alone, so a new buffer at the address of one already collapsed is not collapsed.
 void CollapseReusedBuffer(void* data, size_t bytes);
 
 // The whole transparent huge pages (PMD-sized, aligned) inside [data, data + bytes): the range
