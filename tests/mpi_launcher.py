@@ -66,22 +66,31 @@ class MpiRun:
         return "\n".join(parts)
 
 
-def communicate_or_kill(command: list[str], timeout: float,
+def communicate_or_kill(command: list[str], timeout: float, *, stderr_apart: bool = False,
                         **popen_kwargs: object) -> tuple[str, int | None]:
-    """Run ``command`` in a session of its own: its output (stderr folded into stdout) and
-    exit status, or None as the status once ``timeout`` seconds passed and its whole process
-    group was killed (mpirun's and srun's children too, so nothing outlives the test)."""
+    """Run ``command`` in a session of its own: its output and exit status, or None as the
+    status once ``timeout`` seconds passed and its whole process group was killed (mpirun's
+    and srun's children too, so nothing outlives the test).
+
+    The output is stdout with stderr folded in, or with ``stderr_apart`` stdout followed by a
+    ``----- stderr -----`` section: a test that looks for a whole printed line needs that
+    where several processes write to both streams at once (gloo writes its connection notice
+    to stderr in pieces, and a rank's printed line can land between them)."""
     # errors="replace": a launcher or library may print bytes that are not UTF-8 (a garbled
     # PMI message); the test must fail on what the job did, with its output, not on decoding.
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE if stderr_apart else subprocess.STDOUT,
                             text=True, errors="replace", start_new_session=True, **popen_kwargs)
     try:
-        output, _ = proc.communicate(timeout=timeout)
-        return output, proc.returncode
+        output, errors = proc.communicate(timeout=timeout)
+        returncode: int | None = proc.returncode
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        return output, None
+        output, errors = proc.communicate()
+        returncode = None
+    if errors:
+        output += f"----- stderr -----\n{errors}"
+    return output, returncode
 
 
 def run_mpi(

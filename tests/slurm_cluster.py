@@ -299,22 +299,27 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         """Run a client command (``srun ...``); never hangs past ``timeout`` seconds."""
         start = time.monotonic()
         output, returncode = communicate_or_kill(self._on(self.host, command), timeout,
-                                                 env=self.env(env), cwd=cwd)
+                                                 stderr_apart=True, env=self.env(env), cwd=cwd)
         if returncode is None:
             self._cancel_all()
         return Step(command, returncode, output, time.monotonic() - start)
 
     def sbatch(self, script: Path, timeout: float, env: dict[str, str] | None = None,
                cwd: str | Path | None = None) -> Step:
-        """Submit a batch script with ``sbatch --wait`` and return its output file's text."""
-        out = self.dir / f"{script.stem}-%j.out"
-        step = self.run(["sbatch", "--wait", f"--output={out}", str(script)], timeout, env, cwd)
-        files = sorted(self.dir.glob(f"{script.stem}-*.out"))
-        text = "\n".join(f.read_text(errors="replace") for f in files)
-        for f in files:
-            f.unlink()
-        return Step(step.command, step.returncode,
-                    f"{step.output}----- job output -----\n{text}", step.seconds)
+        """Submit a batch script with ``sbatch --wait`` and return its output files' text: the
+        job's stdout, then its stderr (kept apart, like ``run``'s, so printed lines stay whole)."""
+        files = {stream: self.dir / f"{script.stem}-%j.{stream}" for stream in ("out", "err")}
+        step = self.run(["sbatch", "--wait", f"--output={files['out']}",
+                         f"--error={files['err']}", str(script)], timeout, env, cwd)
+        sections = []
+        for stream, title in (("out", "job output"), ("err", "job stderr")):
+            written = sorted(self.dir.glob(f"{script.stem}-*.{stream}"))
+            text = "\n".join(f.read_text(errors="replace") for f in written)
+            for f in written:
+                f.unlink()
+            sections.append(f"----- {title} -----\n{text.rstrip(chr(10))}\n")
+        return Step(step.command, step.returncode, step.output + "".join(sections),
+                    step.seconds)
 
     def _cancel_all(self) -> None:
         subprocess.run(self._on(self.host, ["scancel", "--full", "--user=root"]),
@@ -323,7 +328,8 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
     def logs(self, lines: int = 40) -> str:
         """The last lines of every daemon's log (for failure reports)."""
         parts = []
-        for log in sorted(self.dir.glob("*.log")) + sorted(self.dir.glob("*.out")):
+        logs = [sorted(self.dir.glob(f"*.{suffix}")) for suffix in ("log", "out", "err")]
+        for log in [path for group in logs for path in group]:
             text = log.read_text(errors="replace").splitlines()[-lines:]
             parts.append(f"----- {log.name} -----\n" + "\n".join(text))
         return "\n".join(parts)
