@@ -23,14 +23,14 @@ from __future__ import annotations
 import os
 import re
 import signal
+import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from concurrent_launches import Finished, Launch, Launches
 from mpi_launcher import MpiRun, assert_mpi_ok
 from netns_hosts import Job, TwoHosts, unavailable_reason
 
@@ -42,11 +42,17 @@ FAULT_RECV_TIMEOUT = 5
 PROMPT = 10.0
 
 
+def _unavailable() -> str | None:
+    """Why this file's tests skip here, or None."""
+    reason = unavailable_reason()
+    return None if reason is None else f"two-host test bed unavailable: {reason}"
+
+
 @pytest.fixture
 def hosts():
-    reason = unavailable_reason()
+    reason = _unavailable()
     if reason is not None:
-        pytest.skip(f"two-host test bed unavailable: {reason}")
+        pytest.skip(reason)
     bed = TwoHosts()
     try:
         yield bed
@@ -119,7 +125,7 @@ def test_info_names_both_hosts_and_the_transports(hosts):
 # --- network faults ------------------------------------------------------------------------
 #
 # A fault job mostly waits (for the loop to start, then a receive timeout of several
-# seconds), so this file's fault jobs run a few at a time (fault_jobs below), each on a pair
+# seconds), so this file's fault jobs run a few at a time (FAULT_JOBS below), each on a pair
 # of hosts of its own, instead of one after the other. Each test still checks, and reports,
 # its own job; a job that ends or fails early does not touch the others' hosts.
 
@@ -139,11 +145,9 @@ _TIMEOUT_ERROR = re.compile(r"DEADLINE_EXCEEDED: precv\(axis_name=\('x',\)|psend
                             r"\('x',\).* failed: .*(JAX_CPU_MPI_RECV_TIMEOUT|gave up waiting)")
 #: The limit of each fault job's launch (TwoHosts.run kills it there).
 FAULT_JOB_TIMEOUT = 120
-#: Fault jobs running at once: their ranks mostly wait, but each starts with imports and a
-#: compile, and the tests time how soon a job ends after its fault.
-FAULT_JOBS_AT_ONCE = 3
 #: The pytest limit of a fault test: its own job (the launch, then up to 15 s for the ranks
-#: on the other host to end and 30 s for the fault injector) and the jobs queued before it.
+#: on the other host to end and 30 s for the fault injector) and the jobs queued before it
+#: (3 at once, the longest first).
 FAULT_TEST_TIMEOUT = 3 * (FAULT_JOB_TIMEOUT + 60) + 60
 FLAP_OUTAGE = 2.0  # seconds the link is down in the flap job
 
@@ -166,7 +170,7 @@ def _link_down(hosts: TwoHosts, *, back_after_exits: bool = False) -> Callable[[
     return cut
 
 
-def _flap(hosts: TwoHosts, workdir: Path) -> MpiRun:
+def _flap(hosts: TwoHosts, workdir: Path, limit: float) -> MpiRun:
     # A 2 s outage, a 15 s receive timeout. The loop runs until the link is back (the file
     # below), so the outage falls inside it however loaded the machine is.
     link_back = workdir / "link-back-up"
@@ -178,12 +182,12 @@ def _flap(hosts: TwoHosts, workdir: Path) -> MpiRun:
         hosts.set_link(True)
         link_back.touch()
 
-    return hosts.run("network_fault.py", "flap", during=flap, timeout=FAULT_JOB_TIMEOUT,
+    return hosts.run("network_fault.py", "flap", during=flap, timeout=limit,
                      env={"JAX_CPU_MPI_RECV_TIMEOUT": "15", "JCM_FLAP_CALLS": "100000",
                           "JCM_FLAP_UNTIL": str(link_back)})
 
 
-def _kill_rank_1(hosts: TwoHosts, _: Path) -> MpiRun:
+def _kill_rank_1(hosts: TwoHosts, _: Path, limit: float) -> MpiRun:
     def kill(job: Job) -> None:
         job.wait_for(0, "JCM-LOOPING")
         line = job.wait_for(1, "pid ")
@@ -191,71 +195,53 @@ def _kill_rank_1(hosts: TwoHosts, _: Path) -> MpiRun:
         os.kill(int(re.search(r"pid (\d+)", line).group(1)), signal.SIGKILL)
 
     return hosts.run("network_fault.py", "uncaught", env=_fault_env(), during=kill,
-                     timeout=FAULT_JOB_TIMEOUT)
+                     timeout=limit)
 
-#: Every fault job: name -> its launch on a fresh pair of hosts (the longest first: the
-#: 1 MiB ones wait for a longer receive timeout).
-FAULT_LAUNCHES: dict[str, Callable[[TwoHosts, Path], MpiRun]] = {
-    **{f"1mib-{mode}": (lambda hosts, _, mode=mode: hosts.run(
+def _on_new_hosts(start: Callable[[TwoHosts, Path, float], MpiRun]) -> Launch:
+    """A fault job, ``start(hosts, workdir, limit)``, on a fresh pair of hosts, deleted once
+    it has ended (their names stay in the run's job, for the checks), with a scratch folder
+    of its own."""
+
+    def launch(limit: float) -> MpiRun:
+        with TwoHosts() as hosts, tempfile.TemporaryDirectory(prefix="jcm-fault-") as workdir:
+            return start(hosts, Path(workdir), limit)
+
+    return Launch(launch, FAULT_JOB_TIMEOUT)
+
+
+#: Every fault job (the longest first: the 1 MiB ones wait for a longer receive timeout), 3 at
+#: once: their ranks mostly wait, but each starts with imports and a compile, and the tests
+#: time how soon a job ends after its fault.
+FAULT_JOBS = Launches("fault job", {
+    **{f"1mib-{mode}": _on_new_hosts(lambda hosts, _, limit, mode=mode: hosts.run(
         "network_fault.py", mode, str(1 << 20), "pingpong", during=_link_down(hosts),
-        timeout=FAULT_JOB_TIMEOUT,
-        env={"JAX_CPU_MPI_RECV_TIMEOUT": str(BIG_FAULT_RECV_TIMEOUT)}))
+        timeout=limit, env={"JAX_CPU_MPI_RECV_TIMEOUT": str(BIG_FAULT_RECV_TIMEOUT)}))
        for mode in ("uncaught", "catch-exit")},
-    "catch-exit-aborts": lambda hosts, _: hosts.run(
+    "catch-exit-aborts": _on_new_hosts(lambda hosts, _, limit: hosts.run(
         "network_fault.py", "catch-exit", env=_fault_env(), during=_link_down(hosts),
-        timeout=FAULT_JOB_TIMEOUT),
+        timeout=limit)),
     # JAX_CPU_MPI_ABORT_ON_ERROR=0: each process ends alone (the default aborts the launch).
-    "catch-exit-alone": lambda hosts, _: hosts.run(
+    "catch-exit-alone": _on_new_hosts(lambda hosts, _, limit: hosts.run(
         "network_fault.py", "catch-exit", during=_link_down(hosts, back_after_exits=True),
-        timeout=FAULT_JOB_TIMEOUT, env=_fault_env(JAX_CPU_MPI_ABORT_ON_ERROR="0")),
-    "uncaught": lambda hosts, _: hosts.run(
+        timeout=limit, env=_fault_env(JAX_CPU_MPI_ABORT_ON_ERROR="0"))),
+    "uncaught": _on_new_hosts(lambda hosts, _, limit: hosts.run(
         "network_fault.py", "uncaught", env=_fault_env(), during=_link_down(hosts),
-        timeout=FAULT_JOB_TIMEOUT),
-    "flap": _flap,
-    "killed": _kill_rank_1,
-}
+        timeout=limit)),
+    "flap": _on_new_hosts(_flap),
+    "killed": _on_new_hosts(_kill_rank_1),
+}, at_once=3, unavailable=_unavailable)
+_fault_jobs, fault_job = FAULT_JOBS.fixtures("fault_job")
 
 
-@dataclass
-class FaultJob:
-    name: str  # of FAULT_LAUNCHES
-    hosts: TwoHosts  # deleted once the job ended; its names stay for the checks
-    run: MpiRun
-
-    @property
-    def job(self) -> Job:
-        return self.run.job  # type: ignore[attr-defined]
-
-
-def _launch(name: str, workdir: Path) -> FaultJob:
-    with TwoHosts() as hosts:
-        run = FAULT_LAUNCHES[name](hosts, workdir)
-    run.command.insert(0, f"[fault job {name!r}]")  # named in the report
-    return FaultJob(name, hosts, run)
-
-
-@pytest.fixture(scope="module")
-def fault_jobs(request, tmp_path_factory) -> dict[str, Future]:
-    """name -> the Future of its job. The jobs of the selected tests start at the first such
-    test, FAULT_JOBS_AT_ONCE at a time, in FAULT_LAUNCHES' order."""
-    reason = unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"two-host test bed unavailable: {reason}")
-    wanted = set()
-    for item in request.session.items:
-        callspec = getattr(item, "callspec", None)
-        if item.module is request.module and callspec and "fault" in callspec.params:
-            wanted.add(callspec.params["fault"])
-    with ThreadPoolExecutor(FAULT_JOBS_AT_ONCE, thread_name_prefix="fault-job") as pool:
-        yield {name: pool.submit(_launch, name, tmp_path_factory.mktemp(name))
-               for name in FAULT_LAUNCHES if name in wanted}
+def _job(done: Finished) -> Job:
+    """The job of a fault test's launch, as its fault injector saw it."""
+    return done.run.job  # type: ignore[attr-defined]
 
 
 @pytest.mark.timeout(FAULT_TEST_TIMEOUT)
-@pytest.mark.parametrize("fault", ["uncaught"])
-def test_link_down_uncaught_error_ends_every_rank_promptly(fault_jobs, fault):
-    done = fault_jobs[fault].result()
-    run, job, hosts = done.run, done.job, done.hosts
+@pytest.mark.parametrize("fault_job", ["uncaught"], indirect=True)
+def test_link_down_uncaught_error_ends_every_rank_promptly(fault_job: Finished):
+    run, job = fault_job.run, _job(fault_job)
     assert run.returncode not in (None, 0), run.report()
     # Every rank raised within the receive timeout plus a few seconds, with an error naming
     # the op, the pair and the peer's host; the job ended right after, on both hosts.
@@ -264,18 +250,18 @@ def test_link_down_uncaught_error_ends_every_rank_promptly(fault_jobs, fault):
     for rank, peer_host in ((0, "b"), (1, "a")):
         text = run.rank_output[rank]
         assert "DEADLINE_EXCEEDED: precv(axis_name=('x',)" in text, run.report()
-        assert f"MPI rank {1 - rank} on host {hosts.hostnames[peer_host]}" in text, run.report()
+        assert f"MPI rank {1 - rank} on host {job.hosts.hostnames[peer_host]}" in text, \
+            run.report()
         assert "cannot be reached over the network" in text, run.report()
     assert "MPI_Abort" in _all_output(run), run.report()
 
 
 @pytest.mark.timeout(FAULT_TEST_TIMEOUT)
-@pytest.mark.parametrize("fault", ["catch-exit-alone"])
-def test_link_down_caught_error_and_sys_exit_ends_the_process_promptly(fault_jobs, fault):
+@pytest.mark.parametrize("fault_job", ["catch-exit-alone"], indirect=True)
+def test_link_down_caught_error_and_sys_exit_ends_the_process_promptly(fault_job: Finished):
     # JAX_CPU_MPI_ABORT_ON_ERROR=0: each process ends alone (the default aborts the launch:
     # the next test).
-    done = fault_jobs[fault].result()
-    run, job = done.run, done.job
+    run, job = fault_job.run, _job(fault_job)
     assert sorted(job.exits) == [0, 1], run.report()
     for rank in (0, 1):
         status, exited_at = job.exits[rank]
@@ -292,13 +278,12 @@ def test_link_down_caught_error_and_sys_exit_ends_the_process_promptly(fault_job
 
 
 @pytest.mark.timeout(FAULT_TEST_TIMEOUT)
-@pytest.mark.parametrize("fault", ["catch-exit-aborts"])
-def test_link_down_caught_error_and_sys_exit_aborts_the_whole_launch(fault_jobs, fault):
+@pytest.mark.parametrize("fault_job", ["catch-exit-aborts"], indirect=True)
+def test_link_down_caught_error_and_sys_exit_aborts_the_whole_launch(fault_job: Finished):
     # The default: a process that exits (here sys.exit(1) after catching the precv error)
     # from a job whose peer stopped answering aborts the launch (MPI_Abort), so mpiexec ends
     # within seconds, with the link still down, instead of waiting for the other host.
-    done = fault_jobs[fault].result()
-    run, job = done.run, done.job
+    run, job = fault_job.run, _job(fault_job)
     assert run.returncode not in (None, 0), run.report()
     assert job.ended_at - job.marks["down"] < FAULT_RECV_TIMEOUT + PROMPT, run.report()
     for rank in (0, 1):
@@ -308,21 +293,20 @@ def test_link_down_caught_error_and_sys_exit_aborts_the_whole_launch(fault_jobs,
 
 
 @pytest.mark.timeout(FAULT_TEST_TIMEOUT)
-@pytest.mark.parametrize("fault", ["1mib-uncaught", "1mib-catch-exit"],
-                         ids=["uncaught", "catch-exit"])
-def test_link_down_mid_1_mib_messages_ends_the_launch(fault_jobs, fault):
+@pytest.mark.parametrize("fault_job", ["1mib-uncaught", "1mib-catch-exit"],
+                         ids=["uncaught", "catch-exit"], indirect=True)
+def test_link_down_mid_1_mib_messages_ends_the_launch(fault_job: Finished):
     # 1 MiB each way: the rendezvous path (straight from the operand when the receiver is
     # ready first, else staged), where a receive may have matched a message that the dead
     # link then cuts in half (MPI cannot cancel it: it is abandoned at the deadline). With
     # the link down for good, mpiexec on host A ends only through rank 0: its precv must
     # time out, and the error (uncaught, or caught and sys.exit(1)) abort the launch.
-    done = fault_jobs[fault].result()
-    run, job = done.run, done.job
+    run, job = fault_job.run, _job(fault_job)
     assert run.returncode not in (None, 0), run.report()
     assert job.ended_at - job.marks["down"] < BIG_FAULT_RECV_TIMEOUT + BIG_FAULT_SLACK, \
         run.report()
     assert _TIMEOUT_ERROR.search(run.rank_output[0]), run.report()
-    if fault == "1mib-catch-exit":
+    if fault_job.name == "1mib-catch-exit":
         assert "JCM-CAUGHT" in run.rank_output[0], run.report()
         assert "aborting the whole MPI launch (MPI_Abort)" in _all_output(run), run.report()
     else:
@@ -330,11 +314,11 @@ def test_link_down_mid_1_mib_messages_ends_the_launch(fault_jobs, fault):
 
 
 @pytest.mark.timeout(FAULT_TEST_TIMEOUT)
-@pytest.mark.parametrize("fault", ["flap"])
-def test_link_down_and_up_within_the_timeout_the_loop_continues(fault_jobs, fault):
+@pytest.mark.parametrize("fault_job", ["flap"], indirect=True)
+def test_link_down_and_up_within_the_timeout_the_loop_continues(fault_job: Finished):
     # A 2 s outage, a 15 s receive timeout: TCP retransmits, and every call completes with
     # exact values (the loop stalls for the outage, then goes on).
-    run = fault_jobs[fault].result().run
+    run = fault_job.run
     assert_mpi_ok(run, 2)
     calls = set()
     for rank in (0, 1):
@@ -347,13 +331,12 @@ def test_link_down_and_up_within_the_timeout_the_loop_continues(fault_jobs, faul
 
 
 @pytest.mark.timeout(FAULT_TEST_TIMEOUT)
-@pytest.mark.parametrize("fault", ["killed"])
-def test_rank_on_the_other_host_killed_ends_the_job_naming_the_host(fault_jobs, fault):
-    done = fault_jobs[fault].result()
-    run, job, hosts = done.run, done.job, done.hosts
+@pytest.mark.parametrize("fault_job", ["killed"], indirect=True)
+def test_rank_on_the_other_host_killed_ends_the_job_naming_the_host(fault_job: Finished):
+    run, job = fault_job.run, _job(fault_job)
     assert run.returncode not in (None, 0), run.report()
     assert job.ended_at - job.marks["kill"] < PROMPT, run.report()
     # Hydra's report names the host of the rank that died, and the signal.
-    assert re.search(rf"RUNNING AT {hosts.hostnames['b']}\s", run.launcher_output), \
+    assert re.search(rf"RUNNING AT {job.hosts.hostnames['b']}\s", run.launcher_output), \
         run.report()
     assert re.search(r"EXIT CODE: 9|signal 9|Killed", run.launcher_output), run.report()

@@ -5,23 +5,23 @@ from __future__ import annotations
 import json
 import os
 import re
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
-from mpi_launcher import MpiRun, assert_mpi_ok, run_mpi
+from concurrent_launches import Finished, Launches, mpi_launch
+from mpi_launcher import assert_mpi_ok, run_mpi
 
 pytestmark = pytest.mark.mpi
 
 #: The launches of the tests after the scenarios: each mostly waits (receive timeouts of 3 s,
-#: a sleep of 3 s), so they run at once, started by the first of those tests (waiting_jobs).
-#: name -> (program, launcher keywords).
-WAITING_LAUNCHES: dict[str, tuple[str, dict]] = {
-    "errors": ("p2p_errors.py", {"timeout": 160, "env": {"JAX_CPU_MPI_RECV_TIMEOUT": "3"}}),
-    "fast-dispatch": ("fast_dispatch.py", {"devices_per_process": 2, "timeout": 160,
-                                           "env": {"JAX_CPU_MPI_RECV_TIMEOUT": "3"}}),
-    "send-lifecycle": ("send_lifecycle.py", {"timeout": 160}),
-}
+#: a sleep of 3 s), so they run at once, started by the first of those tests.
+WAITING_JOBS = Launches("job", {
+    "errors": mpi_launch("p2p_errors.py", limit=160, env={"JAX_CPU_MPI_RECV_TIMEOUT": "3"}),
+    "fast-dispatch": mpi_launch("fast_dispatch.py", limit=160, devices_per_process=2,
+                                env={"JAX_CPU_MPI_RECV_TIMEOUT": "3"}),
+    "send-lifecycle": mpi_launch("send_lifecycle.py", limit=160),
+}, at_once=3)
+_waiting_jobs, waiting_job = WAITING_JOBS.fixtures("waiting_job")
 #: The pytest limit of each of those tests: its launch's limit, all three running at once.
 WAITING_TEST_TIMEOUT = 180
 
@@ -115,24 +115,10 @@ def test_all_scenarios_over_mpi(devices_per_process):
             assert faults["faults"] >= 32, run.report()
 
 
-def _launch(name: str) -> MpiRun:
-    program, kwargs = WAITING_LAUNCHES[name]
-    run = run_mpi(program, nprocs=2, **kwargs)
-    run.command.insert(0, f"[job {name!r}]")  # named in the report
-    return run
-
-
-@pytest.fixture(scope="module")
-def waiting_jobs() -> dict[str, Future]:
-    """name -> the Future of its launch; all of WAITING_LAUNCHES start at the first test
-    that asks (a test run alone still waits for the others' launches)."""
-    with ThreadPoolExecutor(len(WAITING_LAUNCHES), thread_name_prefix="p2p-job") as pool:
-        yield {name: pool.submit(_launch, name) for name in WAITING_LAUNCHES}
-
-
 @pytest.mark.timeout(WAITING_TEST_TIMEOUT)
-def test_errors_over_mpi(waiting_jobs):
-    run = waiting_jobs["errors"].result()
+@pytest.mark.parametrize("waiting_job", ["errors"], indirect=True)
+def test_errors_over_mpi(waiting_job: Finished):
+    run = waiting_job.run
     assert_mpi_ok(run, 2)
     # The exit report (Runtime::note_failed_op): errors alike by their first line counted
     # there, "(2 times)" (each retyped message, sender first and receiver first; the two
@@ -152,18 +138,20 @@ def test_errors_over_mpi(waiting_jobs):
 
 
 @pytest.mark.timeout(WAITING_TEST_TIMEOUT)
-def test_fast_dispatch_over_mpi_and_its_errors(waiting_jobs):
+@pytest.mark.parametrize("waiting_job", ["fast-dispatch"], indirect=True)
+def test_fast_dispatch_over_mpi_and_its_errors(waiting_job: Finished):
     """2 devices per rank, then 1 device of each rank (with the device-thread hint): jit's
     C++ path, and a precv's timeout still a JaxRuntimeError."""
-    run = waiting_jobs["fast-dispatch"].result()
+    run = waiting_job.run
     assert_mpi_ok(run, 2)
     for what in ("2 devices per process", "1 device per process"):
         assert f"{what}: raised as expected" in run.rank_output[1], run.report()
 
 
 @pytest.mark.timeout(WAITING_TEST_TIMEOUT)
-def test_inflight_bound_and_sends_in_flight_at_exit(waiting_jobs):
-    run = waiting_jobs["send-lifecycle"].result()
+@pytest.mark.parametrize("waiting_job", ["send-lifecycle"], indirect=True)
+def test_inflight_bound_and_sends_in_flight_at_exit(waiting_job: Finished):
+    run = waiting_job.run
     assert_mpi_ok(run, 2)
     everything = run.launcher_output + "".join(run.rank_output.values())
     for bad in ("undelivered", "never received", "pending", "leaked"):

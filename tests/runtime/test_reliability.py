@@ -11,9 +11,6 @@ import os
 import re
 import subprocess
 import sys
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -26,6 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cpu_mpi
+from concurrent_launches import Finished, Launches, mpi_launch
 from conftest import make_mesh
 from jax_cpu_mpi import config
 from mpi_launcher import PROGRAMS, MpiRun, assert_mpi_ok, run_mpi
@@ -246,7 +244,7 @@ def test_cached_executable_loaded_by_a_new_mpi_job_still_communicates(tmp_path):
 #
 # Each scenario ends its MPI job (that is the point), so each needs a launch of its own; a
 # launch mostly waits (a rank sleeping, a receive timing out, an exit barrier), so the
-# scenarios' launches of this file run a few at a time (fault_jobs below) instead of one
+# scenarios' launches of this file run a few at a time (FAULT_JOBS below) instead of one
 # after the other. Each test still checks, and reports, its own launch.
 
 DYING_TIMEOUT = 120  # hard limit of each job
@@ -255,82 +253,44 @@ DYING_TIMEOUT = 120  # hard limit of each job
 DYING_RECV_TIMEOUT = 6
 STOPPED_TIMEOUT = 45  # hard limit of each stopped-sender job; the precv timeout inside is 3 s
 NEVER_RECEIVED_TIMEOUT = 150
-#: Launches of fault_jobs running at once: their ranks mostly wait, but each starts with
-#: imports and a compile, and some scenarios time their steps (sleeps of a few seconds).
-FAULT_JOBS_AT_ONCE = 3
 #: The pytest limit of a test of a fault job: its own job's limit, and the jobs queued
-#: before it (at most FAULT_JOBS_AT_ONCE at once, each bounded by its own limit).
+#: before it (3 at once, each bounded by its own limit).
 FAULT_TEST_TIMEOUT = 3 * DYING_TIMEOUT + 60
-
-
-@dataclass
-class FaultJob:
-    name: str  # of FAULT_LAUNCHES
-    run: MpiRun
-    elapsed: float  # seconds from the launch to mpirun's end
-    ended: float  # time.time() at mpirun's end
 
 
 def _dying_env(recv_timeout: float = DYING_RECV_TIMEOUT) -> dict[str, str]:
     return {"JAX_CPU_MPI_RECV_TIMEOUT": str(recv_timeout), "JAX_CPU_MPI_EXIT_TIMEOUT": "5"}
 
 
-#: Every launch of the fault tests: name -> (program, args, launcher keywords).
-FAULT_LAUNCHES: dict[str, tuple[str, tuple[str, ...], dict]] = {
-    **{scenario: ("dying_rank.py", (scenario,), {"timeout": DYING_TIMEOUT, "env": _dying_env()})
+#: Every launch of the fault tests, in the order of the tests. 3 run at once: their ranks
+#: mostly wait, but each starts with imports and a compile, and some scenarios time their
+#: steps (sleeps of a few seconds).
+FAULT_JOBS = Launches("fault job", {
+    **{scenario: mpi_launch("dying_rank.py", scenario, limit=DYING_TIMEOUT, env=_dying_env())
        for scenario in ("killed-while-peer-receives", "killed-while-peer-sends",
                         "killed-mid-rendezvous", "exits-while-peer-sends",
                         "exits-mid-rendezvous", "hangs-while-peer-receives")},
     # Rank 0's kept psend and the precv that finishes it time out after 3 s.
-    "stopped-mid-rendezvous": ("dying_rank.py", ("stopped-mid-rendezvous",),
-                               {"timeout": DYING_TIMEOUT, "env": _dying_env(3)}),
+    "stopped-mid-rendezvous": mpi_launch("dying_rank.py", "stopped-mid-rendezvous",
+                                         limit=DYING_TIMEOUT, env=_dying_env(3)),
     # Rank 0's precv times out after 3 s.
-    "stopped-then-peer-exits": ("dying_rank.py", ("stopped-then-peer-exits",),
-                                {"timeout": DYING_TIMEOUT, "env": _dying_env(3)}),
-    **{f"stopped-sender-{path}": (
-        "stopped_sender.py", (path,),
-        {"timeout": STOPPED_TIMEOUT,
-         # Through UCX on TCP even between ranks of one host, and rendezvous from 16 KiB.
-         "env": {**_dying_env(3), "MPIR_CVAR_NOLOCAL": "1", "UCX_TLS": "tcp,self",
-                 "UCX_RNDV_THRESH": "16k"}})
+    "stopped-then-peer-exits": mpi_launch("dying_rank.py", "stopped-then-peer-exits",
+                                          limit=DYING_TIMEOUT, env=_dying_env(3)),
+    **{f"stopped-sender-{path}": mpi_launch(
+        "stopped_sender.py", path, limit=STOPPED_TIMEOUT,
+        # Through UCX on TCP even between ranks of one host, and rendezvous from 16 KiB.
+        env={**_dying_env(3), "MPIR_CVAR_NOLOCAL": "1", "UCX_TLS": "tcp,self",
+             "UCX_RNDV_THRESH": "16k"})
        for path in ("eager", "staged", "direct")},
-    "never-received": ("rendezvous.py", ("never-received",),
-                       {"timeout": NEVER_RECEIVED_TIMEOUT,
-                        "env": {"JAX_CPU_MPI_RECV_TIMEOUT": "3",
-                                "JAX_CPU_MPI_EXIT_TIMEOUT": "20"}}),
-}
+    "never-received": mpi_launch("rendezvous.py", "never-received",
+                                 limit=NEVER_RECEIVED_TIMEOUT,
+                                 env={"JAX_CPU_MPI_RECV_TIMEOUT": "3",
+                                      "JAX_CPU_MPI_EXIT_TIMEOUT": "20"}),
+}, at_once=3)
+_fault_jobs, fault_job = FAULT_JOBS.fixtures("fault_job")
 
 
-def _launch(name: str) -> FaultJob:
-    program, args, kwargs = FAULT_LAUNCHES[name]
-    start = time.monotonic()
-    run = run_mpi(program, *args, nprocs=2, **kwargs)
-    elapsed = time.monotonic() - start
-    run.command.insert(0, f"[fault job {name!r}, {elapsed:.0f} s]")  # named in the report
-    return FaultJob(name, run, elapsed, time.time())
-
-
-@pytest.fixture(scope="module")
-def fault_jobs(request) -> dict[str, Future]:
-    """name -> the Future of its launch. The launches of the selected tests start at the
-    first such test, queued in file order, FAULT_JOBS_AT_ONCE at a time."""
-    wanted = []
-    for item in request.session.items:
-        callspec = getattr(item, "callspec", None)
-        if item.module is request.module and callspec and "fault_job" in callspec.params:
-            if callspec.params["fault_job"] not in wanted:
-                wanted.append(callspec.params["fault_job"])
-    with ThreadPoolExecutor(FAULT_JOBS_AT_ONCE, thread_name_prefix="fault-job") as pool:
-        yield {name: pool.submit(_launch, name) for name in wanted}
-
-
-@pytest.fixture
-def fault_job(request, fault_jobs: dict[str, Future]) -> FaultJob:
-    """The launch named by the test's ``fault_job`` parameter, once it has ended."""
-    return fault_jobs[request.param].result()
-
-
-def _check_dying(job: FaultJob) -> str:
+def _check_dying(job: Finished) -> str:
     run = job.run
     assert run.returncode is not None, f"job hung ({job.elapsed:.0f} s):\n{run.report()}"
     everything = run.launcher_output + "".join(run.rank_output.values())

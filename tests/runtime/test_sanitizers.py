@@ -36,15 +36,17 @@ def test_extension_built_with_asan_and_ubsan_runs_clean():
 
     The build step (BUILD_ONLY=1) starts in the background, niced, when collection ends
     (tests/background_builds.py); the script then runs in full with the same WORK
-    directory, so CMake finds the extension built (or rebuilds it, showing the error, if
-    that build failed)."""
+    directory and compiler flags (unoptimized: background_builds.SANITIZER_CXXFLAGS), so
+    CMake finds the extension built (or rebuilds it, showing the error, if that build
+    failed)."""
     missing = background_builds.sanitizer_build_missing()
     if missing:
         pytest.skip(missing)
     started = background_builds.sanitized_extension()
     started.wait(timeout=400)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(PYTHON=sys.executable, QUICK="1", WORK=str(started.workdir))
+    env.update(PYTHON=sys.executable, QUICK="1", WORK=str(started.workdir),
+               CXXFLAGS=background_builds.SANITIZER_CXXFLAGS)
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "sanitize.sh")], env=env,
                           capture_output=True, text=True, timeout=580, cwd=ROOT)
     assert proc.returncode == 0 and "== sanitizers: clean" in proc.stdout, output_of(proc)
