@@ -2,17 +2,23 @@
 
 #include <climits>  // first: a C library header defines __GLIBC__ where it is glibc
 
+#include <algorithm>
 #include <array>
 #include <atomic>
+#include <cerrno>
 #include <cstdint>
 #include <fstream>
+#include <optional>
 #include <string>
 
 #if defined(__GLIBC__)
 #include <malloc.h>
 #endif
 #if defined(__linux__)
+#include <fcntl.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
+#include <unistd.h>
 #endif
 
 namespace jcm {
@@ -50,6 +56,105 @@ size_t HugePageBytes() {
 
 }  // namespace
 
+namespace {
+
+// PAGEMAP_SCAN (Linux 6.7, linux/fs.h), spelled out: the kernel headers of the build may be
+// older than the kernel it runs on.
+struct PageRegion {
+  uint64_t start;
+  uint64_t end;
+  uint64_t categories;
+};
+struct PmScanArg {
+  uint64_t size;
+  uint64_t flags;
+  uint64_t start;
+  uint64_t end;
+  uint64_t walk_end;
+  uint64_t vec;
+  uint64_t vec_len;
+  uint64_t max_pages;
+  uint64_t category_inverted;
+  uint64_t category_mask;
+  uint64_t category_anyof_mask;
+  uint64_t return_mask;
+};
+static_assert(sizeof(PmScanArg) == 96, "struct pm_scan_arg of linux/fs.h");
+#if defined(__linux__)
+constexpr unsigned long kPagemapScan = _IOWR('f', 16, PmScanArg);
+#endif
+constexpr uint64_t kPageIsHuge = uint64_t{1} << 6;
+
+// /proc/self/pagemap, opened once per process, asked which pages of a range are huge pages.
+class Pagemap {
+ public:
+  Pagemap() {
+#if defined(__linux__)
+    fd_.store(open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC), std::memory_order_relaxed);
+    pid_ = getpid();
+#endif
+  }
+  ~Pagemap() {
+#if defined(__linux__)
+    // Taken before it is closed: a thread still asking at exit gets no answer, not another
+    // file that reused the number.
+    const int fd = fd_.exchange(-1);
+    if (fd >= 0) close(fd);
+#endif
+  }
+  Pagemap(const Pagemap&) = delete;
+  Pagemap& operator=(const Pagemap&) = delete;
+
+  // The first address of [begin, end) (page aligned) that is not on a huge page, end where
+  // every page is, or nullopt where the kernel cannot say (no PAGEMAP_SCAN: Linux before 6.7;
+  // a child forked from the process that opened the file, whose descriptor would describe
+  // its parent's memory).
+  std::optional<uintptr_t> FirstNotHuge(uintptr_t begin, uintptr_t end) {
+#if defined(__linux__)
+    const int fd = fd_.load(std::memory_order_relaxed);
+    if (fd < 0 || !works_.load(std::memory_order_relaxed) || getpid() != pid_) return {};
+    PageRegion region{};
+    PmScanArg arg{};
+    arg.size = sizeof(arg);
+    arg.start = begin;
+    arg.end = end;
+    arg.vec = reinterpret_cast<uintptr_t>(&region);
+    arg.vec_len = 1;
+    // The pages whose "huge" category is 0 (inverted, then required): the first one found
+    // ends the walk, so a range on 4 KiB pages costs one page's look-up, and one on huge
+    // pages one look-up per huge page.
+    arg.max_pages = 1;
+    arg.category_inverted = kPageIsHuge;
+    arg.category_mask = kPageIsHuge;
+    arg.return_mask = kPageIsHuge;
+    const int found = ioctl(fd, kPagemapScan, &arg);
+    if (found < 0) {
+      // An older kernel does not know the request (ENOTTY, or EINVAL for a field it does not
+      // know): it will not learn it; other failures are this call's.
+      if (errno == ENOTTY || errno == EINVAL) works_.store(false, std::memory_order_relaxed);
+      return {};
+    }
+    return found > 0 ? std::max<uintptr_t>(region.start, begin) : end;
+#else
+    (void)begin;
+    (void)end;
+    return {};
+#endif
+  }
+
+ private:
+  std::atomic<int> fd_{-1};
+  std::atomic<bool> works_{true};
+  int pid_ = -1;
+};
+
+Pagemap& ProcessPagemap() {
+  static Pagemap pagemap;
+  return pagemap;
+}
+
+}  // namespace
+
 size_t TransparentHugePageBytes() {
   static const size_t bytes = [] {
     std::ifstream in("/sys/kernel/mm/transparent_hugepage/enabled");
@@ -72,33 +177,116 @@ std::span<std::byte> WholeHugePages(void* data, size_t bytes) {
   return {reinterpret_cast<std::byte*>(begin), static_cast<size_t>(end - begin)};
 }
 
+namespace {
+
+#if defined(__linux__)
+constexpr int kMadvCollapse = 25;  // MADV_COLLAPSE (Linux 6.1); the C headers may lack it
+
+// Has the kernel move the 4 KiB pages of [begin, end) (whole huge pages) onto huge pages, from
+// the first huge page that is not one: the kernel's collapse of huge pages already in place is
+// cheap but not free (it drains every CPU's page lists first), and skipped where the range is
+// all huge pages already. A hint only, as AdviseHugePages: the contents do not change, and a
+// kernel without MADV_COLLAPSE (or without free huge pages) refuses; the 4 KiB pages then stay.
+void CollapseFrom(Pagemap& pagemap, uintptr_t begin, uintptr_t end, size_t huge) {
+  const std::optional<uintptr_t> first = pagemap.FirstNotHuge(begin, end);
+  if (first && *first >= end) return;
+  const uintptr_t from = first ? (*first & ~(uintptr_t{huge} - 1)) : begin;
+  (void)madvise(reinterpret_cast<void*>(from), end - from, kMadvCollapse);
+}
+#endif
+
+// A collapse repaid itself when the memory it moved was asked about this many times (the
+// collapsing ask included) before other memory took its place: the collapse copies the
+// buffer once in the kernel, and each later copy by MPI out of it or into it pins and walks
+// 512 times fewer pages. A new buffer where such a one was is collapsed at its second ask.
+constexpr uint64_t kRepaidUses = 4;
+// A new buffer where a collapsed one was before it repaid (a buffer made afresh at every call
+// and sent once, at a recycled address) is left alone for this many asks, doubled at every
+// such replacement up to kMaxWait, then collapsed again to see whether the buffer now there
+// lives longer: what a buffer that is never reused costs tends to nothing.
+constexpr uint32_t kMinWait = 8;
+constexpr uint32_t kMaxWait = 1024;
+// Where the kernel cannot say which pages are huge (before Linux 6.7): a collapsed buffer is
+// collapsed again at every this many asks, which catches a new buffer at its address within
+// as many asks and costs a buffer still on huge pages the kernel's cheap pass over them.
+constexpr uint64_t kRecollapseAsks = 16;
+
+}  // namespace
+
 void CollapseReusedBuffer(void* data, size_t bytes) {
 #if defined(__linux__)
-  constexpr int kMadvCollapse = 25;  // MADV_COLLAPSE (Linux 6.1); the C headers may lack it
   if (TransparentHugePageBytes() == 0) return;
+  const std::span<std::byte> pages = WholeHugePages(data, bytes);
+  if (pages.empty()) return;
+  enum class Stage : uint8_t {
+    kNoted,      // asked about once: collapsed at its next ask
+    kCollapsed,  // collapsed (or found on huge pages) at an earlier ask
+    kWaiting,    // a new buffer replaced a collapsed one before the collapse repaid
+  };
   struct Seen {
     const void* data = nullptr;
     size_t bytes = 0;
-    bool collapsed = false;
+    Stage stage = Stage::kNoted;
+    uint64_t uses = 0;     // asks about the memory there since its collapse, that one included
+    uint32_t wait = 0;     // kWaiting: the asks left before the next collapse
+    uint32_t backoff = 0;  // the last wait, doubled at each early replacement
   };
   // The last buffers this thread was asked about, a ring: a loop's carries and a pipeline's
-  // few buffers fit, and a lookup is a scan of a few words.
+  // few buffers fit, and a lookup is a scan of a few words. An address names a place, not a
+  // buffer (XLA's allocator gives a freed buffer's address to the next of its size, over the
+  // same pages or over a fresh map), so what was done at an address is checked against the
+  // memory there: the kernel says whether its pages are all huge pages.
   thread_local std::array<Seen, 8> seen{};
   thread_local size_t next = 0;
-  for (Seen& s : seen) {
-    if (s.data != data || s.bytes != bytes) continue;
-    // Asked once per buffer: the kernel's collapse of huge pages already in place is cheap
-    // but not free (it drains every CPU's page lists first).
-    if (s.collapsed) return;
-    s.collapsed = true;
-    const std::span<std::byte> pages = WholeHugePages(data, bytes);
-    // A hint only, as AdviseHugePages: the contents do not change, and a kernel without
-    // MADV_COLLAPSE (or without free huge pages) refuses; the 4 KiB pages then stay.
-    if (!pages.empty()) (void)madvise(pages.data(), pages.size(), kMadvCollapse);
+  Seen* s = nullptr;
+  for (Seen& candidate : seen) {
+    if (candidate.data == data) s = &candidate;
+  }
+  if (s == nullptr || s->bytes != bytes) {
+    // Seen once (the first time, or a buffer of another size at a known address): a buffer
+    // received into or sent from once would pay the collapse and gain nothing from it.
+    Seen& slot = s != nullptr ? *s : seen[next];
+    if (s == nullptr) next = (next + 1) % seen.size();
+    slot = Seen{data, bytes};
     return;
   }
-  seen[next] = Seen{data, bytes, false};
-  next = (next + 1) % seen.size();
+  const auto begin = reinterpret_cast<uintptr_t>(pages.data());
+  const uintptr_t end = begin + pages.size();
+  const size_t huge = TransparentHugePageBytes();
+  Pagemap& pagemap = ProcessPagemap();
+  switch (s->stage) {
+    case Stage::kWaiting:
+      if (--s->wait > 0) return;
+      [[fallthrough]];
+    case Stage::kNoted:
+      CollapseFrom(pagemap, begin, end, huge);
+      s->stage = Stage::kCollapsed;
+      s->uses = 1;
+      return;
+    case Stage::kCollapsed: {
+      const std::optional<uintptr_t> first = pagemap.FirstNotHuge(begin, end);
+      if (!first) {
+        if (++s->uses % kRecollapseAsks == 0) {
+          (void)madvise(pages.data(), pages.size(), kMadvCollapse);
+        }
+        return;
+      }
+      if (*first >= end) {
+        if (++s->uses >= kRepaidUses) s->backoff = 0;
+        return;
+      }
+      // Not all huge pages at an address whose pages were: other memory is there now (or the
+      // kernel split them). Seen once, as a new buffer, if the last one repaid its collapse.
+      if (s->uses >= kRepaidUses) {
+        s->stage = Stage::kNoted;
+        return;
+      }
+      s->backoff = std::clamp(2 * s->backoff, kMinWait, kMaxWait);
+      s->wait = s->backoff;
+      s->stage = Stage::kWaiting;
+      return;
+    }
+  }
 #else
   (void)data;
   (void)bytes;

@@ -38,14 +38,22 @@ void AdviseHugePages(void* data, size_t bytes);
 
 // For a buffer that is written again and again (a loop's carry, a donated buffer), the
 // second time this thread asks about it: has the kernel move the whole huge pages inside
-// [data, data + bytes) that are 4 KiB pages onto huge pages, once (madvise MADV_COLLAPSE,
-// Linux 6.1; the contents do not change). AdviseHugePages cannot: a range that was written
-// before it was advised (the carry's first value, computed by XLA; a buffer XLA wrote and the
+// [data, data + bytes) that are 4 KiB pages onto huge pages (madvise MADV_COLLAPSE, Linux
+// 6.1; the contents do not change). AdviseHugePages cannot: a range that was written before
+// it was advised (the carry's first value, computed by XLA; a buffer XLA wrote and the
 // program donates back at every call) keeps its 4 KiB pages for as long as it lives, and MPI's
 // single copy into or out of it then pins and walks 512 times as many pages, at every
 // message. The first time only notes the buffer: a buffer received into once would pay the
-// collapse (a copy of its bytes) and gain nothing from it. Buffers are known by address and
-// size alone, so a new buffer at the address of one already collapsed is not collapsed.
+// collapse (a copy of its bytes) and gain nothing from it.
+// An address is not a buffer: XLA's allocator gives a freed buffer's address to the next one
+// of its size, over the same pages or, for a block glibc maps afresh, over new 4 KiB pages.
+// So at every later ask the kernel says whether the range is still all huge pages (one
+// PAGEMAP_SCAN of /proc/self/pagemap for the first page that is not, Linux 6.7): where it is
+// not, a new buffer is there, collapsed at its next ask if the one before was used often
+// enough to repay its collapse; a buffer made afresh at every call and used once is instead
+// left alone for a number of asks that doubles each time. Where the kernel cannot say
+// (older kernels), a collapsed buffer is collapsed again at every 16th ask: cheap while its
+// pages are still huge, and a new buffer at its address is caught within as many asks.
 void CollapseReusedBuffer(void* data, size_t bytes);
 
 // The whole transparent huge pages (PMD-sized, aligned) inside [data, data + bytes): the range

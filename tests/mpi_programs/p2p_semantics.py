@@ -207,6 +207,59 @@ if LARGE:
     print("sendhuge " + json.dumps(sent_operand_huge_pages(10 << 20)), flush=True)
 
 
+def recycled_operand_huge_pages(nbytes: int, rounds: int = 4, sends: int = 6) -> dict | None:
+    """``rounds`` times: a new operand of ``nbytes`` that another program computed (4 KiB
+    pages where THP is "madvise"), sent ``sends`` times from the first device of rank 0 to
+    the first of rank 1, and freed. From 32 MiB glibc maps such a block afresh and unmaps it
+    when it is freed (without JAX_CPU_MPI_KEEP_FREED_MEMORY), and the next one lands at the
+    same address over new pages: a collapse known by its address alone misses them. On the
+    sending process: each operand's address relative to the first's, how much of its whole
+    huge pages were huge pages before its sends and after them (CollapseReusedBuffer asks the
+    kernel), and those pages' bytes; on both, whether the bytes that this process holds
+    arrived."""
+    count = nbytes // 4
+    per_process = n // jax.process_count()
+    cross = jax.make_mesh((2,), ("x",), devices=[jax.devices()[0], jax.devices()[per_process]])
+    spec = jax.sharding.PartitionSpec("x")
+    make = jax.jit(jax.shard_map(lambda v: jax.numpy.arange(count, dtype=np.uint32) + v[0],
+                                 mesh=cross, in_specs=spec, out_specs=spec))
+
+    def body(v):
+        def step(carry, _):
+            source = jax.lax.optimization_barrier(v)
+            return jax.lax.pcast(cases.sendrecv(source, "x", [(0, 1)]), "x", to="varying"), None
+
+        return jax.lax.scan(step, jax.numpy.zeros_like(v), None, length=sends)[0]
+
+    f = jax.jit(jax.shard_map(body, mesh=cross, in_specs=spec, out_specs=spec))
+    sender, receiver = cross.devices.flat
+    addresses, before, after, whole, right = [], [], [], 0, True
+    for r in range(rounds):
+        x = jax.block_until_ready(make(cases.put(cross, spec, np.full(2, r, dtype=np.uint32))))
+        shard = next((s.data for s in x.addressable_shards if s.device == sender), None)
+        if shard is not None:
+            addresses.append(shard.unsafe_buffer_pointer())
+            before.append(huge_coverage(addresses[-1], nbytes)[0])
+        out = jax.block_until_ready(f(x))
+        right = right and all(
+            bool((np.asarray(s.data) == np.arange(count, dtype=np.uint32) + r).all())
+            for s in out.addressable_shards if s.device == receiver)
+        if shard is not None:
+            covered, whole = huge_coverage(addresses[-1], nbytes)
+            after.append(covered)
+        del x, shard, out  # freed before the next round's operand is made
+    if sender.process_index != jax.process_index():
+        return {"right": right}
+    return {"addresses": [a - addresses[0] for a in addresses], "before": before,
+            "after": after, "range_bytes": whole, "right": right}
+
+
+# New 40 MiB operands, each sent six times, at one recycled address: each is collapsed
+# into huge pages at its second send, as the first was.
+if LARGE:
+    print("recycledhuge " + json.dumps(recycled_operand_huge_pages(40 << 20)), flush=True)
+
+
 # Above the chunking threshold (4 MiB), with a ragged last chunk.
 if LARGE:
     check("chunked 9 MiB + 12 B messages", cases.permute_vs_ppermute(

@@ -106,6 +106,22 @@ def test_all_scenarios_over_mpi(devices_per_process):
             assert sent["right"], run.report()
             if "huge_bytes" in sent and _transparent_huge_pages() and _kernel_at_least(6, 1):
                 assert sent["huge_bytes"] == sent["range_bytes"] > 0, run.report()
+        # New operands at a recycled address, each sent six times: on huge pages after
+        # their sends, where the kernel can say which pages are huge (PAGEMAP_SCAN, Linux
+        # 6.7). Without the freed memory kept, each is a fresh map over new 4 KiB pages at the
+        # first one's address (glibc maps a block that large afresh): the case is what it
+        # says where an operand after the first reused the first's address.
+        if os.environ.get("JCM_TEST_SMALL_MESSAGES_ONLY") != "1":
+            recycled = json.loads(next(x for x in rank_lines
+                                       if x.startswith("recycledhuge "))[13:])
+            assert recycled["right"], run.report()
+            if ("after" in recycled and _transparent_huge_pages()
+                    and _kernel_at_least(6, 7)):
+                assert recycled["range_bytes"] > 0, run.report()
+                assert all(a == recycled["range_bytes"] for a in recycled["after"]), \
+                    run.report()
+                if not keep:
+                    assert 0 in recycled["addresses"][1:], run.report()
         # A 64 MiB block allocated again after one was freed: kept, none of its 16384 pages
         # faults again; glibc's default maps it afresh (16384 faults, 32 with huge pages).
         faults = json.loads(next(x for x in rank_lines if x.startswith("malloc "))[7:])
