@@ -169,6 +169,29 @@ if LARGE:
     print("carryhuge " + json.dumps(carry_huge_pages(6 << 20)), flush=True)
 
 
+def _operand_and_sends(count: int, sends: int):
+    """The cross-process pair (the first device of each of two processes), a program that
+    makes a ``count``-element uint32 operand there (``arange + v[0]``, written by XLA
+    unadvised) and one that sends it ``sends`` times from the first device to the second
+    (the received array carried), and the two devices."""
+    per_process = n // jax.process_count()
+    cross = jax.make_mesh((2,), ("x",), devices=[jax.devices()[0], jax.devices()[per_process]])
+    spec = jax.sharding.PartitionSpec("x")
+    make = jax.jit(jax.shard_map(lambda v: jax.numpy.arange(count, dtype=np.uint32) + v[0],
+                                 mesh=cross, in_specs=spec, out_specs=spec))
+
+    def body(v):
+        def step(carry, _):
+            source = jax.lax.optimization_barrier(v)
+            return jax.lax.pcast(cases.sendrecv(source, "x", [(0, 1)]), "x", to="varying"), None
+
+        return jax.lax.scan(step, jax.numpy.zeros_like(v), None, length=sends)[0]
+
+    f = jax.jit(jax.shard_map(body, mesh=cross, in_specs=spec, out_specs=spec))
+    sender, receiver = cross.devices.flat
+    return cross, spec, make, f, sender, receiver
+
+
 def sent_operand_huge_pages(nbytes: int) -> dict | None:
     """Three one-way hops from the first device of rank 0 to the first of rank 1 of the same
     operand, a parameter that another program computed (XLA wrote it unadvised: 4 KiB pages
@@ -176,23 +199,9 @@ def sent_operand_huge_pages(nbytes: int) -> dict | None:
     pages are huge pages after them (collapsed at its second send, CollapseReusedBuffer);
     on both, whether the bytes that this process holds arrived."""
     count = nbytes // 4
-    per_process = n // jax.process_count()
-    cross = jax.make_mesh((2,), ("x",), devices=[jax.devices()[0], jax.devices()[per_process]])
-    spec = jax.sharding.PartitionSpec("x")
-    make = jax.jit(jax.shard_map(lambda v: jax.numpy.arange(count, dtype=np.uint32) + v[0],
-                                 mesh=cross, in_specs=spec, out_specs=spec))
+    cross, spec, make, f, sender, receiver = _operand_and_sends(count, 3)
     x = make(cases.put(cross, spec, np.zeros(2, dtype=np.uint32)))
-
-    def body(v):
-        def step(carry, _):
-            source = jax.lax.optimization_barrier(v)
-            return jax.lax.pcast(cases.sendrecv(source, "x", [(0, 1)]), "x", to="varying"), None
-
-        return jax.lax.scan(step, jax.numpy.zeros_like(v), None, length=3)[0]
-
-    f = jax.jit(jax.shard_map(body, mesh=cross, in_specs=spec, out_specs=spec))
     out = jax.block_until_ready(f(x))
-    sender, receiver = cross.devices.flat
     right = all(bool((np.asarray(s.data) == np.arange(count, dtype=np.uint32)).all())
                 for s in out.addressable_shards if s.device == receiver)
     if sender.process_index != jax.process_index():
@@ -218,21 +227,7 @@ def recycled_operand_huge_pages(nbytes: int, rounds: int = 4, sends: int = 6) ->
     kernel), and those pages' bytes; on both, whether the bytes that this process holds
     arrived."""
     count = nbytes // 4
-    per_process = n // jax.process_count()
-    cross = jax.make_mesh((2,), ("x",), devices=[jax.devices()[0], jax.devices()[per_process]])
-    spec = jax.sharding.PartitionSpec("x")
-    make = jax.jit(jax.shard_map(lambda v: jax.numpy.arange(count, dtype=np.uint32) + v[0],
-                                 mesh=cross, in_specs=spec, out_specs=spec))
-
-    def body(v):
-        def step(carry, _):
-            source = jax.lax.optimization_barrier(v)
-            return jax.lax.pcast(cases.sendrecv(source, "x", [(0, 1)]), "x", to="varying"), None
-
-        return jax.lax.scan(step, jax.numpy.zeros_like(v), None, length=sends)[0]
-
-    f = jax.jit(jax.shard_map(body, mesh=cross, in_specs=spec, out_specs=spec))
-    sender, receiver = cross.devices.flat
+    cross, spec, make, f, sender, receiver = _operand_and_sends(count, sends)
     addresses, before, after, whole, right = [], [], [], 0, True
     for r in range(rounds):
         x = jax.block_until_ready(make(cases.put(cross, spec, np.full(2, r, dtype=np.uint32))))
