@@ -14,6 +14,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,6 +69,7 @@ class MpiRun:
 
 
 def communicate_or_kill(command: list[str], timeout: float, *, stderr_apart: bool = False,
+                        give_up_on: str | None = None,
                         **popen_kwargs: object) -> tuple[str, int | None]:
     """Run ``command`` in a session of its own: its output and exit status, or None as the
     status once ``timeout`` seconds passed and its whole process group was killed (mpirun's
@@ -75,22 +78,62 @@ def communicate_or_kill(command: list[str], timeout: float, *, stderr_apart: boo
     The output is stdout with stderr folded in, or with ``stderr_apart`` stdout followed by a
     ``----- stderr -----`` section: a test that looks for a whole printed line needs that
     where several processes write to both streams at once (gloo writes its connection notice
-    to stderr in pieces, and a rank's printed line can land between them)."""
+    to stderr in pieces, and a rank's printed line can land between them). With
+    ``give_up_on``, a launch whose output shows that text is killed as at the timeout, a
+    few seconds after it (its last words kept): a failure known to leave the launch waiting
+    forever need not use up the timeout."""
     # errors="replace": a launcher or library may print bytes that are not UTF-8 (a garbled
     # PMI message); the test must fail on what the job did, with its output, not on decoding.
     proc = subprocess.Popen(command, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE if stderr_apart else subprocess.STDOUT,
                             text=True, errors="replace", start_new_session=True, **popen_kwargs)
-    try:
-        output, errors = proc.communicate(timeout=timeout)
-        returncode: int | None = proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, errors = proc.communicate()
-        returncode = None
+    if give_up_on is None:
+        try:
+            output, errors = proc.communicate(timeout=timeout)
+            returncode: int | None = proc.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, errors = proc.communicate()
+            returncode = None
+    else:
+        output, errors, returncode = _watch_or_kill(proc, timeout, give_up_on)
     if errors:
         output += f"----- stderr -----\n{errors}"
     return output, returncode
+
+
+def _watch_or_kill(proc: subprocess.Popen, timeout: float,
+                   give_up_on: str) -> tuple[str, str, int | None]:
+    """``proc``'s stdout, stderr and status (None: killed), read as they come: killed at
+    ``timeout`` seconds or ``_GIVE_UP_GRACE`` seconds after ``give_up_on`` shows in either."""
+    streams = [s for s in (proc.stdout, proc.stderr) if s is not None]
+    texts: list[list[str]] = [[] for _ in streams]
+
+    def read(stream: object, into: list[str]) -> None:
+        for line in stream:  # type: ignore[attr-defined]
+            into.append(line)
+
+    readers = [threading.Thread(target=read, args=(s, t), daemon=True)
+               for s, t in zip(streams, texts, strict=True)]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        if any(give_up_on in "".join(t) for t in texts):
+            deadline = min(deadline, time.monotonic() + _GIVE_UP_GRACE)
+        time.sleep(0.2)
+    returncode = proc.poll()
+    if returncode is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    for reader in readers:
+        reader.join(timeout=10)
+    joined = ["".join(t) for t in texts]
+    return joined[0], joined[1] if len(joined) > 1 else "", returncode
+
+
+#: Seconds a launch that showed ``give_up_on`` may go on printing before it is killed.
+_GIVE_UP_GRACE = 3.0
 
 
 def run_mpi(

@@ -295,11 +295,13 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         return env
 
     def run(self, command: list[str], timeout: float, env: dict[str, str] | None = None,
-            cwd: str | Path | None = None) -> Step:
-        """Run a client command (``srun ...``); never hangs past ``timeout`` seconds."""
+            cwd: str | Path | None = None, give_up_on: str | None = None) -> Step:
+        """Run a client command (``srun ...``); never hangs past ``timeout`` seconds, nor
+        much past a line showing ``give_up_on`` (killed as at the timeout)."""
         start = time.monotonic()
         output, returncode = communicate_or_kill(self._on(self.host, command), timeout,
-                                                 stderr_apart=True, env=self.env(env), cwd=cwd)
+                                                 stderr_apart=True, give_up_on=give_up_on,
+                                                 env=self.env(env), cwd=cwd)
         if returncode is None:
             self._cancel_all()
         return Step(command, returncode, output, time.monotonic() - start)
