@@ -33,6 +33,7 @@ from jax_cpu_mpi._src.ops.p2p import precv, psend
 from jax_cpu_mpi._src.parity.check import GpuParityError
 from jax_cpu_mpi._src.parity.check import check_lowered as check
 from jax_cpu_mpi._src.runtime.config import Config, ConfigError, ConfigWarning, configure
+from jax_cpu_mpi._src.runtime.gloo_cache import GlooCacheWarning
 from jax_cpu_mpi._src.runtime.launchers import initialize_distributed
 from jax_cpu_mpi._src.runtime.mpi import MpiSetupError, MpiSetupWarning
 from jax_cpu_mpi._src.runtime.trace import flush as trace_flush
@@ -41,8 +42,8 @@ from jax_cpu_mpi._src.runtime.trace import trace
 # JAX_CPU_MPI_DISABLE=1 turns this off (and the jax_plugins entry point with it).
 _activate_on_import()
 
-__all__ = ["TESTED_JAX_VERSIONS", "Config", "ConfigError", "ConfigWarning", "GpuParityError",
-           "JaxCompatWarning", "MpiSetupError", "MpiSetupWarning", "TraceError",
+__all__ = ["TESTED_JAX_VERSIONS", "Config", "ConfigError", "ConfigWarning", "GlooCacheWarning",
+           "GpuParityError", "JaxCompatWarning", "MpiSetupError", "MpiSetupWarning", "TraceError",
            "UntestedJaxWarning", "__version__", "check", "configure", "features",
            "initialize_distributed", "install", "precv", "psend", "read_timeline", "stats",
            "trace", "trace_flush"]

@@ -421,6 +421,29 @@ def test_tested_versions_include_this_one_in_ci():
         "docs/getting-started.md")
 
 
+def test_gloo_cache_guard_only_on_a_jaxlib_with_the_hang():
+    assert not _versions.has_gloo_cache_hang("0.12.0.1")
+    assert not _versions.has_gloo_cache_hang("0.10.2")
+    assert not _versions.has_gloo_cache_hang(None)
+    assert _versions.has_gloo_cache_hang("0.12.1")
+    assert _versions.has_gloo_cache_hang("0.13.0.dev20270101")  # until one is tested
+    want = "active" if _versions.has_gloo_cache_hang(_versions.jaxlib_version()) else \
+        "not needed"
+    assert _compat.state("gloo_cache_guard") == want
+
+
+def test_gloo_cache_guard_finds_xla_collectives_not_ours():
+    from jax_cpu_mpi._src.runtime.gloo_cache import has_xla_collectives
+
+    for op in ("all-reduce", "all-gather-start", "reduce-scatter", "all-to-all",
+               "collective-permute-start", "collective-broadcast", "ragged-all-to-all"):
+        assert has_xla_collectives([f"  %x.1 = f32[4]{{0}} {op}(f32[4]{{0}} %p), ..."]), op
+    # An instruction merely named after one, and our collectives (custom calls), are not.
+    assert not has_xla_collectives(["  %all-reduce.3 = f32[] add(f32[] %a, f32[] %b)",
+                                    '  %c = f32[4]{0} custom-call(f32[4]{0} %p), '
+                                    'custom_call_target="jax_cpu_mpi_all_reduce"'])
+
+
 def test_untested_version_warns_once_naming_both_versions(monkeypatch):
     assert _versions.untested_message(_versions.TESTED_JAX_VERSIONS[0],
                                       _versions.TESTED_JAX_VERSIONS[0]) is None

@@ -40,6 +40,17 @@ def test_collectives_over_mpi_equal_gloo_and_numpy(devices_per_process, park,
         assert any("the waiting path, 40 calls" in line for line in lines), run.report()
 
 
+@pytest.mark.timeout(150)
+def test_gloo_programs_from_the_persistent_cache_finish(tmp_path):
+    # jaxlib 0.12.1 hangs in a gloo program loaded from JAX's persistent cache; jax_cpu_mpi
+    # compiles such programs anew there and keeps loading the others (the program asserts
+    # which came from the cache on process 0, for this jaxlib).
+    run = run_mpi("gloo_cache.py", str(tmp_path), nprocs=2, timeout=130)
+    assert_mpi_ok(run, 2)
+    lines = [line for lines in run.by_rank().values() for line in lines]
+    assert sum(line.startswith("ok ") for line in lines) == 2 * 2, run.report()
+
+
 @pytest.mark.timeout(120)
 def test_collectives_led_by_the_third_device_of_a_process():
     # 3 devices per process: the in-process meeting's leader at position 2, which the

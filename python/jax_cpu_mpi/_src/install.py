@@ -14,7 +14,7 @@ from jax_cpu_mpi._src.lowering import barrier_tokens
 from jax_cpu_mpi._src.lowering import collectives as collective_lowering
 from jax_cpu_mpi._src.lowering import rules as lowering
 from jax_cpu_mpi._src.passes import hook
-from jax_cpu_mpi._src.runtime import config, launchers
+from jax_cpu_mpi._src.runtime import config, gloo_cache, launchers
 from jax_cpu_mpi._src.runtime import mpi as mpi_runtime
 from jax_cpu_mpi._src.runtime import trace as message_trace
 
@@ -73,6 +73,7 @@ def install() -> None:
     # process is there (not at the first lowering, which processes outside a mesh skip).
     mpi_runtime.install_attach_at_initialize()
     compat.enable("pipeline:split_backward", lambda: None)  # used when pipelines trace
+    compat.enable("gloo_cache_guard", gloo_cache.install)
     _installed = True
 
 

@@ -13,6 +13,7 @@ from .registry import *  # noqa: F403
 from .versions import (  # noqa: F401
     TESTED_JAX_VERSIONS,
     UntestedJaxWarning,
+    has_gloo_cache_hang,
     jaxlib_version,
     warn_if_untested,
 )

@@ -14,6 +14,7 @@ from typing import Any
 
 from .registry import (
     Feature,
+    Missing,
     _need_all,
     available,
     feature,
@@ -23,8 +24,10 @@ from .registry import (
     is_module,
     is_primitive,
     is_type,
+    mark_not_needed,
     resolve,
 )
+from .versions import has_gloo_cache_hang, jaxlib_version
 
 # =========================================================================================
 # Sections: one per feature. Add new features in a section of their own, at the end.
@@ -528,3 +531,24 @@ sdy = COLLECTIVES.need("jax._src.lib.mlir.dialects:sdy", check=is_module)
 _need_all([COLLECTIVES], "jax._src.interpreters.mlir:lower_jaxpr_to_module",
           check=has_params("module_name", "jaxpr", "platforms"))
 _need_all([COLLECTIVES], "jax._src.lib.mlir:ir", check=is_module)
+
+# -------------------------------- gloo programs kept out of JAX's persistent cache (0.12.1)
+
+GLOO_CACHE_GUARD = feature(
+    "gloo_cache_guard", "programs of a multi-process job whose collectives are XLA's own "
+    "(gloo) compiled anew instead of loaded from JAX's persistent compilation cache "
+    "(jaxlib 0.12.1 hangs in such a program's first collective when it comes from the cache)",
+    when_off="with JAX's persistent compilation cache on, a multi-process program whose "
+             "collectives run on gloo hangs in its first collective when jaxlib 0.12.1 loads "
+             "it from the cache: turn the cache off, or keep the collectives on MPI "
+             "(JAX_CPU_MPI_COLLECTIVES=mpi, the default under an MPI launcher)")
+if has_gloo_cache_hang(jaxlib_version()):
+    #: JAX's lookup of a program in the persistent cache (``compile_or_get_cached`` calls
+    #: it by its module-global name, so the wrapper in runtime/gloo_cache.py sees every one).
+    compiler = GLOO_CACHE_GUARD.need("jax._src.compiler", check=is_module)
+    _need_all([GLOO_CACHE_GUARD], "jax._src.compiler:_cache_read",
+              check=has_params("module_name", "cache_key", "compile_options", "backend"))
+else:
+    compiler = Missing("jax._src.compiler", "not looked up: this jaxlib has no such hang")
+    mark_not_needed(GLOO_CACHE_GUARD.name,
+                    f"jaxlib {jaxlib_version()} runs gloo programs from the persistent cache")

@@ -2,7 +2,7 @@
 
 jax_cpu_mpi reaches into JAX internals (:mod:`jax_cpu_mpi._src.compat`), which move between
 releases. The requirements admit every JAX from the oldest to the newest tested series
-(``jax>=0.10.2,<0.12.1``); on a version not listed here the package still imports and works
+(``jax>=0.10.2,<0.12.2``); on a version not listed here the package still imports and works
 as far as the internals it finds allow, and warns once so that a surprise has a name.
 """
 
@@ -15,7 +15,28 @@ import jax
 
 #: ``jax`` versions whose whole test suite passed (the jaxlib of the same version).
 #: Python 3.11 gets at most 0.10.2; 0.11 and 0.12 need Python >= 3.12.
-TESTED_JAX_VERSIONS: tuple[str, ...] = ("0.10.2", "0.11.2", "0.12.0.1")
+TESTED_JAX_VERSIONS: tuple[str, ...] = ("0.10.2", "0.11.2", "0.12.0.1", "0.12.1")
+
+
+#: The first jaxlib that hangs in a multi-process program whose collectives run on gloo when
+#: JAX loads it from its persistent compilation cache (``scripts/jax_cache_gloo_hang.py``);
+#: newer ones count as having the hang until one is tested without it.
+FIRST_JAXLIB_WITH_GLOO_CACHE_HANG = (0, 12, 1)
+
+
+def release(version: str | None) -> tuple[int, ...]:
+    """``"0.12.0.1"`` -> ``(0, 12, 0, 1)``; the leading numeric parts only (``()`` for None)."""
+    parts: list[int] = []
+    for part in (version or "").split("."):
+        if not part.isdigit():
+            break
+        parts.append(int(part))
+    return tuple(parts)
+
+
+def has_gloo_cache_hang(jaxlib: str | None) -> bool:
+    """Whether this jaxlib hangs running gloo programs from JAX's persistent cache."""
+    return jaxlib is not None and release(jaxlib)[:3] >= FIRST_JAXLIB_WITH_GLOO_CACHE_HANG
 
 
 class UntestedJaxWarning(UserWarning):
