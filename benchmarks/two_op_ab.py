@@ -3,11 +3,17 @@
     mpirun -n 2 -genv GLIBC_TUNABLES glibc.malloc.hugetlb=1 \\
         python benchmarks/two_op_ab.py --sizes 64K,1M,16M,64M --rounds 9
 
-Three programs of the ``exchange`` pattern (2 ranks x 1 device), compiled in one process,
-their calls interleaved in rounds so that a loaded machine slows them alike:
+Programs of the ``exchange`` pattern (2 ranks x 1 device), compiled in one process, their
+calls interleaved in rounds so that a loaded machine slows them alike:
 
 * ``or``: the step ``psend2/scan`` had before: one psend/precv per direction, and the OR of
   the two results (a device receives in one op and gets zeros from the other) in every step;
+* ``where``: one psend/precv per direction, each device taking the result of the op it
+  receives in (``jnp.where`` on the axis index) in every step, as a GPU-parity program reads
+  what it receives;
+* ``or-fill``, ``where-fill`` (``--fill-too``): the same programs compiled without
+  ``passes/selected_zeros.py``, so that their precvs write the zeros of the op a device is
+  no destination of instead of the reading fusion selecting them;
 * ``psend2``: ``psend2/scan`` now: each op's result stays in the loop carry, the two are
   ORed once after the loop;
 * ``psend``: ``psend/scan``, one op with a cycle (``JAX_CPU_MPI_GPU_PARITY=0``).
@@ -27,24 +33,29 @@ import time
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_cpu_mpi._src.passes import selected_zeros
 from jax_cpu_mpi._src.runtime.config import overrides, parse_bytes
 from jax_cpu_mpi.bench import patterns, programs
 from jax_cpu_mpi.bench import session as bench_session
 
-FORMS = ("or", "psend2", "psend")
+FORMS = ("or", "where", "psend2", "psend")
+FILLED = ("or-fill", "where-fill")
 
 
 def _program(form: str, mesh, perm: list[tuple[int, int]], steps: int) -> Callable:
-    if form != "or":
+    if form not in ("or", "where"):
         return patterns._scan_program(mesh, form, perm, steps)
 
     def body(x):
         def step(v):
             up, down = patterns._step("psend2", v, perm)
+            if form == "where":  # device 0 receives in the op 1 -> 0 (down)
+                return jnp.where(jax.lax.axis_index(programs.AXIS) == 0, down, up)
             return up | down
 
         return programs.repeated_in_scan(step, x, steps)
@@ -76,7 +87,11 @@ def main() -> None:
     p.add_argument("--step-bytes", default="512M",
                    help="bytes per call: steps = this / size, 8 to 256 (the benchmark's "
                         "--scan-bytes)")
+    p.add_argument("--fill-too", action="store_true",
+                   help="also or-fill and where-fill: or and where with their precvs' zeros "
+                        "written by the precvs (passes/selected_zeros.py off)")
     args = p.parse_args()
+    forms = FORMS + (FILLED if args.fill_too else ())
     session = bench_session.start("cpu", 1)
     if session.nranks != 2:
         raise SystemExit("two_op_ab.py: run it with mpirun -n 2")
@@ -89,17 +104,24 @@ def main() -> None:
         x = jax.make_array_from_callback((2 * n,), NamedSharding(mesh, P(programs.AXIS)),
                                          lambda index, value=value: value)
         runs = {}
-        for form in FORMS:
-            with overrides(gpu_parity=False):  # psend: one op with a cycle
-                runs[form] = _program(form, mesh, perm, steps).lower(x).compile()
+        for form in forms:
+            select = selected_zeros.select_zeros
+            if form in FILLED:  # compiled as before the pass's step: the precvs fill
+                selected_zeros.select_zeros = lambda module: 0
+            try:
+                with overrides(gpu_parity=False):  # psend: one op with a cycle
+                    program = _program(form.removesuffix("-fill"), mesh, perm, steps)
+                    runs[form] = program.lower(x).compile()
+            finally:
+                selected_zeros.select_zeros = select
             out = jax.block_until_ready(runs[form](x))  # and warm up
             wrong = programs.count_wrong(programs.shard_on(out, me), value)
             if wrong:
                 raise SystemExit(f"two_op_ab.py: {form} at {n} B: {wrong} wrong bytes")
-        times: dict[str, list[float]] = {form: [] for form in FORMS}
-        eigen = dict.fromkeys(FORMS, 0.0)
+        times: dict[str, list[float]] = {form: [] for form in forms}
+        eigen = dict.fromkeys(forms, 0.0)
         for _ in range(args.rounds):
-            for form in FORMS:
+            for form in forms:
                 session.barrier()
                 cpu, start = _eigen_cpu_seconds(), time.perf_counter()
                 for _ in range(args.calls):
@@ -109,7 +131,7 @@ def main() -> None:
         per_step = args.rounds * args.calls * steps
         print(f"rank {session.rank} {n} B, {steps} steps per call: " + ", ".join(
             f"{form} {np.median(times[form]) * 1e6:.1f} us/step "
-            f"(Eigen {eigen[form] / per_step * 1e6:.1f} us/step)" for form in FORMS)
+            f"(Eigen {eigen[form] / per_step * 1e6:.1f} us/step)" for form in forms)
             + f"; psend2/or x{np.median(times['psend2']) / np.median(times['or']):.2f}",
             flush=True)
 

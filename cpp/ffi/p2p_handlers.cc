@@ -48,6 +48,11 @@ struct OpInfo {
   // The pairs of the precvs that finish the op's group of sends (passes/kept_operands.py),
   // empty when no precv keeps the operands.
   I64Span group_pairs;
+  // precv: whether a device that is no destination writes the zeros of its output. False
+  // where the program selects the zeros itself (passes/kept_operands.py: the users of the
+  // result read it through select(is_destination, result, 0), which XLA fuses into them),
+  // and the output is then left unwritten there.
+  bool zero_fill;
 };
 
 // What the lowering's `routing` attribute says of one psend/precv, unpacked.
@@ -68,12 +73,12 @@ ffi::Error Malformed(std::string_view op) {
 }
 
 // Unpacks the lowering's `routing` attribute (python/jax_cpu_mpi/_src/ffi/custom_calls.py):
-// the header [num_devices, operand_kept, partitions, pair values, group pair values], then
-// the pairs, device_index, device_process and group_pairs, one after another. One
-// attribute, not six: XLA's FFI decodes every attribute of a call, by name, on each call,
+// the header [num_devices, operand_kept, partitions, pair values, group pair values,
+// zero_fill], then the pairs, device_index, device_process and group_pairs, one after
+// another. One attribute, not seven: XLA's FFI decodes every attribute of a call, by name, on each call,
 // and a psend and a precv run for every message. Malformed if the sizes do not add up.
 ffi::ErrorOr<Routing> Unpack(I64Span routing, std::string_view op, std::string_view operand) {
-  constexpr size_t kHeader = 5;
+  constexpr size_t kHeader = 6;
   if (routing.size() < kHeader) return ffi::Unexpected(Malformed(op));
   const int64_t n = routing[2], n_pairs = routing[3], n_group = routing[4];
   if (n < 0 || n_pairs < 0 || n_group < 0 ||
@@ -92,6 +97,7 @@ ffi::ErrorOr<Routing> Unpack(I64Span routing, std::string_view op, std::string_v
   r.info.operand = operand;
   r.info.num_devices = routing[0];
   r.operand_kept = routing[1];
+  r.info.zero_fill = routing[5] != 0;
   r.info.pairs = take(n_pairs);
   r.info.device_index = take(n);
   r.info.device_process = take(n);
@@ -372,13 +378,14 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
   const int64_t peer = FindPeer(info, me, /*me_is_source=*/false);
   if (peer < 0) {  // not a destination: zeros, like ppermute
     // A large send that this precv keeps may be deferred (mpi/transport.h): post it first
-    // if its receiver is ready, so that the zero-fill overlaps its transfer.
+    // if its receiver is ready, so that the zero-fill (or what follows) overlaps its
+    // transfer.
     if (bytes >= kPostBeforeZeroFillBytes) {
       if (std::shared_ptr<MpiTransport> mpi = Runtime::Get().state().mpi) {
         (void)mpi->ProgressDeferred(DeadlineAfter(Runtime::Get().config().recv_timeout_s));
       }
     }
-    ZeroFill(out->untyped_data(), bytes);
+    if (info.zero_fill) ZeroFill(out->untyped_data(), bytes);
     return ffi::Error::Success();
   }
 

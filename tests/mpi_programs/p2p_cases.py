@@ -225,8 +225,13 @@ def two_op_exchange_in_scan(mesh, gather: Gather, *, count: int, form: str, step
     ``form="carried"``: as the benchmarks' ``psend2/scan`` (each op's result in the loop
     carry, the first step before the loop, the two ORed after it). ``form="combined"``: each
     step's results summed into the next step's message, so the buffers XLA reuses held other
-    values before. Checked against NumPy, bit for bit. ``calls`` calls of one compiled
-    program: a later call's buffers may be pages that an earlier call wrote and freed."""
+    values before. ``form="selected"``: each device takes the op it receives in
+    (``jnp.where`` on the axis index), plus one, as the next step's message. In both, every
+    user of a precv's result reads it elementwise: the precvs leave a non-destination's
+    output unwritten and the program selects its zeros (passes/selected_zeros.py), so a
+    device reads garbage there if the select is missing. Checked against NumPy, bit for
+    bit. ``calls`` calls of one compiled program: a later call's buffers may be pages that
+    an earlier call wrote and freed."""
     axis = mesh.axis_names[0]
     up, down = [(0, 1)], [(1, 0)]
     x0 = sample((2 * count,), np.int32, seed=11)
@@ -248,6 +253,8 @@ def two_op_exchange_in_scan(mesh, gather: Gather, *, count: int, form: str, step
 
         def combined(c, _):
             r_up, r_down = exchange(c)
+            if form == "selected":
+                return jnp.where(jax.lax.axis_index(axis) == 0, r_down, r_up) + 1, None
             return r_up + 3 * r_down + 1, None
 
         return jax.lax.scan(combined, v, None, length=steps)[0]
@@ -259,7 +266,7 @@ def two_op_exchange_in_scan(mesh, gather: Gather, *, count: int, form: str, step
         want = np.concatenate([a[1], a[0]])
     else:
         for _ in range(steps):  # device 0 receives 1 -> 0 (down), device 1 receives 0 -> 1
-            a = [3 * a[1] + 1, a[0] + 1]
+            a = [3 * a[1] + 1 if form == "combined" else a[1] + 1, a[0] + 1]
         want = np.concatenate(a)
     return got, np.stack([want] * calls)
 

@@ -298,6 +298,13 @@ with config.overrides(gpu_parity=True):
 
 check("two-way 64 KiB exchange, sends first",
       cases.two_way_exchange(cross, gather, nbytes=64 << 10))
+# The two-op exchange whose results the program reads elementwise: the zeros of the op a
+# device is no destination of are selected in the reading fusion, not written by the precv
+# (passes/selected_zeros.py). 8 B (eager), 64 KiB (below the direct path), 1 MiB (direct).
+for form in ("combined", "selected"):
+    for nbytes in (8, 64 << 10, 1 << 20):
+        check(f"two-op exchange in a scan, {form}, {nbytes} B",
+              cases.two_op_exchange_in_scan(cross, gather, count=nbytes // 4, form=form))
 if LARGE:
     check("two-way 32 MiB exchange, sends first",
           cases.two_way_exchange(cross, gather, nbytes=32 << 20))

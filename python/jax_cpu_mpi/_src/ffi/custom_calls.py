@@ -31,6 +31,10 @@ OPERAND_KEPT = "operand_kept"
 #: A psend may defer a send while its device receives in the group; a precv takes the
 #: deferred send's path when its sender receives in the group.
 GROUP_PAIRS = "group_pairs"
+#: precv: 1 (the lowering's) where a device that is no destination writes zeros into its
+#: output, 0 where it leaves the output unwritten because every user of the result reads it
+#: through ``select(is_destination, result, 0)`` (passes/kept_operands.py).
+ZERO_FILL = "zero_fill"
 #: ``order_token(last collective's result) -> s32[]``: the ordering pass's loop token
 #: (passes/ordered_collectives.py); reads no bytes, writes 0.
 ORDER_TOKEN_TARGET = "jax_cpu_mpi_order_token"
@@ -42,15 +46,15 @@ ORDERING_OP = "optimization_barrier ordering (no pairs, moves no data)"
 #: every attribute of a call, by name, on each call, and a psend and a precv run for every
 #: message. Its fields are read and written by name, as if they were attributes of their
 #: own, through the functions below: ``num_devices`` (devices in the whole job, for MPI
-#: tags) and OPERAND_KEPT (integers); ``pairs`` (flat source-target pairs),
+#: tags), OPERAND_KEPT and ZERO_FILL (integers); ``pairs`` (flat source-target pairs),
 #: ``device_index`` (partition -> dense global device index), ``device_process``
 #: (partition -> ``jax.process_index()``) and GROUP_PAIRS (arrays). Layout (unpacked by
 #: cpp/ffi/p2p_handlers.cc): [num_devices, operand_kept, partitions, pair values, group
-#: pair values], then pairs, device_index, device_process, group_pairs.
+#: pair values, zero_fill], then pairs, device_index, device_process, group_pairs.
 ROUTING = "routing"
-_ROUTING_INTS = ("num_devices", OPERAND_KEPT)
+_ROUTING_INTS = ("num_devices", OPERAND_KEPT, ZERO_FILL)
 _ROUTING_ARRAYS = ("pairs", "device_index", "device_process", GROUP_PAIRS)
-_ROUTING_HEADER = 5
+_ROUTING_HEADER = 6
 
 _BACKEND_CONFIG = "mhlo.backend_config"
 
@@ -58,12 +62,12 @@ _BACKEND_CONFIG = "mhlo.backend_config"
 def attributes(*, pairs: np.ndarray, device_index: np.ndarray, device_process: np.ndarray,
                num_devices: int, op: str, operand: str) -> dict[str, Any]:
     """The FFI attributes of a psend/precv call (``operand_kept`` starts at 0: the
-    kept-operands pass raises it)."""
+    kept-operands pass raises it; ``zero_fill`` at 1: that pass may clear it)."""
     return {
         "op": op,
         "operand": operand,
         ROUTING: pack_routing({
-            "num_devices": num_devices, OPERAND_KEPT: 0, "pairs": pairs,
+            "num_devices": num_devices, OPERAND_KEPT: 0, ZERO_FILL: 1, "pairs": pairs,
             "device_index": device_index, "device_process": device_process,
             GROUP_PAIRS: np.zeros(0, dtype=np.int64)}),
     }
@@ -77,15 +81,17 @@ def pack_routing(fields: dict[str, Any]) -> np.ndarray:
         raise ValueError(f"psend/precv routing: device_index has {index.size} partitions, "
                          f"device_process {process.size}")
     header = np.array([int(fields["num_devices"]), int(fields[OPERAND_KEPT]), index.size,
-                       pair_values.size, group.size], dtype=np.int64)
+                       pair_values.size, group.size, int(fields.get(ZERO_FILL, 1))],
+                      dtype=np.int64)
     return np.concatenate([header, *arrays])
 
 
 def unpack_routing(routing: np.ndarray) -> dict[str, Any]:
     """The fields of a ROUTING array (ints, and int64 arrays of their own)."""
-    num_devices, kept, partitions, pair_values, group = (
+    num_devices, kept, partitions, pair_values, group, zero_fill = (
         int(v) for v in routing[:_ROUTING_HEADER])
-    fields: dict[str, Any] = {"num_devices": num_devices, OPERAND_KEPT: kept}
+    fields: dict[str, Any] = {"num_devices": num_devices, OPERAND_KEPT: kept,
+                              ZERO_FILL: zero_fill}
     at = _ROUTING_HEADER
     for name, size in zip(_ROUTING_ARRAYS, (pair_values, partitions, partitions, group),
                           strict=True):

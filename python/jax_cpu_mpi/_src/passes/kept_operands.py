@@ -51,6 +51,7 @@ from jax_cpu_mpi._src.ffi.custom_calls import (
     with_int_attribute,
 )
 from jax_cpu_mpi._src.lowering import rules
+from jax_cpu_mpi._src.passes import selected_zeros
 
 
 def _token_sources(token: Any) -> list[Any]:
@@ -240,6 +241,8 @@ def keep_psend_operands(module: Any) -> int:
                     kept += 1
             if extra:
                 _rebuild_precv(op, extra)
+        # On the rebuilt precvs (the kept operands change no use of a result).
+        selected_zeros.select_zeros(module)
         return kept
 
 
