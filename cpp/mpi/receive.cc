@@ -20,11 +20,10 @@ Status MpiTransport::Recv(int source_rank, int tag, void* out, size_t bytes,
   trace::NoteSeq(seq);
   const uint64_t desc_hash = DescriptionHash(desc);
   // What StallReport tells of this receive.
-  // A kept one-way sender frames every message from its operand (SendFramed): no
-  // rendezvous, whatever the size.
-  ch.recv_rendezvous =
-      !(sender_kept && sender_one_way) &&
-      (bytes >= kRendezvousMinBytes || (sender_kept && bytes >= kKeptRendezvousMinBytes));
+  // A kept sender frames its message from its operand (SendFramed) where SentFramed says
+  // so: no rendezvous then, whatever the size.
+  ch.recv_rendezvous = bytes >= kRendezvousMinBytes &&
+                       !SentFramed(sender_kept, sender_one_way, bytes);
   ch.direct_posted = false;
   ch.staged_matched = false;
   ch.recv_end = ChannelState::RecvEnd::kRunning;

@@ -29,10 +29,10 @@ Status MpiTransport::Send(int dest_rank, int tag, const void* data, size_t bytes
   const uint64_t seq = ch.next_send_seq++;  // every message counts, whatever its size
   trace::NoteSeq(seq);
   const Desc desc{desc_text, DescriptionHash(desc_text)};
-  if (kept && !may_defer && bytes >= kKeptRendezvousMinBytes) {
+  if (SentFramed(kept != nullptr, /*one_way=*/!may_defer, bytes)) {
     return SendFramed(dest_rank, tag, data, bytes, desc, deadline, kept);
   }
-  if (bytes >= kRendezvousMinBytes || (kept && bytes >= kKeptRendezvousMinBytes)) {
+  if (bytes >= kRendezvousMinBytes) {
     return SendLarge(ch, seq, dest_rank, tag, data, bytes, desc, max_inflight_bytes, deadline,
                      kept, may_defer);
   }

@@ -10,8 +10,9 @@
 // description of its operand (dtype and shape: every staged message carries a hash of it,
 // mpi/framing.h), so that a float32[4] never lands in an int32[4] as garbage.
 //
-// Messages of kRendezvousMinBytes or more may skip the copy (rendezvous), and so may those
-// of kKeptRendezvousMinBytes or more whose psend's operand is kept (see Send). Both ends number
+// Messages of kRendezvousMinBytes or more may skip the copy (rendezvous), and those of
+// kKeptRendezvousMinBytes or more whose psend's operand is kept go framed below (see Send and
+// SentFramed). Both ends number
 // the messages of each channel (sequence numbers, one counter per direction and channel).
 // A receiver that reaches its precv before the message posts its receives straight into
 // its output buffer (on direct_comm_) and sends the sender a ready signal {sequence number,
@@ -28,7 +29,8 @@
 // sender takes exactly one of the two paths per message. A byte-count or description
 // mismatch is always sent staged, so the receiver reports it as on the plain path.
 // A psend of an op in which its device also receives (an exchange, a ring) does not stage
-// for a receiver that is not ready: it defers the send (DirectSend), and the receive loops
+// for a receiver that is not ready: from kRendezvousMinBytes on it defers the send
+// (DirectSend; below that it is framed, see SentFramed), and the receive loops
 // post it straight from the operand when the ready signal comes (ProgressDeferred), so both
 // directions move at once; the precv that keeps the operand stages what is still deferred.
 // A receive made while a send of ours is deferred (to its peer, or in a ring to the next
@@ -36,12 +38,14 @@
 // posted (RecvLarge), so that MPI cannot copy the peer's message in before our send has
 // started.
 // A kept psend whose device receives nothing in the op's group (one-way: a hop, a stream, a
-// pipeline's first stage) takes none of these paths from kKeptRendezvousMinBytes on: it
-// sends the staged framing (a chunk header, then the payload) straight from its operand at
-// once, without looking for a ready signal (SendFramed), and the receiver, which knows
-// from the op's group that its sender is one-way, takes it the staged way and signals
-// nothing. The ready signal's trip sat on every such hop's path (the receiver signals only
-// once it has taken the previous message, when the sender is already sending the next),
+// pipeline's first stage) takes none of these paths from kKeptRendezvousMinBytes on, nor
+// does a kept psend of a cycle below kRendezvousMinBytes (SentFramed): it sends the staged
+// framing (a chunk header, then the payload) straight from its operand at once, without
+// looking for a ready signal (SendFramed), and the receiver, which knows from the op's
+// group that its sender is one-way (in a cycle, from the size), takes it the staged way
+// and signals nothing. The ready signal's trip sat on every such hop's path (the receiver
+// signals only once it has taken the previous message, when the sender is already sending
+// the next; in a cycle both sends waited for it),
 // and a receiver not yet ready got a staging copy. The price: MPI cannot cancel a send,
 // so the precv that keeps the operand waits until the receiver has taken the bytes (its
 // precv of the same op), however late it comes, up to the timeout; the sender no longer
@@ -242,8 +246,9 @@ class MpiTransport {
   // With `kept` (the operand stays alive and unchanged until FinishDirect(*kept)), a
   // direct send may be left in flight: *kept is then set, else left null.
   // `may_defer` (with `kept`): the psend's own precv receives too (an exchange, a ring), so a
-  // large send whose receiver is not ready yet is deferred (see DirectSend) rather than
-  // staged. A kept send without it is one-way: framed from the operand (SendFramed).
+  // send of kRendezvousMinBytes or more whose receiver is not ready yet is deferred (see
+  // DirectSend) rather than staged; a smaller kept one is framed from the operand. A kept
+  // send without it is one-way: framed from the operand (SendFramed; SentFramed says when).
   Status Send(int dest_rank, int tag, const void* data, size_t bytes, std::string_view desc,
               uint64_t max_inflight_bytes, std::chrono::steady_clock::time_point deadline,
               std::shared_ptr<DirectSend>* kept = nullptr, bool may_defer = false);
@@ -259,12 +264,12 @@ class MpiTransport {
   // kSizeMismatch or kTypeMismatch (with the sender's byte count and description) when the
   // message is not a `desc` ("int32[4]") of `bytes` bytes; the message is consumed anyway.
   // `sender_kept`: the sender's psend has its operand kept (Send's `kept`; the op's precvs
-  // finish it, and in a cycle it defers), so it takes the rendezvous path from
-  // kKeptRendezvousMinBytes on: so does the receive. Both ends must agree, or ready signals
-  // pile up unread (or never come).
+  // finish it, and in a cycle it defers from kRendezvousMinBytes on), so from
+  // kKeptRendezvousMinBytes on it frames the message from its operand where SentFramed
+  // says so, and the receive takes it the staged way, without a ready signal. Both ends
+  // must agree, or ready signals pile up unread (or never come).
   // `sender_one_way` (with `sender_kept`): the sender's device receives nothing in the op's
-  // group, so its kept psend frames the message straight from its operand (SendFramed)
-  // and the receive takes it the staged way, without a ready signal.
+  // group, so its kept psend frames every message of that size (SentFramed).
   Status Recv(int source_rank, int tag, void* out, size_t bytes, std::string_view desc,
               std::chrono::steady_clock::time_point deadline, bool sender_kept = false,
               bool sender_one_way = false);
@@ -402,17 +407,31 @@ class MpiTransport {
   static constexpr size_t kRendezvousMinBytes = size_t{256} << 10;
   static constexpr size_t kDirectChunkBytes = size_t{256} << 20;
   // A psend whose operand is kept (`kept`: the precv that takes its token finishes the
-  // send; Recv's `sender_kept`) takes the rendezvous path from this size on, not from
-  // kRendezvousMinBytes. In a cycle (a psend whose op also receives: may_defer) the psend
-  // defers, each receiver posts its receive into its output and signals, and the receive
-  // loops then post the sends straight from the operands, as MPI_Sendrecv posts its receive
-  // before its send: neither end copies, no send waits in a probe's unexpected-message
-  // handshake (beyond MPI's eager size). One-way, the send is framed from the operand
-  // (SendFramed): MPICH sends such a message by its own rendezvous (a single copy from
-  // 8 KiB on shared memory, MPIR_CVAR_CH4_IPC_CMA_P2P_THRESHOLD), so no end copies; the
-  // send stays in flight for the kept operand's precv, and no progress thread is woken, as
-  // a staged send wakes it.
+  // send; Recv's `sender_kept`) sends straight from its operand from this size on, not from
+  // kRendezvousMinBytes. From kRendezvousMinBytes on, in a cycle (a psend whose op also
+  // receives: may_defer) the psend defers, each receiver posts its receive into its output
+  // and signals, and the receive loops then post the sends straight from the operands, as
+  // MPI_Sendrecv posts its receive before its send: neither end copies, no send waits in a
+  // probe's unexpected-message handshake. One-way, and in a cycle below
+  // kRendezvousMinBytes, the send is framed from the operand (SendFramed, SentFramed):
+  // MPICH sends such a message by its own rendezvous (a single copy from 8 KiB on shared
+  // memory, MPIR_CVAR_CH4_IPC_CMA_P2P_THRESHOLD), so no end copies; the send stays in
+  // flight for the kept operand's precv, and no progress thread is woken, as a staged send
+  // wakes it.
   static constexpr size_t kKeptRendezvousMinBytes = size_t{16} << 10;
+  // Whether a psend frames its message from its operand (SendFramed) rather than taking
+  // the rendezvous or the staged path; both ends decide by it, the receiver from the op's
+  // group (Recv's `sender_kept`, `sender_one_way`). A kept one-way send from
+  // kKeptRendezvousMinBytes on, and a kept send of a cycle (an exchange, a ring) below
+  // kRendezvousMinBytes: there the deferred rendezvous put the ready signal's trip, a probe
+  // for it and the post of the send between each precv's start and the transfer, a large
+  // share of a step this size, while a framed send is under way before either precv runs
+  // (MPICH's own rendezvous moves it in one copy, into the receive posted once its chunk
+  // header is read), as MPI_Sendrecv's. From kRendezvousMinBytes on a cycle still defers:
+  // there the trip is small against the copy.
+  static bool SentFramed(bool kept, bool one_way, size_t bytes) {
+    return kept && bytes >= kKeptRendezvousMinBytes && (one_way || bytes < kRendezvousMinBytes);
+  }
   static constexpr size_t kStageStepBytes = size_t{128} << 10;
   // Smallest one-message payload received straight into the output (with its trailer
   // scattered apart by a datatype); smaller ones go through a buffer and one more copy.
@@ -556,10 +575,11 @@ class MpiTransport {
                    std::chrono::steady_clock::time_point deadline,
                    std::shared_ptr<DirectSend>* kept, bool may_defer = false,
                    std::shared_ptr<DirectSend> into = nullptr);
-  // A kept one-way send (Send's `kept` without `may_defer`): the staged framing (a chunk
+  // A kept one-way send, or a kept send of a cycle below kRendezvousMinBytes (SentFramed):
+  // the staged framing (a chunk
   // header, then the payload in chunks of kDirectChunkBytes) sent straight from the
   // operand, at once, without waiting for a ready signal; left in flight in *kept for the
-  // precv that keeps the operand (FinishDirect). The receiver (Recv's `sender_one_way`)
+  // precv that keeps the operand (FinishDirect). The receiver (Recv's `sender_kept`)
   // takes it as a staged message: a message and a wait fewer than the rendezvous, and no
   // staging copy for a receiver that comes late.
   Status SendFramed(int dest_rank, int tag, const void* data, size_t bytes, const Desc& desc,

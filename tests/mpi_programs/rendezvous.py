@@ -33,8 +33,9 @@ after the other, each between ``== case NAME: start`` and ``== case NAME: done``
   finishes the send while the operand is alive, rank 1 gets its bytes, nothing is left.
 * ``exchange`` (1 device per rank): both ranks send and receive in the same step, one op
   with the cycle [(0, 1), (1, 0)] (GPU parity off) and two ops in opposite directions, in a
-  ``lax.scan`` of 4 steps, at 8 B and 4 KiB (staged), 16 KiB and 100 KiB + 8 B (a cycle's
-  rendezvous below the plain rendezvous size), 256 KiB, 1 MiB and 8 MiB + 4 KiB: a psend
+  ``lax.scan`` of 4 steps, at 8 B and 4 KiB (staged), 16 KiB and 100 KiB + 8 B (below the
+  plain rendezvous size: every kept psend framed from its operand, as a one-way one, no
+  direct receive, no staging copy: counted), 256 KiB, 1 MiB and 8 MiB + 4 KiB: a psend
   of the cycle that finds its receiver not ready defers its send to the receive loops, which
   post it straight from the operand once the ready signal comes (two ops: staged or direct,
   as one-way sends); every byte checked, each step's bytes differ. The two ops once more
@@ -100,6 +101,11 @@ def one_way(mesh, n: int, recv_n: int | None = None):
         return got[:n] if recv_n >= n else jnp.concatenate([got, v[recv_n:]])
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+
+
+#: Where a kept psend's message is framed from its operand (one-way from the first; in a
+#: cycle up to the second, from which it defers: mpi/transport.h, SentFramed).
+FRAMED_MIN, RENDEZVOUS_MIN = 16 << 10, 256 << 10
 
 
 def pair_mesh() -> jax.sharding.Mesh:
@@ -349,10 +355,21 @@ def run_exchange() -> None:
                 x = common.global_array(mesh, P("x"),
                                         np.concatenate([pattern(n, 5), pattern(n, 6)]))
                 for _ in range(2):
+                    before = counters()
                     got = local(jax.block_until_ready(f(x)))
                     # Four swaps bring each device its own bytes back, each step adding 1.
                     mine = pattern(n, 5 if me == 0 else 6)
                     np.testing.assert_array_equal(got, mine + np.uint8(4), err_msg=(name, n))
+                    if FRAMED_MIN <= n < RENDEZVOUS_MIN:
+                        # Below the plain rendezvous size a cycle's kept psend is framed
+                        # from its operand at once, as a one-way one: no ready signal, no
+                        # deferral, neither a direct receive nor a staging copy; each of
+                        # the 4 steps' psends kept, and finished by its precv.
+                        direct, staged, kept = (a - b for a, b in
+                                                zip(counters(), before, strict=True))
+                        assert (direct, staged, kept) == (0, 0, 4), (name, n, direct, staged,
+                                                                     kept)
+                        assert jax_cpu_mpi.stats()["kept_sends_unfinished"] == 0
                 print(f"ok   exchange {name} {n} bytes", flush=True)
                 barrier(f"exchange {name} {n}")
 
