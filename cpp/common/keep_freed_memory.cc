@@ -293,6 +293,28 @@ void CollapseReusedBuffer(void* data, size_t bytes) {
 #endif
 }
 
+std::shared_ptr<std::byte[]> HugePageMemory(size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  const size_t huge = TransparentHugePageBytes();
+  if (huge == 0 || bytes == 0) return nullptr;
+  // Whole huge pages, and one more of slack for the alignment (address space only: the slack
+  // is never touched).
+  const size_t used = (bytes + huge - 1) & ~(huge - 1);
+  const size_t mapped = used + huge;
+  void* base = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (base == MAP_FAILED) return nullptr;
+  const uintptr_t start = reinterpret_cast<uintptr_t>(base);
+  auto* data = reinterpret_cast<std::byte*>((start + huge - 1) & ~(uintptr_t{huge} - 1));
+  (void)madvise(data, used, MADV_HUGEPAGE);
+  return std::shared_ptr<std::byte[]>(data, [base, mapped](std::byte*) {
+    (void)munmap(base, mapped);
+  });
+#else
+  (void)bytes;
+  return nullptr;
+#endif
+}
+
 void AdviseHugePages(void* data, size_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   const std::span<std::byte> pages = WholeHugePages(data, bytes);

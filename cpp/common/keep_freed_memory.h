@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstddef>
+#include <memory>
 #include <span>
 
 namespace jcm {
@@ -63,6 +64,16 @@ std::span<std::byte> WholeHugePages(void* data, size_t bytes);
 // The size of a transparent huge page where the kernel backs a range advised with
 // AdviseHugePages by them (THP "madvise" or "always"), else 0 (no THP, or "never").
 size_t TransparentHugePageBytes();
+
+// Memory of at least `bytes` of its own, on transparent huge pages: a fresh anonymous map,
+// aligned to a huge page and advised (MADV_HUGEPAGE) before anything touches it, so that its
+// pages fault in as huge pages. For memory this package keeps from call to call and that MPI
+// copies into or out of (the collectives' staging buffers): with KeepFreedMemory malloc
+// serves even large blocks from a thread's arena heap, on 4 KiB pages whenever that memory was
+// touched before, and the peer's single copy out of such memory (process_vm_readv) pins and
+// walks each of its 4 KiB pages. Unmapped when the last owner lets go. Null where the kernel
+// has no transparent huge pages (or the map fails): the caller allocates as it would anyway.
+std::shared_ptr<std::byte[]> HugePageMemory(size_t bytes);
 
 // From this many bytes a collective's output, and a precv's from another process, gets
 // AdviseHugePages before MPI writes it:

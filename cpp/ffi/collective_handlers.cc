@@ -1211,12 +1211,19 @@ struct ExchangeCall {
 // std::vector costs a zero fill and a page fault per page on every collective (of large
 // all_to_all blocks with several devices per process, most of the call's time). When an MPI
 // request on it is abandoned (a timeout), the transport keeps a reference, since MPI may
-// still write into it; the next call then takes new memory.
+// still write into it; the next call then takes new memory. From a huge page up it is on
+// huge pages of its own (HugePageMemory): from malloc it was memory of a thread's arena on
+// 4 KiB pages, which the peer's single copy out of it (process_vm_readv: an all_to_all in
+// place stages every block it sends) pinned and walked one 4 KiB page at a time.
 class StagingBuffer {
  public:
   std::byte* Get(size_t n) {
     if (!buffer_ || buffer_.use_count() > 1 || n > size_) {
-      buffer_ = std::shared_ptr<std::byte[]>(std::make_unique_for_overwrite<std::byte[]>(n));
+      const size_t huge = TransparentHugePageBytes();
+      buffer_ = huge != 0 && n >= huge ? HugePageMemory(n) : nullptr;
+      if (!buffer_) {
+        buffer_ = std::shared_ptr<std::byte[]>(std::make_unique_for_overwrite<std::byte[]>(n));
+      }
       size_ = n;
     }
     return buffer_.get();
