@@ -120,10 +120,9 @@ def _candidates(module: Any) -> list[Any]:
 def _first_user(op: Any) -> Any:
     """The first op of ``op``'s block that uses its result (every use is in that block)."""
     users = [_user(u) for u in op.results[0].uses]
-    for inner in op.block.operations:
-        if inner.operation in users:
-            return inner.operation
-    raise AssertionError("a use outside the precv's block")
+    # _candidates kept only precvs whose every use is in their block: one is found.
+    return next(inner.operation for inner in op.block.operations
+                if inner.operation in users)
 
 
 def select_zeros(module: Any) -> int:
