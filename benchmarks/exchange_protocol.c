@@ -24,6 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "median.h"
+
 enum { kWays = 4 };
 static const char* kNames[kWays] = {"sendrecv", "ready", "framed", "direct"};
 
@@ -77,20 +79,6 @@ static void Step(Ctx* c, int way) {
   Poll(&r[2], 1);
   MPI_Irecv(c->recv, n, MPI_BYTE, c->peer, 4, c->staged, &r[2]);
   Poll(r, 3);
-}
-
-static int Compare(const void* a, const void* b) {
-  const double x = *(const double*)a, y = *(const double*)b;
-  return (x > y) - (x < y);
-}
-
-static double Median(double* v, int n) {
-  double* copy = malloc(sizeof(double) * (size_t)n);
-  memcpy(copy, v, sizeof(double) * (size_t)n);
-  qsort(copy, (size_t)n, sizeof(double), Compare);
-  const double m = copy[n / 2];
-  free(copy);
-  return m;
 }
 
 int main(int argc, char** argv) {

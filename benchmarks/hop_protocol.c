@@ -29,6 +29,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "median.h"
+
 enum { kWays = 4, kWindow = 64 };
 static const char* kNames[kWays] = {"plain", "ready", "ready+zero", "direct"};
 
@@ -98,20 +100,6 @@ static void MultiPair(Ctx* c, int way, int messages) {
     if (c->rank == 1) MPI_Send(ack, 4, MPI_BYTE, 0, 7, c->data);
     else MPI_Recv(ack, 4, MPI_BYTE, 1, 7, c->data, MPI_STATUS_IGNORE);
   }
-}
-
-static int Compare(const void* a, const void* b) {
-  const double x = *(const double*)a, y = *(const double*)b;
-  return (x > y) - (x < y);
-}
-
-static double Median(double* v, int n) {
-  double* copy = malloc(sizeof(double) * (size_t)n);
-  memcpy(copy, v, sizeof(double) * (size_t)n);
-  qsort(copy, (size_t)n, sizeof(double), Compare);
-  const double m = copy[n / 2];
-  free(copy);
-  return m;
 }
 
 int main(int argc, char** argv) {
