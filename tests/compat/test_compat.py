@@ -61,6 +61,7 @@ JAX_NEEDS_ITSELF = frozenset({
     "jax._src.interpreters.batching:fancy_primitive_batchers",
     "jax._src.interpreters.mlir:_platform_specific_lowerings",
     "jax._src.interpreters.mlir:_lowerings",  # every lowering JAX does reads it
+    "jax._src.compiler:_cache_read",  # compile_or_get_cached calls it (gloo_cache_guard)
     # collectives: what JAX's own psum binds and lowers with.
     "jax._src.lax.parallel:_replica_groups",
     "jax._src.lax.parallel:psum_invariant_p",
