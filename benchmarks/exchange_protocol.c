@@ -108,18 +108,7 @@ int main(int argc, char** argv) {
   }
   if (c.rank == 0) {
     printf("exchange, %zu B, %d steps a round, %d rounds:\n", c.bytes, steps, rounds);
-    for (int way = 0; way < kWays; ++way) {
-      double ratios[256];
-      double lo = 1e30, hi = 0;
-      for (int r = 0; r < rounds && r < 256; ++r) {
-        ratios[r] = t[r] / t[way * rounds + r];
-        if (ratios[r] < lo) lo = ratios[r];
-        if (ratios[r] > hi) hi = ratios[r];
-      }
-      printf("  %-10s %10.2f us a step, x%.2f of sendrecv's speed (rounds x%.2f-x%.2f)\n",
-             kNames[way], Median(t + way * rounds, rounds) * 1e6,
-             Median(ratios, rounds < 256 ? rounds : 256), lo, hi);
-    }
+    ReportWays(t, kWays, rounds, kNames, "step", "sendrecv");
   }
   free(t);
   free(c.send);

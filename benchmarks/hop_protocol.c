@@ -133,18 +133,7 @@ int main(int argc, char** argv) {
   if (c.rank == 0) {
     printf("%s, %zu B, %d messages a round, %d rounds:\n", multi_pair ? "multi-pair" : "hop",
            c.bytes, messages, rounds);
-    for (int way = 0; way < kWays; ++way) {
-      double ratios[256];
-      double lo = 1e30, hi = 0;
-      for (int r = 0; r < rounds && r < 256; ++r) {
-        ratios[r] = t[r] / t[way * rounds + r];
-        if (ratios[r] < lo) lo = ratios[r];
-        if (ratios[r] > hi) hi = ratios[r];
-      }
-      printf("  %-10s %10.2f us a message, x%.2f of plain's speed (rounds x%.2f-x%.2f)\n",
-             kNames[way], Median(t + way * rounds, rounds) * 1e6,
-             Median(ratios, rounds < 256 ? rounds : 256), lo, hi);
-    }
+    ReportWays(t, kWays, rounds, kNames, "message", "plain");
   }
   free(t);
   free(c.send);

@@ -1,7 +1,8 @@
-// The median of per-round times (or ratios), shared by the protocol benchmarks here
-// (hop_protocol.c, exchange_protocol.c).
+// The median of per-round times (or ratios), and the per-way report, shared by the protocol
+// benchmarks here (hop_protocol.c, exchange_protocol.c).
 #pragma once
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -19,4 +20,22 @@ static double Median(const double* v, int n) {
   const double m = copy[n / 2];
   free(copy);
   return m;
+}
+
+// Prints, per way, the median time per `unit` and its speed against way 0's (`reference`):
+// the median of the rounds' ratios and their range. `t` holds ways x rounds times, way-major.
+static void ReportWays(const double* t, int ways, int rounds, const char* const* names,
+                       const char* unit, const char* reference) {
+  const int n = rounds < 256 ? rounds : 256;
+  for (int way = 0; way < ways; ++way) {
+    double ratios[256];
+    double lo = 1e30, hi = 0;
+    for (int r = 0; r < n; ++r) {
+      ratios[r] = t[r] / t[way * rounds + r];
+      if (ratios[r] < lo) lo = ratios[r];
+      if (ratios[r] > hi) hi = ratios[r];
+    }
+    printf("  %-10s %10.2f us a %s, x%.2f of %s's speed (rounds x%.2f-x%.2f)\n", names[way],
+           Median(t + way * rounds, rounds) * 1e6, unit, Median(ratios, n), reference, lo, hi);
+  }
 }
