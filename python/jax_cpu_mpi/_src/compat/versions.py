@@ -36,7 +36,7 @@ def release(version: str | None) -> tuple[int, ...]:
 
 def has_gloo_cache_hang(jaxlib: str | None) -> bool:
     """Whether this jaxlib hangs running gloo programs from JAX's persistent cache."""
-    return jaxlib is not None and release(jaxlib)[:3] >= FIRST_JAXLIB_WITH_GLOO_CACHE_HANG
+    return release(jaxlib)[:3] >= FIRST_JAXLIB_WITH_GLOO_CACHE_HANG
 
 
 class UntestedJaxWarning(UserWarning):

@@ -80,11 +80,9 @@ def _guarded(cache_read: Any) -> Any:
     return read
 
 
-def install() -> bool | str:
-    """Wrap JAX's persistent-cache lookup on an affected jaxlib (``compat.enable``)."""
-    version = compat.jaxlib_version()
-    if not compat.has_gloo_cache_hang(version):  # declared "not needed" by the compat room
-        return f"jaxlib {version} runs gloo programs from the persistent cache"
+def install() -> bool:
+    """Wrap JAX's persistent-cache lookup (``compat.enable`` calls this only on a jaxlib with
+    the hang: elsewhere the compat room declares the feature not needed)."""
     compat.wrap_once(compat.compiler, "_cache_read", "_jax_cpu_mpi_gloo_cache", _guarded)
     return True
 
