@@ -24,7 +24,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
+sys.path.insert(0, str(ROOT / "tests"))
+from mpi_launcher import communicate_or_kill  # noqa: E402  (the suite's kill-at-timeout launch)
+
 MPIRUN = str(Path(PY).parent / "mpirun") if (Path(PY).parent / "mpirun").exists() else "mpirun"
 
 # The bodies of JAX's test_psend_precv_basic_with_no_deadlock_cycle and
@@ -140,15 +142,7 @@ def launch(case: Case, limit: float) -> dict:
     cmd = [MPIRUN, "-n", str(case.ranks), PY, *case.args]
     load_before = round(os.getloadavg()[0], 2)
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, cwd=ROOT, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=limit)
-        rc: int | None = proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        rc = None
+    out, rc = communicate_or_kill(cmd, limit, env=env, cwd=ROOT)
     seconds = time.monotonic() - start
     ok = rc == 0 and case.expect in out
     if ok and case.after:
