@@ -49,10 +49,11 @@ after the other, each between ``== case NAME: start`` and ``== case NAME: done``
   receives from the previous one, one op with the ring's cycle and one op per pair, in a
   ``lax.scan`` of 4 steps, at 8 B to 8 MiB + 4 KiB: a receive whose own deferred send goes
   to another rank than it receives from; every byte checked, some sends direct.
-* ``never-received``: rank 0's psend of 8 MiB returns although rank 1 never posts the
-  precv; rank 0's precv of a reply that never comes fails after the timeout; at exit rank 0
-  meets rank 1 (waiting at its exit) in the exit barrier with its send undelivered, reports
-  the message, and both end normally: nobody hangs.
+* ``never-received``: rank 0's psends of 8 B and then 8 MiB return although rank 1 never
+  posts their precvs; rank 0's precv of a reply that never comes fails after the timeout;
+  at exit rank 0 meets rank 1 (waiting at its exit) in the exit barrier with its 8 MiB send
+  undelivered (the 8 B one completed, eager), reports that send, rank 1 the first message
+  it never took (the 8 B one), and both end normally: nobody hangs.
 """
 
 from __future__ import annotations
@@ -291,9 +292,11 @@ def run_never_received() -> None:
     mesh = pair_mesh()
     n = 8 << 20
     x = common.global_array(mesh, P("x"), np.ones(2 * n, np.uint8))
+    x8 = common.global_array(mesh, P("x"), np.ones(16, np.uint8))
     with config.overrides(gpu_parity=False):
         send = jax.jit(jax.shard_map(_send_only, mesh=mesh, in_specs=P("x"),
                                      out_specs=P("x")))
+        send.lower(x8).compile()
         reply = jax.jit(jax.shard_map(
             lambda v: jax_cpu_mpi.precv(jax.lax.create_token(),
                                         jax.ShapeDtypeStruct((8,), v.dtype), "x", BWD),
@@ -305,6 +308,9 @@ def run_never_received() -> None:
         print("process 1: never receives; exits", flush=True)
         common.ok()
         return
+    # First 8 B, eager: its send completes with nobody receiving, so only rank 1's exit
+    # can name it.
+    jax.block_until_ready(send(x8))
     start = time.perf_counter()
     jax.block_until_ready(send(x))
     print(f"process 0: psend of {n} bytes returned after {time.perf_counter() - start:.2f} s "

@@ -464,6 +464,15 @@ def test_large_send_nobody_receives_returns_and_exit_does_not_hang(fault_job):
     assert "precv failed after" in out and "DEADLINE_EXCEEDED" in out, run.report()
     everything = run.launcher_output + "".join(run.rank_output.values())
     assert "1 psend message(s) were never received" in everything, run.report()
+    # Each end names what was left: the sender its send still undelivered (shape, peer,
+    # channel), the receiver, once both met at exit, the first message waiting for a
+    # precv that never came: the 8 B one sent first, whose eager send completed at once
+    # (its sender knows nothing of it).
+    assert "uint8[8388608] (8388608 bytes) to MPI rank 1 on tag 1, staged" in everything, (
+        run.report())
+    assert ("1 message(s) that peers sent were never taken by a precv here" in everything
+            and "a staged message of 72 bytes (a payload of 8 bytes and its envelope) from "
+                "MPI rank 0 on tag 1" in everything), run.report()
     assert fault_job.elapsed < NEVER_RECEIVED_TIMEOUT - 10, run.report()
 
 
