@@ -237,6 +237,16 @@ NB_MODULE(_jax_cpu_mpi, m) {
         "Complete outstanding sends (up to timeout_s) and free the communicator. Returns a "
         "report of undelivered messages, empty if none.");
 
+  m.def("mpi_unreceived", [] {
+    nb::list out;
+    std::shared_ptr<jcm::MpiTransport> t = jcm::Runtime::Get().mpi();
+    if (t == nullptr) return out;
+    for (const jcm::MpiTransport::Unreceived& u : t->ProbeUnreceived()) {
+      out.append(nb::make_tuple(u.kind, u.source, u.tag, u.bytes));
+    }
+    return out;
+  }, "Messages peers sent to this process that no receive took yet (kind, MPI rank, tag, "
+     "bytes): the first of each peer and kind (staged, ready, direct), nothing received.");
   m.def("stats", [] {
     jcm::Runtime& rt = jcm::Runtime::Get();
     nb::dict d;

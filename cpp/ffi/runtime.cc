@@ -162,11 +162,44 @@ std::string Runtime::detach_mpi(double timeout_s) {
   const MpiTransport::DrainResult drained = transport->Drain(DeadlineAfter(timeout_s));
   std::string report;
   if (drained.undelivered > 0) {
+    char within[64];
+    std::snprintf(within, sizeof(within), "%g", timeout_s);
     report = std::to_string(drained.undelivered) +
-             " psend message(s) were never received by their peer(s)";
+             " psend message(s) were never received by their peer(s) in the " + within +
+             " s the exit waited (JAX_CPU_MPI_EXIT_TIMEOUT, less with a peer that did not "
+             "answer):\n" + drained.undelivered_detail;
+  }
+  // Once every rank met us, every send of the job that will ever start has: a message a
+  // peer sent us that no precv took is still waiting here. Its sender reports it only if
+  // its send could not complete without a receiver (an eager one completes), and a program
+  // that went on would have had a later precv of the channel take it as its own. Ready
+  // signals left are not messages (a sender that staged discards them by number).
+  if (drained.all_ranks_met && !transport->broken()) {
+    std::string unreceived;
+    size_t count = 0;
+    for (const MpiTransport::Unreceived& u : transport->ProbeUnreceived()) {
+      if (std::string_view(u.kind) == "ready") continue;
+      ++count;
+      unreceived += "\n    a " + std::string(u.kind) + " message of " +
+                    std::to_string(u.bytes) + " bytes" +
+                    (std::string_view(u.kind) != "staged" ? std::string()
+                     : u.bytes <= static_cast<int>(sizeof(Envelope))
+                         ? std::string(" (the chunk header of a larger or framed message)")
+                         : " (a payload of " +
+                               std::to_string(u.bytes - static_cast<int>(sizeof(Envelope))) +
+                               " bytes and its envelope)") +
+                    " from MPI rank " + std::to_string(u.source) + " on tag " +
+                    std::to_string(u.tag);
+    }
+    if (count > 0) {
+      report += (report.empty() ? "" : "\n") +
+                std::to_string(count) + " message(s) that peers sent were never taken by a "
+                "precv here (the first of each peer and kind; tag: source partition x the "
+                "op's partitions + destination partition):" + unreceived;
+    }
   }
   if (!drained.status.ok()) {
-    report += (report.empty() ? "" : "; ") + ("an MPI call failed while draining: " +
+    report += (report.empty() ? "" : "\n") + ("an MPI call failed while draining: " +
                                               drained.status.message());
   }
   {

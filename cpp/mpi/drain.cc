@@ -23,6 +23,12 @@ MpiTransport::DrainResult MpiTransport::Drain(std::chrono::steady_clock::time_po
     if (!s.ok() && failure.ok()) failure = std::move(s);
   };
   MPI_Request barrier = MPI_REQUEST_NULL;
+  // Under mu_. The sends still in flight, named: the receiver of each never took it.
+  auto result = [this](bool met, Status status) {
+    DrainResult r{SendsInFlightLocked(), "", met, std::move(status)};
+    if (r.undelivered > 0) r.undelivered_detail = DescribeSendsInFlightLocked(8);
+    return r;
+  };
   const auto start = std::chrono::steady_clock::now();
   // A broken transport (requests abandoned mid-message) has a peer that stopped answering:
   // its sends to it will not complete, so it joins the barrier at once. The abandoned
@@ -33,31 +39,31 @@ MpiTransport::DrainResult MpiTransport::Drain(std::chrono::steady_clock::time_po
   while (true) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (!MpiIsUsable()) return {SendsInFlightLocked(), false, failure};
+      if (!MpiIsUsable()) return result(false, failure);
       note(ProgressLocked());
       const bool sends_done = SendsInFlightLocked() == 0;
       if (barrier == MPI_REQUEST_NULL &&
           (sends_done || std::chrono::steady_clock::now() > join_anyway)) {
         if (int rc = MPI_Ibarrier(comm_, &barrier); rc != MPI_SUCCESS) {
           note(Status::MpiError("MPI_Ibarrier", rc));
-          return {SendsInFlightLocked(), false, failure};
+          return result(false, failure);
         }
       }
       if (barrier != MPI_REQUEST_NULL) {
         int done = 0;
         if (int rc = MPI_Test(&barrier, &done, MPI_STATUS_IGNORE); rc != MPI_SUCCESS) {
           note(Status::MpiError("MPI_Test", rc));
-          return {SendsInFlightLocked(), false, failure};
+          return result(false, failure);
         }
         if (done) {
           note(ProgressLocked());
-          return {SendsInFlightLocked(), true, failure};
+          return result(true, failure);
         }
       }
       if (std::chrono::steady_clock::now() > deadline) {
         // A peer never reached its exit (or died): report only our own undelivered sends.
         // The barrier request is left to MPI_Finalize.
-        return {SendsInFlightLocked(), false, failure};
+        return result(false, failure);
       }
     }
     backoff.Pause();

@@ -67,6 +67,9 @@ Status MpiTransport::PostFromOperand(const std::shared_ptr<DirectSend>& send,
   send->requests.reserve(send->requests.size() + bytes / kDirectChunkBytes + 2);
   const auto* src = static_cast<const std::byte*>(data);
   std::unique_lock<std::mutex> lock(mu_);  // direct_in_flight_ (and MPI if needed)
+  send->dest_rank = dest_rank;
+  send->tag = tag;
+  send->bytes = bytes;
   auto post_one = [&](const void* buf, size_t count) {
     send->requests.emplace_back();
     int rc = post(buf, static_cast<int>(count), MPI_BYTE, dest_rank, tag, comm,

@@ -140,6 +140,8 @@ Status MpiTransport::SendStaged(int dest_rank, int tag, const void* data, size_t
 
 Status MpiTransport::IsendStaged(PendingSend send, int dest_rank, int tag, const Desc& desc) {
   const size_t bytes = send.bytes;
+  send.dest_rank = dest_rank;
+  send.tag = tag;
   auto isend = [&](const void* buf, size_t count) -> int {
     std::unique_lock<std::mutex> lock = MpiCallLock();
     send.requests.emplace_back();

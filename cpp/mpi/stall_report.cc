@@ -8,6 +8,7 @@
 // lock are taken: nothing waits while holding them.
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <iomanip>
 #include <mutex>
 #include <sstream>
@@ -214,6 +215,59 @@ std::string MpiTransport::StallReport(int peer_rank, int recv_tag, int send_tag)
       if (!abandoned_.empty()) out << ", " << abandoned_.size() << " abandoned requests";
     }
   }
+  return out.str();
+}
+
+std::vector<MpiTransport::Unreceived> MpiTransport::ProbeUnreceived() {
+  std::vector<Unreceived> found;
+  struct Probed {
+    const char* kind;
+    MPI_Comm comm;
+  };
+  const Probed probes[] = {{"staged", comm_}, {"ready", ctrl_comm_}, {"direct", direct_comm_}};
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer == rank_) continue;
+    for (const Probed& p : probes) {
+      std::unique_lock<std::mutex> lock = MpiCallLock();
+      if (!MpiIsUsable() || broken()) return found;
+      int flag = 0, count = 0;
+      MPI_Status status;
+      if (MPI_Iprobe(peer, MPI_ANY_TAG, p.comm, &flag, &status) != MPI_SUCCESS || !flag) continue;
+      MPI_Get_count(&status, MPI_BYTE, &count);
+      found.push_back({p.kind, peer, status.MPI_TAG, count});
+    }
+  }
+  return found;
+}
+
+std::string MpiTransport::DescribeSendsInFlightLocked(size_t limit) const {
+  // The description travels in the message's own envelope (the staged trailer or chunk
+  // header, mpi/framing.h): nothing is kept per send for this report. A direct send
+  // carries none; a deferred one keeps its description.
+  std::ostringstream out;
+  size_t shown = 0, total = pending_.size() + direct_in_flight_.size();
+  auto line = [&](const std::string& desc, size_t bytes, int dest, int tag, const char* how) {
+    if (shown++ >= limit) return;
+    out << (shown > 1 ? "\n" : "") << "    " << (desc.empty() ? "a message" : desc) << " ("
+        << bytes << " bytes) to MPI rank " << dest << " on tag " << tag << ", " << how;
+  };
+  for (const PendingSend& p : pending_) {
+    std::string desc;
+    if (p.header) {
+      desc = p.header->Description();
+    } else if (p.buffer.data() != nullptr) {
+      Envelope e;
+      std::memcpy(&e, p.buffer.data() + p.bytes, sizeof(e));
+      if (e.magic == kPayloadMagic) desc = e.Description();
+    }
+    line(desc, p.bytes, p.dest_rank, p.tag, "staged");
+  }
+  for (const std::shared_ptr<DirectSend>& d : direct_in_flight_) {
+    const std::string desc = d->header ? d->header->Description() : d->desc_text;
+    line(desc, d->bytes, d->dest_rank, d->tag,
+         d->header ? "framed from its operand" : "straight from its operand");
+  }
+  if (total > limit) out << "\n    (" << total - limit << " more)";
   return out.str();
 }
 

@@ -224,14 +224,16 @@ class MpiTransport {
     std::vector<MPI_Request> requests;
     bool done = false;  // under mu_
     std::chrono::steady_clock::time_point posted_for_test;  // mpi/stop_for_test.h
+    // Where it goes, set when it is deferred or posted (PostFromOperand), under mu_ once
+    // in direct_in_flight_: for the exit's report of sends never received.
+    int dest_rank = 0, tag = 0;
+    size_t bytes = 0;
     // Deferred sends only (the fields are set once by Send, read under the channel's
     // send_mu; `deferred` is cleared under it when the send is posted or staged).
     bool deferred = false;
     void* channel = nullptr;  // its ChannelState
     uint64_t seq = 0;
-    int dest_rank = 0, tag = 0;
     const void* data = nullptr;
-    size_t bytes = 0;
     std::string desc_text;
     uint64_t desc_hash = 0;
     uint64_t max_inflight_bytes = 0;
@@ -279,6 +281,7 @@ class MpiTransport {
   // undelivered), or gives up at the deadline.
   struct DrainResult {
     size_t undelivered = 0;      // our sends left undelivered
+    std::string undelivered_detail;  // which they are (DescribeSendsInFlight)
     bool all_ranks_met = false;  // the exit barrier completed
     Status status;               // an MPI call that failed while draining
   };
@@ -312,6 +315,18 @@ class MpiTransport {
   // call lock are taken; the caller holds none of the transport's. One line per item, each
   // indented.
   std::string StallReport(int peer_rank, int recv_tag = -1, int send_tag = -1);
+  // mpi/stall_report.cc. Messages that peers sent to this process and no receive has
+  // taken yet, one MPI_Iprobe per peer and communicator (staged messages and chunk
+  // headers, ready signals, direct messages): at most the first one of each, which MPI
+  // keeps (nothing is received). Empty when MPI is not usable or the transport is broken.
+  // What a test (and the exit, once every rank met) checks: a message left there would be
+  // taken by a later precv of the same channel, shape and size.
+  struct Unreceived {
+    const char* kind = "";  // "staged", "ready", "direct"
+    int source = 0, tag = 0;
+    int bytes = 0;
+  };
+  std::vector<Unreceived> ProbeUnreceived();
 
   // A group's communicator as its caller keeps it from call to call (in a call site's entry
   // of a device thread, which only that thread uses): the collectives below look the group
@@ -502,6 +517,7 @@ class MpiTransport {
     PooledBuffer buffer;
     std::unique_ptr<Envelope> header;  // chunked messages only
     size_t bytes = 0;
+    int dest_rank = 0, tag = 0;  // for the exit's report of sends never received
     std::vector<MPI_Request> requests;  // header and chunks, or the one message
     std::chrono::steady_clock::time_point posted_for_test;  // mpi/stop_for_test.h
   };
@@ -564,6 +580,10 @@ class MpiTransport {
                          const StopWaiting& stop, bool* stopped);
   // Frees completed sends; caller holds mu_.
   Status ProgressLocked();
+  // mpi/stall_report.cc. The sends of this process still in flight, one per line ("uint8[8]
+  // (8 bytes) to MPI rank 1 on tag 4, staged"), at most `limit` of them and a count of the
+  // rest: what the exit names of the sends its peers never received. Caller holds mu_.
+  std::string DescribeSendsInFlightLocked(size_t limit) const;
   // Staged and direct sends not completed when last tested; caller holds mu_.
   size_t SendsInFlightLocked() const;
 

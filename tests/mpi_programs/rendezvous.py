@@ -4,7 +4,10 @@ whose operand a precv keeps): every way it can go.
 ``rendezvous.py CASE[,CASE...]`` under ``mpirun -n 2`` (``ring``: ``-n 3``), the cases one
 after the other, each between ``== case NAME: start`` and ``== case NAME: done`` lines
 (tests/runtime/test_reliability.py runs the first three and ``ordering`` in one launch, with
-4 devices per rank; the cases that say 1 device per rank use the first device of each rank):
+4 devices per rank; the cases that say 1 device per rank use the first device of each rank).
+After each case but ``never-received``, every rank checks that the case left no message that
+nobody took (``ok   case NAME: every message taken``): one left would be taken by a later
+case's precv of its channel, as its own. The cases:
 
 * ``paths`` (1 device per rank): the receiver ready first and the receiver late by 1.5 s:
   a one-way psend whose operand its precv keeps is framed straight from the operand either
@@ -30,7 +33,9 @@ after the other, each between ``== case NAME: start`` and ``== case NAME: done``
   rounds; every message carries (source, destination, round).
   Then device 0's receive from device 1 fails between its psend of a cycle with rank 1
   and the precv that keeps that psend's operand (which XLA then skips): the failed op
-  finishes the send while the operand is alive, rank 1 gets its bytes, nothing is left.
+  finishes the send while the operand is alive, rank 1 gets its bytes. The skipped precv
+  leaves rank 1's message to device 0 in the channel (a later precv there would take it
+  as its own): rank 0 alone then takes it, and it is rank 1's operand, whole.
 * ``exchange`` (1 device per rank): both ranks send and receive in the same step, one op
   with the cycle [(0, 1), (1, 0)] (GPU parity off) and two ops in opposite directions, in a
   ``lax.scan`` of 4 steps, at 8 B and 4 KiB (staged), 16 KiB and 100 KiB + 8 B (below the
@@ -49,10 +54,11 @@ after the other, each between ``== case NAME: start`` and ``== case NAME: done``
   receives from the previous one, one op with the ring's cycle and one op per pair, in a
   ``lax.scan`` of 4 steps, at 8 B to 8 MiB + 4 KiB: a receive whose own deferred send goes
   to another rank than it receives from; every byte checked, some sends direct.
-* ``never-received``: rank 0's psend of 8 MiB returns although rank 1 never posts the
-  precv; rank 0's precv of a reply that never comes fails after the timeout; at exit rank 0
-  meets rank 1 (waiting at its exit) in the exit barrier with its send undelivered, reports
-  the message, and both end normally: nobody hangs.
+* ``never-received``: rank 0's psends of 8 B and then 8 MiB return although rank 1 never
+  posts their precvs; rank 0's precv of a reply that never comes fails after the timeout;
+  at exit rank 0 meets rank 1 (waiting at its exit) in the exit barrier with its 8 MiB send
+  undelivered (the 8 B one completed, eager), reports that send, rank 1 the first message
+  it never took (the 8 B one), and both end normally: nobody hangs.
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ from _mpi_common import P
 from jax.experimental import multihost_utils
 
 import jax_cpu_mpi
+from jax_cpu_mpi import _jax_cpu_mpi as _ext
 from jax_cpu_mpi import config
 
 CASES = sys.argv[1].split(",")
@@ -285,15 +292,35 @@ def run_failed_before_precv(mesh, per: int) -> None:
             np.testing.assert_array_equal(np.asarray(shard.data), pattern(n, 20))
     assert jax_cpu_mpi.stats()["kept_sends_unfinished"] == 0
     print("ok   op failed before the precv keeping a send", flush=True)
+    barrier("failed before precv done")
+
+    # XLA skipped device 0's precv of the cycle too, so device ``per``'s message to it is
+    # still in the channel, where the next precv of the channel would take it as its own
+    # (a precv of another shape reports "sent uint8[1048576]"): the job must take it.
+    # Rank 0 alone runs a precv of the channel (rank 1's device sends nothing more), which
+    # gets device ``per``'s operand, whole.
+    if me == 0:
+        def take(v):
+            like = jax.ShapeDtypeStruct(v.shape, v.dtype)
+            return jax_cpu_mpi.precv(jax_cpu_mpi.psend(v, "x", [(per, 0)]), like, "x",
+                                     [(per, 0)])
+
+        g = jax.jit(jax.shard_map(take, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+        got = jax.block_until_ready(g(x))
+        shard = next(s for s in got.addressable_shards if s.index[0].start == 0)
+        np.testing.assert_array_equal(np.asarray(shard.data), pattern(n, 20 + per))
+        print("ok   the skipped precv's message taken", flush=True)
 
 
 def run_never_received() -> None:
     mesh = pair_mesh()
     n = 8 << 20
     x = common.global_array(mesh, P("x"), np.ones(2 * n, np.uint8))
+    x8 = common.global_array(mesh, P("x"), np.ones(16, np.uint8))
     with config.overrides(gpu_parity=False):
         send = jax.jit(jax.shard_map(_send_only, mesh=mesh, in_specs=P("x"),
                                      out_specs=P("x")))
+        send.lower(x8).compile()
         reply = jax.jit(jax.shard_map(
             lambda v: jax_cpu_mpi.precv(jax.lax.create_token(),
                                         jax.ShapeDtypeStruct((8,), v.dtype), "x", BWD),
@@ -305,6 +332,9 @@ def run_never_received() -> None:
         print("process 1: never receives; exits", flush=True)
         common.ok()
         return
+    # First 8 B, eager: its send completes with nobody receiving, so only rank 1's exit
+    # can name it.
+    jax.block_until_ready(send(x8))
     start = time.perf_counter()
     jax.block_until_ready(send(x))
     print(f"process 0: psend of {n} bytes returned after {time.perf_counter() - start:.2f} s "
@@ -599,6 +629,29 @@ def _send_only(v):
     return v
 
 
+def assert_nothing_left(case: str) -> None:
+    """Every message of the case was taken by its precv: no send of this rank is still in
+    flight (one that nobody takes never completes), and, once every rank got here, no peer's
+    message waits here (an eager one completes at its sender untaken). A message left behind
+    would be taken by a later case's precv of the same channel: its own check would fail
+    with a mismatch, or, at the same shape, pass on the old bytes. Ready signals left are
+    not messages: a sender that staged discards the stale ones by number."""
+    deadline = time.monotonic() + 5
+    while jax_cpu_mpi.stats()["mpi_inflight_sends"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    in_flight = jax_cpu_mpi.stats()["mpi_inflight_sends"]
+    barrier(f"case {case} sends done")
+    left = [u for u in _ext.mpi_unreceived() if u[0] != "ready"]
+    barrier(f"case {case} probed")
+    if in_flight or left:
+        # Printed first: the abort that the failure starts may cut the traceback short.
+        message = (f"case {case} left messages nobody took: {in_flight} sends of process "
+                   f"{me} in flight; unreceived here (kind, MPI rank, tag, bytes): {left}")
+        print(f"FAIL {message}", flush=True)
+        raise AssertionError(message)
+    print(f"ok   case {case}: every message taken", flush=True)
+
+
 RUN = {"paths": run_paths, "many-channels": run_many_channels, "exchange": run_exchange,
        "ring": run_ring, "ordering": run_ordering, "never-received": run_never_received}
 assert "never-received" not in CASES or CASES == ["never-received"], CASES  # it ends the job
@@ -606,6 +659,8 @@ for case in CASES:
     print(f"== case {case}: start", flush=True)
     RUN[case]()
     print(f"== case {case}: done", flush=True)
+    if case != "never-received":
+        assert_nothing_left(case)
     if case != CASES[-1]:
         barrier(f"case {case} done")
 if CASES != ["never-received"]:

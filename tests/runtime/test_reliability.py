@@ -464,6 +464,15 @@ def test_large_send_nobody_receives_returns_and_exit_does_not_hang(fault_job):
     assert "precv failed after" in out and "DEADLINE_EXCEEDED" in out, run.report()
     everything = run.launcher_output + "".join(run.rank_output.values())
     assert "1 psend message(s) were never received" in everything, run.report()
+    # Each end names what was left: the sender its send still undelivered (shape, peer,
+    # channel), the receiver, once both met at exit, the first message waiting for a
+    # precv that never came: the 8 B one sent first, whose eager send completed at once
+    # (its sender knows nothing of it).
+    assert "uint8[8388608] (8388608 bytes) to MPI rank 1 on tag 1, staged" in everything, (
+        run.report())
+    assert ("1 message(s) that peers sent were never taken by a precv here" in everything
+            and "a staged message of 72 bytes (a payload of 8 bytes and its envelope) from "
+                "MPI rank 0 on tag 1" in everything), run.report()
     assert fault_job.elapsed < NEVER_RECEIVED_TIMEOUT - 10, run.report()
 
 
@@ -568,6 +577,10 @@ def test_rendezvous_on_many_channels_at_once(rendezvous_run):
         out = _case_output(run, "many-channels", rank)
         assert "ok   many channels: 16 each way, 6 rounds" in out, run.report()
         assert "ok   op failed before the precv keeping a send" in out, run.report()
+    # The precv that XLA skipped after the failure left its peer's message in the channel;
+    # the case takes it (the check below fails otherwise), whole.
+    assert "ok   the skipped precv's message taken" in _case_output(run, "many-channels", 0), (
+        run.report())
 
 
 @pytest.mark.mpi
@@ -575,3 +588,13 @@ def test_rendezvous_on_many_channels_at_once(rendezvous_run):
 def test_rendezvous_launch_ends_cleanly(rendezvous_run):
     # After its cases, every rank exits 0 (the exit drains, nothing left in flight).
     assert_mpi_ok(rendezvous_run, 2)
+    # Every case ends with every message taken: none in flight from either rank, none
+    # waiting unreceived at either (a message left would be a later case's precv's, or
+    # pass its check on the old bytes); nor does the exit find one.
+    for rank in (0, 1):
+        out = rendezvous_run.rank_output.get(rank, "")
+        for case in RENDEZVOUS_CASES:
+            assert f"ok   case {case}: every message taken" in out, rendezvous_run.report()
+    everything = rendezvous_run.launcher_output + "".join(rendezvous_run.rank_output.values())
+    assert "were never received" not in everything, rendezvous_run.report()
+    assert "never taken by a precv" not in everything, rendezvous_run.report()

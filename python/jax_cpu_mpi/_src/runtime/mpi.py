@@ -303,8 +303,10 @@ def _detach_at_exit() -> None:
     _finish_programs_and_close()
     report = ext.detach_mpi(exit_timeout)
     if report:
-        print(f"jax_cpu_mpi: at exit, {report} within JAX_CPU_MPI_EXIT_TIMEOUT="
-              f"{exit_timeout} s.", file=sys.stderr)
+        # One finding per unindented line, each followed by its indented items.
+        for line in report.splitlines():
+            print(line if line.startswith(" ") else f"jax_cpu_mpi: at exit, {line}",
+                  file=sys.stderr)
     unreachable = ext.unreachable_peers()
     # A transport that abandoned receives MPI could not cancel (a peer stopped mid-message)
     # must not reach MPI_Finalize either, even if that peer came back for the barrier: MPI
