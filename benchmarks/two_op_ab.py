@@ -15,7 +15,9 @@ calls interleaved in rounds so that a loaded machine slows them alike:
   ``passes/selected_zeros.py``, so that their precvs write the zeros of the op a device is
   no destination of instead of the reading fusion selecting them;
 * ``psend2``: ``psend2/scan`` now: each op's result stays in the loop carry, the two are
-  ORed once after the loop;
+  ORed once after the loop (the OR selects the zeros: the precvs in the loop write none);
+* ``psend2-fill`` (``--fill-too``): ``psend2`` compiled without ``passes/selected_zeros.py``,
+  so that the precv a device is no destination of writes its zeros at every step;
 * ``psend``: ``psend/scan``, one op with a cycle (``JAX_CPU_MPI_GPU_PARITY=0``).
 
 Each rank prints, per program, the median time per step and the CPU time per step of XLA's
@@ -44,7 +46,7 @@ from jax_cpu_mpi.bench import patterns, programs
 from jax_cpu_mpi.bench import session as bench_session
 
 FORMS = ("or", "where", "psend2", "psend")
-FILLED = ("or-fill", "where-fill")
+FILLED = ("or-fill", "where-fill", "psend2-fill")
 
 
 def _program(form: str, mesh, perm: list[tuple[int, int]], steps: int) -> Callable:
@@ -88,8 +90,9 @@ def main() -> None:
                    help="bytes per call: steps = this / size, 8 to 256 (the benchmark's "
                         "--scan-bytes)")
     p.add_argument("--fill-too", action="store_true",
-                   help="also or-fill and where-fill: or and where with their precvs' zeros "
-                        "written by the precvs (passes/selected_zeros.py off)")
+                   help="also or-fill, where-fill and psend2-fill: or, where and psend2 "
+                        "with their precvs' zeros written by the precvs "
+                        "(passes/selected_zeros.py off)")
     args = p.parse_args()
     forms = FORMS + (FILLED if args.fill_too else ())
     session = bench_session.start("cpu", 1)
@@ -129,10 +132,13 @@ def main() -> None:
                 times[form].append((time.perf_counter() - start) / args.calls / steps)
                 eigen[form] += _eigen_cpu_seconds() - cpu
         per_step = args.rounds * args.calls * steps
+        median = {form: float(np.median(times[form])) for form in forms}
         print(f"rank {session.rank} {n} B, {steps} steps per call: " + ", ".join(
             f"{form} {np.median(times[form]) * 1e6:.1f} us/step "
             f"(Eigen {eigen[form] / per_step * 1e6:.1f} us/step)" for form in forms)
-            + f"; psend2/or x{np.median(times['psend2']) / np.median(times['or']):.2f}",
+            + f"; psend2/or x{median['psend2'] / median['or']:.2f}"
+            + (f"; psend2-fill/psend2 x{median['psend2-fill'] / median['psend2']:.2f}"
+               if args.fill_too else ""),
             flush=True)
 
 

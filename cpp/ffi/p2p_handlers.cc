@@ -23,6 +23,7 @@
 #include "common/keep_freed_memory.h"
 #include "common/trace.h"
 #include "ffi/runtime.h"
+#include "ffi/uninitialized.h"
 #include "local/zero_fill.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -386,6 +387,7 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
       }
     }
     if (info.zero_fill) ZeroFill(out->untyped_data(), bytes);
+    else if (PoisonUninitialized()) [[unlikely]] Poison(*out);  // the program selects zeros
     return ffi::Error::Success();
   }
 

@@ -6,6 +6,7 @@
 #pragma once
 
 #include "xla/ffi/api/api.h"
+#include "xla/ffi/api/ffi.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JcmUninitialized);
 
@@ -17,5 +18,12 @@ namespace jcm {
 // so it applies to programs compiled before it was set.
 void SetPoisonUninitialized(bool on);
 bool PoisonUninitialized();
+
+// Poison mode's fill of `out` (the value above, for its element type). Also what a precv
+// that is no destination writes in poison mode where the program selects its zeros
+// (zero_fill = 0, passes/selected_zeros.py), whose output is otherwise left unwritten: a
+// read without the select then shows, where the buffer would often hold the zeros of an
+// earlier fill.
+void Poison(const xla::ffi::AnyBuffer& out);
 
 }  // namespace jcm

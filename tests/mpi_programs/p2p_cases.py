@@ -226,12 +226,13 @@ def two_op_exchange_in_scan(mesh, gather: Gather, *, count: int, form: str, step
     carry, the first step before the loop, the two ORed after it). ``form="combined"``: each
     step's results summed into the next step's message, so the buffers XLA reuses held other
     values before. ``form="selected"``: each device takes the op it receives in
-    (``jnp.where`` on the axis index), plus one, as the next step's message. In both, every
-    user of a precv's result reads it elementwise: the precvs leave a non-destination's
+    (``jnp.where`` on the axis index), plus one, as the next step's message. In all three,
+    every user of a precv's result reads it elementwise (in the carried form, the OR after
+    the loop reads the loop's precvs' results): those precvs leave a non-destination's
     output unwritten and the program selects its zeros (passes/selected_zeros.py), so a
-    device reads garbage there if the select is missing. Checked against NumPy, bit for
-    bit. ``calls`` calls of one compiled program: a later call's buffers may be pages that
-    an earlier call wrote and freed."""
+    device reads garbage there (poison, in poison mode) if the select is missing. Checked
+    against NumPy, bit for bit. ``calls`` calls of one compiled program: a later call's
+    buffers may be pages that an earlier call wrote and freed."""
     axis = mesh.axis_names[0]
     up, down = [(0, 1)], [(1, 0)]
     x0 = sample((2 * count,), np.int32, seed=11)

@@ -31,7 +31,10 @@ UP, DOWN = [(0, 1)], [(1, 0)]
 
 @pytest.fixture(autouse=True)
 def no_parity_check():
-    with config.overrides(gpu_parity=False):
+    # Poison mode: a precv that leaves its output unwritten (zero_fill = 0) writes poison
+    # there instead, so that a read without the select shows (the buffer would often hold
+    # the zeros of an earlier fill, such as the first step's in a loop carry).
+    with config.overrides(gpu_parity=False, poison_uninitialized=True):
         yield
 
 
@@ -189,3 +192,106 @@ def test_a_cycle_keeps_its_fill_flag():
     x = sharded(mesh, 16, np.float32)
     assert zero_fills(f, x) == [1]
     assert "stablehlo.select" not in f.lower(x).as_text()
+
+
+def carried(v, steps=3, *, read=False, start=None):
+    """``psend2/scan``'s form: each op's result in the loop carry (the first step before the
+    loop), the two combined after it. ``read``: each step's message also adds the carried
+    results; ``start``: the carry starts from these arrays instead of the first step's."""
+    def step(carry, _):
+        message, (up, down) = carry
+        if read:
+            message = message + up + down
+        return (carry[0], tuple(two_ops(jax.lax.optimization_barrier(message)))), None
+
+    first = tuple(two_ops(v)) if start is None else start
+    (_, (up, down)), _ = jax.lax.scan(step, (v, first), None, length=steps - 1)
+    return up + 3 * down
+
+
+def carried_out(v):
+    """The carried results leave the program as they are."""
+    def step(carry, _):
+        return (carry[0], tuple(two_ops(jax.lax.optimization_barrier(carry[0])))), None
+
+    return jax.lax.scan(step, (v, tuple(two_ops(v))), None, length=2)[0][1]
+
+
+def carried_tested(v):
+    """The loop's condition reads one carried result."""
+    def step(carry):
+        i, message, _ = carry
+        return i + 1, message, tuple(two_ops(jax.lax.optimization_barrier(message)))
+
+    _, _, (up, down) = jax.lax.while_loop(lambda c: (c[0] < 3) & (c[2][0][0] >= 0), step,
+                                          (0, v, tuple(two_ops(v))))
+    return up + 3 * down
+
+
+@pytest.mark.parametrize("body, outputs, fills", [
+    # The first step's precvs (before the loop) write their zeros, the loop's do not.
+    (carried, 1, [1, 1, 0, 0]),
+    # The loop reads its carried results (the condition, only the first), they leave the
+    # program, or the carry starts from arrays that are not zeros on a non-destination:
+    # those precvs write their zeros.
+    (lambda v: carried(v, read=True), 1, [1, 1, 1, 1]),
+    (carried_out, 2, [1, 1, 1, 1]),
+    (carried_tested, 1, [1, 1, 1, 0]),
+    (lambda v: carried(v, start=(v, v)), 1, [1, 1]),
+])
+def test_precvs_carried_out_of_a_loop_and_read_elementwise_write_no_zeros(body, outputs, fills):
+    mesh = make_mesh((2, "x"))
+    f = spmd(body, mesh, outputs)
+    assert zero_fills(f, sharded(mesh, 16, np.float32)) == fills
+
+
+def _carried_reference(v, steps=3):
+    up = jax.lax.ppermute(v, "x", UP)
+    down = jax.lax.ppermute(v, "x", DOWN)
+    return up + 3 * down
+
+
+# 8 B, 64 KiB and 1 MiB, uint8 and float32 (-0.0 kept), 2 and 4 steps (one loop step, and
+# a loop whose buffers held the previous step's values), several calls of one program.
+@pytest.mark.parametrize("nbytes", [8, 64 << 10, 1 << 20])
+@pytest.mark.parametrize("dtype", [np.uint8, np.float32])
+@pytest.mark.parametrize("steps", [2, 4])
+def test_carried_equals_ppermute(steps, dtype, nbytes):
+    mesh = make_mesh((2, "x"))
+    n = nbytes // np.dtype(dtype).itemsize
+    x = sharded(mesh, n, dtype)
+    if dtype == np.float32:
+        x = jax.device_put(np.where(np.arange(2 * n) % 7 == 0, -0.0, np.asarray(x))
+                           .astype(dtype), NamedSharding(mesh, P("x")))
+    f = spmd(lambda v: carried(v, steps), mesh)
+    assert zero_fills(f, x) == [1, 1, 0, 0]
+    want = np.asarray(spmd(_carried_reference, mesh)(x))
+    for _ in range(3):
+        np.testing.assert_array_equal(np.asarray(f(x)).view(np.uint8), want.view(np.uint8))
+
+
+def test_carried_under_vmap_equals_ppermute():
+    mesh = make_mesh((2, "x"))
+    x = sharded(mesh, 4 * 1024, np.int32)
+
+    def batched(body):
+        return lambda v: jax.vmap(body)(v.reshape(4, -1)).reshape(-1)
+
+    f = spmd(batched(carried), mesh)
+    assert zero_fills(f, x) == [1, 1, 0, 0]
+    np.testing.assert_array_equal(np.asarray(f(x)),
+                                  np.asarray(spmd(batched(_carried_reference), mesh)(x)))
+
+
+def test_carried_under_grad_equals_ppermute():
+    """The received arrays weigh a parameter: its gradient is their combination."""
+    mesh = make_mesh((2, "x"))
+    x = sharded(mesh, 4 * 1024, np.float32)
+
+    def gradient(body):
+        return lambda v: jax.grad(lambda w: jnp.sum(w * body(v)))(jnp.ones_like(v))
+
+    f = spmd(gradient(carried), mesh)
+    assert zero_fills(f, x) == [1, 1, 0, 0]
+    np.testing.assert_array_equal(np.asarray(f(x)),
+                                  np.asarray(spmd(gradient(_carried_reference), mesh)(x)))

@@ -15,6 +15,17 @@ which reads zeros without anything writing them, and the precv leaves its output
 on a device that is no destination. Nothing else reads that output, so no one sees its
 bytes. A result that anything else uses (a loop carry, a program output, a call, a slice)
 keeps the precv's fill: there the select would be a pass of its own on the destination too.
+
+A loop carry is the exception where the reading comes after the loop: a precv in a
+``while`` body whose result only becomes the next carry (directly, or returned from the
+private function the body calls), where the loop never reads that carry and the carry's
+first value is a precv with the same destinations (which still writes its zeros, once per
+call), has every user of the loop's result read ``select(is_destination, result, 0)``
+when they all fuse it: the precv in the body then writes no zeros at any step. A
+non-destination's carry holds zeros before the loop and whatever its unwritten buffer holds
+after it, and the select gives zeros for both; on a destination it is the received bytes
+(a two-op exchange keeping each op's result in the carry and combining them after the loop,
+as ``psend2/scan`` does, or a pipeline keeping each received buffer).
 """
 
 from __future__ import annotations
@@ -86,6 +97,90 @@ def _fuses_select(use: Any, funcs: dict[str, Any], depth: int = 0) -> bool:
     return False
 
 
+def _unused(value: Any, funcs: dict[str, Any], depth: int = 0) -> bool:
+    """Whether nothing reads ``value``: it has no use but as the argument of private
+    functions (a loop body's ``closed_call``) that do not read it either."""
+    for use in value.uses:
+        user = _user(use)
+        if user.name != "func.call" or depth >= 4:
+            return False
+        callee = funcs.get(ir.FlatSymbolRefAttr(user.attributes["callee"]).value)
+        if callee is None or not is_private(callee):
+            return False
+        if not _unused(callee.regions[0].blocks[0].arguments[use.operand_number], funcs,
+                       depth + 1):
+            return False
+    return True
+
+
+def _call_sites(module: Any) -> dict[str, list[Any]]:
+    """The ``func.call`` operations of the module, by callee."""
+    sites: dict[str, list[Any]] = {}
+    for op in operations(module.operation):
+        if op.name == "func.call":
+            sites.setdefault(ir.FlatSymbolRefAttr(op.attributes["callee"]).value, []).append(op)
+    return sites
+
+
+def _carry_of(value: Any, funcs: dict[str, Any], sites: dict[str, list[Any]],
+              depth: int = 0) -> tuple[Any, int] | None:
+    """``(loop, k)`` where ``value``'s one use makes it the next value of the ``k``-th carry
+    of a ``stablehlo.while`` that neither its body nor its condition reads: returned by the
+    body, directly or
+    from the private functions it calls (each called once, so that the rewrite changes no
+    other call), else None."""
+    uses = list(value.uses)
+    if len(uses) != 1 or depth >= 4:
+        return None
+    use = uses[0]
+    user = _user(use)
+    owner = user.parent
+    if user.name == "func.return":
+        if owner is None or owner.name != "func.func" or not is_private(owner):
+            return None
+        called = sites.get(ir.StringAttr(owner.attributes["sym_name"]).value, [])
+        if len(called) != 1:
+            return None
+        return _carry_of(called[0].results[use.operand_number], funcs, sites, depth + 1)
+    if user.name != "stablehlo.return" or owner is None or owner.name != "stablehlo.while":
+        return None
+    k = use.operand_number
+    cond, body = (region.blocks[0] for region in owner.regions)
+    if (user.block != body or not _unused(body.arguments[k], funcs)
+            or not _unused(cond.arguments[k], funcs)):
+        return None
+    return owner, k
+
+
+def _destinations(op: Any) -> tuple[int, frozenset[int]]:
+    """A precv's partition count and destination partitions."""
+    pairs = array_attribute(op, "pairs").reshape(-1, 2)
+    return array_attribute(op, "device_index").size, frozenset(int(d) for d in pairs[:, 1])
+
+
+def _carried(op: Any, funcs: dict[str, Any], sites: dict[str, list[Any]]) -> Any | None:
+    """The loop result that carries ``op``'s result out of its loop (module docstring), where
+    every use of it fuses a select and the carry starts from a precv with the same
+    destinations that writes its zeros; else None."""
+    found = _carry_of(op.results[0], funcs, sites)
+    if found is None:
+        return None
+    loop, k = found
+    first = loop.operands[k].owner  # a Block where the carry starts from an argument
+    first = getattr(first, "operation", first)
+    if (isinstance(first, ir.Block) or call_target(first) != PRECV_TARGET
+            or int_attribute(first, OPERAND_KEPT) is None
+            or int_attribute(first, ZERO_FILL) != 1
+            or _destinations(first) != _destinations(op)):
+        return None
+    result = loop.results[k]
+    uses = list(result.uses)
+    if not uses or not all(_fuses_select(u, funcs) and _user(u).block == loop.block
+                           for u in uses):
+        return None
+    return result
+
+
 def _zero(element: Any) -> Any | None:
     """The zero of an integer or float element type, None for any other (complex)."""
     if is_a(element, ir.IntegerType):
@@ -95,10 +190,13 @@ def _zero(element: Any) -> Any | None:
     return None
 
 
-def _candidates(module: Any) -> list[Any]:
-    """The precvs that move data, still fill, and whose every use fuses a select."""
+def _candidates(module: Any) -> list[tuple[Any, Any]]:
+    """``(precv, value)``: the precvs that move data and still fill, with the value whose
+    every use fuses a select: the precv's result, or the loop result that carries it
+    (:func:`_carried`)."""
     found = []
     funcs = functions(module)
+    sites = _call_sites(module)
     for op in operations(module.operation):
         if call_target(op) != PRECV_TARGET or int_attribute(op, OPERAND_KEPT) is None:
             continue
@@ -107,21 +205,23 @@ def _candidates(module: Any) -> list[Any]:
         result = op.results[0]
         if not is_a(result.type, ir.RankedTensorType):
             continue
-        uses = list(result.uses)
-        if not uses or not all(_fuses_select(u, funcs) and _user(u).block == op.block
-                               for u in uses):
-            continue
         if _zero(ir.RankedTensorType(result.type).element_type) is None:
             continue
-        found.append(op)
+        uses = list(result.uses)
+        if uses and all(_fuses_select(u, funcs) and _user(u).block == op.block
+                        for u in uses):
+            found.append((op, result))
+        elif (carried := _carried(op, funcs, sites)) is not None:
+            found.append((op, carried))
     return found
 
 
-def _first_user(op: Any) -> Any:
-    """The first op of ``op``'s block that uses its result (every use is in that block)."""
-    users = [_user(u) for u in op.results[0].uses]
-    # _candidates kept only precvs whose every use is in their block: one is found.
-    return next(inner.operation for inner in op.block.operations
+def _first_user(value: Any) -> Any:
+    """The first op of the block that defines ``value`` that uses it (every use is in that
+    block)."""
+    users = [_user(u) for u in value.uses]
+    # _candidates kept only values whose every use is in their block: one is found.
+    return next(inner.operation for inner in _user(value).block.operations
                 if inner.operation in users)
 
 
@@ -131,8 +231,7 @@ def select_zeros(module: Any) -> int:
     rewritten = 0
     with ir.Location.unknown():
         candidates = _candidates(module)
-    for op in candidates:
-        result = op.results[0]
+    for op, result in candidates:
         tensor = ir.RankedTensorType(result.type)
         pairs = array_attribute(op, "pairs").reshape(-1, 2)
         partitions = array_attribute(op, "device_index").size
@@ -140,12 +239,14 @@ def select_zeros(module: Any) -> int:
         is_destination[pairs[:, 1]] = 1
         if is_destination.all():  # a cycle: every device receives, nothing to select
             continue
-        with ir.Location.unknown(), ir.InsertionPoint(_first_user(op)):
+        with ir.Location.unknown(), ir.InsertionPoint(_first_user(result)):
             i1 = ir.IntegerType.get_signless(1)
             table = hlo.constant(ir.DenseElementsAttr.get(is_destination))
-            # The precv's own partition id (operand 1), as the handler looks itself up.
-            picked = hlo.dynamic_slice(table, [op.operands[1]],
-                                       ir.DenseI64ArrayAttr.get([1]))
+            # The precv's own partition id (operand 1), as the handler looks itself up; a
+            # loop result's, outside the loop, of its own (the same value).
+            partition = (op.operands[1] if result == op.results[0]
+                         else hlo.partition_id())
+            picked = hlo.dynamic_slice(table, [partition], ir.DenseI64ArrayAttr.get([1]))
             one = hlo.reshape(ir.RankedTensorType.get([], table.type.element_type), picked)
             scalar = hlo.compare(one, hlo.constant(ir.DenseElementsAttr.get(np.int32(0))),
                                  hlo.ComparisonDirectionAttr.get("NE"))

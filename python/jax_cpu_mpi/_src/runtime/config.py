@@ -272,7 +272,9 @@ VARIABLES: tuple[Variable, ...] = (
              _byte_count_or_zero),
     Variable("JAX_CPU_MPI_POISON_UNINITIALIZED", "runtime", "0",
              "`1`: the buffers that start uninitialized instead of zeroed (the slots of a "
-             "pipeline's kept residuals, `remat=False`) are filled, at every run, with NaN "
+             "pipeline's kept residuals, `remat=False`; the output of a precv on a device "
+             "that is no destination, where the program selects the zeros after it) are "
+             "filled, at every run, with NaN "
              "in floats (all bits set; the sign bit in the FNUZ float8 types), the most "
              "negative value in signed integers, the largest in unsigned ones and true in "
              "booleans, so that a read before a write shows in the results instead of "
