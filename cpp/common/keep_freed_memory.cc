@@ -315,6 +315,47 @@ std::shared_ptr<std::byte[]> HugePageMemory(size_t bytes) {
 #endif
 }
 
+namespace {
+std::atomic<uint64_t> g_prefaulted_bytes{0};
+// Cleared by the first refusal that says the kernel does not know the request (EINVAL):
+// it will not learn it, and every later wait would ask again.
+std::atomic<bool> g_populate_works{true};
+constexpr int kMadvPopulateWrite = 23;  // MADV_POPULATE_WRITE (Linux 5.14); may be missing
+}  // namespace
+
+uint64_t PrefaultedBytes() { return g_prefaulted_bytes.load(std::memory_order_relaxed); }
+
+OutputPrefault::OutputPrefault(void* data, size_t bytes) {
+#if defined(__linux__)
+  if (bytes < kHugePageHintBytes || !g_populate_works.load(std::memory_order_relaxed)) return;
+  const auto start = reinterpret_cast<uintptr_t>(data);
+  const uintptr_t page = 4096;
+  next_ = start & ~(page - 1);
+  end_ = (start + bytes + page - 1) & ~(page - 1);
+#else
+  (void)data;
+  (void)bytes;
+#endif
+}
+
+bool OutputPrefault::Step() {
+#if defined(__linux__)
+  if (next_ >= end_) return false;
+  const size_t huge = TransparentHugePageBytes() ? TransparentHugePageBytes() : size_t{2} << 20;
+  const uintptr_t step_end = std::min<uintptr_t>((next_ + huge) & ~(uintptr_t{huge} - 1), end_);
+  if (madvise(reinterpret_cast<void*>(next_), step_end - next_, kMadvPopulateWrite) != 0) {
+    if (errno == EINVAL) g_populate_works.store(false, std::memory_order_relaxed);
+    next_ = end_;  // refused (or memory it cannot fault in): the copy faults it
+    return false;
+  }
+  g_prefaulted_bytes.fetch_add(step_end - next_, std::memory_order_relaxed);
+  next_ = step_end;
+  return true;
+#else
+  return false;
+#endif
+}
+
 void AdviseHugePages(void* data, size_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   const std::span<std::byte> pages = WholeHugePages(data, bytes);

@@ -257,6 +257,8 @@ NB_MODULE(_jax_cpu_mpi, m) {
     d["wait_sleeps"] = jcm::WaitSleeps();
     // Collective calls whose device parked in its meeting (JAX_CPU_MPI_PARK).
     d["collective_parks"] = jcm::CollectiveParks();
+    // Bytes of large precv outputs faulted in while their precv waited for the message.
+    d["prefaulted_bytes"] = jcm::PrefaultedBytes();
     return d;
   });
 

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <utility>
 
+#include "common/keep_freed_memory.h"
 #include "mpi/internal.h"
 #include "mpi/transport.h"
 
@@ -215,6 +216,7 @@ Status MpiTransport::RecvStaged(ChannelState& ch, int source_rank, int tag, void
   MPI_Message message = MPI_MESSAGE_NULL;
   MPI_Status status;
   Backoff backoff;
+  OutputPrefault prefault(out, bytes);
   {
     // The wait for the message: its spin adapts as the rendezvous waits' do (RecvLarge), with
     // a budget of its own (where both ranks share a core the peer's psend runs only once
@@ -242,7 +244,7 @@ Status MpiTransport::RecvStaged(ChannelState& ch, int source_rank, int tag, void
         }
         if (Expired(deadline)) return Status::Timeout();
       }
-      pause.Pause();
+      if (!PrefaultWhileWaiting(prefault)) pause.Pause();
     }
   }
 

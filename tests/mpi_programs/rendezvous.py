@@ -594,13 +594,69 @@ def _ordering_cases() -> None:
         barrier(f"ordering opposite {order} done")
 
 
-def _send_only(v):
-    jax_cpu_mpi.psend(v, "x", FWD)  # side-effecting: stays in the program
+def _send_only(v, perm=FWD):
+    jax_cpu_mpi.psend(v, "x", perm)  # side-effecting: stays in the program
     return v
 
 
+def run_prefault() -> None:
+    """A precv that waits for a late sender faults in its large output meanwhile
+    (cpp/common/keep_freed_memory.h, OutputPrefault), a huge page per poll, so that MPI's
+    copy, once the message comes, takes no page faults: 6 MiB each way, over the one-way
+    framed path (a kept psend, received as a staged message) and the plain rendezvous (a
+    psend and a precv in programs of their own: ready signal, direct receive), each with
+    the sender late by 1 s (the whole output faulted in: ``prefaulted_bytes`` grows by at
+    least its size) and the receiver late (the message is there: nothing to do). The bytes
+    equal ``lax.ppermute``'s, the other device's output is zeros."""
+    mesh = pair_mesh()
+    n = 6 << 20
+    x = common.global_array(mesh, P("x"), np.concatenate([pattern(n, 30), pattern(n, 31)]))
+    like = jax.ShapeDtypeStruct((n,), jnp.uint8)
+    for perm, direction in ((FWD, "forward"), (BWD, "backward")):
+        source, dest = perm[0]
+        ref = jax.jit(jax.shard_map(lambda v, perm=perm: jax.lax.ppermute(v, "x", perm),
+                                    mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+        expected = local(jax.block_until_ready(ref(x)))
+        np.testing.assert_array_equal(
+            expected, pattern(n, 30 + source) if me == dest else np.zeros(n, np.uint8))
+        hop = jax.jit(jax.shard_map(
+            lambda v, perm=perm: jax_cpu_mpi.precv(jax_cpu_mpi.psend(v, "x", perm), like, "x",
+                                                   perm),
+            mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+        with config.overrides(gpu_parity=False):
+            send = jax.jit(jax.shard_map(functools.partial(_send_only, perm=perm), mesh=mesh,
+                                         in_specs=P("x"), out_specs=P("x")))
+            recv = jax.jit(jax.shard_map(
+                lambda v, perm=perm: jax_cpu_mpi.precv(jax.lax.create_token(), like, "x",
+                                                       perm),
+                mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+            for f in (hop, send, recv):
+                f.lower(x).compile()
+
+        def plain(send=send, recv=recv):
+            jax.block_until_ready(send(x))
+            return jax.block_until_ready(recv(x))
+
+        for path, run in (("framed", lambda hop=hop: jax.block_until_ready(hop(x))),
+                          ("plain", plain)):
+            for late in ("sender late", "receiver late"):
+                barrier(f"prefault {direction} {path} {late}")
+                before = jax_cpu_mpi.stats()["prefaulted_bytes"]
+                if (me == source) == (late == "sender late"):
+                    time.sleep(1.0)
+                got = local(run())
+                prefaulted = jax_cpu_mpi.stats()["prefaulted_bytes"] - before
+                np.testing.assert_array_equal(got, expected, err_msg=(direction, path, late))
+                if me == dest and late == "sender late":
+                    assert prefaulted >= n, (direction, path, late, prefaulted)
+                print(f"ok   prefault {direction} {path}, {late}: {prefaulted} bytes "
+                      f"prefaulted on rank {me}", flush=True)
+                barrier(f"prefault {direction} {path} {late} done")
+
+
 RUN = {"paths": run_paths, "many-channels": run_many_channels, "exchange": run_exchange,
-       "ring": run_ring, "ordering": run_ordering, "never-received": run_never_received}
+       "ring": run_ring, "ordering": run_ordering, "never-received": run_never_received,
+       "prefault": run_prefault}
 assert "never-received" not in CASES or CASES == ["never-received"], CASES  # it ends the job
 for case in CASES:
     print(f"== case {case}: start", flush=True)
