@@ -325,9 +325,18 @@ constexpr int kMadvPopulateWrite = 23;  // MADV_POPULATE_WRITE (Linux 5.14); may
 
 uint64_t PrefaultedBytes() { return g_prefaulted_bytes.load(std::memory_order_relaxed); }
 
+namespace {
+std::atomic<bool> g_prefault_on{true};
+}  // namespace
+
+void SetOutputPrefault(bool on) { g_prefault_on.store(on, std::memory_order_relaxed); }
+
 OutputPrefault::OutputPrefault(void* data, size_t bytes) {
 #if defined(__linux__)
-  if (bytes < kHugePageHintBytes || !g_populate_works.load(std::memory_order_relaxed)) return;
+  if (bytes < kHugePageHintBytes || !g_populate_works.load(std::memory_order_relaxed) ||
+      !g_prefault_on.load(std::memory_order_relaxed)) {
+    return;
+  }
   const auto start = reinterpret_cast<uintptr_t>(data);
   const uintptr_t page = 4096;
   next_ = start & ~(page - 1);

@@ -107,5 +107,8 @@ class OutputPrefault {
 
 // Bytes that OutputPrefault faulted in (or found present) in this process: for tests.
 uint64_t PrefaultedBytes();
+// Turns OutputPrefault off or back on for the outputs of later precvs (on by default): a
+// benchmark's A/B of both ways in one process.
+void SetOutputPrefault(bool on);
 
 }  // namespace jcm

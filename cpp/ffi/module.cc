@@ -195,6 +195,10 @@ NB_MODULE(_jax_cpu_mpi, m) {
         "Testing only: the next MPI send of at least min_bytes stops this process (SIGSTOP) "
         "at the first test that finds it incomplete after_s or more after it was posted, as "
         "a peer whose link dies mid-message; min_bytes 0 disarms.");
+  m.def("_prefault_waiting_outputs", [](bool on) { jcm::SetOutputPrefault(on); },
+        nb::arg("on"),
+        "Benchmarks only: whether a precv that waits for its message faults its large output "
+        "in meanwhile (on by default), so that one process can time both ways in turn.");
   m.def("exit_barrier_met", [] { return jcm::Runtime::Get().exit_barrier_met(); },
         "Whether detach_mpi met every rank in the exit barrier.");
   m.def("register_exit_before_finalize", [] { jcm::RegisterExitBeforeFinalize(); },

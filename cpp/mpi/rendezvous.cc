@@ -512,7 +512,7 @@ Status MpiTransport::RecvLarge(ChannelState& ch, uint64_t seq, int source_rank, 
     ch.last_ready_sent_at = std::chrono::steady_clock::now();
   }
   Backoff backoff;
-  OutputPrefault prefault(out, bytes);
+  OutputPrefault prefault(out, ch.recv_prefault ? bytes : 0);
   // The wait's spin adapts (AdaptiveSpin): where the scheduler put both ranks on one core,
   // the peer's send, its ready signal and MPI's handshakes each came only once this
   // thread had spun out Backoff's whole spin and yielded, at every message of an exchange.

@@ -493,6 +493,9 @@ class MpiTransport {
     bool direct_posted = false;
     bool staged_matched = false;
     enum class RecvEnd : uint8_t { kRunning, kTaken, kFailed } recv_end = RecvEnd::kRunning;
+    // Under recv_mu: whether the current receive faults its output in while it waits
+    // (OutputPrefault): not in a cycle (an exchange, a ring), where both ends copy at once.
+    bool recv_prefault = true;
   };
   struct ControlSend {
     std::unique_ptr<ReadySignal> signal;
