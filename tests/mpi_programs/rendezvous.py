@@ -3,8 +3,9 @@ whose operand a precv keeps): every way it can go.
 
 ``rendezvous.py CASE[,CASE...]`` under ``mpirun -n 2`` (``ring``: ``-n 3``), the cases one
 after the other, each between ``== case NAME: start`` and ``== case NAME: done`` lines
-(tests/runtime/test_reliability.py runs the first three and ``ordering`` in one launch, with
-4 devices per rank; the cases that say 1 device per rank use the first device of each rank):
+(tests/runtime/test_reliability.py runs the first three, ``ordering`` and ``prefault`` in one
+launch, with 4 devices per rank; the cases that say 1 device per rank use the first device of
+each rank):
 
 * ``paths`` (1 device per rank): the receiver ready first and the receiver late by 1.5 s:
   a one-way psend whose operand its precv keeps is framed straight from the operand either
@@ -49,6 +50,10 @@ after the other, each between ``== case NAME: start`` and ``== case NAME: done``
   receives from the previous one, one op with the ring's cycle and one op per pair, in a
   ``lax.scan`` of 4 steps, at 8 B to 8 MiB + 4 KiB: a receive whose own deferred send goes
   to another rank than it receives from; every byte checked, some sends direct.
+* ``prefault`` (1 device per rank, the last of each): a 6 MiB precv whose sender is late
+  faults its output in while it waits (``prefaulted_bytes``), over the one-way framed path
+  and the plain rendezvous, both directions, either rank late; the bytes of
+  ``lax.ppermute``.
 * ``never-received``: rank 0's psend of 8 MiB returns although rank 1 never posts the
   precv; rank 0's precv of a reply that never comes fails after the timeout; at exit rank 0
   meets rank 1 (waiting at its exit) in the exit barrier with its send undelivered, reports
@@ -108,11 +113,13 @@ def one_way(mesh, n: int, recv_n: int | None = None):
 FRAMED_MIN, RENDEZVOUS_MIN = 16 << 10, 256 << 10
 
 
-def pair_mesh() -> jax.sharding.Mesh:
-    """The first device of each rank, as axis "x" (rank 0's first)."""
-    firsts = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
-              for p in range(jax.process_count())]
-    return jax.sharding.Mesh(np.array(firsts), ("x",))
+def pair_mesh(*, last: bool = False) -> jax.sharding.Mesh:
+    """The first device of each rank (the last one with `last`), as axis "x" (rank 0's
+    first)."""
+    pick = max if last else min
+    devices = [pick((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+               for p in range(jax.process_count())]
+    return jax.sharding.Mesh(np.array(devices), ("x",))
 
 
 def pattern(n: int, salt: int) -> np.ndarray:
@@ -607,8 +614,11 @@ def run_prefault() -> None:
     psend and a precv in programs of their own: ready signal, direct receive), each with
     the sender late by 1 s (the whole output faulted in: ``prefaulted_bytes`` grows by at
     least its size) and the receiver late (the message is there: nothing to do). The bytes
-    equal ``lax.ppermute``'s, the other device's output is zeros."""
-    mesh = pair_mesh()
+    equal ``lax.ppermute``'s, the other device's output is zeros. On the last device of each
+    rank (the first of each when there is one): the channels of the first devices, which the
+    other cases use, may hold a message that a case left (its 6 MiB precv would take it), so
+    the case does not depend on where it runs in the launch."""
+    mesh = pair_mesh(last=True)
     n = 6 << 20
     x = common.global_array(mesh, P("x"), np.concatenate([pattern(n, 30), pattern(n, 31)]))
     like = jax.ShapeDtypeStruct((n,), jnp.uint8)
