@@ -89,9 +89,12 @@ inline constexpr size_t kHugePageHintBytes = size_t{4} << 20;
 // page, inside the copy, after the message arrived. A receiver that waits (its sender is still
 // computing, or still receiving into its own output) has the pages ready by then. One step
 // per poll of the wait, so the message is seen at most one huge page's fault-in late, and
-// that page is one the copy would have faulted in anyway. Pages already present cost a page
-// table look-up each (a loop's carry, a donated buffer); their contents never change. A hint
-// only: a kernel that does not know the request, or refuses it, leaves the copy to fault.
+// that page is one the copy would have faulted in anyway. A huge page's worth of pages all
+// present already (a loop's carry, a donated buffer) is seen as such (mincore) and left
+// alone: the populate's own walk over present 4 KiB pages costs far more than that look,
+// and delayed the poll that would see the message by that walk at every receive of a warm
+// output (docs/benchmarks.md). Contents never change. A hint only: a kernel that does not know the request, or
+// refuses it, leaves the copy to fault.
 class OutputPrefault {
  public:
   // Nothing to do below kHugePageHintBytes (where the output is advised for huge pages).
@@ -105,8 +108,10 @@ class OutputPrefault {
   uintptr_t end_ = 0;
 };
 
-// Bytes that OutputPrefault faulted in (or found present) in this process: for tests.
+// Bytes that OutputPrefault faulted in in this process, and bytes it found in memory
+// already and left alone (a warm output): for tests.
 uint64_t PrefaultedBytes();
+uint64_t PrefaultPresentBytes();
 // Turns OutputPrefault off or back on for the outputs of later precvs (on by default): a
 // benchmark's A/B of both ways in one process.
 void SetOutputPrefault(bool on);

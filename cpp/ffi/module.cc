@@ -263,6 +263,8 @@ NB_MODULE(_jax_cpu_mpi, m) {
     d["collective_parks"] = jcm::CollectiveParks();
     // Bytes of large precv outputs faulted in while their precv waited for the message.
     d["prefaulted_bytes"] = jcm::PrefaultedBytes();
+    // Bytes of such outputs found in memory already (a warm output), left alone.
+    d["prefault_present_bytes"] = jcm::PrefaultPresentBytes();
     return d;
   });
 

@@ -548,14 +548,14 @@ def test_one_way_kept_send_waits_for_no_receiver_that_waits_for_it(rendezvous_ru
 @pytest.mark.timeout(RENDEZVOUS_TIMEOUT + 30)
 def test_waiting_precv_faults_in_its_output(rendezvous_run):
     """A precv of 6 MiB whose sender is late faults its output in while it waits (the
-    one-way framed path and the plain rendezvous, both directions), and gets the bytes of
-    lax.ppermute."""
+    one-way framed path and the plain rendezvous, both directions), and leaves a warm
+    output's pages alone, and gets the bytes of lax.ppermute."""
     run = rendezvous_run
     for rank in (0, 1):
         out = _case_output(run, "prefault", rank)
         for direction in ("forward", "backward"):
             for path in ("framed", "plain"):
-                for late in ("sender late", "receiver late"):
+                for late in ("sender late", "receiver late", "warm output"):
                     assert f"ok   prefault {direction} {path}, {late}:" in out, run.report()
 
 
