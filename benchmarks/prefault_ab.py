@@ -6,7 +6,10 @@ Both ranks switch the fault-in (``_prefault_waiting_outputs``, cpp/common/keep_f
 on and off together before every call, in alternating order from round to round, so that a
 loaded machine slows both alike. The programs:
 
-* ``hop``: the benchmark's ``psend/scan`` ping-pong (hops per call as ``--scan-bytes 4G``);
+* ``hop``: the benchmark's ``psend/scan`` ping-pong (hops per call as its ``--scan-bytes``,
+  here too; 4G by default);
+* ``donated``: its ``psend-donated/scan`` (the same round trips into the previous call's
+  results, donated back: warm outputs, whose fault-in finds every page present);
 * ``late``: one one-way hop per call whose sender sleeps 20 ms before it (a pipeline's stage
   waiting for the stage before): the receiver's call time less the delay;
 * ``exchange``: the patterns' one-op exchange scan (a cycle: never faulted in, a control).
@@ -35,14 +38,24 @@ from jax_cpu_mpi.bench import session as bench_session
 LATE_S = 0.02
 
 
-def _program(session, kind: str, n: int) -> tuple[Callable[[], None], int, float]:
+def _program(session, kind: str, n: int, scan_bytes: int
+             ) -> tuple[Callable[[], None], int, float]:
     """(one call, messages per call, the sender's delay) for ``kind`` at ``n`` bytes."""
     mesh = programs.mesh_of(session.pair)
-    hops = max(2, min(256, (4 << 30) // n)) & ~1
+    hops = max(2, min(256, scan_bytes // n)) & ~1
     x = programs.sharded_pattern(mesh, n)
     if kind == "hop":
         hop = programs.pingpong_scan(mesh, "psend", hops)
         return (lambda: jax.block_until_ready(hop(x))), hops, 0.0
+    if kind == "donated":
+        donated = programs.pingpong_donated_scan(mesh, "psend", hops)
+        copy = jax.jit(lambda v: v + np.uint8(0), out_shardings=x.sharding)
+        state = [jax.block_until_ready(copy(x)), jax.block_until_ready(copy(x))]
+
+        def again() -> None:
+            state[:] = jax.block_until_ready(donated(*state))
+
+        return again, hops, 0.0
     if kind == "late":
         one = programs.one_way(mesh, "psend")
 
@@ -68,11 +81,13 @@ def main() -> None:
     p.add_argument("--sizes", default="1M,16M,64M")
     p.add_argument("--kinds", default="hop,late,exchange")
     p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--scan-bytes", default="4G",
+                   help="hops a call of hop, donated and exchange: this / size (2 to 256)")
     args = p.parse_args()
     session = bench_session.start("cpu", 1)
     for n in (parse_bytes(s) for s in args.sizes.split(",")):
         for kind in args.kinds.split(","):
-            run, per_call, delay = _program(session, kind, n)
+            run, per_call, delay = _program(session, kind, n, parse_bytes(args.scan_bytes))
             for on in (True, False, True, False):  # compile, warm up
                 ext._prefault_waiting_outputs(on)
                 session.barrier()
