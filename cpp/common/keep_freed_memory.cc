@@ -10,6 +10,7 @@
 #include <fstream>
 #include <optional>
 #include <string>
+#include <vector>
 
 #if defined(__GLIBC__)
 #include <malloc.h>
@@ -312,6 +313,86 @@ std::shared_ptr<std::byte[]> HugePageMemory(size_t bytes) {
 #else
   (void)bytes;
   return nullptr;
+#endif
+}
+
+namespace {
+std::atomic<uint64_t> g_prefaulted_bytes{0};
+std::atomic<uint64_t> g_prefault_present_bytes{0};
+// Cleared by the first refusal that says the kernel does not know the request (EINVAL):
+// it will not learn it, and every later wait would ask again.
+std::atomic<bool> g_populate_works{true};
+constexpr int kMadvPopulateWrite = 23;  // MADV_POPULATE_WRITE (Linux 5.14); may be missing
+}  // namespace
+
+uint64_t PrefaultedBytes() { return g_prefaulted_bytes.load(std::memory_order_relaxed); }
+uint64_t PrefaultPresentBytes() {
+  return g_prefault_present_bytes.load(std::memory_order_relaxed);
+}
+
+namespace {
+std::atomic<bool> g_prefault_on{true};
+}  // namespace
+
+void SetOutputPrefault(bool on) { g_prefault_on.store(on, std::memory_order_relaxed); }
+
+OutputPrefault::OutputPrefault(void* data, size_t bytes) {
+#if defined(__linux__)
+  if (bytes < kHugePageHintBytes || !g_populate_works.load(std::memory_order_relaxed) ||
+      !g_prefault_on.load(std::memory_order_relaxed)) {
+    return;
+  }
+  const auto start = reinterpret_cast<uintptr_t>(data);
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  next_ = start & ~(page - 1);
+  end_ = (start + bytes + page - 1) & ~(page - 1);
+#else
+  (void)data;
+  (void)bytes;
+#endif
+}
+
+namespace {
+// Whether every page of [begin, end) is in memory (mincore): a look at the page table that
+// costs a small part of what MADV_POPULATE_WRITE's walk over the same pages does where they
+// are 4 KiB pages and all present (a loop's carry, a donated buffer, memory that glibc handed
+// back), and a step that walks them delays the poll that would see the message by that
+// walk. False where mincore refuses (the populate then decides).
+bool AllPresent(uintptr_t begin, uintptr_t end) {
+#if defined(__linux__)
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  thread_local std::vector<unsigned char> resident;
+  resident.resize((end - begin + page - 1) / page);
+  if (mincore(reinterpret_cast<void*>(begin), end - begin, resident.data()) != 0) return false;
+  return std::all_of(resident.begin(), resident.end(), [](unsigned char r) { return r & 1; });
+#else
+  (void)begin;
+  (void)end;
+  return false;
+#endif
+}
+}  // namespace
+
+bool OutputPrefault::Step() {
+#if defined(__linux__)
+  if (next_ >= end_) return false;
+  const size_t huge = TransparentHugePageBytes() ? TransparentHugePageBytes() : size_t{2} << 20;
+  const uintptr_t step_end = std::min<uintptr_t>((next_ + huge) & ~(uintptr_t{huge} - 1), end_);
+  if (AllPresent(next_, step_end)) {
+    g_prefault_present_bytes.fetch_add(step_end - next_, std::memory_order_relaxed);
+    next_ = step_end;
+    return true;
+  }
+  if (madvise(reinterpret_cast<void*>(next_), step_end - next_, kMadvPopulateWrite) != 0) {
+    if (errno == EINVAL) g_populate_works.store(false, std::memory_order_relaxed);
+    next_ = end_;  // refused (or memory it cannot fault in): the copy faults it
+    return false;
+  }
+  g_prefaulted_bytes.fetch_add(step_end - next_, std::memory_order_relaxed);
+  next_ = step_end;
+  return true;
+#else
+  return false;
 #endif
 }
 

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <span>
 
@@ -80,5 +81,39 @@ std::shared_ptr<std::byte[]> HugePageMemory(size_t bytes);
 // numpy's threshold for the same hint, so that the collective writes into the pages mpi4py's
 // call on a numpy array of that size would (a range this large holds a whole huge page).
 inline constexpr size_t kHugePageHintBytes = size_t{4} << 20;
+
+// Faults in a large precv output while its precv waits for the message, a huge page at a
+// time (madvise MADV_POPULATE_WRITE, Linux 5.14). XLA gives a program's outputs fresh memory
+// at every call (pages glibc mapped afresh, or that a precv's zeros gave back to the kernel),
+// and otherwise MPI's single copy takes their page faults, and the kernel's clearing of each
+// page, inside the copy, after the message arrived. A receiver that waits (its sender is still
+// computing, or still receiving into its own output) has the pages ready by then. One step
+// per poll of the wait, so the message is seen at most one huge page's fault-in late, and
+// that page is one the copy would have faulted in anyway. A huge page's worth of pages all
+// present already (a loop's carry, a donated buffer) is seen as such (mincore) and left
+// alone: the populate's own walk over present 4 KiB pages costs far more than that look,
+// and delayed the poll that would see the message by that walk at every receive of a warm
+// output (docs/benchmarks.md). Contents never change. A hint only: a kernel that does not know the request, or
+// refuses it, leaves the copy to fault.
+class OutputPrefault {
+ public:
+  // Nothing to do below kHugePageHintBytes (where the output is advised for huge pages).
+  OutputPrefault(void* data, size_t bytes);
+  // Faults in the next huge page of the range (the first and last: the 4 KiB pages up to a
+  // huge page's boundary); false, doing nothing, once the range is done or the kernel refused.
+  bool Step();
+
+ private:
+  uintptr_t next_ = 0;
+  uintptr_t end_ = 0;
+};
+
+// Bytes that OutputPrefault faulted in in this process, and bytes it found in memory
+// already and left alone (a warm output): for tests.
+uint64_t PrefaultedBytes();
+uint64_t PrefaultPresentBytes();
+// Turns OutputPrefault off or back on for the outputs of later precvs (on by default): a
+// benchmark's A/B of both ways in one process.
+void SetOutputPrefault(bool on);
 
 }  // namespace jcm

@@ -195,6 +195,10 @@ NB_MODULE(_jax_cpu_mpi, m) {
         "Testing only: the next MPI send of at least min_bytes stops this process (SIGSTOP) "
         "at the first test that finds it incomplete after_s or more after it was posted, as "
         "a peer whose link dies mid-message; min_bytes 0 disarms.");
+  m.def("_prefault_waiting_outputs", [](bool on) { jcm::SetOutputPrefault(on); },
+        nb::arg("on"),
+        "Benchmarks only: whether a precv that waits for its message faults its large output "
+        "in meanwhile (on by default), so that one process can time both ways in turn.");
   m.def("exit_barrier_met", [] { return jcm::Runtime::Get().exit_barrier_met(); },
         "Whether detach_mpi met every rank in the exit barrier.");
   m.def("register_exit_before_finalize", [] { jcm::RegisterExitBeforeFinalize(); },
@@ -267,6 +271,10 @@ NB_MODULE(_jax_cpu_mpi, m) {
     d["wait_sleeps"] = jcm::WaitSleeps();
     // Collective calls whose device parked in its meeting (JAX_CPU_MPI_PARK).
     d["collective_parks"] = jcm::CollectiveParks();
+    // Bytes of large precv outputs faulted in while their precv waited for the message.
+    d["prefaulted_bytes"] = jcm::PrefaultedBytes();
+    // Bytes of such outputs found in memory already (a warm output), left alone.
+    d["prefault_present_bytes"] = jcm::PrefaultPresentBytes();
     return d;
   });
 

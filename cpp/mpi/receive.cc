@@ -6,6 +6,7 @@
 #include <cstring>
 #include <utility>
 
+#include "common/keep_freed_memory.h"
 #include "mpi/internal.h"
 #include "mpi/transport.h"
 
@@ -26,6 +27,12 @@ Status MpiTransport::Recv(int source_rank, int tag, void* out, size_t bytes,
                        !SentFramed(sender_kept, sender_one_way, bytes);
   ch.direct_posted = false;
   ch.staged_matched = false;
+  // A cycle's sender receives in the group too (an exchange, a ring): there both ends copy
+  // at once, the peer's send completes only once this end has copied, and a page faulted in
+  // between two polls delays that copy (the exchange measured no faster for it, see
+  // docs/benchmarks.md). A one-way sender's receiver (a pipeline's) and the plain path wait
+  // for a sender that does not wait for them.
+  ch.recv_prefault = !(sender_kept && !sender_one_way);
   ch.recv_end = ChannelState::RecvEnd::kRunning;
   Status received = ch.recv_rendezvous
                         ? RecvLarge(ch, seq, source_rank, tag, out, bytes, desc_hash, deadline)
@@ -215,6 +222,7 @@ Status MpiTransport::RecvStaged(ChannelState& ch, int source_rank, int tag, void
   MPI_Message message = MPI_MESSAGE_NULL;
   MPI_Status status;
   Backoff backoff;
+  OutputPrefault prefault(out, ch.recv_prefault ? bytes : 0);
   {
     // The wait for the message: its spin adapts as the rendezvous waits' do (RecvLarge), with
     // a budget of its own (where both ranks share a core the peer's psend runs only once
@@ -242,7 +250,7 @@ Status MpiTransport::RecvStaged(ChannelState& ch, int source_rank, int tag, void
         }
         if (Expired(deadline)) return Status::Timeout();
       }
-      pause.Pause();
+      if (!PrefaultWhileWaiting(prefault)) pause.Pause();
     }
   }
 

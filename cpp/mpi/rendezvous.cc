@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "common/keep_freed_memory.h"
 #include "mpi/internal.h"
 #include "mpi/stop_for_test.h"
 #include "mpi/transport.h"
@@ -136,6 +137,13 @@ Status MpiTransport::SendFramed(int dest_rank, int tag, const void* data, size_t
   }
   *kept = std::move(send);
   return Status::Ok();
+}
+
+bool MpiTransport::PrefaultWhileWaiting(OutputPrefault& prefault) {
+  // A send of ours that waits for its receiver's ready signal goes first (an exchange, a
+  // ring): the receive loop posts it at its next poll, and its receiver waits for it.
+  if (deferred_count_.load(std::memory_order_acquire) != 0) return false;
+  return prefault.Step();
 }
 
 bool MpiTransport::PointToPointSpinAdapts(const Backoff& backoff) const {
@@ -507,6 +515,7 @@ Status MpiTransport::RecvLarge(ChannelState& ch, uint64_t seq, int source_rank, 
     ch.last_ready_sent_at = std::chrono::steady_clock::now();
   }
   Backoff backoff;
+  OutputPrefault prefault(out, ch.recv_prefault ? bytes : 0);
   // The wait's spin adapts (AdaptiveSpin): where the scheduler put both ranks on one core,
   // the peer's send, its ready signal and MPI's handshakes each came only once this
   // thread had spun out Backoff's whole spin and yielded, at every message of an exchange.
@@ -572,7 +581,7 @@ Status MpiTransport::RecvLarge(ChannelState& ch, uint64_t seq, int source_rank, 
       if (staged) return RecvStaged(ch, source_rank, tag, out, bytes, desc_hash, deadline);
       return Status::Timeout();
     }
-    pause.Pause();
+    if (!PrefaultWhileWaiting(prefault)) pause.Pause();
   }
 }
 

@@ -97,7 +97,8 @@
 
 namespace jcm {
 
-class Backoff;  // mpi/internal.h
+class Backoff;         // mpi/internal.h
+class OutputPrefault;  // common/keep_freed_memory.h
 
 // Locking:
 //   mu_            pending_, has_pending_ (written), inflight_bytes_, the counters
@@ -507,6 +508,9 @@ class MpiTransport {
     bool direct_posted = false;
     bool staged_matched = false;
     enum class RecvEnd : uint8_t { kRunning, kTaken, kFailed } recv_end = RecvEnd::kRunning;
+    // Under recv_mu: whether the current receive faults its output in while it waits
+    // (OutputPrefault): not in a cycle (an exchange, a ring), where both ends copy at once.
+    bool recv_prefault = true;
   };
   struct ControlSend {
     std::unique_ptr<ReadySignal> signal;
@@ -643,6 +647,10 @@ class MpiTransport {
   // devices per process, where a yield hands the core to a sibling device thread, which may
   // not be the one the wait needs.
   bool PointToPointSpinAdapts(const Backoff& backoff) const;
+  // One step of a precv's wait for its message (RecvStaged, RecvLarge): faults in the next
+  // huge page of its output (OutputPrefault) unless a send of ours is deferred; false when it
+  // did nothing (the wait then pauses as before).
+  bool PrefaultWhileWaiting(OutputPrefault& prefault);
   // `ch`: as for RecvStaged.
   Status RecvLarge(ChannelState& ch, uint64_t seq, int source_rank, int tag, void* out,
                    size_t bytes, uint64_t desc_hash,

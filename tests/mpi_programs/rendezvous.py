@@ -3,11 +3,11 @@ whose operand a precv keeps): every way it can go.
 
 ``rendezvous.py CASE[,CASE...]`` under ``mpirun -n 2`` (``ring``: ``-n 3``), the cases one
 after the other, each between ``== case NAME: start`` and ``== case NAME: done`` lines
-(tests/runtime/test_reliability.py runs the first three and ``ordering`` in one launch, with
-4 devices per rank; the cases that say 1 device per rank use the first device of each rank).
-After each case but ``never-received``, every rank checks that the case left no message that
-nobody took (``ok   case NAME: every message taken``): one left would be taken by a later
-case's precv of its channel, as its own. The cases:
+(tests/runtime/test_reliability.py runs the first three, ``ordering`` and ``prefault`` in one
+launch, with 4 devices per rank; the cases that say 1 device per rank use the first device of
+each rank, ``prefault`` the last). After each case but ``never-received``, every rank checks
+that the case left no message that nobody took (``ok   case NAME: every message taken``):
+one left would be taken by a later case's precv of its channel, as its own. The cases:
 
 * ``paths`` (1 device per rank): the receiver ready first and the receiver late by 1.5 s:
   a one-way psend whose operand its precv keeps is framed straight from the operand either
@@ -54,6 +54,10 @@ case's precv of its channel, as its own. The cases:
   receives from the previous one, one op with the ring's cycle and one op per pair, in a
   ``lax.scan`` of 4 steps, at 8 B to 8 MiB + 4 KiB: a receive whose own deferred send goes
   to another rank than it receives from; every byte checked, some sends direct.
+* ``prefault`` (1 device per rank, the last of each): a 6 MiB precv whose sender is late
+  faults its output in while it waits (``prefaulted_bytes``), over the one-way framed path
+  and the plain rendezvous, both directions, either rank late; the bytes of
+  ``lax.ppermute``.
 * ``never-received``: rank 0's psends of 8 B and then 8 MiB return although rank 1 never
   posts their precvs; rank 0's precv of a reply that never comes fails after the timeout;
   at exit rank 0 meets rank 1 (waiting at its exit) in the exit barrier with its 8 MiB send
@@ -115,11 +119,13 @@ def one_way(mesh, n: int, recv_n: int | None = None):
 FRAMED_MIN, RENDEZVOUS_MIN = 16 << 10, 256 << 10
 
 
-def pair_mesh() -> jax.sharding.Mesh:
-    """The first device of each rank, as axis "x" (rank 0's first)."""
-    firsts = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
-              for p in range(jax.process_count())]
-    return jax.sharding.Mesh(np.array(firsts), ("x",))
+def pair_mesh(*, last: bool = False) -> jax.sharding.Mesh:
+    """The first device of each rank (the last one with `last`), as axis "x" (rank 0's
+    first)."""
+    pick = max if last else min
+    devices = [pick((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+               for p in range(jax.process_count())]
+    return jax.sharding.Mesh(np.array(devices), ("x",))
 
 
 def pattern(n: int, salt: int) -> np.ndarray:
@@ -624,8 +630,8 @@ def _ordering_cases() -> None:
         barrier(f"ordering opposite {order} done")
 
 
-def _send_only(v):
-    jax_cpu_mpi.psend(v, "x", FWD)  # side-effecting: stays in the program
+def _send_only(v, perm=FWD):
+    jax_cpu_mpi.psend(v, "x", perm)  # side-effecting: stays in the program
     return v
 
 
@@ -652,8 +658,113 @@ def assert_nothing_left(case: str) -> None:
     print(f"ok   case {case}: every message taken", flush=True)
 
 
+def run_prefault() -> None:
+    """A precv that waits for a late sender faults in its large output meanwhile
+    (cpp/common/keep_freed_memory.h, OutputPrefault), a huge page per poll, so that MPI's
+    copy, once the message comes, takes no page faults: 6 MiB each way, over the one-way
+    framed path (a kept psend, received as a staged message) and the plain rendezvous (a
+    psend and a precv in programs of their own: ready signal, direct receive), each with
+    the sender late by 1 s (the whole output faulted in or found in memory already:
+    ``prefaulted_bytes`` and ``prefault_present_bytes`` grow by at least its size together)
+    and the receiver late (the message is there: nothing to do). The bytes
+    equal ``lax.ppermute``'s, the other device's output is zeros. Then both paths once more
+    into a warm output (a donated buffer that a program wrote, which XLA receives into), the
+    sender late: every page is seen present and left alone (``prefault_present_bytes`` grows
+    by the output's size, ``prefaulted_bytes`` not at all). On the last device of each
+    rank (the first of each when there is one): channels the other cases do not use, so that
+    a message another case left (which the check after each case would name) cannot be taken
+    here as this case's own."""
+    mesh = pair_mesh(last=True)
+    n = 6 << 20
+    x = common.global_array(mesh, P("x"), np.concatenate([pattern(n, 30), pattern(n, 31)]))
+    like = jax.ShapeDtypeStruct((n,), jnp.uint8)
+    for perm, direction in ((FWD, "forward"), (BWD, "backward")):
+        source, dest = perm[0]
+        ref = jax.jit(jax.shard_map(lambda v, perm=perm: jax.lax.ppermute(v, "x", perm),
+                                    mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+        expected = local(jax.block_until_ready(ref(x)))
+        np.testing.assert_array_equal(
+            expected, pattern(n, 30 + source) if me == dest else np.zeros(n, np.uint8))
+        hop = jax.jit(jax.shard_map(
+            lambda v, perm=perm: jax_cpu_mpi.precv(jax_cpu_mpi.psend(v, "x", perm), like, "x",
+                                                   perm),
+            mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+        with config.overrides(gpu_parity=False):
+            send = jax.jit(jax.shard_map(functools.partial(_send_only, perm=perm), mesh=mesh,
+                                         in_specs=P("x"), out_specs=P("x")))
+            recv = jax.jit(jax.shard_map(
+                lambda v, perm=perm: jax_cpu_mpi.precv(jax.lax.create_token(), like, "x",
+                                                       perm),
+                mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+            for f in (hop, send, recv):
+                f.lower(x).compile()
+
+            # Into a warm output: `w`, donated and otherwise unused, is the output's buffer.
+            hop_warm = jax.jit(jax.shard_map(
+                lambda v, w, perm=perm: jax_cpu_mpi.precv(jax_cpu_mpi.psend(v, "x", perm),
+                                                          like, "x", perm),
+                mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x")),
+                donate_argnums=1, keep_unused=True)
+            recv_warm = jax.jit(jax.shard_map(
+                lambda w, perm=perm: jax_cpu_mpi.precv(jax.lax.create_token(), like, "x",
+                                                       perm),
+                mesh=mesh, in_specs=P("x"), out_specs=P("x")), donate_argnums=0,
+                keep_unused=True)
+            hop_warm.lower(x, x).compile()
+            recv_warm.lower(x).compile()
+        written = jax.jit(lambda v: v ^ np.uint8(0x5A), out_shardings=x.sharding)
+
+        def plain(send=send, recv=recv):
+            jax.block_until_ready(send(x))
+            return jax.block_until_ready(recv(x))
+
+        def framed_warm(hop_warm=hop_warm, w=None):
+            return jax.block_until_ready(hop_warm(x, w))
+
+        def plain_warm(send=send, recv_warm=recv_warm, w=None):
+            jax.block_until_ready(send(x))
+            return jax.block_until_ready(recv_warm(w))
+
+        for path, run in (("framed", lambda hop=hop: jax.block_until_ready(hop(x))),
+                          ("plain", plain)):
+            for late in ("sender late", "receiver late"):
+                barrier(f"prefault {direction} {path} {late}")
+                s0 = jax_cpu_mpi.stats()
+                if (me == source) == (late == "sender late"):
+                    time.sleep(1.0)
+                got = local(run())
+                s1 = jax_cpu_mpi.stats()
+                prefaulted = s1["prefaulted_bytes"] - s0["prefaulted_bytes"]
+                present = s1["prefault_present_bytes"] - s0["prefault_present_bytes"]
+                np.testing.assert_array_equal(got, expected, err_msg=(direction, path, late))
+                if me == dest and late == "sender late":
+                    # Faulted in, or in memory already (glibc may hand back a freed buffer).
+                    assert prefaulted + present >= n, (direction, path, late, prefaulted,
+                                                       present)
+                print(f"ok   prefault {direction} {path}, {late}: {prefaulted} bytes "
+                      f"prefaulted, {present} found present on rank {me}", flush=True)
+                barrier(f"prefault {direction} {path} {late} done")
+        for path, run in (("framed", framed_warm), ("plain", plain_warm)):
+            w = jax.block_until_ready(written(x))  # every page written: in memory
+            barrier(f"prefault {direction} {path} warm")
+            s0 = jax_cpu_mpi.stats()
+            if me == source:
+                time.sleep(1.0)
+            got = local(run(w=w))
+            s1 = jax_cpu_mpi.stats()
+            prefaulted = s1["prefaulted_bytes"] - s0["prefaulted_bytes"]
+            present = s1["prefault_present_bytes"] - s0["prefault_present_bytes"]
+            np.testing.assert_array_equal(got, expected, err_msg=(direction, path, "warm"))
+            if me == dest:
+                assert prefaulted == 0 and present >= n, (direction, path, prefaulted, present)
+            print(f"ok   prefault {direction} {path}, warm output: {prefaulted} bytes "
+                  f"prefaulted, {present} found present on rank {me}", flush=True)
+            barrier(f"prefault {direction} {path} warm done")
+
+
 RUN = {"paths": run_paths, "many-channels": run_many_channels, "exchange": run_exchange,
-       "ring": run_ring, "ordering": run_ordering, "never-received": run_never_received}
+       "ring": run_ring, "ordering": run_ordering, "never-received": run_never_received,
+       "prefault": run_prefault}
 assert "never-received" not in CASES or CASES == ["never-received"], CASES  # it ends the job
 for case in CASES:
     print(f"== case {case}: start", flush=True)

@@ -482,7 +482,7 @@ def test_large_send_nobody_receives_returns_and_exit_does_not_hang(fault_job):
 #: many-channels case uses them all, ordering two, the others the first device of each
 #: process). One launch instead of four: each would pay its ranks' imports and JAX's
 #: startup.
-RENDEZVOUS_CASES = ("paths", "exchange", "many-channels", "ordering")
+RENDEZVOUS_CASES = ("paths", "exchange", "many-channels", "ordering", "prefault")
 RENDEZVOUS_TIMEOUT = 400
 
 
@@ -551,6 +551,21 @@ def test_one_way_kept_send_waits_for_no_receiver_that_waits_for_it(rendezvous_ru
             for order in ("reversed", "same"):
                 assert (f"ok   ordering two one-way ops, precvs in {order} order, rank {late} "
                         "late") in out, run.report()
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(RENDEZVOUS_TIMEOUT + 30)
+def test_waiting_precv_faults_in_its_output(rendezvous_run):
+    """A precv of 6 MiB whose sender is late faults its output in while it waits (the
+    one-way framed path and the plain rendezvous, both directions), and leaves a warm
+    output's pages alone, and gets the bytes of lax.ppermute."""
+    run = rendezvous_run
+    for rank in (0, 1):
+        out = _case_output(run, "prefault", rank)
+        for direction in ("forward", "backward"):
+            for path in ("framed", "plain"):
+                for late in ("sender late", "receiver late", "warm output"):
+                    assert f"ok   prefault {direction} {path}, {late}:" in out, run.report()
 
 
 @pytest.mark.mpi
