@@ -311,6 +311,9 @@ class AdaptedPause {
     backoff_.Pause();
   }
 
+  // A poll that did other work instead of pausing (a fault-in step): the wait has begun.
+  void Waiting() { backoff_.Waiting(); }
+
  private:
   AdaptiveSpin& adaptive_;
   Backoff& backoff_;

@@ -581,7 +581,13 @@ Status MpiTransport::RecvLarge(ChannelState& ch, uint64_t seq, int source_rank, 
       if (staged) return RecvStaged(ch, source_rank, tag, out, bytes, desc_hash, deadline);
       return Status::Timeout();
     }
-    if (!PrefaultWhileWaiting(prefault)) pause.Pause();
+    // A fault-in step stands for this poll's pause: the wait has begun all the same (the
+    // timeline's wait would otherwise start only after the whole output was faulted in).
+    if (PrefaultWhileWaiting(prefault)) {
+      pause.Waiting();
+    } else {
+      pause.Pause();
+    }
   }
 }
 
