@@ -127,6 +127,17 @@ def test_a_complex_result_keeps_its_fill():
     assert zero_fills(spmd(combined, mesh), x) == [1, 1]
 
 
+def signed_zeros_input(mesh, nbytes: int, dtype) -> jax.Array:
+    """``nbytes`` per device of ``dtype``; as float32 with every 7th element -0.0 (a select,
+    not arithmetic, must give the zeros: -0.0 and NaN stay as they are)."""
+    n = nbytes // np.dtype(dtype).itemsize
+    x = sharded(mesh, n, dtype)
+    if dtype == np.float32:
+        x = jax.device_put(np.where(np.arange(2 * n) % 7 == 0, -0.0, np.asarray(x))
+                           .astype(dtype), NamedSharding(mesh, P("x")))
+    return x
+
+
 # 8 B, 64 KiB, and 1 MiB (the in-process transport's sizes alike: one copy between the
 # device threads), uint8 and float32 (-0.0 and NaN stay as they are: a select, not
 # arithmetic, gives the zeros).
@@ -135,11 +146,7 @@ def test_a_complex_result_keeps_its_fill():
 @pytest.mark.parametrize("body", [combined, selected, into_stash])
 def test_equals_ppermute(body, dtype, nbytes):
     mesh = make_mesh((2, "x"))
-    n = nbytes // np.dtype(dtype).itemsize
-    x = sharded(mesh, n, dtype)
-    if dtype == np.float32:
-        x = jax.device_put(np.where(np.arange(2 * n) % 7 == 0, -0.0, np.asarray(x))
-                           .astype(dtype), NamedSharding(mesh, P("x")))
+    x = signed_zeros_input(mesh, nbytes, dtype)
 
     def reference(v):
         up = jax.lax.ppermute(v, "x", UP)
@@ -258,11 +265,7 @@ def _carried_reference(v, steps=3):
 @pytest.mark.parametrize("steps", [2, 4])
 def test_carried_equals_ppermute(steps, dtype, nbytes):
     mesh = make_mesh((2, "x"))
-    n = nbytes // np.dtype(dtype).itemsize
-    x = sharded(mesh, n, dtype)
-    if dtype == np.float32:
-        x = jax.device_put(np.where(np.arange(2 * n) % 7 == 0, -0.0, np.asarray(x))
-                           .astype(dtype), NamedSharding(mesh, P("x")))
+    x = signed_zeros_input(mesh, nbytes, dtype)
     f = spmd(lambda v: carried(v, steps), mesh)
     assert zero_fills(f, x) == [1, 1, 0, 0]
     want = np.asarray(spmd(_carried_reference, mesh)(x))
