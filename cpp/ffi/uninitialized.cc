@@ -30,11 +30,15 @@ void FillBytes(const ffi::AnyBuffer& out, unsigned char byte, size_t bits_per_el
   std::memset(out.untyped_data(), byte, bytes);
 }
 
+}  // namespace
+
+namespace jcm {
+
 // The poison of each element type: a NaN in every float type that has one (all bits set,
 // or the sign bit alone in the FNUZ types, whose only NaN it is), the most negative value
 // in signed integers (an index far out of range, not the plausible -1 of all bits set),
 // the largest in unsigned ones, true in booleans (any other byte is no valid PRED).
-void PoisonOf(const ffi::AnyBuffer& out) {
+void Poison(const ffi::AnyBuffer& out) {
   switch (out.element_type()) {
     case ffi::DataType::PRED: return FillBytes(out, 0x01, 8);
     case ffi::DataType::S8: return FillWith(out, std::numeric_limits<int8_t>::min());
@@ -55,8 +59,12 @@ void PoisonOf(const ffi::AnyBuffer& out) {
   }
 }
 
+}  // namespace jcm
+
+namespace {
+
 ffi::Error UninitializedImpl(ffi::Result<ffi::AnyBuffer> out, int64_t /*index*/) {
-  if (poison.load(std::memory_order_relaxed)) PoisonOf(*out);
+  if (poison.load(std::memory_order_relaxed)) jcm::Poison(*out);
   return ffi::Error::Success();
 }
 
@@ -67,8 +75,6 @@ namespace jcm {
 void SetPoisonUninitialized(bool on) { poison.store(on, std::memory_order_relaxed); }
 
 bool PoisonUninitialized() { return poison.load(std::memory_order_relaxed); }
-
-void Poison(const ffi::AnyBuffer& out) { PoisonOf(out); }
 
 }  // namespace jcm
 
