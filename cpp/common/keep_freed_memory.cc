@@ -323,16 +323,13 @@ std::atomic<uint64_t> g_prefault_present_bytes{0};
 // it will not learn it, and every later wait would ask again.
 std::atomic<bool> g_populate_works{true};
 constexpr int kMadvPopulateWrite = 23;  // MADV_POPULATE_WRITE (Linux 5.14); may be missing
+std::atomic<bool> g_prefault_on{true};  // SetOutputPrefault
 }  // namespace
 
 uint64_t PrefaultedBytes() { return g_prefaulted_bytes.load(std::memory_order_relaxed); }
 uint64_t PrefaultPresentBytes() {
   return g_prefault_present_bytes.load(std::memory_order_relaxed);
 }
-
-namespace {
-std::atomic<bool> g_prefault_on{true};
-}  // namespace
 
 void SetOutputPrefault(bool on) { g_prefault_on.store(on, std::memory_order_relaxed); }
 

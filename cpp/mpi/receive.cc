@@ -250,13 +250,7 @@ Status MpiTransport::RecvStaged(ChannelState& ch, int source_rank, int tag, void
         }
         if (Expired(deadline)) return Status::Timeout();
       }
-      // A fault-in step stands for this poll's pause: the wait has begun all the same (the
-      // timeline's wait would otherwise start only after the whole output was faulted in).
-      if (PrefaultWhileWaiting(prefault)) {
-        pause.Waiting();
-      } else {
-        pause.Pause();
-      }
+      PrefaultOrPause(prefault, pause);
     }
   }
 

@@ -139,11 +139,16 @@ Status MpiTransport::SendFramed(int dest_rank, int tag, const void* data, size_t
   return Status::Ok();
 }
 
-bool MpiTransport::PrefaultWhileWaiting(OutputPrefault& prefault) {
+void MpiTransport::PrefaultOrPause(OutputPrefault& prefault, AdaptedPause& pause) {
   // A send of ours that waits for its receiver's ready signal goes first (an exchange, a
   // ring): the receive loop posts it at its next poll, and its receiver waits for it.
-  if (deferred_count_.load(std::memory_order_acquire) != 0) return false;
-  return prefault.Step();
+  if (deferred_count_.load(std::memory_order_acquire) == 0 && prefault.Step()) {
+    // The step stands for this poll's pause, and the wait has begun all the same (the
+    // timeline's wait would otherwise start only after the whole output was faulted in).
+    pause.Waiting();
+    return;
+  }
+  pause.Pause();
 }
 
 bool MpiTransport::PointToPointSpinAdapts(const Backoff& backoff) const {
@@ -581,13 +586,7 @@ Status MpiTransport::RecvLarge(ChannelState& ch, uint64_t seq, int source_rank, 
       if (staged) return RecvStaged(ch, source_rank, tag, out, bytes, desc_hash, deadline);
       return Status::Timeout();
     }
-    // A fault-in step stands for this poll's pause: the wait has begun all the same (the
-    // timeline's wait would otherwise start only after the whole output was faulted in).
-    if (PrefaultWhileWaiting(prefault)) {
-      pause.Waiting();
-    } else {
-      pause.Pause();
-    }
+    PrefaultOrPause(prefault, pause);
   }
 }
 

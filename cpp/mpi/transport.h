@@ -99,6 +99,7 @@ namespace jcm {
 
 class Backoff;         // mpi/internal.h
 class OutputPrefault;  // common/keep_freed_memory.h
+class AdaptedPause;    // mpi/internal.h
 
 // Locking:
 //   mu_            pending_, has_pending_ (written), inflight_bytes_, the counters
@@ -647,10 +648,9 @@ class MpiTransport {
   // devices per process, where a yield hands the core to a sibling device thread, which may
   // not be the one the wait needs.
   bool PointToPointSpinAdapts(const Backoff& backoff) const;
-  // One step of a precv's wait for its message (RecvStaged, RecvLarge): faults in the next
-  // huge page of its output (OutputPrefault) unless a send of ours is deferred; false when it
-  // did nothing (the wait then pauses as before).
-  bool PrefaultWhileWaiting(OutputPrefault& prefault);
+  // One poll's wait of a precv for its message (RecvStaged, RecvLarge): faults in the next
+  // huge page of its output (OutputPrefault) unless a send of ours is deferred, else pauses.
+  void PrefaultOrPause(OutputPrefault& prefault, AdaptedPause& pause);
   // `ch`: as for RecvStaged.
   Status RecvLarge(ChannelState& ch, uint64_t seq, int source_rank, int tag, void* out,
                    size_t bytes, uint64_t desc_hash,
