@@ -8,6 +8,7 @@ without psend/precv (:func:`reference`, written here, not the library's).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import cache
 
@@ -18,6 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_cpu_mpi import pipeline as pl
+from jax_cpu_mpi._src.ffi import custom_calls
 
 WIDTH, MICROBATCH = 8, 4
 
@@ -179,3 +181,15 @@ def run_case(case: Case, devices) -> dict[str, float]:
 
 def tolerance(case: Case) -> float:
     return 2e-2 if case.dtype == "bfloat16" else 2e-5
+
+
+def precv_zero_fills(text: str) -> list[int]:
+    """The ``zero_fill`` field of each precv custom call in a lowered program's text, in
+    program order: 0 where a device that is no destination leaves the output unwritten."""
+    fills = []
+    for line in text.splitlines():
+        if "stablehlo.custom_call @jax_cpu_mpi_precv" in line:
+            values = re.search(r"routing = dense<\[([-\d, ]+)\]>", line).group(1)
+            routing = np.array([int(v) for v in values.split(",")])
+            fills.append(custom_calls.unpack_routing(routing)[custom_calls.ZERO_FILL])
+    return fills

@@ -8,6 +8,9 @@ the output unwritten there. These tests pin where it applies (and where the prec
 filling), and that results equal ``lax.ppermute`` bit for bit on every path of the
 in-process transport, both directions. Over MPI: tests/mpi_programs/p2p_semantics.py (the
 two-op exchange's "combined" and "selected" forms, 8 B to 9 MiB).
+
+A precv under ``precv_unread_off_destinations`` (its caller reads nothing of a
+non-destination's result: the pipeline executor) is marked without a select.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import jax_cpu_mpi
 from conftest import make_mesh
 from jax_cpu_mpi import config
 from jax_cpu_mpi._src.ffi import custom_calls as _custom_calls
+from jax_cpu_mpi._src.ops import p2p
 
 UP, DOWN = [(0, 1)], [(1, 0)]
 
@@ -298,3 +302,31 @@ def test_carried_under_grad_equals_ppermute():
     assert zero_fills(f, x) == [1, 1, 0, 0]
     np.testing.assert_array_equal(np.asarray(f(x)),
                                   np.asarray(spmd(gradient(_carried_reference), mesh)(x)))
+
+
+def unread_and_plain(v):
+    """The same precv (pairs, shape) twice: under ``precv_unread_off_destinations``, and
+    plain (JAX lowers both from one cached lowering: the scope must not leak)."""
+    like = jax.ShapeDtypeStruct(v.shape, v.dtype)
+    unread = p2p.precv_unread_off_destinations(jax_cpu_mpi.psend(v, "x", UP), like, "x", UP)
+    plain = jax_cpu_mpi.precv(jax_cpu_mpi.psend(v + 1, "x", UP), like, "x", UP)
+    return (jax.lax.pcast(unread, "x", to="varying"), jax.lax.pcast(plain, "x", to="varying"))
+
+
+@pytest.mark.parametrize("nbytes", [8, 64 << 10, 1 << 20])
+def test_a_precv_whose_caller_reads_no_zeros_leaves_them_unwritten(nbytes):
+    """Marked zero_fill = 0 with nothing selected; on the destination the bytes of
+    ppermute, on the other device whatever the buffer held: poison here (the fixture)."""
+    mesh = make_mesh((2, "x"))
+    f = spmd(unread_and_plain, mesh, 2)
+    x = signed_zeros_input(mesh, nbytes, np.float32)
+    assert zero_fills(f, x) == [0, 1]
+    assert "stablehlo.select" not in f.lower(x).as_text()
+    want = spmd(lambda v: jax.lax.ppermute(v, "x", UP), mesh)
+    n = nbytes // 4
+    for _ in range(2):
+        unread, plain = (np.asarray(a) for a in f(x))
+        expected = np.asarray(want(x))
+        np.testing.assert_array_equal(unread[n:].view(np.uint8), expected[n:].view(np.uint8))
+        assert np.isnan(unread[:n]).all()  # device 0, no destination: unwritten
+        np.testing.assert_array_equal(plain, np.asarray(want(x + 1)))

@@ -17,9 +17,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from pipeline_cases import Case, run_case, within
+from pipeline_cases import (
+    Case,
+    pipeline_program,
+    precv_zero_fills,
+    run_case,
+    run_program,
+    within,
+)
 
 from jax_cpu_mpi import pipeline as pl
+from jax_cpu_mpi._src.ops import p2p
+from jax_cpu_mpi._src.pipeline import executor
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b:2", "zero-bubble"]
 
@@ -58,6 +67,37 @@ CASES = (
 def test_matches_single_device(case):
     errors = run_case(case, jax.devices())
     assert within(case, errors), errors
+
+
+# Both directions (activations, cotangents), two messages of one pair packed in a tick
+# (interleaved, P = 2), a data axis, kept residuals, and 1 MiB messages (the in-process
+# transport copies any size once; the mpirun sizes are in pipeline_exactness.py).
+UNREAD_CASES = [Case("gpipe", stages=4, microbatches=5),
+                Case("1f1b", stages=4, microbatches=5, input_grads=True),
+                Case("interleaved-1f1b:2", stages=2, microbatches=4, data=2),
+                Case("zero-bubble", stages=4, microbatches=5, remat=False),
+                Case("gpipe", stages=2, microbatches=2, samples=1 << 14)]
+
+
+@pytest.mark.parametrize("case", UNREAD_CASES,
+                         ids=lambda c: f"{c.name}-P{c.stages}-D{c.data}-S{c.samples}")
+def test_a_stage_that_receives_nothing_writes_no_zeros(case, monkeypatch):
+    """A stage that is no destination of a tick's message stores what its precv gives in the
+    scratch slot, which no tick reads: the executor's precvs are lowered with
+    ``zero_fill = 0`` and leave their output unwritten there (poisoned in these tests,
+    conftest.py), and the results are, bit for bit, those of precvs that write the zeros."""
+    f, args, inputs = pipeline_program(case, jax.devices())
+    fills = precv_zero_fills(f.lower(*args).as_text())
+    assert fills and set(fills) == {0}, fills
+    got = run_program(f, args, inputs)[1]
+    monkeypatch.setattr(executor, "precv_unread_off_destinations", p2p.precv)
+    f, args, inputs = pipeline_program(case, jax.devices())
+    assert set(precv_zero_fills(f.lower(*args).as_text())) == {1}
+    want = run_program(f, args, inputs)[1]
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        bits = lambda v: np.atleast_1d(np.asarray(v)).view(np.uint8)  # noqa: E731
+        np.testing.assert_array_equal(bits(a), bits(b))
 
 
 def _dense(p, x):

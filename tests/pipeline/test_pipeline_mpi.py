@@ -14,11 +14,12 @@ from mpi_launcher import assert_mpi_ok, run_mpi
                          ids=["mpirun-n2x2devices", "mpirun-n4x1device"])
 def test_every_schedule_matches_the_reference(nprocs, devices):
     # 4 stages; M = 5 is no multiple of P (and >= P, as interleaving needs). The kept
-    # residuals' slots poisoned, as in one process (conftest.py). With 2 devices per process,
-    # GPipe sends messages over 4 MiB (a precv that is no destination gives its output's
-    # huge pages back; the other launch keeps every schedule's small messages). One schedule
-    # is enough: the pipeline never reads a zero it receives (the two-op exchange's cases in
-    # p2p_semantics.py check the zeros), so this checks the large path runs whole.
+    # residuals' slots poisoned, as in one process (conftest.py), and so are the outputs of
+    # the precvs that are no destination (left unwritten: no tick reads them). With 2
+    # devices per process, GPipe sends messages over 4 MiB (the other launch keeps every
+    # schedule's small messages). One schedule is enough: the pipeline never reads a zero
+    # it receives (the two-op exchange's cases in p2p_semantics.py check the zeros), so this
+    # checks the large path runs whole.
     large = ["--large=gpipe"] if devices == 2 else []
     run = run_mpi("pipeline_exactness.py", "4", "5", *large, nprocs=nprocs,
                   devices_per_process=devices, timeout=360,

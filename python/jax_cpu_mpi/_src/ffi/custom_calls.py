@@ -33,7 +33,8 @@ OPERAND_KEPT = "operand_kept"
 GROUP_PAIRS = "group_pairs"
 #: precv: 1 (the lowering's) where a device that is no destination writes zeros into its
 #: output, 0 where it leaves the output unwritten because every user of the result reads it
-#: through ``select(is_destination, result, 0)`` (passes/kept_operands.py).
+#: through ``select(is_destination, result, 0)``, or because the caller never reads it there
+#: (``ops.p2p.precv_unread_off_destinations``) (passes/selected_zeros.py).
 ZERO_FILL = "zero_fill"
 #: ``order_token(last collective's result) -> s32[]``: the ordering pass's loop token
 #: (passes/ordered_collectives.py); reads no bytes, writes 0.

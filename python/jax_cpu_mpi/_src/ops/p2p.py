@@ -190,4 +190,24 @@ def precv(token: Any, out_shape: Any, axis_name: AxisName, perm: Perm) -> Any:
     return jax.tree_util.tree_unflatten(tree, received)
 
 
-__all__ = ["precv", "psend"]
+#: The ``jax.named_scope`` of :func:`precv_unread_off_destinations`: the module pass marks
+#: a precv call whose location names it ``zero_fill = 0`` (passes/selected_zeros.py).
+UNREAD_OFF_DESTINATIONS = "jax_cpu_mpi_precv_unread_off_destinations"
+
+
+def precv_unread_off_destinations(token: Any, out_shape: Any, axis_name: AxisName,
+                                  perm: Perm) -> Any:
+    """:func:`precv` for a caller that never reads the result on a device that is no
+    destination of ``perm`` (internal; the pipeline executor stores it in a slot no tick
+    reads). There, on CPU, the result is not the zeros ``ppermute`` gives but whatever its
+    buffer held (poison with ``JAX_CPU_MPI_POISON_UNINITIALIZED``): writing the zeros is a
+    pass over the output in every step. On a destination, and on GPU (JAX's lowering, which
+    ignores the scope), it is :func:`precv`. The marker is a named scope, which the
+    lowered call's location carries, because the primitive is JAX's own (while JAX has
+    it): its params cannot grow a keyword. (A lowering rule cannot read it: JAX caches one
+    lowering per primitive and params, its name stack empty.)"""
+    with jax.named_scope(UNREAD_OFF_DESTINATIONS):
+        return precv(token, out_shape, axis_name, perm)
+
+
+__all__ = ["UNREAD_OFF_DESTINATIONS", "precv", "precv_unread_off_destinations", "psend"]

@@ -241,7 +241,9 @@ def keep_psend_operands(module: Any) -> int:
                     kept += 1
             if extra:
                 _rebuild_precv(op, extra)
-        # On the rebuilt precvs (the kept operands change no use of a result).
+        # On the rebuilt precvs (the kept operands change no use of a result); those whose
+        # caller reads no non-destination's result first: they need no select.
+        selected_zeros.unread_off_destinations(module)
         selected_zeros.select_zeros(module)
         return kept
 

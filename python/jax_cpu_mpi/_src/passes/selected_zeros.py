@@ -26,6 +26,11 @@ non-destination's carry holds zeros before the loop and whatever its unwritten b
 after it, and the select gives zeros for both; on a destination it is the received bytes
 (a two-op exchange keeping each op's result in the carry and combining them after the loop,
 as ``psend2/scan`` does, or a pipeline keeping each received buffer).
+
+A precv whose caller says it never reads a non-destination's result
+(``ops.p2p.precv_unread_off_destinations``: the pipeline executor, whose non-destinations
+store what they get in a slot no tick reads) is marked ``zero_fill = 0`` with nothing
+selected: the call's location names the scope (a call without it fills, as before).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from jax_cpu_mpi._src.ffi.custom_calls import (
     operations,
     set_int_attribute,
 )
+from jax_cpu_mpi._src.ops.p2p import UNREAD_OFF_DESTINATIONS
 
 #: Elementwise ops that XLA fuses with an elementwise operand (any operand position).
 _ELEMENTWISE = frozenset(f"stablehlo.{name}" for name in (
@@ -223,6 +229,22 @@ def _first_user(value: Any) -> Any:
     # _candidates kept only values whose every use is in their block: one is found.
     return next(inner.operation for inner in _user(value).block.operations
                 if inner.operation in users)
+
+
+def unread_off_destinations(module: Any) -> int:
+    """Marks ``zero_fill = 0`` the precvs whose caller never reads a non-destination's result
+    (module docstring); returns how many. Runs inside the module's context."""
+    marked = 0
+    for op in operations(module.operation):
+        if call_target(op) != PRECV_TARGET or int_attribute(op, OPERAND_KEPT) is None:
+            continue
+        if int_attribute(op, ZERO_FILL) != 1 or array_attribute(op, "pairs").size == 0:
+            continue
+        # JAX lowers the call inline, located at its equation: the scope is in the name.
+        if UNREAD_OFF_DESTINATIONS in str(op.location):
+            set_int_attribute(op, ZERO_FILL, 0)
+            marked += 1
+    return marked
 
 
 def select_zeros(module: Any) -> int:

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_cpu_mpi._src.ops import marks
-from jax_cpu_mpi._src.ops.p2p import precv, psend
+from jax_cpu_mpi._src.ops.p2p import precv, precv_unread_off_destinations, psend
 from jax_cpu_mpi._src.ops.packed import pmean_packed, psum_packed
 from jax_cpu_mpi._src.ops.uninitialized import uninitialized
 from jax_cpu_mpi._src.ops.vma import vary, vma_of
@@ -249,8 +249,10 @@ def _from_bytes(data: jax.Array, like: PyTree) -> PyTree:
     return jax.tree.unflatten(jax.tree.structure(like), leaves)
 
 
-def _exchange(buffer: PyTree, axis: Hashable, pairs: Any) -> PyTree:
-    """One op's messages: ``buffer`` along ``pairs`` as a single message per device pair.
+def _exchange(buffer: PyTree, axis: Hashable, pairs: Any, unread: bool = False) -> PyTree:
+    """One op's messages: ``buffer`` along ``pairs`` as a single message per device pair;
+    with ``unread``, what a device that is no destination gets is left unwritten (it goes
+    where nothing reads it: :func:`.ops.p2p.precv_unread_off_destinations`).
 
     A pytree sent leaf by leaf would be several psends on the same (source, destination)
     channel, matched in the order they run; nothing orders independent psends (or precvs)
@@ -267,7 +269,8 @@ def _exchange(buffer: PyTree, axis: Hashable, pairs: Any) -> PyTree:
     else:
         data, unpack = _to_bytes(buffer), _from_bytes
     token = psend(data, axis, pairs)
-    return unpack(precv(token, jax.ShapeDtypeStruct(data.shape, data.dtype), axis, pairs),
+    receive = precv_unread_off_destinations if unread else precv
+    return unpack(receive(token, jax.ShapeDtypeStruct(data.shape, data.dtype), axis, pairs),
                   buffer)
 
 
@@ -615,18 +618,29 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
     kinds = list(dict.fromkeys(tick_messages))
     message_kind = np.asarray([kinds.index(m) for m in tick_messages], np.int32)
 
+    # A stage that is no destination of an entry's pairs stores what the entry brings in
+    # the scratch slot (or nowhere): no tick reads it, so its precv need not write the
+    # zeros that ppermute's semantics give there, a pass over the buffer per tick on the
+    # critical path. Checked per set and entry on the table, every tick of the set.
+    def unread_off_destinations(k: int, e: int, pairs: Any) -> bool:
+        others = sorted(set(range(P)) - {int(d) % P for _, d in pairs})
+        ticks = receives[message_kind == k][:, others]
+        return all((ticks[..., c] == plan.slots).all()
+                   for c in range(e * depth, (e + 1) * depth) if c in receiving)
+
     # Each set's branch returns what every entry brings (zeros for entries it does not
     # have), not the stash: a conditional's output cannot alias its operand, so passing the
     # stash through would copy all of it every tick. An entry that packs several buffers
     # (two messages of one pair in one tick) sends them as one message.
-    def exchange(kind):
-        entries, packed = kind
+    def exchange(k: int):
+        entries, packed = kinds[k]
 
         def run(stash, cell):
             got = [no_buffer() for _ in range(columns)]
             for e, ((_, pairs), n) in enumerate(zip(entries, packed, strict=True)):
                 values = [pick(stash, cell[_SENDS_AT + e * depth + j]) for j in range(n)]
-                received = _exchange(values, axis, pairs)
+                received = _exchange(values, axis, pairs,
+                                     unread_off_destinations(k, e, pairs))
                 for j in range(n):
                     got[e * depth + j] = vary(received[j], varying)
             return got
@@ -647,7 +661,7 @@ def _run(stage_fn: Callable[[PyTree, PyTree], PyTree], chunk_params: PyTree,
         # In the same order on every device (see .plan); each precv's result goes into the
         # stash (the scratch slot where nothing arrives), which later ticks' actions and
         # sends read, so the ticks' messages stay in order.
-        got = jax.lax.switch(kind, [exchange(k) for k in kinds], stash, cell)
+        got = jax.lax.switch(kind, [exchange(k) for k in range(len(kinds))], stash, cell)
         for c in receiving:
             stash = put(stash, cell[receives_at + c], got[c])
         return (stash, kept, state, results), None
