@@ -9,22 +9,25 @@ Launched by ``run.py``::
         --data 2 --collectives gloo,mpi --out r.json
 
 
-``baseline``: ``jax.jit(jax.value_and_grad(loss))`` of the whole model on the full batch, one
-device. Otherwise the schedule (``gpipe``, ``1f1b``, ``interleaved-1f1b``, ``zero-bubble``)
-of ``jax_cpu_mpi.pipeline`` over a 1-D ``'stage'`` mesh of every device of the job (stage
-``s`` on the job's ``s``-th device, process by process); ``NAME-kept`` runs it with
-``remat=False``. ``--data D``: a ``stage x data`` mesh instead, the stages inside a process
-and the ``D`` data shards across processes (``mpirun -n D``, ``--devices`` = ``--stages``):
-each shard runs the pipeline on its part of every microbatch and the gradients are averaged
-over ``data`` (``shard_value_and_grad(data_axis_name=...)``, a ``pmean`` between the
-processes). ``--collectives gloo,mpi`` compiles every schedule once per setting of
+``baseline``: ``jax.jit(jax.value_and_grad(loss))`` of the whole model on the full batch,
+one device. Otherwise the schedule (``gpipe``, ``1f1b``, ``interleaved-1f1b``,
+``zero-bubble``) of ``jax_cpu_mpi.pipeline`` over a 1-D ``'stage'`` mesh of every device of
+the job (stage ``s`` on the job's ``s``-th device, process by process); ``NAME-kept`` runs
+it with ``remat=False``; ``NAME-fill`` compiles it with the executor's precvs writing the
+zeros of a stage that is no destination (``passes/selected_zeros.py`` leaves them
+unwritten: no tick reads them), to time both in one launch. ``--data D``: a ``stage x
+data`` mesh instead, the stages inside a process and the ``D`` data shards across processes
+(``mpirun -n D``, ``--devices`` = ``--stages``): each shard runs the pipeline on its part
+of every microbatch and the gradients are averaged over ``data``
+(``shard_value_and_grad(data_axis_name=...)``, a ``pmean`` between the processes).
+``--collectives gloo,mpi`` compiles every schedule once per setting of
 ``JAX_CPU_MPI_COLLECTIVES`` (read when a program is lowered), checks that the settings give
-the same loss and gradients, and times them in turn. Both compute the loss and the gradients
-only (no optimizer update), as the torch side does. Before timing, the loss and the
-gradients are compared with a float64 NumPy reference (exit 1 beyond float32 tolerance).
-Process 0 writes the JSON: per-step seconds of every repeat (process 0's wall clock until its
-outputs are ready), XLA's compiled memory analysis (temp bytes of one device's program) and
-the peak RSS of every process.
+the same loss and gradients, and times them in turn. Both compute the loss and the
+gradients only (no optimizer update), as the torch side does. Before timing, the loss and
+the gradients are compared with a float64 NumPy reference (exit 1 beyond float32
+tolerance). Process 0 writes the JSON: per-step seconds of every repeat (process 0's wall
+clock until its outputs are ready), XLA's compiled memory analysis (temp bytes of one
+device's program) and the peak RSS of every process.
 """
 
 from __future__ import annotations
@@ -46,7 +49,11 @@ from model import add_model_arguments
 
 PIPELINES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 #: ``NAME-kept``: the same schedule with remat=False (the forwards keep their residuals).
-SCHEDULES = ("baseline", *PIPELINES, *(f"{n}-kept" for n in PIPELINES))
+#: ``NAME-fill`` (``NAME-kept-fill``): compiled with the executor's precvs writing their
+#: zeros where their stage is no destination, as before the pass marked them, for an A/B
+#: inside one launch.
+SCHEDULES = ("baseline", *PIPELINES, *(f"{n}-kept" for n in PIPELINES),
+             *(f"{n}{k}-fill" for n in PIPELINES for k in ("", "-kept")))
 
 
 def parse_args() -> argparse.Namespace:
@@ -139,6 +146,8 @@ def pipelined(shape: Shape, problem, name: str, collectives: str = "") -> tuple[
     from jax_cpu_mpi import config
     from jax_cpu_mpi import pipeline as pl
 
+    fill = name.endswith("-fill")
+    name = name.removesuffix("-fill")
     kept = name.endswith("-kept")
     name = name.removesuffix("-kept")
     virtual = ARGS.virtual_stages if name == "interleaved-1f1b" else 1
@@ -182,8 +191,16 @@ def pipelined(shape: Shape, problem, name: str, collectives: str = "") -> tuple[
     f = pl.shard_value_and_grad(chunk_fn, mse, mesh, schedule, axis_name="stage",
                                 data_axis_name=None if D == 1 else "data", remat=not kept)
     setting = {"collectives": collectives} if collectives else {}
-    with config.overrides(**setting):  # the collectives' lowering is chosen here
-        compiled = jax.jit(f).lower(params, x, y).compile()
+    from jax_cpu_mpi._src.passes import selected_zeros
+
+    unread = selected_zeros.unread_off_destinations
+    if fill:  # the pass's step off while this program is lowered: its precvs fill
+        selected_zeros.unread_off_destinations = lambda module: 0
+    try:
+        with config.overrides(**setting):  # the collectives' lowering is chosen here
+            compiled = jax.jit(f).lower(params, x, y).compile()
+    finally:
+        selected_zeros.unread_off_destinations = unread
     mpi_reductions = compiled.as_text().count(MPI_ALL_REDUCE)
     value, grads = compiled(params, x, y)
     grads = jax.tree.map(lambda g: np.asarray(multihost_utils.process_allgather(g, tiled=True)),
