@@ -92,7 +92,7 @@ namespace {
 
 std::atomic<uint64_t> g_written_bytes{0};  // ZeroFillWrittenBytes
 std::atomic<uint64_t> g_dropped_bytes{0};  // ZeroFillDroppedBytes
-std::atomic<int> g_mode{1};                // SetZeroFillMode
+std::atomic<bool> g_ends_by_page{true};    // SetZeroFillEndsByPage
 
 // The bytes of [data, data + bytes) set to zero: with streaming stores if `stream` (a buffer
 // of StreamingZeroFillMinBytes() or more, of which this may be a part), else memset.
@@ -271,21 +271,17 @@ bool HasProcmapQuery() {
   return has;
 }
 
-// Writes the zeros of [begin, end) (whole pages of a private anonymous mapping, `unit` bytes a
-// step: a huge page, or a 4 KiB page) where all of a step's pages are in memory, and gives the
-// others back (MADV_DONTNEED, which also drops what was swapped out). A present page written
-// stays in memory for whatever next uses the buffer (glibc hands freed memory out again: the
-// next call's receive buffer); a page given back costs a fault and the kernel's clearing of it
-// at its next write, on the critical path of whoever writes it (MPI's copy into a receive
-// buffer), while the zeros written here overlap this device's wait for its own message. A page
-// not in memory costs nothing to give back. False where mincore or madvise refuses.
-bool FillPresentDropRest(uintptr_t begin, uintptr_t end, size_t unit, bool stream) {
+// Zeroes [begin, end), whole 4 KiB pages of a private anonymous mapping: writes the pages in
+// memory and gives the others back (MADV_DONTNEED, which also drops what was swapped out;
+// nothing to do for a page never touched). Writing a page that is not in memory (a fresh
+// output's) would fault it in, 4 KiB at a time, and have the kernel clear it before this
+// writes it again. False where mincore or madvise refuses.
+bool FillPresentDropRest(uintptr_t begin, uintptr_t end, bool stream) {
   if (begin >= end) return true;
   const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
   thread_local std::vector<unsigned char> resident;
   resident.resize((end - begin) / page);
   if (mincore(reinterpret_cast<void*>(begin), end - begin, resident.data()) != 0) return false;
-  const size_t pages_a_unit = std::max<size_t>(unit / page, 1);
   uintptr_t run = begin;  // the start of the current run of one kind
   bool run_present = false;
   auto flush = [&](uintptr_t to) {
@@ -299,10 +295,8 @@ bool FillPresentDropRest(uintptr_t begin, uintptr_t end, size_t unit, bool strea
     }
     return true;
   };
-  for (size_t i = 0; i < resident.size(); i += pages_a_unit) {
-    const size_t n = std::min(pages_a_unit, resident.size() - i);
-    const bool present = std::all_of(resident.begin() + i, resident.begin() + i + n,
-                                     [](unsigned char r) { return (r & 1) != 0; });
+  for (size_t i = 0; i < resident.size(); ++i) {
+    const bool present = (resident[i] & 1) != 0;
     const uintptr_t at = begin + i * page;
     if (at == begin) {
       run_present = present;
@@ -322,11 +316,9 @@ bool FillPresentDropRest(uintptr_t begin, uintptr_t end, size_t unit, bool strea
 // whose precv is no destination at every step (the first stage of a pipeline) thus pays a
 // system call a step, not a pass over its output: the pages given back at the first step are
 // not in memory at the next. At the partial huge pages at both ends, the 4 KiB pages in
-// memory are written and the others given back (FillPresentDropRest): writing a page that is
-// not in memory (a fresh output) would fault it in and have the kernel clear it first, a 4 KiB
-// fault per page. SetZeroFillMode: 0 writes the ends whole (as before that), 2 also writes the
-// whole huge pages that are in memory instead of giving them back. The bytes outside whole
-// 4 KiB pages are written. False (nothing written) where that cannot be done: no THP, a range
+// memory are written and the others given back (FillPresentDropRest; where
+// SetZeroFillEndsByPage(false), the ends are written whole). The bytes outside whole 4 KiB
+// pages are written. False (nothing written) where that cannot be done: no THP, a range
 // without a whole huge page, a shared, file-backed or locked mapping, or a kernel that does
 // not say.
 bool FillByDroppingHugePages(std::byte* data, size_t bytes, bool stream) {
@@ -341,10 +333,10 @@ bool FillByDroppingHugePages(std::byte* data, size_t bytes, bool stream) {
   const uintptr_t page_end = (start + bytes) & ~(page - 1);
   const auto begin = reinterpret_cast<uintptr_t>(first);
   const auto end = reinterpret_cast<uintptr_t>(last);
-  const int mode = g_mode.load(std::memory_order_relaxed);
+  const bool ends_by_page = g_ends_by_page.load(std::memory_order_relaxed);
   // The ends' 4 KiB pages are only left unwritten if they too lie in such mappings.
-  const uintptr_t ask_begin = mode != 0 ? page_begin : begin;
-  const uintptr_t ask_end = mode != 0 ? page_end : end;
+  const uintptr_t ask_begin = ends_by_page ? page_begin : begin;
+  const uintptr_t ask_end = ends_by_page ? page_end : end;
   // Without the query, the maps text is read (ZeroFillDropMinBytes: only at a size where that
   // read is worth it).
   const bool anonymous = HasProcmapQuery()
@@ -352,20 +344,17 @@ bool FillByDroppingHugePages(std::byte* data, size_t bytes, bool stream) {
                              : PrivateAnonymous(ask_begin, ask_end);
   if (!anonymous) return false;
   AdviseHugePages(data, bytes);
-  if (mode != 2) {
-    if (madvise(first, pages.size(), MADV_DONTNEED) != 0) return false;  // e.g. mlocked
-    g_dropped_bytes.fetch_add(pages.size(), std::memory_order_relaxed);
-  }
-  if (mode == 0) {
+  if (madvise(first, pages.size(), MADV_DONTNEED) != 0) return false;  // e.g. mlocked
+  g_dropped_bytes.fetch_add(pages.size(), std::memory_order_relaxed);
+  if (!ends_by_page) {
     Fill(data, static_cast<size_t>(first - data), stream);
     Fill(last, static_cast<size_t>(data + bytes - last), stream);
     return true;
   }
   // Whatever fails part way has written or given back only zeros: the caller's full write
   // after it is still right.
-  if ((mode == 2 && !FillPresentDropRest(begin, end, TransparentHugePageBytes(), stream)) ||
-      !FillPresentDropRest(page_begin, begin, page, stream) ||
-      !FillPresentDropRest(end, page_end, page, stream)) {
+  if (!FillPresentDropRest(page_begin, begin, stream) ||
+      !FillPresentDropRest(end, page_end, stream)) {
     return false;
   }
   Fill(data, static_cast<size_t>(page_begin - start), stream);
@@ -390,7 +379,7 @@ size_t ZeroFillDropMinBytes() {
 
 uint64_t ZeroFillWrittenBytes() { return g_written_bytes.load(std::memory_order_relaxed); }
 uint64_t ZeroFillDroppedBytes() { return g_dropped_bytes.load(std::memory_order_relaxed); }
-void SetZeroFillMode(int mode) { g_mode.store(mode, std::memory_order_relaxed); }
+void SetZeroFillEndsByPage(bool on) { g_ends_by_page.store(on, std::memory_order_relaxed); }
 
 void ZeroFill(void* data, size_t bytes) {
   if (bytes == 0) return;

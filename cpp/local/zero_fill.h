@@ -47,10 +47,10 @@ size_t ZeroFillDropMinBytes();
 uint64_t ZeroFillWrittenBytes();
 uint64_t ZeroFillDroppedBytes();
 
-// Benchmarks only, from ZeroFillDropMinBytes(): 1 (the default) gives the whole huge pages
-// back and, at the partial huge pages at both ends, writes the 4 KiB pages in memory and gives
-// the others back; 0 writes the ends whole; 2 writes the whole huge pages in memory too.
-void SetZeroFillMode(int mode);
+// Benchmarks only: false has ZeroFill write the partial huge pages at both ends of a buffer
+// from ZeroFillDropMinBytes() whole, in memory or not (as before it gave back the 4 KiB
+// pages there that are not in memory); true is the default.
+void SetZeroFillEndsByPage(bool on);
 
 // The size from which ZeroFill streams (0: never, on this platform).
 size_t StreamingZeroFillMinBytes();

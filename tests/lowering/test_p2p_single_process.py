@@ -328,14 +328,13 @@ def test_zero_fill_gives_whole_huge_pages_back():
 @pytest.mark.skipif(not ext.zero_fill_drop_min_bytes() or
                     not os.access("/proc/self/pagemap", os.R_OK),
                     reason="no transparent huge pages here: ZeroFill writes every page")
-@pytest.mark.parametrize("mode", [1, 2], ids=["default", "write-present-huge-pages"])
-def test_zero_fill_gives_the_ends_absent_pages_back(mode):
+def test_zero_fill_gives_the_ends_absent_pages_back():
     """At the partial huge pages at both ends of a buffer from zero_fill_drop_min_bytes, the
     4 KiB pages not in memory (a fresh output's) are given back, not written (fails if they
     are written, as before: they would be in memory after, each one a page fault), and those
-    in memory are written. Mode 2 (benchmarks only) also writes the whole huge pages that
-    are in memory instead of giving them back. Every byte reads zero, the bytes around keep
-    their values, and the stats count what was written and given back."""
+    in memory are written; the whole huge pages are given back, in memory or not. Every byte
+    reads zero, the bytes around keep their values, and the stats count what was written and
+    given back."""
     page = mmap.PAGESIZE
     huge = _huge_pages() * page
     n = 4 * ext.zero_fill_drop_min_bytes() + 3 * page + 5
@@ -355,18 +354,14 @@ def test_zero_fill_gives_the_ends_absent_pages_back(mode):
     m.madvise(mmap.MADV_DONTNEED, last_whole - 2 * page, 2 * page)
     before = _present_pages(buffer)
     s0 = ext.stats()
-    ext._zero_fill_mode(mode)
-    try:
-        ext.zero_fill(buffer)
-    finally:
-        ext._zero_fill_mode(1)
+    ext.zero_fill(buffer)
     s1 = ext.stats()
     written = s1["zero_fill_written_bytes"] - s0["zero_fill_written_bytes"]
     dropped = s1["zero_fill_dropped_bytes"] - s0["zero_fill_dropped_bytes"]
-    given_back = (huge if mode == 2 else whole) + 4 * page
+    given_back = whole + 4 * page
     assert dropped == given_back and written == n - given_back, (dropped, written, n)
     after = _present_pages(buffer)
-    assert after == (before if mode == 2 else before - (whole - huge) // page), (after, before)
+    assert after == before - (whole - huge) // page, (after, before)
     assert not buffer.any()
     assert (backing[:offset] == 0xAB).all() and (backing[offset + n:] == 0xAB).all()
     del buffer, backing
