@@ -4,7 +4,10 @@
 
 Both ranks switch the fault-in (``_prefault_waiting_outputs``, cpp/common/keep_freed_memory.h)
 on and off together before every call, in alternating order from round to round, so that a
-loaded machine slows both alike. The programs:
+loaded machine slows both alike (``--switch zero-fill-ends``: instead whether the zeros of a
+large precv that is no destination give back, on, or write, off, the 4 KiB pages not in memory
+at the output's partial huge pages; ``_zero_fill_ends_by_page``, cpp/local/zero_fill.h).
+The programs:
 
 * ``hop``: the benchmark's ``psend/scan`` ping-pong (hops per call as its ``--scan-bytes``,
   here too; 4G by default);
@@ -81,29 +84,32 @@ def main() -> None:
     p.add_argument("--sizes", default="1M,16M,64M")
     p.add_argument("--kinds", default="hop,late,exchange")
     p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--switch", choices=("prefault", "zero-fill-ends"), default="prefault")
     p.add_argument("--scan-bytes", default="4G",
                    help="hops a call of hop, donated and exchange: this / size (2 to 256)")
     args = p.parse_args()
+    switch = (ext._prefault_waiting_outputs if args.switch == "prefault"
+              else ext._zero_fill_ends_by_page)
     session = bench_session.start("cpu", 1)
     for n in (parse_bytes(s) for s in args.sizes.split(",")):
         for kind in args.kinds.split(","):
             run, per_call, delay = _program(session, kind, n, parse_bytes(args.scan_bytes))
             for on in (True, False, True, False):  # compile, warm up
-                ext._prefault_waiting_outputs(on)
+                switch(on)
                 session.barrier()
                 run()
             times: dict[bool, list[float]] = {True: [], False: []}
             faults: dict[bool, list[int]] = {True: [], False: []}
             for r in range(args.rounds):
                 for on in ((True, False) if r % 2 == 0 else (False, True)):
-                    ext._prefault_waiting_outputs(on)
+                    switch(on)
                     session.barrier()
                     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                     start = time.perf_counter()
                     run()
                     times[on].append(time.perf_counter() - start - delay)
                     faults[on].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-            ext._prefault_waiting_outputs(True)
+            switch(True)
             on_us, off_us = (float(np.median(times[k])) / per_call * 1e6 for k in (True, False))
             ratios = np.array(times[False]) / np.array(times[True])
             print(f"rank {session.rank} {kind} {n} B ({per_call} messages a call, {args.rounds} "

@@ -199,6 +199,11 @@ NB_MODULE(_jax_cpu_mpi, m) {
         nb::arg("on"),
         "Benchmarks only: whether a precv that waits for its message faults its large output "
         "in meanwhile (on by default), so that one process can time both ways in turn.");
+  m.def("_zero_fill_ends_by_page", [](bool on) { jcm::SetZeroFillEndsByPage(on); },
+        nb::arg("on"),
+        "Benchmarks only: whether the zeros of a large precv that is no destination give back "
+        "the 4 KiB pages not in memory at the output's partial huge pages (on by default) or "
+        "write them, so that one process can time both ways in turn.");
   m.def("exit_barrier_met", [] { return jcm::Runtime::Get().exit_barrier_met(); },
         "Whether detach_mpi met every rank in the exit barrier.");
   m.def("register_exit_before_finalize", [] { jcm::RegisterExitBeforeFinalize(); },
@@ -275,6 +280,9 @@ NB_MODULE(_jax_cpu_mpi, m) {
     d["prefaulted_bytes"] = jcm::PrefaultedBytes();
     // Bytes of such outputs found in memory already (a warm output), left alone.
     d["prefault_present_bytes"] = jcm::PrefaultPresentBytes();
+    // Bytes of precv zeros written, and given back to the kernel instead (local/zero_fill.h).
+    d["zero_fill_written_bytes"] = jcm::ZeroFillWrittenBytes();
+    d["zero_fill_dropped_bytes"] = jcm::ZeroFillDroppedBytes();
     return d;
   });
 

@@ -1,6 +1,7 @@
 #include "local/zero_fill.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdint>
 #include <cstring>
@@ -89,10 +90,15 @@ size_t StreamingZeroFillMinBytes() {
 
 namespace {
 
+std::atomic<uint64_t> g_written_bytes{0};  // ZeroFillWrittenBytes
+std::atomic<uint64_t> g_dropped_bytes{0};  // ZeroFillDroppedBytes
+std::atomic<bool> g_ends_by_page{true};    // SetZeroFillEndsByPage
+
 // The bytes of [data, data + bytes) set to zero: with streaming stores if `stream` (a buffer
 // of StreamingZeroFillMinBytes() or more, of which this may be a part), else memset.
 void Fill(void* data, size_t bytes, bool stream) {
   if (bytes == 0) return;
+  g_written_bytes.fetch_add(bytes, std::memory_order_relaxed);
 #ifdef JCM_STREAMING_STORES
   if (stream) {
     auto* p = static_cast<std::byte*>(data);
@@ -265,32 +271,95 @@ bool HasProcmapQuery() {
   return has;
 }
 
-// Zeroes [data, data + bytes) by giving the whole huge pages inside it back to the kernel
-// (madvise MADV_DONTNEED) where they lie in private anonymous mappings: such a page reads as
-// zeros from then on, and a later read maps the kernel's shared zero page (one fault per
-// huge page) instead of this thread writing every byte. The range is first advised for huge
-// pages, so that a later write faults them back in 2 MiB at a time, which costs about what
-// writing the zeros now would. The bytes outside the whole huge pages are written. False
-// (nothing written) where that cannot be done: no THP, a range without a whole huge page, a
-// shared, file-backed or locked mapping, or a kernel that does not say.
+// Zeroes [begin, end), whole 4 KiB pages of a private anonymous mapping: writes the pages in
+// memory and gives the others back (MADV_DONTNEED, which also drops what was swapped out;
+// nothing to do for a page never touched). Writing a page that is not in memory (a fresh
+// output's) would fault it in, 4 KiB at a time, and have the kernel clear it before this
+// writes it again. False where mincore or madvise refuses.
+bool FillPresentDropRest(uintptr_t begin, uintptr_t end, bool stream) {
+  if (begin >= end) return true;
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  thread_local std::vector<unsigned char> resident;
+  resident.resize((end - begin) / page);
+  if (mincore(reinterpret_cast<void*>(begin), end - begin, resident.data()) != 0) return false;
+  uintptr_t run = begin;  // the start of the current run of one kind
+  bool run_present = false;
+  auto flush = [&](uintptr_t to) {
+    if (to <= run) return true;
+    const size_t n = static_cast<size_t>(to - run);
+    if (run_present) {
+      Fill(reinterpret_cast<void*>(run), n, stream);
+    } else {
+      if (madvise(reinterpret_cast<void*>(run), n, MADV_DONTNEED) != 0) return false;
+      g_dropped_bytes.fetch_add(n, std::memory_order_relaxed);
+    }
+    return true;
+  };
+  for (size_t i = 0; i < resident.size(); ++i) {
+    const bool present = (resident[i] & 1) != 0;
+    const uintptr_t at = begin + i * page;
+    if (at == begin) {
+      run_present = present;
+    } else if (present != run_present) {
+      if (!flush(at)) return false;
+      run = at;
+      run_present = present;
+    }
+  }
+  return flush(end);
+}
+
+// Zeroes [data, data + bytes) where it lies in private anonymous mappings by giving the whole
+// huge pages inside it back to the kernel (madvise MADV_DONTNEED): such a page reads as zeros
+// from then on, and a later read maps the kernel's shared zero page. The range is first
+// advised for huge pages, so that a later write faults them back in 2 MiB at a time. A loop
+// whose precv is no destination at every step (the first stage of a pipeline) thus pays a
+// system call a step, not a pass over its output: the pages given back at the first step are
+// not in memory at the next. At the partial huge pages at both ends, the 4 KiB pages in
+// memory are written and the others given back (FillPresentDropRest; where
+// SetZeroFillEndsByPage(false), the ends are written whole). The bytes outside whole 4 KiB
+// pages are written. False (nothing written) where that cannot be done: no THP, a range
+// without a whole huge page, a shared, file-backed or locked mapping, or a kernel that does
+// not say.
 bool FillByDroppingHugePages(std::byte* data, size_t bytes, bool stream) {
   if (TransparentHugePageBytes() == 0) return false;
   const std::span<std::byte> pages = WholeHugePages(data, bytes);
   if (pages.empty()) return false;
   std::byte* const first = pages.data();
   std::byte* const last = first + pages.size();
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const auto start = reinterpret_cast<uintptr_t>(data);
+  const uintptr_t page_begin = (start + page - 1) & ~(page - 1);
+  const uintptr_t page_end = (start + bytes) & ~(page - 1);
   const auto begin = reinterpret_cast<uintptr_t>(first);
   const auto end = reinterpret_cast<uintptr_t>(last);
+  const bool ends_by_page = g_ends_by_page.load(std::memory_order_relaxed);
+  // The ends' 4 KiB pages are only left unwritten if they too lie in such mappings.
+  const uintptr_t ask_begin = ends_by_page ? page_begin : begin;
+  const uintptr_t ask_end = ends_by_page ? page_end : end;
   // Without the query, the maps text is read (ZeroFillDropMinBytes: only at a size where that
   // read is worth it).
   const bool anonymous = HasProcmapQuery()
-                             ? PrivateAnonymousByQuery(begin, end).value_or(false)
-                             : PrivateAnonymous(begin, end);
+                             ? PrivateAnonymousByQuery(ask_begin, ask_end).value_or(false)
+                             : PrivateAnonymous(ask_begin, ask_end);
   if (!anonymous) return false;
   AdviseHugePages(data, bytes);
   if (madvise(first, pages.size(), MADV_DONTNEED) != 0) return false;  // e.g. mlocked
-  Fill(data, static_cast<size_t>(first - data), stream);
-  Fill(last, static_cast<size_t>(data + bytes - last), stream);
+  g_dropped_bytes.fetch_add(pages.size(), std::memory_order_relaxed);
+  if (!ends_by_page) {
+    Fill(data, static_cast<size_t>(first - data), stream);
+    Fill(last, static_cast<size_t>(data + bytes - last), stream);
+    return true;
+  }
+  // Whatever fails part way has written or given back only zeros: the caller's full write
+  // after it is still right.
+  if (!FillPresentDropRest(page_begin, begin, stream) ||
+      !FillPresentDropRest(end, page_end, stream)) {
+    return false;
+  }
+  Fill(data, static_cast<size_t>(page_begin - start), stream);
+  Fill(reinterpret_cast<std::byte*>(page_end), static_cast<size_t>(start + bytes - page_end),
+       stream);
   return true;
 }
 #endif
@@ -307,6 +376,10 @@ size_t ZeroFillDropMinBytes() {
   return 0;
 #endif
 }
+
+uint64_t ZeroFillWrittenBytes() { return g_written_bytes.load(std::memory_order_relaxed); }
+uint64_t ZeroFillDroppedBytes() { return g_dropped_bytes.load(std::memory_order_relaxed); }
+void SetZeroFillEndsByPage(bool on) { g_ends_by_page.store(on, std::memory_order_relaxed); }
 
 void ZeroFill(void* data, size_t bytes) {
   if (bytes == 0) return;

@@ -20,10 +20,13 @@
 // no destination at every step of a loop (the first stage of a pipeline, one direction of a
 // two-op exchange) then costs a system call, not a pass over its output; a later write of
 // the range faults the pages back in, a huge page at a time, for about what writing the
-// zeros would have cost.
+// zeros would have cost. At the partial huge pages at both ends it writes the 4 KiB pages
+// that are in memory and gives the others back too: writing a page that is not in memory
+// (a fresh output's) would fault it in, 4 KiB at a time, and have the kernel clear it first.
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 namespace jcm {
 
@@ -38,6 +41,16 @@ void ZeroFill(void* data, size_t bytes);
 // read instead, 0 where there are no transparent huge pages or the process keeps its freed
 // memory (KeepingFreedMemory: JAX_CPU_MPI_KEEP_FREED_MEMORY).
 size_t ZeroFillDropMinBytes();
+
+// Bytes that ZeroFill wrote, and bytes it gave back to the kernel instead, in this process:
+// for tests and benchmarks.
+uint64_t ZeroFillWrittenBytes();
+uint64_t ZeroFillDroppedBytes();
+
+// Benchmarks only: false has ZeroFill write the partial huge pages at both ends of a buffer
+// from ZeroFillDropMinBytes() whole, in memory or not (as before it gave back the 4 KiB
+// pages there that are not in memory); true is the default.
+void SetZeroFillEndsByPage(bool on);
 
 // The size from which ZeroFill streams (0: never, on this platform).
 size_t StreamingZeroFillMinBytes();

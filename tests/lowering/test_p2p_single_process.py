@@ -291,6 +291,12 @@ def test_zero_fill_leaves_untouched_anonymous_pages_alone(tmp_path):
     m.close()
 
 
+def _huge_pages() -> int:
+    """4 KiB pages in a transparent huge page."""
+    with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
+        return int(f.read()) // mmap.PAGESIZE
+
+
 @pytest.mark.skipif(not ext.zero_fill_drop_min_bytes() or
                     not os.access("/proc/self/pagemap", os.R_OK),
                     reason="no transparent huge pages here: ZeroFill writes every page")
@@ -301,8 +307,7 @@ def test_zero_fill_gives_whole_huge_pages_back():
     the buffer's partial huge pages at both ends are written, and the buffer written again
     afterwards holds what was written (the pages fault back in), then zeros again."""
     n = 4 * ext.zero_fill_drop_min_bytes() + 3 * mmap.PAGESIZE + 5
-    with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
-        huge_pages = int(f.read()) // mmap.PAGESIZE
+    huge_pages = _huge_pages()
     backing = np.full(n + 200, 0xAB, np.uint8)  # every page present
     buffer = backing[100:-100]
     for value in (0x11, 0x22):
@@ -318,6 +323,49 @@ def test_zero_fill_gives_whole_huge_pages_back():
     ext.zero_fill(small)
     assert not small.any() and (backing[:100] == 0xAB).all()
     assert backing[100 + small.size] == 0x22
+
+
+@pytest.mark.skipif(not ext.zero_fill_drop_min_bytes() or
+                    not os.access("/proc/self/pagemap", os.R_OK),
+                    reason="no transparent huge pages here: ZeroFill writes every page")
+def test_zero_fill_gives_the_ends_absent_pages_back():
+    """At the partial huge pages at both ends of a buffer from zero_fill_drop_min_bytes, the
+    4 KiB pages not in memory (a fresh output's) are given back, not written (fails if they
+    are written, as before: they would be in memory after, each one a page fault), and those
+    in memory are written; the whole huge pages are given back, in memory or not. Every byte
+    reads zero, the bytes around keep their values, and the stats count what was written and
+    given back."""
+    page = mmap.PAGESIZE
+    huge = _huge_pages() * page
+    n = 4 * ext.zero_fill_drop_min_bytes() + 3 * page + 5
+    m, backing = _mapped(n + 2 * huge + 2 * page, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # The buffer starts 5 bytes into a page, a few pages past a huge page's boundary: its
+    # ends are partial huge pages.
+    base = backing.ctypes.data
+    offset = (-base) % huge + 3 * page + 5
+    buffer = backing[offset:offset + n]
+    backing[:] = 0xAB  # every page present
+    first_huge = offset + (-(base + offset)) % huge
+    whole = (offset + n - first_huge) // huge * huge
+    # Not in memory before the fill: the second whole huge page, two 4 KiB pages at each end.
+    m.madvise(mmap.MADV_DONTNEED, first_huge + huge, huge)
+    m.madvise(mmap.MADV_DONTNEED, offset - 5 + page, 2 * page)
+    last_whole = (offset + n) // page * page
+    m.madvise(mmap.MADV_DONTNEED, last_whole - 2 * page, 2 * page)
+    before = _present_pages(buffer)
+    s0 = ext.stats()
+    ext.zero_fill(buffer)
+    s1 = ext.stats()
+    written = s1["zero_fill_written_bytes"] - s0["zero_fill_written_bytes"]
+    dropped = s1["zero_fill_dropped_bytes"] - s0["zero_fill_dropped_bytes"]
+    given_back = whole + 4 * page
+    assert dropped == given_back and written == n - given_back, (dropped, written, n)
+    after = _present_pages(buffer)
+    assert after == before - (whole - huge) // page, (after, before)
+    assert not buffer.any()
+    assert (backing[:offset] == 0xAB).all() and (backing[offset + n:] == 0xAB).all()
+    del buffer, backing
+    m.close()
 
 
 @pytest.mark.parametrize("kind", ["streamed", "fresh-map"])
