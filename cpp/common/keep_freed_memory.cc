@@ -178,6 +178,34 @@ std::span<std::byte> WholeHugePages(void* data, size_t bytes) {
   return {reinterpret_cast<std::byte*>(begin), static_cast<size_t>(end - begin)};
 }
 
+size_t BasePageBytes() {
+#if defined(__linux__)
+  static const size_t bytes = [] {
+    const long page = sysconf(_SC_PAGESIZE);
+    return page > 0 ? static_cast<size_t>(page) : size_t{4096};
+  }();
+  return bytes;
+#else
+  return 4096;
+#endif
+}
+
+std::optional<std::span<const unsigned char>> ResidentPages(uintptr_t begin, uintptr_t end) {
+#if defined(__linux__)
+  const uintptr_t page = BasePageBytes();
+  thread_local std::vector<unsigned char> resident;
+  resident.resize((end - begin + page - 1) / page);
+  if (mincore(reinterpret_cast<void*>(begin), end - begin, resident.data()) != 0) {
+    return std::nullopt;
+  }
+  return std::span<const unsigned char>(resident);
+#else
+  (void)begin;
+  (void)end;
+  return std::nullopt;
+#endif
+}
+
 namespace {
 
 #if defined(__linux__)
@@ -340,7 +368,7 @@ OutputPrefault::OutputPrefault(void* data, size_t bytes) {
     return;
   }
   const auto start = reinterpret_cast<uintptr_t>(data);
-  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const auto page = static_cast<uintptr_t>(BasePageBytes());
   next_ = start & ~(page - 1);
   end_ = (start + bytes + page - 1) & ~(page - 1);
 #else
@@ -356,17 +384,9 @@ namespace {
 // back), and a step that walks them delays the poll that would see the message by that
 // walk. False where mincore refuses (the populate then decides).
 bool AllPresent(uintptr_t begin, uintptr_t end) {
-#if defined(__linux__)
-  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-  thread_local std::vector<unsigned char> resident;
-  resident.resize((end - begin + page - 1) / page);
-  if (mincore(reinterpret_cast<void*>(begin), end - begin, resident.data()) != 0) return false;
-  return std::all_of(resident.begin(), resident.end(), [](unsigned char r) { return r & 1; });
-#else
-  (void)begin;
-  (void)end;
-  return false;
-#endif
+  const auto resident = ResidentPages(begin, end);
+  return resident && std::all_of(resident->begin(), resident->end(),
+                                 [](unsigned char r) { return (r & 1) != 0; });
 }
 }  // namespace
 

@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 
 namespace jcm {
@@ -61,6 +62,15 @@ void CollapseReusedBuffer(void* data, size_t bytes);
 // The whole transparent huge pages (PMD-sized, aligned) inside [data, data + bytes): the range
 // AdviseHugePages advises. Empty where it holds none, or the kernel has no huge pages.
 std::span<std::byte> WholeHugePages(void* data, size_t bytes);
+
+// The size of a base page (sysconf(_SC_PAGESIZE)), asked once.
+size_t BasePageBytes();
+
+// Which base pages of [begin, end) are in memory (mincore: bit 0 of each byte, a page a
+// byte), in a buffer of the calling thread's that its next call reuses: a fresh vector would
+// be a malloc at every call. nullopt where mincore refuses (or not on Linux). `begin` is a
+// multiple of BasePageBytes().
+std::optional<std::span<const unsigned char>> ResidentPages(uintptr_t begin, uintptr_t end);
 
 // The size of a transparent huge page where the kernel backs a range advised with
 // AdviseHugePages by them (THP "madvise" or "always"), else 0 (no THP, or "never").

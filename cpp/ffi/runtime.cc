@@ -150,6 +150,23 @@ void Runtime::StopProgressThread() {
   progress_thread_.join();
 }
 
+namespace {
+// One line of the exit report for a message that no precv took: its kind, its size and, for
+// a staged one, what the bytes hold (the envelope comes first), its sender and tag.
+std::string DescribeUnreceived(const MpiTransport::Unreceived& u) {
+  std::string what;
+  if (std::string_view(u.kind) == "staged") {
+    const int envelope = static_cast<int>(sizeof(Envelope));
+    what = u.bytes <= envelope ? " (the chunk header of a larger or framed message)"
+                               : " (a payload of " + std::to_string(u.bytes - envelope) +
+                                     " bytes and its envelope)";
+  }
+  return "a " + std::string(u.kind) + " message of " + std::to_string(u.bytes) + " bytes" +
+         what + " from MPI rank " + std::to_string(u.source) + " on tag " +
+         std::to_string(u.tag);
+}
+}  // namespace
+
 std::string Runtime::detach_mpi(double timeout_s) {
   std::shared_ptr<MpiTransport> transport;
   {
@@ -180,16 +197,7 @@ std::string Runtime::detach_mpi(double timeout_s) {
     for (const MpiTransport::Unreceived& u : transport->ProbeUnreceived()) {
       if (std::string_view(u.kind) == "ready") continue;
       ++count;
-      unreceived += "\n    a " + std::string(u.kind) + " message of " +
-                    std::to_string(u.bytes) + " bytes" +
-                    (std::string_view(u.kind) != "staged" ? std::string()
-                     : u.bytes <= static_cast<int>(sizeof(Envelope))
-                         ? std::string(" (the chunk header of a larger or framed message)")
-                         : " (a payload of " +
-                               std::to_string(u.bytes - static_cast<int>(sizeof(Envelope))) +
-                               " bytes and its envelope)") +
-                    " from MPI rank " + std::to_string(u.source) + " on tag " +
-                    std::to_string(u.tag);
+      unreceived += "\n    " + DescribeUnreceived(u);
     }
     if (count > 0) {
       report += (report.empty() ? "" : "\n") +

@@ -166,9 +166,7 @@ bool PrivateAnonymous(uintptr_t begin, uintptr_t end) {
 // present (a reused buffer: the usual case, told by pagemap alone, before the slower look
 // at the mappings) or the kernel does not say: the caller then writes every byte.
 bool FillSkippingUntouched(std::byte* data, size_t bytes, bool stream) {
-  const long page_size = sysconf(_SC_PAGESIZE);
-  if (page_size <= 0) return false;
-  const auto page = static_cast<uintptr_t>(page_size);
+  const uintptr_t page = BasePageBytes();
   const auto start = reinterpret_cast<uintptr_t>(data);
   const uintptr_t first = (start + page - 1) / page;  // the whole pages, by number
   const uintptr_t last = (start + bytes) / page;
@@ -278,10 +276,10 @@ bool HasProcmapQuery() {
 // writes it again. False where mincore or madvise refuses.
 bool FillPresentDropRest(uintptr_t begin, uintptr_t end, bool stream) {
   if (begin >= end) return true;
-  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-  thread_local std::vector<unsigned char> resident;
-  resident.resize((end - begin) / page);
-  if (mincore(reinterpret_cast<void*>(begin), end - begin, resident.data()) != 0) return false;
+  const uintptr_t page = BasePageBytes();
+  const auto found = ResidentPages(begin, end);
+  if (!found) return false;
+  const std::span<const unsigned char> resident = *found;
   uintptr_t run = begin;  // the start of the current run of one kind
   bool run_present = false;
   auto flush = [&](uintptr_t to) {
@@ -327,7 +325,7 @@ bool FillByDroppingHugePages(std::byte* data, size_t bytes, bool stream) {
   if (pages.empty()) return false;
   std::byte* const first = pages.data();
   std::byte* const last = first + pages.size();
-  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t page = BasePageBytes();
   const auto start = reinterpret_cast<uintptr_t>(data);
   const uintptr_t page_begin = (start + page - 1) & ~(page - 1);
   const uintptr_t page_end = (start + bytes) & ~(page - 1);
