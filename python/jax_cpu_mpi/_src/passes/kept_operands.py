@@ -40,10 +40,13 @@ from jax_cpu_mpi._src.ffi.custom_calls import (
     GROUP_PAIRS,
     OPERAND_KEPT,
     PRECV_TARGET,
+    PROGRAM_RECEIVES,
     PSEND_TARGET,
     array_attribute,
     call_target,
+    functions,
     int_attribute,
+    is_private,
     operations,
     set_array_attribute,
     set_int_attribute,
@@ -205,10 +208,77 @@ def _unique(values: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
     return found
 
 
+#: Operations whose region runs exactly once each time they run (shard_map's body, a named
+#: computation); any other region (a loop's, a branch's) may run its ops more than once or
+#: not at all.
+_RUN_ONCE_REGIONS = frozenset({"sdy.manual_computation", "sdy.named_computation"})
+
+
+def _callee(call: Any) -> str:
+    return ir.FlatSymbolRefAttr(call.attributes["callee"]).value
+
+
+def _runs_once(module: Any) -> Any:
+    """``runs_once(op)``: whether ``op`` runs exactly once in a call of the program: it sits
+    in a function's own block or a shard_map's (not in a loop's or a branch's region), and
+    that function is
+    the program's entry or called from exactly one such place of a function that runs once
+    (JAX lowers a shard_map's body, a nested jit, as a function of its own)."""
+    funcs = functions(module)
+    calls: dict[str, list[Any]] = {}
+    for op in operations(module.operation):
+        if op.name == "func.call":
+            calls.setdefault(_callee(op), []).append(op)
+    memo: dict[str, bool] = {}
+
+    def func_once(name: str, seen: frozenset[str]) -> bool:
+        if name not in memo:
+            func = funcs.get(name)
+            sites = calls.get(name, [])
+            if func is None or name in seen:
+                memo[name] = False
+            elif not is_private(func):
+                memo[name] = not sites
+            else:
+                memo[name] = len(sites) == 1 and op_once(sites[0], seen | {name})
+        return memo[name]
+
+    def op_once(op: Any, seen: frozenset[str] = frozenset()) -> bool:
+        parent = op.parent
+        while parent.name != "func.func":
+            if parent.name not in _RUN_ONCE_REGIONS:
+                return False
+            parent = parent.parent
+        return func_once(ir.StringAttr(parent.attributes["sym_name"]).value, seen)
+
+    return op_once
+
+
+def _program_receives(module: Any) -> np.ndarray:
+    """PROGRAM_RECEIVES of the module: every data-moving precv's pairs, with ``-1 -
+    destination`` for one that may run more than once in a call, or not at all (a failed
+    call then leaves its channels suspect however many messages it took)."""
+    runs_once = _runs_once(module)
+    receives = []
+    for op in operations(module.operation):
+        if call_target(op) == PRECV_TARGET and _moves_data(op):
+            pairs = array_attribute(op, "pairs").reshape(-1, 2).copy()
+            if not runs_once(op):
+                pairs[:, 1] = -1 - pairs[:, 1]
+            receives.append(pairs.reshape(-1))
+    return np.concatenate(receives) if receives else np.zeros(0, dtype=np.int64)
+
+
 def keep_psend_operands(module: Any) -> int:
-    """Runs the pass on a lowered module; returns how many precvs now keep an operand."""
+    """Runs the pass on a lowered module; returns how many precvs now keep an operand.
+    Also gives every psend/precv of the module the program's receives (PROGRAM_RECEIVES)."""
     rules.emitted_for_pass = 0
     with module.context:
+        receives = _program_receives(module)
+        for op in operations(module.operation):
+            if (call_target(op) in (PSEND_TARGET, PRECV_TARGET)
+                    and int_attribute(op, OPERAND_KEPT) is not None):
+                set_array_attribute(op, PROGRAM_RECEIVES, receives)
         precvs = [op for op in operations(module.operation)
                   if call_target(op) == PRECV_TARGET and int_attribute(op, OPERAND_KEPT) == 0]
         groups = _groups(precvs)
