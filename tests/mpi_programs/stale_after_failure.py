@@ -15,7 +15,8 @@ failing, then rank 1), and in process (all three on one rank, run on each rank a
 its own devices), at 8 B (eager), 4 KiB (staged), 64 KiB and 1 MiB one-way (framed from the
 operand over MPI: in process only, see OVER_MPI) and 1 MiB in a cycle (a deferred send,
 direct). Each case uses channels into the failing device that no earlier case used: a
-refused channel stays refused.
+refused channel stays refused. In the cycle, the failed op also finishes device 0's send
+that the skipped precv kept (its operand still alive): the peer gets its bytes.
 """
 
 from __future__ import annotations
@@ -78,11 +79,20 @@ def run_case(name: str, devices: list, n: int, kind: str, *, mine: bool) -> None
     x2 = common.global_array(mesh, P("x"), second)
     w = common.global_array(mesh, P("x"), np.arange(6, dtype=np.int32))
     try:
-        jax.block_until_ready(f(x1, w))
+        got = jax.block_until_ready(f(x1, w))[0]
     except jax.errors.JaxRuntimeError as e:
         assert mine and "expected float32[2]" in str(e), f"{name}: {e}"
     else:
         assert not mine, f"{name}: the failing device's precv must fail"
+        if kind == "cycle":
+            # Device 0's psend of the cycle defers or leaves its send in flight, and the
+            # precv that keeps its operand is skipped: the failed op finished that send
+            # while the operand was alive, and the peer got the operand's bytes.
+            shard = next(s for s in got.addressable_shards if s.index[0].start == 2 * n)
+            np.testing.assert_array_equal(np.asarray(shard.data), pattern(n, 10),
+                                          err_msg=name)
+            print(f"ok   {name}: the failed op finished the kept send", flush=True)
+    assert jax_cpu_mpi.stats()["kept_sends_unfinished"] == 0, name
     try:
         got = jax.block_until_ready(g(x2))
     except jax.errors.JaxRuntimeError as e:
