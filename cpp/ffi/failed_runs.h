@@ -11,9 +11,9 @@
 // how often, the peer's psend ran. So an op of ours that fails marks the channels into its
 // device on which its program receives (the lowering lists them: PROGRAM_RECEIVES in
 // python/jax_cpu_mpi/_src/ffi/custom_calls.py) where the call's precvs did not all take
-// their messages: a channel whose precvs run once per call is left alone if as many took a
-// message on it in the failed run (NoteTaken) as the program has; one with a precv in a loop
-// or a branch is always marked. Every later precv on a marked channel fails, naming the
+// their messages: a channel is left alone if as many precvs ran their receive on it in the
+// failed run (NoteTaken) as run at most in a call of the program (a branch counts its
+// largest branch); one with a precv in a loop is always marked. Every later precv on a marked channel fails, naming the
 // failure, instead of returning what may be the old message.
 // As with NCCL after a failed op, the job is to be restarted: the channels are not usable
 // again in this process.
@@ -41,8 +41,9 @@ class SuspectChannels {
   // Channels marked so far.
   size_t count() const;
 
-  // A precv of the program run `run_id` took a message (its own, or one refused for a
-  // mismatch) on the channel `src_dev` -> `dst_dev`. A few relaxed atomic operations.
+  // A precv of the program run `run_id` ran its receive on the channel `src_dev` ->
+  // `dst_dev` (took its message, refused it for a mismatch, or timed out). A few relaxed
+  // atomic operations.
   void NoteTaken(int64_t src_dev, int64_t dst_dev, int64_t run_id) {
     std::atomic<uint64_t>& slot = taken_[SlotOf(src_dev, dst_dev)];
     const uint64_t tag = TagOf(src_dev, dst_dev, run_id);

@@ -50,8 +50,9 @@ struct OpInfo {
   // The pairs of the precvs that finish the op's group of sends (passes/kept_operands.py),
   // empty when no precv keeps the operands.
   I64Span group_pairs;
-  // The pairs of every precv of the program (PROGRAM_RECEIVES of the lowering: one that may
-  // run more than once in a call listed twice); read only when an op fails (failed_runs.h).
+  // The pairs of the program's precvs (PROGRAM_RECEIVES of the lowering: each as often as
+  // its precvs run at most in a call, and with -1 - destination where one may run any
+  // number of times); read only when an op fails (failed_runs.h).
   I64Span program_receives;
   // precv: whether a device that is no destination writes the zeros of its output. False
   // where the program selects the zeros itself (passes/kept_operands.py: the users of the
@@ -80,8 +81,9 @@ ffi::Error Malformed(std::string_view op) {
 // Unpacks the lowering's `routing` attribute (python/jax_cpu_mpi/_src/ffi/custom_calls.py):
 // the header [num_devices, operand_kept, partitions, pair values, group pair values,
 // zero_fill, program receive values], then the pairs, device_index, device_process,
-// group_pairs and program_receives, one after another. One attribute, not seven: XLA's FFI decodes every attribute of a call, by name, on each call,
-// and a psend and a precv run for every message. Malformed if the sizes do not add up.
+// group_pairs and program_receives, one after another. One attribute, not eight: XLA's FFI
+// decodes every attribute of a call, by name, on each call, and a psend and a precv run for
+// every message. Malformed if the sizes do not add up.
 ffi::ErrorOr<Routing> Unpack(I64Span routing, std::string_view op, std::string_view operand) {
   constexpr size_t kHeader = 7;
   if (routing.size() < kHeader) return ffi::Unexpected(Malformed(op));
@@ -394,8 +396,10 @@ ffi::Error RefusedAfterFailure(const OpInfo& info, int64_t me, int64_t peer,
 }
 
 // Sets *deadline to the receive's deadline once it has one (it is left alone otherwise).
-// A message taken off the channel (received, or refused for a mismatch: either way
-// consumed) is counted for the run `run_id` (SuspectChannels::NoteTaken).
+// A receive that ran is counted for the run `run_id` (SuspectChannels::NoteTaken) whatever
+// its outcome: received, or refused for a mismatch (the message is consumed either way), or
+// timed out (no message came in time: one that comes later is taken by the next precv of
+// the channel, as before; tests and programs wait again on a channel after a timeout).
 ffi::Error Receive(int64_t run_id, ffi::Buffer<ffi::U32> partition,
                    ffi::Result<ffi::AnyBuffer> out, const OpInfo& info,
                    Clock::time_point* deadline_out) {
@@ -435,10 +439,7 @@ ffi::Error Receive(int64_t run_id, ffi::Buffer<ffi::U32> partition,
   if (local) {
     Status r = rt.mailbox().Recv({peer_dev, my_dev}, out->untyped_data(), bytes, operand,
                                  deadline);
-    if (r.ok() || r.code() == StatusCode::kSizeMismatch ||
-        r.code() == StatusCode::kTypeMismatch) [[likely]] {
-      rt.suspect_channels().NoteTaken(peer_dev, my_dev, run_id);
-    }
+    rt.suspect_channels().NoteTaken(peer_dev, my_dev, run_id);
     switch (r.code()) {
       case StatusCode::kOk:
         return ffi::Error::Success();
@@ -488,10 +489,7 @@ ffi::Error Receive(int64_t run_id, ffi::Buffer<ffi::U32> partition,
   }
   Status r = mpi->Recv(source, *tag, out->untyped_data(), bytes, operand, deadline,
                        sender_kept, sender_one_way);
-  if (r.ok() || r.code() == StatusCode::kSizeMismatch ||
-      r.code() == StatusCode::kTypeMismatch) [[likely]] {
-    rt.suspect_channels().NoteTaken(peer_dev, my_dev, run_id);
-  }
+  rt.suspect_channels().NoteTaken(peer_dev, my_dev, run_id);
   if (r.ok()) return ffi::Error::Success();
   if (r.code() == StatusCode::kSizeMismatch) {
     return ffi::Error::InvalidArgument(
@@ -611,24 +609,17 @@ ffi::Error Noted(ffi::Error result) {
   return result;
 }
 
-// A failed op also finishes the sends of its program run and device that later precvs were
-// to finish: XLA runs no further thunk of the program on that device, so those precvs never
-// run, and the operands they kept alive are freed when the program ends, while a deferred
-// send (or a direct send in flight) still points into them (mpi/transport.h). Finished now,
-// while the operands are still alive, each is posted, staged or cancelled, and nothing
-// reads them afterwards (a precv of another run at the same address finishes none of them).
-// What goes wrong with them is kept for the report at exit (the op's own error stands).
 // The precvs of the run that XLA skips on that device may leave their peers' messages in
 // their channels: those channels are marked (failed_runs.h). PROGRAM_RECEIVES lists each
-// precv's pairs, a precv that may run more than once or not at all with its destination as
-// -1 - destination.
+// pair as often as its precvs run at most in a call, and with -1 - destination where one
+// may run any number of times (a loop).
 void MarkSkippedReceives(const OpInfo& info, int64_t run_id, int64_t me,
                          const std::string& error) {
   const int64_t n = static_cast<int64_t>(info.device_index.size());
   if (me < 0 || me >= n) return;
   struct Receives {
-    int64_t once = 0;     // precvs from the source that run once per call
-    bool repeat = false;  // one that may run more often, or not at all
+    int64_t once = 0;     // precvs from the source that run at most once per call
+    bool repeat = false;  // one that may run any number of times
   };
   std::map<int64_t, Receives> receives;  // by source partition
   for (size_t i = 0; i + 1 < info.program_receives.size(); i += 2) {
@@ -651,6 +642,15 @@ void MarkSkippedReceives(const OpInfo& info, int64_t run_id, int64_t me,
   }
 }
 
+// A failed op also finishes the sends of its program run and device that later precvs were
+// to finish: XLA runs no further thunk of the program on that device, so those precvs never
+// run, and the operands they kept alive are freed when the program ends, while a deferred
+// send (or a direct send in flight) still points into them (mpi/transport.h). Finished now,
+// while the operands are still alive, each is posted, staged or cancelled, and nothing
+// reads them afterwards (a precv of another run at the same address finishes none of them).
+// What goes wrong with them is kept for the report at exit (the op's own error stands).
+// It also marks the channels that the skipped precvs may have left messages in
+// (MarkSkippedReceives), where the op's attributes could be read (`info`).
 ffi::Error Settled(ffi::Error result, int64_t run_id, ffi::Buffer<ffi::U32> partition,
                    const OpInfo* info) {
   if (!result.failure()) [[likely]] return result;

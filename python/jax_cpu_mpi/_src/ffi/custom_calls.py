@@ -31,9 +31,10 @@ OPERAND_KEPT = "operand_kept"
 #: A psend may defer a send while its device receives in the group; a precv takes the
 #: deferred send's path when its sender receives in the group.
 GROUP_PAIRS = "group_pairs"
-#: The pairs of every precv of the program, as flat (source, destination) values, with
-#: ``-1 - destination`` for a precv that may run more than once in a call or not at all (in
-#: a loop, a branch, a function called from several places): an op of the program that
+#: The pairs of the program's precvs, as flat (source, destination) values, each as often as
+#: its precvs run at most in a call (a branch counts its largest branch), and ``(source, -1
+#: - destination)`` for one that may run any number of times (in a loop): an op of the
+#: program that
 #: fails on a device learns from them which channels into that device may still hold a
 #: message that a skipped precv of that call was to take (cpp/ffi/failed_runs.h). Set by
 #: passes/kept_operands.py.

@@ -31,6 +31,7 @@ so only then does the precv really run after them.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -209,64 +210,78 @@ def _unique(values: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
 
 
 #: Operations whose region runs exactly once each time they run (shard_map's body, a named
-#: computation); any other region (a loop's, a branch's) may run its ops more than once or
-#: not at all.
+#: computation), and those that run one of their regions at most once (a branch); any other
+#: region (a loop's) may run its ops any number of times.
 _RUN_ONCE_REGIONS = frozenset({"sdy.manual_computation", "sdy.named_computation"})
+_BRANCHES = frozenset({"stablehlo.case", "stablehlo.if"})
+
+Pair = tuple[int, int]
 
 
-def _callee(call: Any) -> str:
-    return ir.FlatSymbolRefAttr(call.attributes["callee"]).value
-
-
-def _runs_once(module: Any) -> Any:
-    """``runs_once(op)``: whether ``op`` runs exactly once in a call of the program: it sits
-    in a function's own block or a shard_map's (not in a loop's or a branch's region), and
-    that function is
-    the program's entry or called from exactly one such place of a function that runs once
-    (JAX lowers a shard_map's body, a nested jit, as a function of its own)."""
-    funcs = functions(module)
-    calls: dict[str, list[Any]] = {}
-    for op in operations(module.operation):
-        if op.name == "func.call":
-            calls.setdefault(_callee(op), []).append(op)
-    memo: dict[str, bool] = {}
-
-    def func_once(name: str, seen: frozenset[str]) -> bool:
-        if name not in memo:
-            func = funcs.get(name)
-            sites = calls.get(name, [])
-            if func is None or name in seen:
-                memo[name] = False
-            elif not is_private(func):
-                memo[name] = not sites
+def _receives_of(ops: Any, funcs: dict[str, Any], calls: list[str]) -> tuple[Counter, set]:
+    """How many precvs of each pair run at most in one run of ``ops`` (a branch op counts its
+    largest branch), and the pairs of precvs that may run more often (in a loop, a recursive
+    call)."""
+    counts: Counter = Counter()
+    repeat: set[Pair] = set()
+    for op in ops:
+        op = op.operation
+        if call_target(op) == PRECV_TARGET and _moves_data(op):
+            values = array_attribute(op, "pairs").tolist()
+            counts.update(zip(values[::2], values[1::2], strict=True))
+        elif op.name == "func.call":
+            callee = ir.FlatSymbolRefAttr(op.attributes["callee"]).value
+            if callee in calls or callee not in funcs:
+                inner, inner_repeat = Counter(), set()
+                if callee in funcs:  # recursion: whatever it receives may repeat
+                    inner, inner_repeat = _receives_of(
+                        _body(funcs[callee]), funcs, [*calls, callee, callee])
+                repeat |= set(inner) | inner_repeat
             else:
-                memo[name] = len(sites) == 1 and op_once(sites[0], seen | {name})
-        return memo[name]
+                inner, inner_repeat = _receives_of(_body(funcs[callee]), funcs,
+                                                   [*calls, callee])
+                counts.update(inner)
+                repeat |= inner_repeat
+        elif len(op.regions) > 0:
+            regions = [_receives_of(_region_ops(r), funcs, calls) for r in op.regions]
+            if op.name in _RUN_ONCE_REGIONS:
+                for inner, inner_repeat in regions:
+                    counts.update(inner)
+                    repeat |= inner_repeat
+            elif op.name in _BRANCHES:
+                for inner, inner_repeat in regions:
+                    counts |= inner  # the larger count of each pair
+                    repeat |= inner_repeat
+            else:
+                for inner, inner_repeat in regions:
+                    repeat |= set(inner) | inner_repeat
+    return counts, repeat
 
-    def op_once(op: Any, seen: frozenset[str] = frozenset()) -> bool:
-        parent = op.parent
-        while parent.name != "func.func":
-            if parent.name not in _RUN_ONCE_REGIONS:
-                return False
-            parent = parent.parent
-        return func_once(ir.StringAttr(parent.attributes["sym_name"]).value, seen)
 
-    return op_once
+def _region_ops(region: Any) -> list[Any]:
+    return [op for block in region.blocks for op in block.operations]
+
+
+def _body(func: Any) -> list[Any]:
+    return _region_ops(func.regions[0])
 
 
 def _program_receives(module: Any) -> np.ndarray:
-    """PROGRAM_RECEIVES of the module: every data-moving precv's pairs, with ``-1 -
-    destination`` for one that may run more than once in a call, or not at all (a failed
-    call then leaves its channels suspect however many messages it took)."""
-    runs_once = _runs_once(module)
-    receives = []
-    for op in operations(module.operation):
-        if call_target(op) == PRECV_TARGET and _moves_data(op):
-            pairs = array_attribute(op, "pairs").reshape(-1, 2).copy()
-            if not runs_once(op):
-                pairs[:, 1] = -1 - pairs[:, 1]
-            receives.append(pairs.reshape(-1))
-    return np.concatenate(receives) if receives else np.zeros(0, dtype=np.int64)
+    """PROGRAM_RECEIVES of the module: each pair as often as precvs of it run at most in a
+    call (one of a branch counted in its branch), and ``(source, -1 - destination)`` for a
+    pair whose precv may run any number of times (a failed call then leaves its channel
+    suspect however many messages it took)."""
+    funcs = functions(module)
+    entries = [name for name, func in funcs.items() if not is_private(func)]
+    counts: Counter = Counter()
+    repeat: set[Pair] = set()
+    for name in entries:
+        inner, inner_repeat = _receives_of(_body(funcs[name]), funcs, [name])
+        counts.update(inner)
+        repeat |= inner_repeat
+    values = [v for (src, dst), n in sorted(counts.items()) for v in (src, dst) * n]
+    values += [v for src, dst in sorted(repeat) for v in (src, -1 - dst)]
+    return np.array(values, dtype=np.int64)
 
 
 def keep_psend_operands(module: Any) -> int:
