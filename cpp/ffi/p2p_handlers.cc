@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <map>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -49,6 +50,10 @@ struct OpInfo {
   // The pairs of the precvs that finish the op's group of sends (passes/kept_operands.py),
   // empty when no precv keeps the operands.
   I64Span group_pairs;
+  // The pairs of the program's precvs (PROGRAM_RECEIVES of the lowering: each as often as
+  // its precvs run at most in a call, and with -1 - destination where one may run any
+  // number of times); read only when an op fails (failed_runs.h).
+  I64Span program_receives;
   // precv: whether a device that is no destination writes the zeros of its output. False
   // where the program selects the zeros itself (passes/kept_operands.py: the users of the
   // result read it through select(is_destination, result, 0), which XLA fuses into them),
@@ -75,16 +80,19 @@ ffi::Error Malformed(std::string_view op) {
 
 // Unpacks the lowering's `routing` attribute (python/jax_cpu_mpi/_src/ffi/custom_calls.py):
 // the header [num_devices, operand_kept, partitions, pair values, group pair values,
-// zero_fill], then the pairs, device_index, device_process and group_pairs, one after
-// another. One attribute, not seven: XLA's FFI decodes every attribute of a call, by name, on each call,
-// and a psend and a precv run for every message. Malformed if the sizes do not add up.
+// zero_fill, program receive values], then the pairs, device_index, device_process,
+// group_pairs and program_receives, one after another. One attribute, not eight: XLA's FFI
+// decodes every attribute of a call, by name, on each call, and a psend and a precv run for
+// every message. Malformed if the sizes do not add up.
 ffi::ErrorOr<Routing> Unpack(I64Span routing, std::string_view op, std::string_view operand) {
-  constexpr size_t kHeader = 6;
+  constexpr size_t kHeader = 7;
   if (routing.size() < kHeader) return ffi::Unexpected(Malformed(op));
   const int64_t n = routing[2], n_pairs = routing[3], n_group = routing[4];
-  if (n < 0 || n_pairs < 0 || n_group < 0 ||
+  const int64_t n_receives = routing[6];
+  if (n < 0 || n_pairs < 0 || n_group < 0 || n_receives < 0 ||
       static_cast<uint64_t>(n_pairs) + 2 * static_cast<uint64_t>(n) +
-              static_cast<uint64_t>(n_group) != routing.size() - kHeader) {
+              static_cast<uint64_t>(n_group) + static_cast<uint64_t>(n_receives) !=
+          routing.size() - kHeader) {
     return ffi::Unexpected(Malformed(op));
   }
   const int64_t* at = routing.begin() + kHeader;
@@ -103,6 +111,7 @@ ffi::ErrorOr<Routing> Unpack(I64Span routing, std::string_view op, std::string_v
   r.info.device_index = take(n);
   r.info.device_process = take(n);
   r.info.group_pairs = take(n_group);
+  r.info.program_receives = take(n_receives);
   return r;
 }
 
@@ -368,9 +377,32 @@ std::string Timeout(const OpInfo& info, int64_t me, int64_t peer, double seconds
   return s.str();
 }
 
+// A precv on a channel that a failed call may have left a message in (failed_runs.h):
+// refused, naming that failure. `why` is SuspectChannels::Why of the channel.
+ffi::Error RefusedAfterFailure(const OpInfo& info, int64_t me, int64_t peer,
+                               const std::string& why) {
+  std::ostringstream s;
+  s << info.op << " of " << info.operand << " on " << ProcessSuffix(info, me) << " from "
+    << ProcessSuffix(info, peer) << " refused: an earlier call of a program that receives on "
+    << "this channel (device " << info.device_index[peer] << " -> device "
+    << info.device_index[me] << ") failed on this device (" << why << "). XLA runs no "
+    << "further op of a program on a device once one has failed, so that call's precv on "
+    << "this channel may have been skipped while its peer's psend ran: the peer's message "
+    << "may still be in the channel, and this precv cannot tell it from its own (it would "
+    << "return the earlier call's bytes as this call's). Every later precv on this channel "
+    << "in this process is refused: after a failed psend/precv, restart the job, as after "
+    << "a failed NCCL op (catching the error does not make the channels usable again).";
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition, s.str());
+}
+
 // Sets *deadline to the receive's deadline once it has one (it is left alone otherwise).
-ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> out,
-                   const OpInfo& info, Clock::time_point* deadline_out) {
+// A receive that ran is counted for the run `run_id` (SuspectChannels::NoteTaken) whatever
+// its outcome: received, or refused for a mismatch (the message is consumed either way), or
+// timed out (no message came in time: one that comes later is taken by the next precv of
+// the channel, as before; tests and programs wait again on a channel after a timeout).
+ffi::Error Receive(int64_t run_id, ffi::Buffer<ffi::U32> partition,
+                   ffi::Result<ffi::AnyBuffer> out, const OpInfo& info,
+                   Clock::time_point* deadline_out) {
   const std::string_view op = info.op, operand = info.operand;
   const I64Span device_index = info.device_index, device_process = info.device_process;
   const int64_t me = static_cast<int64_t>(partition.typed_data()[0]);
@@ -392,6 +424,10 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
   }
 
   Runtime& rt = Runtime::Get();
+  if (rt.suspect_channels().any()) [[unlikely]] {
+    const std::string why = rt.suspect_channels().Why(device_index[peer], device_index[me]);
+    if (!why.empty()) return RefusedAfterFailure(info, me, peer, why);
+  }
   const bool local = device_process[peer] == device_process[me];
   // The mailbox needs no transport: copying the shared pointer would bounce its count
   // between the device threads of the process on every hop.
@@ -403,6 +439,7 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
   if (local) {
     Status r = rt.mailbox().Recv({peer_dev, my_dev}, out->untyped_data(), bytes, operand,
                                  deadline);
+    rt.suspect_channels().NoteTaken(peer_dev, my_dev, run_id);
     switch (r.code()) {
       case StatusCode::kOk:
         return ffi::Error::Success();
@@ -452,6 +489,7 @@ ffi::Error Receive(ffi::Buffer<ffi::U32> partition, ffi::Result<ffi::AnyBuffer> 
   }
   Status r = mpi->Recv(source, *tag, out->untyped_data(), bytes, operand, deadline,
                        sender_kept, sender_one_way);
+  rt.suspect_channels().NoteTaken(peer_dev, my_dev, run_id);
   if (r.ok()) return ffi::Error::Success();
   if (r.code() == StatusCode::kSizeMismatch) {
     return ffi::Error::InvalidArgument(
@@ -488,7 +526,7 @@ ffi::Error Precv(int64_t run_id, ffi::Token /*token*/, ffi::Buffer<ffi::U32> par
                  int64_t operand_kept) {
   const std::string_view op = info.op;
   Clock::time_point receive_deadline = Clock::time_point::min();
-  ffi::Error received = Receive(partition, out, info, &receive_deadline);
+  ffi::Error received = Receive(run_id, partition, out, info, &receive_deadline);
   // After a successful receive a kept send gets a whole timeout of its own, as a psend
   // would. After a failed one it gets what is left of the receive's deadline, at least
   // kKeptSendGraceAfterFailure: its error must not come a whole timeout after the
@@ -571,6 +609,39 @@ ffi::Error Noted(ffi::Error result) {
   return result;
 }
 
+// The precvs of the run that XLA skips on that device may leave their peers' messages in
+// their channels: those channels are marked (failed_runs.h). PROGRAM_RECEIVES lists each
+// pair as often as its precvs run at most in a call, and with -1 - destination where one
+// may run any number of times (a loop).
+void MarkSkippedReceives(const OpInfo& info, int64_t run_id, int64_t me,
+                         const std::string& error) {
+  const int64_t n = static_cast<int64_t>(info.device_index.size());
+  if (me < 0 || me >= n) return;
+  struct Receives {
+    int64_t once = 0;     // precvs from the source that run at most once per call
+    bool repeat = false;  // one that may run any number of times
+  };
+  std::map<int64_t, Receives> receives;  // by source partition
+  for (size_t i = 0; i + 1 < info.program_receives.size(); i += 2) {
+    const int64_t src = info.program_receives[i], dst = info.program_receives[i + 1];
+    if (src < 0 || src >= n) continue;
+    if (dst == me) ++receives[src].once;
+    if (dst == -1 - me) receives[src].repeat = true;
+  }
+  SuspectChannels& suspect = Runtime::Get().suspect_channels();
+  const int64_t my_dev = info.device_index[me];
+  std::string why;
+  for (const auto& [src, r] : receives) {
+    const int64_t src_dev = info.device_index[src];
+    if (!r.repeat && suspect.Taken(src_dev, my_dev, run_id) >= r.once) continue;
+    if (why.empty()) {
+      why = std::string(info.op) + " failed on " + ProcessSuffix(info, me) + ": " +
+            error.substr(0, error.find('\n'));
+    }
+    suspect.Mark(src_dev, my_dev, why);
+  }
+}
+
 // A failed op also finishes the sends of its program run and device that later precvs were
 // to finish: XLA runs no further thunk of the program on that device, so those precvs never
 // run, and the operands they kept alive are freed when the program ends, while a deferred
@@ -578,10 +649,14 @@ ffi::Error Noted(ffi::Error result) {
 // while the operands are still alive, each is posted, staged or cancelled, and nothing
 // reads them afterwards (a precv of another run at the same address finishes none of them).
 // What goes wrong with them is kept for the report at exit (the op's own error stands).
-ffi::Error Settled(ffi::Error result, int64_t run_id, ffi::Buffer<ffi::U32> partition) {
+// It also marks the channels that the skipped precvs may have left messages in
+// (MarkSkippedReceives), where the op's attributes could be read (`info`).
+ffi::Error Settled(ffi::Error result, int64_t run_id, ffi::Buffer<ffi::U32> partition,
+                   const OpInfo* info) {
   if (!result.failure()) [[likely]] return result;
-  Runtime::Get().settle_run_after_failure(
-      run_id, static_cast<int64_t>(partition.typed_data()[0]), result.message());
+  const int64_t me = static_cast<int64_t>(partition.typed_data()[0]);
+  if (info) MarkSkippedReceives(*info, run_id, me, result.message());
+  Runtime::Get().settle_run_after_failure(run_id, me, result.message());
   return result;
 }
 
@@ -595,17 +670,17 @@ ffi::Error PsendImpl(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> par
   done->typed_data()[0] = 0;
   ffi::ErrorOr<Routing> unpacked = Unpack(routing, op, operand);
   if (unpacked.has_error()) [[unlikely]] {
-    return Settled(Noted(unpacked.error()), run.run_id, partition);
+    return Settled(Noted(unpacked.error()), run.run_id, partition, nullptr);
   }
   const OpInfo& info = unpacked->info;
   const int64_t operand_kept = unpacked->operand_kept;
   if (trace::Mode() == 0) [[likely]] {
     return Settled(Noted(Psend(run.run_id, x, partition, token, info, operand_kept)),
-                   run.run_id, partition);
+                   run.run_id, partition, &info);
   }
   return Settled(Noted(Traced(trace::Op::kPsend, info, partition, x.size_bytes(), [&] {
     return Psend(run.run_id, x, partition, token, info, operand_kept);
-  })), run.run_id, partition);
+  })), run.run_id, partition, &info);
 }
 
 ffi::Error PrecvImpl(ffi::RunId run, ffi::Token token, ffi::Buffer<ffi::U32> partition,
@@ -613,17 +688,17 @@ ffi::Error PrecvImpl(ffi::RunId run, ffi::Token token, ffi::Buffer<ffi::U32> par
                      std::string_view op, std::string_view operand, I64Span routing) {
   ffi::ErrorOr<Routing> unpacked = Unpack(routing, op, operand);
   if (unpacked.has_error()) [[unlikely]] {
-    return Settled(Noted(unpacked.error()), run.run_id, partition);
+    return Settled(Noted(unpacked.error()), run.run_id, partition, nullptr);
   }
   const OpInfo& info = unpacked->info;
   const int64_t operand_kept = unpacked->operand_kept;
   if (trace::Mode() == 0) [[likely]] {
     return Settled(Noted(Precv(run.run_id, token, partition, kept, out, info, operand_kept)),
-                   run.run_id, partition);
+                   run.run_id, partition, &info);
   }
   return Settled(Noted(Traced(trace::Op::kPrecv, info, partition, out->size_bytes(), [&] {
     return Precv(run.run_id, token, partition, kept, out, info, operand_kept);
-  })), run.run_id, partition);
+  })), run.run_id, partition, &info);
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "common/config.h"
+#include "ffi/failed_runs.h"
 #include "ffi/kept_sends.h"
 #include "local/mailbox.h"
 #include "mpi/transport.h"
@@ -28,7 +29,7 @@ namespace jcm {
 //                 without it by psends, with deferred_made_: see WatchDeferred).
 //   Order: progress_mu_ before mu_ (ProgressLoop calls mpi() holding progress_mu_).
 //   failed_mu_    failed_ops_, failed_ops_dropped_ (never held with another).
-//   mailbox_ and kept_sends_ lock themselves.
+//   mailbox_, kept_sends_ and suspect_channels_ lock themselves.
 class Runtime {
  public:
   static Runtime& Get();
@@ -39,6 +40,9 @@ class Runtime {
   Mailbox& mailbox() { return mailbox_; }
   // Sends that the precv keeping their operand alive finishes (see kept_sends.h).
   KeptSends& kept_sends() { return kept_sends_; }
+  // Channels into this process's devices that a failed call may have left a message in
+  // (failed_runs.h): their precvs are refused.
+  SuspectChannels& suspect_channels() { return suspect_channels_; }
   // An op of ours failed on `partition` in the program run `run_id`: XLA runs no further
   // thunk of that run there, so the precvs that were to finish its kept sends never run,
   // and the operands they kept alive are freed when the program ends. Finishes those sends
@@ -131,6 +135,7 @@ class Runtime {
   Config config_;
   Mailbox mailbox_;
   KeptSends kept_sends_;
+  SuspectChannels suspect_channels_;
   std::shared_ptr<MpiTransport> mpi_;
   void ProgressLoop();
   // The progress thread's watch of deferred sends (mpi_send_deferred); returns when it ends,

@@ -331,3 +331,54 @@ def test_a_step_of_two_ops_is_one_group_and_the_next_step_another():
     np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(spmd(want_body, mesh)(x)))
     stats = jax_cpu_mpi.stats()
     assert stats["kept_sends"] > before and stats["kept_sends_unfinished"] == 0
+
+
+def program_receives(line: str) -> list[int]:
+    return routing(line)[_custom_calls.PROGRAM_RECEIVES].tolist()
+
+
+def test_every_call_lists_the_programs_receives():
+    """Every psend/precv carries the pairs of all the program's precvs (an op that fails
+    marks the channels whose precvs did not all take their message: cpp/ffi/failed_runs.h);
+    a precv in a loop's body, which may run any number of times, has its destination as
+    -1 - destination, the others (the shard_map body runs once) as they are."""
+    mesh = make_mesh((2, "x"))
+    x = sharded(mesh, 4)
+
+    def body(v):
+        def step(c, _):
+            return hop(c, BACKWARD), None
+        return jax.lax.scan(step, hop(v, FORWARD), None, length=3)[0]
+
+    calls = custom_calls(spmd(body, mesh), x)
+    assert len(calls) == 4
+    for line in calls:
+        assert program_receives(line) == [0, 1, 1, -1], line
+    # A program without precvs: nothing listed.
+    send_only = spmd(lambda v: (jax_cpu_mpi.psend(v, "x", FORWARD), v)[1], mesh)
+    assert [program_receives(line) for line in custom_calls(send_only, x)] == [[]]
+
+
+def test_a_failed_call_leaves_a_loops_channel_refused():
+    """Device 0 fails in the first step of a loop, after its first receive; device 1, which
+    only sends, runs every step: the later steps' messages stay in the channel 1 -> 0, as
+    many as the precvs that took one. The loop's precv may run any number of times, so the
+    channel is refused all the same (counting it once, the next call took the failed call's
+    second step's bytes as its own)."""
+    # Devices of their own: the refused channel stays refused in this process.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[6:8]), ("x",))
+    n = 4
+
+    def body(v):
+        def step(c, _):
+            got = hop(c, BACKWARD)
+            bad = jax_cpu_mpi.precv(jax_cpu_mpi.psend(c.astype(jnp.int32), "x", BACKWARD),
+                                    jax.ShapeDtypeStruct(c.shape, jnp.float32), "x", BACKWARD)
+            return c + 1 + 0 * (got + bad), None
+        return jax.lax.scan(step, v, None, length=3)[0]
+
+    x = sharded(mesh, n)
+    with pytest.raises(Exception, match=r"expected float32\[4\].*sent int32\[4\]"):
+        jax.block_until_ready(spmd(body, mesh)(x))
+    with pytest.raises(Exception, match=r"FAILED_PRECONDITION: .* refused: an earlier call"):
+        jax.block_until_ready(spmd(lambda v: hop(v, BACKWARD), mesh)(x * 100))

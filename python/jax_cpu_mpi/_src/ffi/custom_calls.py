@@ -31,6 +31,14 @@ OPERAND_KEPT = "operand_kept"
 #: A psend may defer a send while its device receives in the group; a precv takes the
 #: deferred send's path when its sender receives in the group.
 GROUP_PAIRS = "group_pairs"
+#: The pairs of the program's precvs, as flat (source, destination) values, each as often as
+#: its precvs run at most in a call (a branch counts its largest branch), and ``(source, -1
+#: - destination)`` for one that may run any number of times (in a loop): an op of the
+#: program that
+#: fails on a device learns from them which channels into that device may still hold a
+#: message that a skipped precv of that call was to take (cpp/ffi/failed_runs.h). Set by
+#: passes/kept_operands.py.
+PROGRAM_RECEIVES = "program_receives"
 #: precv: 1 (the lowering's) where a device that is no destination writes zeros into its
 #: output, 0 where it leaves the output unwritten because every user of the result reads it
 #: through ``select(is_destination, result, 0)``, or because the caller never reads it there
@@ -49,13 +57,14 @@ ORDERING_OP = "optimization_barrier ordering (no pairs, moves no data)"
 #: own, through the functions below: ``num_devices`` (devices in the whole job, for MPI
 #: tags), OPERAND_KEPT and ZERO_FILL (integers); ``pairs`` (flat source-target pairs),
 #: ``device_index`` (partition -> dense global device index), ``device_process``
-#: (partition -> ``jax.process_index()``) and GROUP_PAIRS (arrays). Layout (unpacked by
-#: cpp/ffi/p2p_handlers.cc): [num_devices, operand_kept, partitions, pair values, group
-#: pair values, zero_fill], then pairs, device_index, device_process, group_pairs.
+#: (partition -> ``jax.process_index()``), GROUP_PAIRS and PROGRAM_RECEIVES (arrays).
+#: Layout (unpacked by cpp/ffi/p2p_handlers.cc): [num_devices, operand_kept, partitions,
+#: pair values, group pair values, zero_fill, program receive values], then pairs,
+#: device_index, device_process, group_pairs, program_receives.
 ROUTING = "routing"
 _ROUTING_INTS = ("num_devices", OPERAND_KEPT, ZERO_FILL)
-_ROUTING_ARRAYS = ("pairs", "device_index", "device_process", GROUP_PAIRS)
-_ROUTING_HEADER = 6
+_ROUTING_ARRAYS = ("pairs", "device_index", "device_process", GROUP_PAIRS, PROGRAM_RECEIVES)
+_ROUTING_HEADER = 7
 
 _BACKEND_CONFIG = "mhlo.backend_config"
 
@@ -70,32 +79,33 @@ def attributes(*, pairs: np.ndarray, device_index: np.ndarray, device_process: n
         ROUTING: pack_routing({
             "num_devices": num_devices, OPERAND_KEPT: 0, ZERO_FILL: 1, "pairs": pairs,
             "device_index": device_index, "device_process": device_process,
-            GROUP_PAIRS: np.zeros(0, dtype=np.int64)}),
+            GROUP_PAIRS: np.zeros(0, dtype=np.int64),
+            PROGRAM_RECEIVES: np.zeros(0, dtype=np.int64)}),
     }
 
 
 def pack_routing(fields: dict[str, Any]) -> np.ndarray:
     """The ROUTING array of ``fields`` (every name of _ROUTING_INTS and _ROUTING_ARRAYS)."""
     arrays = [np.asarray(fields[name], dtype=np.int64).reshape(-1) for name in _ROUTING_ARRAYS]
-    pair_values, index, process, group = arrays
+    pair_values, index, process, group, receives = arrays
     if index.size != process.size:
         raise ValueError(f"psend/precv routing: device_index has {index.size} partitions, "
                          f"device_process {process.size}")
     header = np.array([int(fields["num_devices"]), int(fields[OPERAND_KEPT]), index.size,
-                       pair_values.size, group.size, int(fields.get(ZERO_FILL, 1))],
-                      dtype=np.int64)
+                       pair_values.size, group.size, int(fields.get(ZERO_FILL, 1)),
+                       receives.size], dtype=np.int64)
     return np.concatenate([header, *arrays])
 
 
 def unpack_routing(routing: np.ndarray) -> dict[str, Any]:
     """The fields of a ROUTING array (ints, and int64 arrays of their own)."""
-    num_devices, kept, partitions, pair_values, group, zero_fill = (
+    num_devices, kept, partitions, pair_values, group, zero_fill, receives = (
         int(v) for v in routing[:_ROUTING_HEADER])
     fields: dict[str, Any] = {"num_devices": num_devices, OPERAND_KEPT: kept,
                               ZERO_FILL: zero_fill}
     at = _ROUTING_HEADER
-    for name, size in zip(_ROUTING_ARRAYS, (pair_values, partitions, partitions, group),
-                          strict=True):
+    for name, size in zip(_ROUTING_ARRAYS,
+                          (pair_values, partitions, partitions, group, receives), strict=True):
         fields[name] = np.array(routing[at:at + size], dtype=np.int64)
         at += size
     return fields

@@ -31,6 +31,7 @@ so only then does the precv really run after them.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -40,10 +41,13 @@ from jax_cpu_mpi._src.ffi.custom_calls import (
     GROUP_PAIRS,
     OPERAND_KEPT,
     PRECV_TARGET,
+    PROGRAM_RECEIVES,
     PSEND_TARGET,
     array_attribute,
     call_target,
+    functions,
     int_attribute,
+    is_private,
     operations,
     set_array_attribute,
     set_int_attribute,
@@ -205,10 +209,91 @@ def _unique(values: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
     return found
 
 
+#: Operations whose region runs exactly once each time they run (shard_map's body, a named
+#: computation), and those that run one of their regions at most once (a branch); any other
+#: region (a loop's) may run its ops any number of times.
+_RUN_ONCE_REGIONS = frozenset({"sdy.manual_computation", "sdy.named_computation"})
+_BRANCHES = frozenset({"stablehlo.case", "stablehlo.if"})
+
+Pair = tuple[int, int]
+
+
+def _receives_of(ops: Any, funcs: dict[str, Any], calls: list[str]) -> tuple[Counter, set]:
+    """How many precvs of each pair run at most in one run of ``ops`` (a branch op counts its
+    largest branch), and the pairs of precvs that may run more often (in a loop, a recursive
+    call)."""
+    counts: Counter = Counter()
+    repeat: set[Pair] = set()
+    for op in ops:
+        op = op.operation
+        if call_target(op) == PRECV_TARGET and _moves_data(op):
+            values = array_attribute(op, "pairs").tolist()
+            counts.update(zip(values[::2], values[1::2], strict=True))
+        elif op.name == "func.call":
+            callee = ir.FlatSymbolRefAttr(op.attributes["callee"]).value
+            if callee in calls or callee not in funcs:
+                inner, inner_repeat = Counter(), set()
+                if callee in funcs:  # recursion: whatever it receives may repeat
+                    inner, inner_repeat = _receives_of(
+                        _body(funcs[callee]), funcs, [*calls, callee, callee])
+                repeat |= set(inner) | inner_repeat
+            else:
+                inner, inner_repeat = _receives_of(_body(funcs[callee]), funcs,
+                                                   [*calls, callee])
+                counts.update(inner)
+                repeat |= inner_repeat
+        elif len(op.regions) > 0:
+            regions = [_receives_of(_region_ops(r), funcs, calls) for r in op.regions]
+            if op.name in _RUN_ONCE_REGIONS:
+                for inner, inner_repeat in regions:
+                    counts.update(inner)
+                    repeat |= inner_repeat
+            elif op.name in _BRANCHES:
+                for inner, inner_repeat in regions:
+                    counts |= inner  # the larger count of each pair
+                    repeat |= inner_repeat
+            else:
+                for inner, inner_repeat in regions:
+                    repeat |= set(inner) | inner_repeat
+    return counts, repeat
+
+
+def _region_ops(region: Any) -> list[Any]:
+    return [op for block in region.blocks for op in block.operations]
+
+
+def _body(func: Any) -> list[Any]:
+    return _region_ops(func.regions[0])
+
+
+def _program_receives(module: Any) -> np.ndarray:
+    """PROGRAM_RECEIVES of the module: each pair as often as precvs of it run at most in a
+    call (one of a branch counted in its branch), and ``(source, -1 - destination)`` for a
+    pair whose precv may run any number of times (a failed call then leaves its channel
+    suspect however many messages it took)."""
+    funcs = functions(module)
+    entries = [name for name, func in funcs.items() if not is_private(func)]
+    counts: Counter = Counter()
+    repeat: set[Pair] = set()
+    for name in entries:
+        inner, inner_repeat = _receives_of(_body(funcs[name]), funcs, [name])
+        counts.update(inner)
+        repeat |= inner_repeat
+    values = [v for (src, dst), n in sorted(counts.items()) for v in (src, dst) * n]
+    values += [v for src, dst in sorted(repeat) for v in (src, -1 - dst)]
+    return np.array(values, dtype=np.int64)
+
+
 def keep_psend_operands(module: Any) -> int:
-    """Runs the pass on a lowered module; returns how many precvs now keep an operand."""
+    """Runs the pass on a lowered module; returns how many precvs now keep an operand.
+    Also gives every psend/precv of the module the program's receives (PROGRAM_RECEIVES)."""
     rules.emitted_for_pass = 0
     with module.context:
+        receives = _program_receives(module)
+        for op in operations(module.operation):
+            if (call_target(op) in (PSEND_TARGET, PRECV_TARGET)
+                    and int_attribute(op, OPERAND_KEPT) is not None):
+                set_array_attribute(op, PROGRAM_RECEIVES, receives)
         precvs = [op for op in operations(module.operation)
                   if call_target(op) == PRECV_TARGET and int_attribute(op, OPERAND_KEPT) == 0]
         groups = _groups(precvs)

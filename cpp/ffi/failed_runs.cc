@@ -1,0 +1,22 @@
+#include "ffi/failed_runs.h"
+
+namespace jcm {
+
+void SuspectChannels::Mark(int64_t src_dev, int64_t dst_dev, const std::string& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  why_.emplace(std::make_pair(src_dev, dst_dev), why);
+  any_.store(true, std::memory_order_release);
+}
+
+std::string SuspectChannels::Why(int64_t src_dev, int64_t dst_dev) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = why_.find({src_dev, dst_dev});
+  return it == why_.end() ? std::string() : it->second;
+}
+
+size_t SuspectChannels::count() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return why_.size();
+}
+
+}  // namespace jcm

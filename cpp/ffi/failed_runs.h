@@ -1,0 +1,85 @@
+// Channels that may still hold a message of a call whose program failed on the receiving
+// device.
+//
+// XLA's thunk executor runs no further thunk of a program on a device once one fails, so a
+// precv of that call which had not run yet never runs, while its peer's psend (on another
+// device, which did not fail) may have run: its message stays in the channel (peer ->
+// failing device). The next precv on that channel, in a later call, would take it as its
+// own: at another shape a mismatch error, at the same shape the earlier call's bytes,
+// returned as this call's without a word. Neither end can tell the two messages apart:
+// nothing on the wire says which call sent them, and the receiver cannot know whether, or
+// how often, the peer's psend ran. So an op of ours that fails marks the channels into its
+// device on which its program receives (the lowering lists them: PROGRAM_RECEIVES in
+// python/jax_cpu_mpi/_src/ffi/custom_calls.py) where the call's precvs did not all take
+// their messages: a channel is left alone if as many precvs ran their receive on it in the
+// failed run (NoteTaken) as run at most in a call of the program (a branch counts its
+// largest branch); one with a precv in a loop is always marked. Every later precv on a marked channel fails, naming the
+// failure, instead of returning what may be the old message.
+// As with NCCL after a failed op, the job is to be restarted: the channels are not usable
+// again in this process.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <utility>
+
+namespace jcm {
+
+// Locking: mu_ guards why_; any_ is set under it and read without it.
+class SuspectChannels {
+ public:
+  // Whether any channel is marked: the one load on a precv's path while none is.
+  bool any() const { return any_.load(std::memory_order_acquire); }
+  // Marks the channel from global device `src_dev` to `dst_dev`; `why` says what failed
+  // (the first failure's is kept).
+  void Mark(int64_t src_dev, int64_t dst_dev, const std::string& why);
+  // The failure that marked the channel, or "" where it is not marked.
+  std::string Why(int64_t src_dev, int64_t dst_dev) const;
+  // Channels marked so far.
+  size_t count() const;
+
+  // A precv of the program run `run_id` ran its receive on the channel `src_dev` ->
+  // `dst_dev` (took its message, refused it for a mismatch, or timed out). A few relaxed
+  // atomic operations.
+  void NoteTaken(int64_t src_dev, int64_t dst_dev, int64_t run_id) {
+    std::atomic<uint64_t>& slot = taken_[SlotOf(src_dev, dst_dev)];
+    const uint64_t tag = TagOf(src_dev, dst_dev, run_id);
+    const uint64_t now = slot.load(std::memory_order_relaxed);
+    slot.store((now & ~kCountMask) == tag && (now & kCountMask) != kCountMask ? now + 1 : tag | 1,
+               std::memory_order_relaxed);
+  }
+  // How many messages precvs of the run `run_id` took on the channel: at most the true
+  // count (another channel sharing the slot only makes it smaller, never larger).
+  int64_t Taken(int64_t src_dev, int64_t dst_dev, int64_t run_id) const {
+    const uint64_t now = taken_[SlotOf(src_dev, dst_dev)].load(std::memory_order_relaxed);
+    return (now & ~kCountMask) == TagOf(src_dev, dst_dev, run_id)
+               ? static_cast<int64_t>(now & kCountMask) : 0;
+  }
+
+ private:
+  // Per channel (hashed into kSlots), one word written only by the channel's receiving
+  // device: a tag of (channel, run) in the high bits, the messages taken in that run in the
+  // low 16. A slot shared by two channels loses counts, which only marks more channels.
+  static constexpr size_t kSlots = 4096;
+  static constexpr uint64_t kCountMask = 0xffff;
+  static size_t SlotOf(int64_t src_dev, int64_t dst_dev) {
+    return static_cast<size_t>(src_dev * 131 + dst_dev) % kSlots;
+  }
+  static uint64_t TagOf(int64_t src_dev, int64_t dst_dev, int64_t run_id) {
+    uint64_t h = static_cast<uint64_t>(run_id) * 0x9e3779b97f4a7c15ULL;
+    h ^= (static_cast<uint64_t>(src_dev) << 32 | static_cast<uint64_t>(dst_dev)) *
+         0xc2b2ae3d27d4eb4fULL;
+    h ^= h >> 29;
+    return h & ~kCountMask;
+  }
+  std::atomic<uint64_t> taken_[kSlots] = {};
+
+  std::atomic<bool> any_{false};
+  mutable std::mutex mu_;
+  std::map<std::pair<int64_t, int64_t>, std::string> why_;
+};
+
+}  // namespace jcm
