@@ -84,14 +84,15 @@ Status MpiTransport::WaitAll(std::span<MPI_Request> requests,
 }
 
 Status MpiTransport::CancelWithGrace(std::span<MPI_Request> requests, size_t* cancelled,
-                                     bool* abandoned, std::shared_ptr<void> keep_alive) {
+                                     bool* abandoned, std::shared_ptr<void> keep_alive,
+                                     bool cancel) {
   *cancelled = 0;
   *abandoned = false;
   Status failure;
   auto note = [&failure](const char* call, int rc) {
     if (rc != MPI_SUCCESS && failure.ok()) failure = Status::MpiError(call, rc);
   };
-  {
+  if (cancel) {
     std::unique_lock<std::mutex> lock = MpiCallLock();
     for (MPI_Request& r : requests) {
       if (r != MPI_REQUEST_NULL) note("MPI_Cancel", MPI_Cancel(&r));

@@ -222,9 +222,13 @@ Status MpiTransport::FinishDirect(const std::shared_ptr<DirectSend>& send,
   }
   // The receiver matched (or will never match) a send from an operand that XLA is about to
   // reuse: cancel what can be cancelled, abandon the rest (the transport is then broken).
+  // A framed send is not cancelled: MPICH's UCX netmod crashes (SIGSEGV in
+  // ucp_request_cancel) cancelling its MPI_Isend that no receive matched; it is abandoned
+  // after the grace period, as a send MPI cannot cancel.
   size_t cancelled = 0;
   bool abandoned = false;
-  Status s = CancelWithGrace(send->requests, &cancelled, &abandoned, nullptr);
+  Status s = CancelWithGrace(send->requests, &cancelled, &abandoned, nullptr,
+                             /*cancel=*/!send->header);
   if (!s.ok() && !abandoned) return s;
   if (cancelled == 0 && !abandoned) {  // delivered whole, just in time
     std::lock_guard<std::mutex> lock(mu_);

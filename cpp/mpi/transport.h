@@ -544,9 +544,12 @@ class MpiTransport {
                  std::shared_ptr<void> keep_alive = nullptr);
   // Cancels `requests` and tests them for kCancelGrace; *cancelled counts those cancelled
   // (the others completed), and *abandoned tells that some never completed: Abandon took
-  // them. A failed MPI call is returned after every request was dealt with.
+  // them. A failed MPI call is returned after every request was dealt with. With `cancel`
+  // false the requests are only tested for the grace period: for sends whose MPI_Cancel the
+  // MPI library cannot take (SendFramed's).
   Status CancelWithGrace(std::span<MPI_Request> requests, size_t* cancelled,
-                         bool* abandoned, std::shared_ptr<void> keep_alive);
+                         bool* abandoned, std::shared_ptr<void> keep_alive,
+                         bool cancel = true);
   // Keeps the open requests of `requests` (never to be waited on) and marks the transport
   // broken; leaves `requests` all MPI_REQUEST_NULL.
   void Abandon(std::span<MPI_Request> requests, std::shared_ptr<void> keep_alive);

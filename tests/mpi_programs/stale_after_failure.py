@@ -21,6 +21,8 @@ that the skipped precv kept (its operand still alive): the peer gets its bytes.
 
 from __future__ import annotations
 
+import sys
+
 import _mpi_common as common
 import jax
 import jax.numpy as jnp
@@ -70,8 +72,10 @@ def programs(devices: list, kind: str):
     return mesh, f, g
 
 
-def run_case(name: str, devices: list, n: int, kind: str, *, mine: bool) -> None:
-    """`mine`: this process holds the failing device (partition 0)."""
+def run_case(name: str, devices: list, n: int, kind: str, *, mine: bool,
+             strict: bool = True) -> None:
+    """`mine`: this process holds the failing device (partition 0). Not `strict` (the framed
+    launch): the errors of either call are printed, not checked."""
     mesh, f, g = programs(devices, kind)
     first = np.concatenate([pattern(n, 10 + p) for p in range(3)])
     second = np.concatenate([pattern(n, 50 + p) for p in range(3)])
@@ -81,7 +85,10 @@ def run_case(name: str, devices: list, n: int, kind: str, *, mine: bool) -> None
     try:
         got = jax.block_until_ready(f(x1, w))[0]
     except jax.errors.JaxRuntimeError as e:
-        assert mine and "expected float32[2]" in str(e), f"{name}: {e}"
+        if not strict:
+            print(f"F err {name}: {str(e).splitlines()[0][:100]}", flush=True)
+        else:
+            assert mine and "expected float32[2]" in str(e), f"{name}: {e}"
     else:
         assert not mine, f"{name}: the failing device's precv must fail"
         if kind == "cycle":
@@ -92,10 +99,13 @@ def run_case(name: str, devices: list, n: int, kind: str, *, mine: bool) -> None
             np.testing.assert_array_equal(np.asarray(shard.data), pattern(n, 10),
                                           err_msg=name)
             print(f"ok   {name}: the failed op finished the kept send", flush=True)
-    assert jax_cpu_mpi.stats()["kept_sends_unfinished"] == 0, name
+    assert not strict or jax_cpu_mpi.stats()["kept_sends_unfinished"] == 0, name
     try:
         got = jax.block_until_ready(g(x2))
     except jax.errors.JaxRuntimeError as e:
+        if not strict:
+            print(f"G err {name}: {str(e).splitlines()[0][:100]}", flush=True)
+            return
         assert mine, f"{name}: only the failing device refuses: {e}"
         print(f"ok   {name}: refused: {str(e).splitlines()[0]}", flush=True)
         return
@@ -138,6 +148,31 @@ def main() -> None:
     print("ok   stale after failure: done", flush=True)
 
 
+def framed() -> None:
+    """The framed cases over MPI, in a launch of their own (they break the transports): a
+    64 KiB one-way psend framed from its operand, whose receiver is skipped after its
+    device's op failed, between eager and staged cases, rank 0 failing and then rank 1. The
+    sender's keeper precv times out and the send cannot be taken back: MPICH's UCX netmod
+    crashed (SIGSEGV in MPI_Cancel) cancelling such a send once the other rank's transport
+    was broken; it is now abandoned, the transport broken, and every call fails with an
+    error. Each rank must get to the end."""
+    everywhere = sorted(jax.devices(), key=lambda d: d.id)
+    with config.overrides(gpu_parity=False, recv_timeout=3.0):
+        for failing_rank, i in [(rank, i) for rank in (0, 1) for i in (2, 0, 1)]:
+            n, kind = SIZES[i]
+            mine = [d for d in everywhere if d.process_index == failing_rank]
+            theirs = [d for d in everywhere if d.process_index != failing_rank]
+            fail, bad = mine[i % 4], mine[(i + 1) % 4]
+            name = f"framed launch, rank {failing_rank} failing {n} bytes {kind}"
+            multihost_utils.sync_global_devices(name)
+            run_case(name, [fail, bad, theirs[i // 4]], n, kind, mine=me == failing_rank,
+                     strict=False)
+    print("ok   framed launch: done", flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["framed"]:
+        framed()
+    else:
+        main()
     common.ok()

@@ -651,3 +651,24 @@ def test_message_of_a_failed_call_is_never_taken_as_a_later_calls():
                 "the kept send") in out, run.report()
     # The messages stay where they are: the exit names them.
     assert "never taken by a precv here" in everything, run.report()
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(STALE_TIMEOUT + 30)
+def test_a_framed_send_nobody_takes_is_abandoned_without_a_crash():
+    """A one-way psend framed from its operand (64 KiB) whose receiver was skipped after an
+    op failed there times out in its keeper precv; MPI_Cancel of such a send crashed MPICH's
+    UCX netmod (SIGSEGV in ucp_request_cancel, the whole job gone without a Python error)
+    once the other rank's transport was broken. The send is now abandoned: every call after
+    it fails with an error, and both ranks get to the end of the program."""
+    run = run_mpi("stale_after_failure.py", "framed", nprocs=2, devices_per_process=4,
+                  timeout=STALE_TIMEOUT)
+    everything = run.launcher_output + "".join(run.rank_output.values())
+    assert "Segmentation fault" not in everything and "signal 11" not in everything, (
+        run.report())
+    for rank in (0, 1):
+        out = run.rank_output.get(rank, "")
+        assert "ok   framed launch: done" in out and "JCM-OK" in out, run.report()
+        # The framed send of the case where the other rank fails timed out with its error.
+        assert (f"F err framed launch, rank {1 - rank} failing 65536 bytes one-way: "
+                "DEADLINE_EXCEEDED") in out, run.report()
