@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from functools import partial
 
 import numpy as np
 import pytest
@@ -132,22 +133,27 @@ def test_the_blocks_ops_are_flaxs_and_jaxs():
         x = jax.random.normal(jax.random.key(1), (3, 5, features_in))
         dy = jax.random.normal(jax.random.key(2), (3, 5, features_out))
 
-        def grads(graph, params=params, x=x, dy=dy):
+        # Jitted, as the example runs them: one compilation each instead of one per op.
+        @partial(jax.jit, static_argnums=0)
+        def grads(graph, params, x, dy):
             y, vjp = jax.vjp(lambda p, x: nnx.merge(graph, p)(x), params, x)
             return y, vjp(dy)
 
-        for g, w in zip(jax.tree.leaves(grads(graph)), jax.tree.leaves(grads(flax_graph)),
+        for g, w in zip(jax.tree.leaves(grads(graph, params, x, dy)),
+                        jax.tree.leaves(grads(flax_graph, params, x, dy)),
                         strict=True):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
 
     q, k, v, dout = (jax.random.normal(jax.random.key(i), (2, 8, 2, 4)) for i in range(4))
 
-    def value_and_grads(f):
+    @partial(jax.jit, static_argnums=0)
+    def value_and_grads(f, q, k, v, dout):
         out, vjp = jax.vjp(f, q, k, v)
         return [out, *vjp(dout)]
 
-    got = value_and_grads(transformer.causal_attention)
-    want = value_and_grads(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))
+    got = value_and_grads(transformer.causal_attention, q, k, v, dout)
+    want = value_and_grads(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+                           q, k, v, dout)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
     # Causal: an output does not depend on later positions.
