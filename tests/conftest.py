@@ -55,6 +55,8 @@ LONGEST_FILES = (
     "runtime/test_collectives_mpi.py",
     "pipeline/test_pipeline_nnx.py",
     "pipeline/test_pipeline_exactness.py",
+    "pipeline/test_pipeline_residuals.py",
+    "runtime/test_cluster.py",
     "runtime/test_stress.py",
     "lowering/test_p2p_single_process.py",
     "docs/test_docs_build.py",
