@@ -216,11 +216,15 @@ constexpr int kMadvCollapse = 25;  // MADV_COLLAPSE (Linux 6.1); the C headers m
 // cheap but not free (it drains every CPU's page lists first), and skipped where the range is
 // all huge pages already. A hint only, as AdviseHugePages: the contents do not change, and a
 // kernel without MADV_COLLAPSE (or without free huge pages) refuses; the 4 KiB pages then stay.
-void CollapseFrom(Pagemap& pagemap, uintptr_t begin, uintptr_t end, size_t huge) {
+// False where the kernel refused for a passing reason (EAGAIN: a page it could not isolate,
+// such as one pinned by a copy in progress, a peer's process_vm_readv out of this buffer):
+// the caller asks again at the buffer's next use instead of taking it as collapsed.
+bool CollapseFrom(Pagemap& pagemap, uintptr_t begin, uintptr_t end, size_t huge) {
   const std::optional<uintptr_t> first = pagemap.FirstNotHuge(begin, end);
-  if (first && *first >= end) return;
+  if (first && *first >= end) return true;
   const uintptr_t from = first ? (*first & ~(uintptr_t{huge} - 1)) : begin;
-  (void)madvise(reinterpret_cast<void*>(from), end - from, kMadvCollapse);
+  return madvise(reinterpret_cast<void*>(from), end - from, kMadvCollapse) == 0 ||
+         errno != EAGAIN;
 }
 #endif
 
@@ -288,7 +292,10 @@ void CollapseReusedBuffer(void* data, size_t bytes) {
       if (--s->wait > 0) return;
       [[fallthrough]];
     case Stage::kNoted:
-      CollapseFrom(pagemap, begin, end, huge);
+      if (!CollapseFrom(pagemap, begin, end, huge)) {
+        s->stage = Stage::kNoted;  // refused for now: again at the next ask
+        return;
+      }
       s->stage = Stage::kCollapsed;
       s->uses = 1;
       return;
