@@ -271,6 +271,8 @@ NB_MODULE(_jax_cpu_mpi, m) {
     // psends that returned with their operand still being read, finished by a later precv.
     d["kept_sends"] = rt.kept_sends().kept_total();
     d["kept_sends_unfinished"] = rt.kept_sends().pending();
+    // Channels into this process's devices that a failed call marked: their precvs refuse.
+    d["refused_channels"] = rt.suspect_channels().count();
     // What the polling waits for MPI peers did (Backoff): load changes the times, not these.
     d["wait_yields"] = jcm::WaitYields();
     d["wait_sleeps"] = jcm::WaitSleeps();

@@ -378,7 +378,10 @@ def test_a_failed_call_leaves_a_loops_channel_refused():
         return jax.lax.scan(step, v, None, length=3)[0]
 
     x = sharded(mesh, n)
+    refused = jax_cpu_mpi.stats()["refused_channels"]
     with pytest.raises(Exception, match=r"expected float32\[4\].*sent int32\[4\]"):
         jax.block_until_ready(spmd(body, mesh)(x))
     with pytest.raises(Exception, match=r"FAILED_PRECONDITION: .* refused: an earlier call"):
         jax.block_until_ready(spmd(lambda v: hop(v, BACKWARD), mesh)(x * 100))
+    # The one channel into device 0 (stats() counts it).
+    assert jax_cpu_mpi.stats()["refused_channels"] == refused + 1
