@@ -13,8 +13,8 @@
 // python/jax_cpu_mpi/_src/ffi/custom_calls.py) where the call's precvs did not all take
 // their messages: a channel is left alone if as many precvs ran their receive on it in the
 // failed run (NoteTaken) as run at most in a call of the program (a branch counts its
-// largest branch); one with a precv in a loop is always marked. Every later precv on a marked channel fails, naming the
-// failure, instead of returning what may be the old message.
+// largest branch); one with a precv in a loop is always marked. Every later precv on a
+// marked channel fails, naming the failure, instead of returning what may be the old message.
 // As with NCCL after a failed op, the job is to be restarted: the channels are not usable
 // again in this process.
 #pragma once
@@ -38,7 +38,7 @@ class SuspectChannels {
   void Mark(int64_t src_dev, int64_t dst_dev, const std::string& why);
   // The failure that marked the channel, or "" where it is not marked.
   std::string Why(int64_t src_dev, int64_t dst_dev) const;
-  // Channels marked so far.
+  // Channels marked so far (stats()' refused_channels).
   size_t count() const;
 
   // A precv of the program run `run_id` ran its receive on the channel `src_dev` ->
