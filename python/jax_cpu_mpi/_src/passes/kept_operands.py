@@ -289,10 +289,14 @@ def keep_psend_operands(module: Any) -> int:
     Also gives every psend/precv of the module the program's receives (PROGRAM_RECEIVES)."""
     rules.emitted_for_pass = 0
     with module.context:
-        receives = _program_receives(module)
-        for op in operations(module.operation):
-            if (call_target(op) in (PSEND_TARGET, PRECV_TARGET)
-                    and int_attribute(op, OPERAND_KEPT) is not None):
+        ours = [op for op in operations(module.operation)
+                if call_target(op) in (PSEND_TARGET, PRECV_TARGET)
+                and int_attribute(op, OPERAND_KEPT) is not None]
+        # A program without a precv that moves data receives nothing: its calls keep the
+        # empty list they were lowered with, and its functions are not walked again.
+        if any(call_target(op) == PRECV_TARGET and _moves_data(op) for op in ours):
+            receives = _program_receives(module)
+            for op in ours:
                 set_array_attribute(op, PROGRAM_RECEIVES, receives)
         precvs = [op for op in operations(module.operation)
                   if call_target(op) == PRECV_TARGET and int_attribute(op, OPERAND_KEPT) == 0]
