@@ -20,9 +20,21 @@ size_t SuspectChannels::count() const {
   return why_.size();
 }
 
+void SuspectChannels::MarkCollectives(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (collectives_why_.empty()) collectives_why_ = why;
+  any_.store(true, std::memory_order_release);
+}
+
+std::string SuspectChannels::CollectivesWhy() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return collectives_why_;
+}
+
 void SuspectChannels::Clear() {
   std::lock_guard<std::mutex> lock(mu_);
   why_.clear();
+  collectives_why_.clear();
   any_.store(false, std::memory_order_release);
 }
 

@@ -31,7 +31,7 @@
 
 namespace jcm {
 
-// Locking: mu_ guards why_; any_ is set under it and read without it.
+// Locking: mu_ guards why_ and collectives_why_; any_ is set under it and read without it.
 class SuspectChannels {
  public:
   // Whether any channel is marked: the one load on a precv's path while none is.
@@ -49,6 +49,16 @@ class SuspectChannels {
   Suspect Find(int64_t src_dev, int64_t dst_dev) const;
   // Channels marked so far (stats()' refused_channels).
   size_t count() const;
+  // Marks every later collective of ours in this process (collective_handlers.h) as
+  // refused: `why` says what failed in a program that runs collectives over MPI (the first
+  // failure's is kept). XLA skips that program's collectives that had not run yet on the
+  // failing device, while its peers' may have run: their part waits in MPI, and this
+  // process's next collective of the group would meet it (each side returning the other
+  // call's data without a word).
+  void MarkCollectives(const std::string& why);
+  // The failure that marked the collectives, or "".
+  std::string CollectivesWhy() const;
+
   // Forgets every mark. For tests only, after failures that left no message in a channel
   // (a precv that no psend matches, which times out): the channels are usable again.
   void Clear();
@@ -92,6 +102,7 @@ class SuspectChannels {
   std::atomic<bool> any_{false};
   mutable std::mutex mu_;
   std::map<std::pair<int64_t, int64_t>, Suspect> why_;
+  std::string collectives_why_;
 };
 
 }  // namespace jcm

@@ -640,24 +640,24 @@ void MarkSkippedReceives(const OpInfo& info, int64_t run_id, int64_t me,
     bool repeat = false;  // one that may run any number of times
   };
   std::map<int64_t, Receives> receives;  // by source partition
+  bool runs_collectives = false;  // the pair (-1, -1): custom_calls.RUNS_COLLECTIVES
   for (size_t i = 0; i + 1 < info.program_receives.size(); i += 2) {
     const int64_t src = info.program_receives[i], dst = info.program_receives[i + 1];
+    if (src == -1 && dst == -1) runs_collectives = true;
     if (src < 0 || src >= n) continue;
     if (dst == me) ++receives[src].once;
     if (dst == -1 - me) receives[src].repeat = true;
   }
   SuspectChannels& suspect = Runtime::Get().suspect_channels();
   const int64_t my_dev = info.device_index[me];
-  std::string why;
+  const std::string why = std::string(info.op) + " failed on " + ProcessSuffix(info, me) +
+                          ": " + error.substr(0, error.find('\n'));
   for (const auto& [src, r] : receives) {
     const int64_t src_dev = info.device_index[src];
     if (!r.repeat && suspect.Taken(src_dev, my_dev, run_id) >= r.once) continue;
-    if (why.empty()) {
-      why = std::string(info.op) + " failed on " + ProcessSuffix(info, me) + ": " +
-            error.substr(0, error.find('\n'));
-    }
     suspect.Mark(src_dev, my_dev, why);
   }
+  if (runs_collectives) suspect.MarkCollectives(why);
 }
 
 // A failed op also finishes the sends of its program run and device that later precvs were
