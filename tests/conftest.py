@@ -138,11 +138,21 @@ def make_mesh(*shape_and_names: tuple[int, str]) -> jax.sharding.Mesh:
 
 @pytest.fixture
 def short_recv_timeout():
-    """Make precv give up after 2 s for tests that expect a timeout."""
+    """Make precv give up after 2 s for tests that expect a timeout. A precv that timed out
+    leaves its channel refused (its message might still come); these tests' precvs have no
+    psend at all, so the channels are made usable again for the tests after them."""
     before = jax_cpu_mpi.config.current()
     jax_cpu_mpi.configure(recv_timeout=2.0)
     yield
     jax_cpu_mpi.configure(recv_timeout=before.recv_timeout)
+    forget_refused_channels()
+
+
+def forget_refused_channels() -> None:
+    """Make the channels that timed-out precvs (with no psend) marked usable again."""
+    from jax_cpu_mpi import _jax_cpu_mpi
+
+    _jax_cpu_mpi.forget_refused_channels()
 
 
 @pytest.fixture(autouse=True)

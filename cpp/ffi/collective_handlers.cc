@@ -1999,13 +1999,34 @@ trace::Op TraceOp(std::string_view kind) {
 }
 
 
+// A collective after a failed psend/precv in a program that runs collectives
+// (SuspectChannels::MarkCollectives): refused before it meets anyone, naming the failure.
+// One atomic load while nothing failed.
+ffi::Error RefusedAfterFailure(std::string_view op, std::string_view operand,
+                               ffi::Buffer<ffi::U32> partition) {
+  if (!Runtime::Get().suspect_channels().any()) [[likely]] return ffi::Error::Success();
+  const std::string why = Runtime::Get().suspect_channels().CollectivesWhy();
+  if (why.empty()) return ffi::Error::Success();
+  return ffi::Error(
+      ffi::ErrorCode::kFailedPrecondition,
+      std::string(op) + " of " + std::string(operand) + " on partition " +
+          std::to_string(partition.typed_data()[0]) + " refused: an earlier call of a program "
+          "that runs collectives failed on this process (" + why + "). XLA runs no further "
+          "op of a program on a device once one has failed, so that call's collectives there "
+          "may have been skipped while its peers' ran: their part may still wait, and this "
+          "collective would meet it (each side returning the other call's data as its own). "
+          "Every later collective of this process is refused: restart the job, as after a "
+          "failed NCCL op (catching the error does not make them usable again).");
+}
+
 Outcome AllReduceImpl(xla::ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
                       ffi::RemainingArgs after, ffi::Result<ffi::AnyBuffer> out,
                       I64Span groups, int64_t group_size, I64Span device_index,
                       I64Span device_process, int64_t site, int64_t park,
                       std::string_view reduction, std::string_view op,
                       std::string_view operand) {
-  Outcome result = Traced(
+  ffi::Error refused = RefusedAfterFailure(op, operand, partition);
+  Outcome result = refused.failure() ? Outcome(std::move(refused)) : Traced(
       [&](const CallInfo& call) {
         return AllReduce(x, partition, after, out, groups, group_size, device_index,
                          device_process, site, reduction, op, operand, call);
@@ -2026,7 +2047,8 @@ Outcome ExchangeImpl(xla::ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::U32
                      I64Span device_process, int64_t site, int64_t park,
                      std::string_view reduction, std::string_view op,
                      std::string_view operand, std::string_view kind) {
-  Outcome result = Traced(
+  ffi::Error refused = RefusedAfterFailure(op, operand, partition);
+  Outcome result = refused.failure() ? Outcome(std::move(refused)) : Traced(
       [&](const CallInfo& call) {
         return ExchangeCollective(x, partition, after, out, groups, group_size, device_index,
                                   device_process, site, kind, reduction, op, operand, call);

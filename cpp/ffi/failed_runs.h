@@ -13,8 +13,11 @@
 // python/jax_cpu_mpi/_src/ffi/custom_calls.py) where the call's precvs did not all take
 // their messages: a channel is left alone if as many precvs ran their receive on it in the
 // failed run (NoteTaken) as run at most in a call of the program (a branch counts its
-// largest branch); one with a precv in a loop is always marked. Every later precv on a marked channel fails, naming the
-// failure, instead of returning what may be the old message.
+// largest branch); one with a precv in a loop is always marked. Every later precv on a
+// marked channel fails, naming the failure, instead of returning what may be the old message.
+// A precv that timed out marks its own channel too (MarkTimedOut): its message may come
+// later than it waited (a late sender), and the channel's next precv would take it as its
+// own just the same.
 // As with NCCL after a failed op, the job is to be restarted: the channels are not usable
 // again in this process.
 #pragma once
@@ -28,18 +31,37 @@
 
 namespace jcm {
 
-// Locking: mu_ guards why_; any_ is set under it and read without it.
+// Locking: mu_ guards why_ and collectives_why_; any_ is set under it and read without it.
 class SuspectChannels {
  public:
   // Whether any channel is marked: the one load on a precv's path while none is.
   bool any() const { return any_.load(std::memory_order_acquire); }
+  // What marked a channel: the first failure's error, and whether it was a precv of the
+  // channel that timed out (else a failed call whose precv on it may have been skipped).
+  struct Suspect {
+    std::string why;
+    bool timed_out = false;
+  };
   // Marks the channel from global device `src_dev` to `dst_dev`; `why` says what failed
   // (the first failure's is kept).
-  void Mark(int64_t src_dev, int64_t dst_dev, const std::string& why);
-  // The failure that marked the channel, or "" where it is not marked.
-  std::string Why(int64_t src_dev, int64_t dst_dev) const;
-  // Channels marked so far.
+  void Mark(int64_t src_dev, int64_t dst_dev, const std::string& why, bool timed_out = false);
+  // What marked the channel; `why` is "" where it is not marked.
+  Suspect Find(int64_t src_dev, int64_t dst_dev) const;
+  // Channels marked so far (stats()' refused_channels).
   size_t count() const;
+  // Marks every later collective of ours in this process (collective_handlers.h) as
+  // refused: `why` says what failed in a program that runs collectives over MPI (the first
+  // failure's is kept). XLA skips that program's collectives that had not run yet on the
+  // failing device, while its peers' may have run: their part waits in MPI, and this
+  // process's next collective of the group would meet it (each side returning the other
+  // call's data without a word).
+  void MarkCollectives(const std::string& why);
+  // The failure that marked the collectives, or "".
+  std::string CollectivesWhy() const;
+
+  // Forgets every mark. For tests only, after failures that left no message in a channel
+  // (a precv that no psend matches, which times out): the channels are usable again.
+  void Clear();
 
   // A precv of the program run `run_id` ran its receive on the channel `src_dev` ->
   // `dst_dev` (took its message, refused it for a mismatch, or timed out). A few relaxed
@@ -79,7 +101,8 @@ class SuspectChannels {
 
   std::atomic<bool> any_{false};
   mutable std::mutex mu_;
-  std::map<std::pair<int64_t, int64_t>, std::string> why_;
+  std::map<std::pair<int64_t, int64_t>, Suspect> why_;
+  std::string collectives_why_;
 };
 
 }  // namespace jcm

@@ -256,6 +256,9 @@ NB_MODULE(_jax_cpu_mpi, m) {
     return out;
   }, "Messages peers sent to this process that no receive took yet (kind, MPI rank, tag, "
      "bytes): the first of each peer and kind (staged, ready, direct), nothing received.");
+  m.def("forget_refused_channels", [] { jcm::Runtime::Get().suspect_channels().Clear(); },
+        "Tests only: every channel that a failed call or a timed-out precv marked is usable "
+        "again. Only right where no message was left behind (a precv no psend matches).");
   m.def("stats", [] {
     jcm::Runtime& rt = jcm::Runtime::Get();
     nb::dict d;
@@ -271,6 +274,8 @@ NB_MODULE(_jax_cpu_mpi, m) {
     // psends that returned with their operand still being read, finished by a later precv.
     d["kept_sends"] = rt.kept_sends().kept_total();
     d["kept_sends_unfinished"] = rt.kept_sends().pending();
+    // Channels into this process's devices that a failed call marked: their precvs refuse.
+    d["refused_channels"] = rt.suspect_channels().count();
     // What the polling waits for MPI peers did (Backoff): load changes the times, not these.
     d["wait_yields"] = jcm::WaitYields();
     d["wait_sleeps"] = jcm::WaitSleeps();

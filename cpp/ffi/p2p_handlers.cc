@@ -377,29 +377,47 @@ std::string Timeout(const OpInfo& info, int64_t me, int64_t peer, double seconds
   return s.str();
 }
 
-// A precv on a channel that a failed call may have left a message in (failed_runs.h):
-// refused, naming that failure. `why` is SuspectChannels::Why of the channel.
+// A precv on a channel that a failed call, or a precv that timed out, may have left a
+// message in (failed_runs.h): refused, naming that failure.
 ffi::Error RefusedAfterFailure(const OpInfo& info, int64_t me, int64_t peer,
-                               const std::string& why) {
+                               const SuspectChannels::Suspect& suspect) {
   std::ostringstream s;
   s << info.op << " of " << info.operand << " on " << ProcessSuffix(info, me) << " from "
-    << ProcessSuffix(info, peer) << " refused: an earlier call of a program that receives on "
-    << "this channel (device " << info.device_index[peer] << " -> device "
-    << info.device_index[me] << ") failed on this device (" << why << "). XLA runs no "
-    << "further op of a program on a device once one has failed, so that call's precv on "
-    << "this channel may have been skipped while its peer's psend ran: the peer's message "
-    << "may still be in the channel, and this precv cannot tell it from its own (it would "
-    << "return the earlier call's bytes as this call's). Every later precv on this channel "
-    << "in this process is refused: after a failed psend/precv, restart the job, as after "
-    << "a failed NCCL op (catching the error does not make the channels usable again).";
+    << ProcessSuffix(info, peer) << " refused: ";
+  if (suspect.timed_out) {
+    s << "an earlier precv on this channel (device " << info.device_index[peer]
+      << " -> device " << info.device_index[me] << ") timed out (" << suspect.why
+      << "). Its peer's psend may still run, later than that precv waited: its message "
+      << "would then be in the channel, and this precv cannot tell it from its own (it "
+      << "would return the earlier call's bytes as this call's).";
+  } else {
+    s << "an earlier call of a program that receives on this channel (device "
+      << info.device_index[peer] << " -> device " << info.device_index[me]
+      << ") failed on this device (" << suspect.why << "). XLA runs no further op of a "
+      << "program on a device once one has failed, so that call's precv on this channel "
+      << "may have been skipped while its peer's psend ran: the peer's message may still "
+      << "be in the channel, and this precv cannot tell it from its own (it would return "
+      << "the earlier call's bytes as this call's).";
+  }
+  s << " Every later precv on this channel in this process is refused: after a failed "
+    << "psend/precv, restart the job, as after a failed NCCL op (catching the error does "
+    << "not make the channels usable again).";
   return ffi::Error(ffi::ErrorCode::kFailedPrecondition, s.str());
+}
+
+// A precv that timed out marks its channel: a message that comes later would be taken by
+// the channel's next precv as its own. Returns the timeout's error.
+ffi::Error TimedOut(const OpInfo& info, int64_t me, int64_t peer, std::string message) {
+  Runtime::Get().suspect_channels().Mark(info.device_index[peer], info.device_index[me],
+                                         message.substr(0, message.find('\n')),
+                                         /*timed_out=*/true);
+  return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, std::move(message));
 }
 
 // Sets *deadline to the receive's deadline once it has one (it is left alone otherwise).
 // A receive that ran is counted for the run `run_id` (SuspectChannels::NoteTaken) whatever
 // its outcome: received, or refused for a mismatch (the message is consumed either way), or
-// timed out (no message came in time: one that comes later is taken by the next precv of
-// the channel, as before; tests and programs wait again on a channel after a timeout).
+// timed out (its channel is marked then: TimedOut).
 ffi::Error Receive(int64_t run_id, ffi::Buffer<ffi::U32> partition,
                    ffi::Result<ffi::AnyBuffer> out, const OpInfo& info,
                    Clock::time_point* deadline_out) {
@@ -425,8 +443,9 @@ ffi::Error Receive(int64_t run_id, ffi::Buffer<ffi::U32> partition,
 
   Runtime& rt = Runtime::Get();
   if (rt.suspect_channels().any()) [[unlikely]] {
-    const std::string why = rt.suspect_channels().Why(device_index[peer], device_index[me]);
-    if (!why.empty()) return RefusedAfterFailure(info, me, peer, why);
+    const SuspectChannels::Suspect suspect =
+        rt.suspect_channels().Find(device_index[peer], device_index[me]);
+    if (!suspect.why.empty()) return RefusedAfterFailure(info, me, peer, suspect);
   }
   const bool local = device_process[peer] == device_process[me];
   // The mailbox needs no transport: copying the shared pointer would bounce its count
@@ -449,8 +468,7 @@ ffi::Error Receive(int64_t run_id, ffi::Buffer<ffi::U32> partition,
       case StatusCode::kTypeMismatch:
         return ffi::Error::InvalidArgument(TypeMismatch(info, me, peer, bytes, r.sender_desc()));
       case StatusCode::kTimeout:
-        return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
-                          Timeout(info, me, peer, config.recv_timeout_s));
+        return TimedOut(info, me, peer, Timeout(info, me, peer, config.recv_timeout_s));
       default:  // the mailbox reports nothing else
         return ffi::Error::Internal(std::string(op) + ": " + r.message());
     }
@@ -507,10 +525,10 @@ ffi::Error Receive(int64_t run_id, ffi::Buffer<ffi::U32> partition,
     if (!Closing()) {
       state = mpi->StallReport(source, *tag, static_cast<int>(PairTag(info, my_dev, peer_dev)));
     }
-    return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
-                      Timeout(info, me, peer, config.recv_timeout_s, MpiPeer(source),
-                              r.message()) +
-                          state);
+    return TimedOut(info, me, peer,
+                    Timeout(info, me, peer, config.recv_timeout_s, MpiPeer(source),
+                            r.message()) +
+                        state);
   }
   std::ostringstream s;
   s << op << " of " << operand << " on " << ProcessSuffix(info, me) << " from "
@@ -622,24 +640,24 @@ void MarkSkippedReceives(const OpInfo& info, int64_t run_id, int64_t me,
     bool repeat = false;  // one that may run any number of times
   };
   std::map<int64_t, Receives> receives;  // by source partition
+  bool runs_collectives = false;  // the pair (-1, -1): custom_calls.RUNS_COLLECTIVES
   for (size_t i = 0; i + 1 < info.program_receives.size(); i += 2) {
     const int64_t src = info.program_receives[i], dst = info.program_receives[i + 1];
+    if (src == -1 && dst == -1) runs_collectives = true;
     if (src < 0 || src >= n) continue;
     if (dst == me) ++receives[src].once;
     if (dst == -1 - me) receives[src].repeat = true;
   }
   SuspectChannels& suspect = Runtime::Get().suspect_channels();
   const int64_t my_dev = info.device_index[me];
-  std::string why;
+  const std::string why = std::string(info.op) + " failed on " + ProcessSuffix(info, me) +
+                          ": " + error.substr(0, error.find('\n'));
   for (const auto& [src, r] : receives) {
     const int64_t src_dev = info.device_index[src];
     if (!r.repeat && suspect.Taken(src_dev, my_dev, run_id) >= r.once) continue;
-    if (why.empty()) {
-      why = std::string(info.op) + " failed on " + ProcessSuffix(info, me) + ": " +
-            error.substr(0, error.find('\n'));
-    }
     suspect.Mark(src_dev, my_dev, why);
   }
+  if (runs_collectives) suspect.MarkCollectives(why);
 }
 
 // A failed op also finishes the sends of its program run and device that later precvs were

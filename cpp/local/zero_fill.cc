@@ -280,8 +280,9 @@ bool FillPresentDropRest(uintptr_t begin, uintptr_t end, bool stream) {
   const auto found = ResidentPages(begin, end);
   if (!found) return false;
   const std::span<const unsigned char> resident = *found;
+  if (resident.empty()) return true;
   uintptr_t run = begin;  // the start of the current run of one kind
-  bool run_present = false;
+  bool run_present = (resident[0] & 1) != 0;
   auto flush = [&](uintptr_t to) {
     if (to <= run) return true;
     const size_t n = static_cast<size_t>(to - run);
@@ -293,16 +294,13 @@ bool FillPresentDropRest(uintptr_t begin, uintptr_t end, bool stream) {
     }
     return true;
   };
-  for (size_t i = 0; i < resident.size(); ++i) {
+  for (size_t i = 1; i < resident.size(); ++i) {
     const bool present = (resident[i] & 1) != 0;
+    if (present == run_present) continue;
     const uintptr_t at = begin + i * page;
-    if (at == begin) {
-      run_present = present;
-    } else if (present != run_present) {
-      if (!flush(at)) return false;
-      run = at;
-      run_present = present;
-    }
+    if (!flush(at)) return false;
+    run = at;
+    run_present = present;
   }
   return flush(end);
 }

@@ -10,6 +10,12 @@ device 0: its precv of ``perm`` is skipped and the peer's message stays in the c
 shape, other bytes. Before the fix G's precv on device 0 took F's message and returned its
 bytes as its own (``STALE``); now it refuses with an error that names the failed call.
 
+Late senders (late_senders): a precv that timed out (its sender came later) leaves its
+peer's message in the channel just the same; the next call's precv there took it as its own
+(``STALE``), and now refuses, naming the timeout. On each rank's devices 4-7 (the cases
+above use 0-3), in process and over MPI in both directions, 8 B, 4 KiB and 1 MiB (in
+process only: see LATE_SIZES).
+
 Cases: over MPI (devices 0 and 1 on one rank, 2 on the other) in both directions (rank 0
 failing, then rank 1), and in process (all three on one rank, run on each rank at once on
 its own devices), at 8 B (eager), 4 KiB (staged), 64 KiB and 1 MiB one-way (framed from the
@@ -22,6 +28,7 @@ that the skipped precv kept (its operand still alive): the peer gets its bytes.
 from __future__ import annotations
 
 import sys
+import time
 
 import _mpi_common as common
 import jax
@@ -122,6 +129,87 @@ def run_case(name: str, devices: list, n: int, kind: str, *, mine: bool,
         print(f"OTHER {name}: {data[:8]}", flush=True)
 
 
+#: How long the late senders wait before their psend, and their receivers' timeout.
+LATE_S, LATE_TIMEOUT_S = 2.0, 1.0
+
+
+#: The late senders' sizes, each with channels of its own. Over MPI not the 1 MiB one: a
+#: message that large that nobody takes is a send that never completes; it breaks its
+#: sender's transport at its deadline and the exit then ends the job with an error (it is
+#: refused all the same: the MPI receive's timeout is the same code for every size).
+LATE_SIZES = ((0, 8), (1, 4 << 10), (2, 1 << 20))
+
+
+def late_senders(local: list, ranks: list | None, sizes=LATE_SIZES) -> None:
+    """For each size, one program with two one-way pairs whose senders (partitions 1 and 2)
+    wait LATE_S in a host callback before their psend: (1, 0) and (2, 3). In process on
+    this rank's devices (`ranks` None), else over MPI on `ranks` (each rank's devices):
+    partitions 0 and 2 on rank 0, 1 and 3 on rank 1, so rank 1 sends to rank 0 over (1, 0)
+    and rank 0 to rank 1 over (2, 3). Every size on channels of its own. The first call's
+    destinations time out; once the late messages are in, a second call on the same
+    channels must refuse, not return them."""
+    where = "over MPI" if ranks else "in process"
+    for k, n in sizes:
+        if ranks:
+            devices = [ranks[0][4 + k], ranks[1][4 + k], ranks[0][5 + k], ranks[1][5 + k]]
+        else:
+            devices = [local[4 + (k + j) % 4] for j in range(4)]
+        mesh = jax.sharding.Mesh(np.array(devices), ("x",))
+        perm = [(1, 0), (2, 3)]
+
+        def wait(i, v, delay):
+            if int(i) in (1, 2):
+                time.sleep(float(delay))
+            return v
+
+        def body(v, delay, perm=perm):
+            v = jax.pure_callback(wait, jax.ShapeDtypeStruct(v.shape, v.dtype),
+                                  jax.lax.axis_index("x"), v, delay[0])
+            y = jax_cpu_mpi.precv(jax_cpu_mpi.psend(v, "x", perm),
+                                  jax.ShapeDtypeStruct(v.shape, v.dtype), "x", perm)
+            return jax.lax.pcast(y, "x", to="varying")
+
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
+        first = np.concatenate([pattern(n, 10 + p) for p in range(4)])
+        second = np.concatenate([pattern(n, 50 + p) for p in range(4)])
+        x1, x2 = (common.global_array(mesh, P("x"), v) for v in (first, second))
+        late, now = (common.global_array(mesh, P(), np.array([d], np.float32))
+                     for d in (LATE_S, 0.0))
+        name = f"late sender {where} {n} bytes"
+        multihost_utils.sync_global_devices(name)
+        try:
+            jax.block_until_ready(f(x1, late))
+        except jax.errors.JaxRuntimeError as e:
+            assert "DEADLINE_EXCEEDED" in str(e), f"{name}: {e}"
+        else:
+            raise AssertionError(f"{name}: the receivers must time out")
+        time.sleep(LATE_S)  # the late messages are in the channels now
+        multihost_utils.sync_global_devices(name + " sent")
+        try:
+            got = jax.block_until_ready(f(x2, now))
+        except jax.errors.JaxRuntimeError as e:
+            print(f"ok   {name}: refused: {str(e).splitlines()[0]}", flush=True)
+            continue
+        finally:
+            # JAX keeps the last call with a host callback of each device until the exit,
+            # which raises its error (and then skips JAX's shutdown): a call that passes.
+            jax.block_until_ready(jax.jit(jax.shard_map(
+                lambda v: jax.pure_callback(lambda a: a, jax.ShapeDtypeStruct(v.shape, v.dtype),
+                                            v), mesh=mesh, in_specs=P("x"),
+                out_specs=P("x")))(x1))
+        for shard in got.addressable_shards:
+            dst = shard.index[0].start // n
+            if dst not in (0, 3):
+                continue
+            data, src = np.asarray(shard.data), 1 if dst == 0 else 2
+            if np.array_equal(data, pattern(n, 10 + src)):
+                print(f"STALE {name}: the second call returned the timed-out call's bytes",
+                      flush=True)
+            else:
+                print(f"FRESH {name}: {np.array_equal(data, pattern(n, 50 + src))}",
+                      flush=True)
+
+
 def main() -> None:
     local = sorted(jax.local_devices(), key=lambda d: d.id)
     with config.overrides(gpu_parity=False):
@@ -144,6 +232,10 @@ def main() -> None:
             name = f"rank {failing_rank} failing {n} bytes {kind}"
             multihost_utils.sync_global_devices(name)
             run_case(name, [fail, bad, peer], n, kind, mine=me == failing_rank)
+    with config.overrides(gpu_parity=False, recv_timeout=LATE_TIMEOUT_S):
+        late_senders(local, None)
+        late_senders(local, [[d for d in everywhere if d.process_index == p] for p in (0, 1)],
+                     LATE_SIZES[:2])
     multihost_utils.sync_global_devices("stale after failure done")
     print("ok   stale after failure: done", flush=True)
 

@@ -26,6 +26,7 @@ from conftest import make_mesh
 from jax_cpu_mpi import config
 from jax_cpu_mpi._src import compat as _compat
 from jax_cpu_mpi._src.ffi import custom_calls as _custom_calls
+from jax_cpu_mpi._src.passes import kept_operands as _kept_operands
 
 FORWARD = [(0, 1)]
 BACKWARD = [(1, 0)]
@@ -337,7 +338,7 @@ def program_receives(line: str) -> list[int]:
     return routing(line)[_custom_calls.PROGRAM_RECEIVES].tolist()
 
 
-def test_every_call_lists_the_programs_receives():
+def test_every_call_lists_the_programs_receives(monkeypatch):
     """Every psend/precv carries the pairs of all the program's precvs (an op that fails
     marks the channels whose precvs did not all take their message: cpp/ffi/failed_runs.h);
     a precv in a loop's body, which may run any number of times, has its destination as
@@ -354,9 +355,14 @@ def test_every_call_lists_the_programs_receives():
     assert len(calls) == 4
     for line in calls:
         assert program_receives(line) == [0, 1, 1, -1], line
-    # A program without precvs: nothing listed.
+    # A program without precvs: nothing listed, and its functions are not walked for them.
+    walks = []
+    receives_of = _kept_operands._receives_of
+    monkeypatch.setattr(_kept_operands, "_receives_of",
+                        lambda *args: walks.append(args) or receives_of(*args))
     send_only = spmd(lambda v: (jax_cpu_mpi.psend(v, "x", FORWARD), v)[1], mesh)
     assert [program_receives(line) for line in custom_calls(send_only, x)] == [[]]
+    assert walks == []
 
 
 def test_a_failed_call_leaves_a_loops_channel_refused():
@@ -378,7 +384,10 @@ def test_a_failed_call_leaves_a_loops_channel_refused():
         return jax.lax.scan(step, v, None, length=3)[0]
 
     x = sharded(mesh, n)
+    refused = jax_cpu_mpi.stats()["refused_channels"]
     with pytest.raises(Exception, match=r"expected float32\[4\].*sent int32\[4\]"):
         jax.block_until_ready(spmd(body, mesh)(x))
     with pytest.raises(Exception, match=r"FAILED_PRECONDITION: .* refused: an earlier call"):
         jax.block_until_ready(spmd(lambda v: hop(v, BACKWARD), mesh)(x * 100))
+    # The one channel into device 0 (stats() counts it).
+    assert jax_cpu_mpi.stats()["refused_channels"] == refused + 1

@@ -73,3 +73,21 @@ def test_a_peer_that_never_joins_fails_within_the_timeout():
     for said in ("raised as expected", "refused at once", "meeting raised as expected",
                  "the device that came had parked", "meeting refused at once"):
         assert said in out, run.report()
+
+
+@pytest.mark.timeout(90)
+def test_a_collective_skipped_by_a_failed_call_is_not_met_by_the_next_call():
+    """Rank 0's call fails in a precv before its psum, rank 1's psum of that call runs: rank
+    0's next psum met it (both returning the other call's data: rank 0 got 1 + 10 for
+    10 + 10). It is refused now, naming the psum and the failure; rank 1's ends within the
+    timeout."""
+    run = run_mpi("collectives_fault.py", "skipped", nprocs=2, devices_per_process=1,
+                  timeout=70,
+                  env={"JAX_CPU_MPI_RECV_TIMEOUT": "3", "JAX_CPU_MPI_ABORT_ON_ERROR": "0"})
+    out = run.rank_output.get(0, "")
+    for said in ("skipped collective: call failed: INVALID_ARGUMENT",
+                 "skipped collective: refused at once: FAILED_PRECONDITION: psum"):
+        assert said in out, run.report()
+    assert "skipped collective: call failed: INTERNAL: psum" in run.rank_output.get(1, ""), (
+        run.report())
+    assert "skipped collective: FAIL" not in out + run.rank_output.get(1, ""), run.report()

@@ -618,6 +618,10 @@ STALE_TIMEOUT = 150
 STALE_CASES = ((8, "one-way"), (4 << 10, "one-way"), (64 << 10, "one-way"),
                (1 << 20, "one-way"), (1 << 20, "cycle"))
 STALE_OVER_MPI = ((8, "one-way"), (4 << 10, "one-way"), (1 << 20, "cycle"))
+#: The late senders' sizes (the same program's late_senders) and their refusal's words.
+LATE_SIZES = (8, 4 << 10, 1 << 20)
+LATE_REFUSED = ("refused: FAILED_PRECONDITION: ", "refused: an earlier precv on this channel",
+                "timed out (precv(axis_name=('x',), perm=[(1, 0), (2, 3)])", "waited 1 s")
 
 
 @pytest.mark.mpi
@@ -626,8 +630,9 @@ def test_message_of_a_failed_call_is_never_taken_as_a_later_calls():
     """A precv that XLA skipped after an op failed on its device leaves its peer's message in
     the channel: the next call's precv there must refuse, naming the failure, instead of
     returning that message's bytes as its own (it did: ``STALE``), in process and over MPI,
-    either rank failing, eager, staged, framed and direct."""
-    run = run_mpi("stale_after_failure.py", nprocs=2, devices_per_process=4,
+    either rank failing, eager, staged, framed and direct. So does a precv that timed out
+    before its late sender's message came (the next call took that message as its own)."""
+    run = run_mpi("stale_after_failure.py", nprocs=2, devices_per_process=8,
                   timeout=STALE_TIMEOUT, env={"JAX_CPU_MPI_RECV_TIMEOUT": "20"})
     assert_mpi_ok(run, 2)
     everything = run.launcher_output + "".join(run.rank_output.values())
@@ -643,6 +648,11 @@ def test_message_of_a_failed_call_is_never_taken_as_a_later_calls():
         for name in names:
             assert name in lines and all(part in lines[name] for part in refused), (
                 name, run.report())
+        # A precv that timed out before its late sender's message came: refused too.
+        for where, n in [("in process", n) for n in LATE_SIZES] + [
+                ("over MPI", n) for n in LATE_SIZES[:2]]:
+            line = lines.get(f"ok   late sender {where} {n} bytes", "")
+            assert all(part in line for part in LATE_REFUSED), (where, n, run.report())
         for n, kind in STALE_OVER_MPI:
             assert f"ok   rank {1 - rank} failing {n} bytes {kind}: peer side returned" in out, (
                 run.report())

@@ -36,9 +36,13 @@ GROUP_PAIRS = "group_pairs"
 #: - destination)`` for one that may run any number of times (in a loop): an op of the
 #: program that
 #: fails on a device learns from them which channels into that device may still hold a
-#: message that a skipped precv of that call was to take (cpp/ffi/failed_runs.h). Set by
-#: passes/kept_operands.py.
+#: message that a skipped precv of that call was to take (cpp/ffi/failed_runs.h). A last
+#: pair ``(-1, -1)`` says the program runs collectives of ours (JAX_CPU_MPI_COLLECTIVES=mpi):
+#: a skipped one may leave its peers' part of it waiting, which a later call's would meet.
+#: Set by passes/kept_operands.py.
 PROGRAM_RECEIVES = "program_receives"
+#: PROGRAM_RECEIVES' pair of a program that runs collectives of ours.
+RUNS_COLLECTIVES = (-1, -1)
 #: precv: 1 (the lowering's) where a device that is no destination writes zeros into its
 #: output, 0 where it leaves the output unwritten because every user of the result reads it
 #: through ``select(is_destination, result, 0)``, or because the caller never reads it there

@@ -43,6 +43,7 @@ from jax_cpu_mpi._src.ffi.custom_calls import (
     PRECV_TARGET,
     PROGRAM_RECEIVES,
     PSEND_TARGET,
+    RUNS_COLLECTIVES,
     array_attribute,
     call_target,
     functions,
@@ -266,11 +267,12 @@ def _body(func: Any) -> list[Any]:
     return _region_ops(func.regions[0])
 
 
-def _program_receives(module: Any) -> np.ndarray:
+def _program_receives(module: Any, runs_collectives: bool) -> np.ndarray:
     """PROGRAM_RECEIVES of the module: each pair as often as precvs of it run at most in a
     call (one of a branch counted in its branch), and ``(source, -1 - destination)`` for a
     pair whose precv may run any number of times (a failed call then leaves its channel
-    suspect however many messages it took)."""
+    suspect however many messages it took); RUNS_COLLECTIVES last where the program runs
+    collectives of ours."""
     funcs = functions(module)
     entries = [name for name, func in funcs.items() if not is_private(func)]
     counts: Counter = Counter()
@@ -281,7 +283,14 @@ def _program_receives(module: Any) -> np.ndarray:
         repeat |= inner_repeat
     values = [v for (src, dst), n in sorted(counts.items()) for v in (src, dst) * n]
     values += [v for src, dst in sorted(repeat) for v in (src, -1 - dst)]
+    if runs_collectives:
+        values += RUNS_COLLECTIVES
     return np.array(values, dtype=np.int64)
+
+
+#: Our collectives' calls (lowering/collectives.py): a program with one of them lists
+#: RUNS_COLLECTIVES in PROGRAM_RECEIVES.
+_COLLECTIVE_TARGETS = frozenset({"jax_cpu_mpi_all_reduce", "jax_cpu_mpi_exchange"})
 
 
 def keep_psend_operands(module: Any) -> int:
@@ -289,10 +298,16 @@ def keep_psend_operands(module: Any) -> int:
     Also gives every psend/precv of the module the program's receives (PROGRAM_RECEIVES)."""
     rules.emitted_for_pass = 0
     with module.context:
-        receives = _program_receives(module)
-        for op in operations(module.operation):
-            if (call_target(op) in (PSEND_TARGET, PRECV_TARGET)
-                    and int_attribute(op, OPERAND_KEPT) is not None):
+        targets = [(call_target(op), op) for op in operations(module.operation)]
+        ours = [op for target, op in targets if target in (PSEND_TARGET, PRECV_TARGET)
+                and int_attribute(op, OPERAND_KEPT) is not None]
+        runs_collectives = any(target in _COLLECTIVE_TARGETS for target, _ in targets)
+        # A program with neither a precv that moves data nor a collective of ours: its calls
+        # keep the empty list they were lowered with, and its functions are not walked again.
+        if runs_collectives or any(call_target(op) == PRECV_TARGET and _moves_data(op)
+                                   for op in ours):
+            receives = _program_receives(module, runs_collectives)
+            for op in ours:
                 set_array_attribute(op, PROGRAM_RECEIVES, receives)
         precvs = [op for op in operations(module.operation)
                   if call_target(op) == PRECV_TARGET and int_attribute(op, OPERAND_KEPT) == 0]
