@@ -3,11 +3,9 @@ one launch each running every schedule against the one-device reference."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from mpi_launcher import assert_mpi_ok, run_mpi
+from mpi_launcher import assert_mpi_ok, llvm_unoptimized, run_mpi
 
 
 @pytest.mark.mpi
@@ -29,7 +27,5 @@ def test_every_schedule_matches_the_reference(nprocs, devices):
     large = ["--large=gpipe"] if devices == 2 else []
     run = run_mpi("pipeline_exactness.py", "4", "5", *large, nprocs=nprocs,
                   devices_per_process=devices, timeout=360,
-                  env={"JAX_CPU_MPI_POISON_UNINITIALIZED": "1",
-                       "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
-                                    "--xla_backend_optimization_level=0"})
+                  env={"JAX_CPU_MPI_POISON_UNINITIALIZED": "1", **llvm_unoptimized()})
     assert_mpi_ok(run, nprocs)
