@@ -136,6 +136,17 @@ def _watch_or_kill(proc: subprocess.Popen, timeout: float,
 _GIVE_UP_GRACE = 3.0
 
 
+def llvm_unoptimized() -> dict[str, str]:
+    """The environment of a launch whose ranks compile without LLVM's optimizations (XLA's
+    ``--xla_backend_optimization_level=0``, on top of this process's flags): for programs
+    whose launch is mostly compiling, and whose checks (results within a tolerance, or equal
+    to another program of the same launch) do not depend on how LLVM optimizes the kernels.
+    Not for a launch that moves gigabytes through XLA's own loops: unoptimized, those run
+    slower than their compilation saves."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0"
+    return {"XLA_FLAGS": flags.strip()}
+
+
 def run_mpi(
     program: str,
     *args: str,
