@@ -35,7 +35,8 @@ TINY = ["--layers", "4", "--width", "16", "--heads", "2", "--seq-len", "16", "--
 #: check (a launch across processes trains and checkpoints; a resumed run ends bit for bit
 #: where one that went through did, both built alike) does not depend on how well LLVM
 #: optimizes the fused kernels, and optimizing them is most of the compilation, which is
-#: most of these runs. The in-process --check keeps the default level (pytest's flags).
+#: most of these runs. The in-process --check runs at the level of pytest's process (0 too:
+#: conftest.py).
 LLVM_UNOPTIMIZED = "--xla_backend_optimization_level=0"
 
 
