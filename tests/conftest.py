@@ -52,8 +52,11 @@ if os.environ.get(jax_p2p_removal.ENV) == "effect":
 #: the other one idled. Handed out first, the short files fill in around them, at the end.
 #: Only the order changes: a stale list costs time, never a test.
 LONGEST_FILES = (
-    "test_transformer_example.py",
+    "runtime/test_collectives_mpi.py",
+    "pipeline/test_pipeline_exactness.py",
     "runtime/test_reliability.py",
+    "test_transformer_example.py",
+    "pipeline/test_pipeline_residuals.py",
     "docs/test_examples.py",
     "ops/test_without_jax_p2p.py",
     "runtime/test_across_hosts.py",
@@ -64,10 +67,7 @@ LONGEST_FILES = (
     "compat/test_compat.py",
     "pipeline/test_pipeline_keys.py",
     "pipeline/test_pipeline_mpi.py",
-    "runtime/test_collectives_mpi.py",
     "pipeline/test_pipeline_nnx.py",
-    "pipeline/test_pipeline_exactness.py",
-    "pipeline/test_pipeline_residuals.py",
     "runtime/test_cluster.py",
     "runtime/test_stress.py",
     "lowering/test_p2p_single_process.py",
