@@ -442,12 +442,17 @@ ffi::Error Receive(int64_t run_id, ffi::Buffer<ffi::U32> partition,
   }
 
   Runtime& rt = Runtime::Get();
+  const bool local = device_process[peer] == device_process[me];
   if (rt.suspect_channels().any()) [[unlikely]] {
     const SuspectChannels::Suspect suspect =
         rt.suspect_channels().Find(device_index[peer], device_index[me]);
-    if (!suspect.why.empty()) return RefusedAfterFailure(info, me, peer, suspect);
+    // A broken transport's own error goes first (below): it says to end the job, and why
+    // no MPI call is made any more, which the channel's mark does not.
+    const std::shared_ptr<MpiTransport> mpi = local ? nullptr : rt.state().mpi;
+    if (!suspect.why.empty() && !(mpi && mpi->broken())) {
+      return RefusedAfterFailure(info, me, peer, suspect);
+    }
   }
-  const bool local = device_process[peer] == device_process[me];
   // The mailbox needs no transport: copying the shared pointer would bounce its count
   // between the device threads of the process on every hop.
   const Runtime::State state = local ? Runtime::State{rt.config(), nullptr} : rt.state();

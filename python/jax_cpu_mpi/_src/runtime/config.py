@@ -364,6 +364,10 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("JAX_CPU_MPI_SANITIZE", "build", "OFF",
              "CMake option: build the extension with AddressSanitizer and UBSan "
              "(`scripts/sanitize.sh`)"),
+    Variable("JAX_CPU_MPI_PCH", "build", "ON",
+             "CMake option: precompile the outside headers (XLA FFI, MPI, the standard "
+             "library's) for a faster build; `OFF` checks that each file includes what it "
+             "uses (docs \"Development\")"),
     Variable("JAX_CPU_MPI_FFI_INCLUDE_DIR", "build", "(jaxlib's)",
              "CMake option: the folder of the XLA FFI headers to build against "
              "(default: those of the installed jaxlib)"),
