@@ -55,7 +55,7 @@ from jax_cpu_mpi._src.ffi.custom_calls import (
     with_extra_operands,
     with_int_attribute,
 )
-from jax_cpu_mpi._src.lowering import rules
+from jax_cpu_mpi._src.lowering import collectives, rules
 from jax_cpu_mpi._src.passes import selected_zeros
 
 
@@ -290,7 +290,7 @@ def _program_receives(module: Any, runs_collectives: bool) -> np.ndarray:
 
 #: Our collectives' calls (lowering/collectives.py): a program with one of them lists
 #: RUNS_COLLECTIVES in PROGRAM_RECEIVES.
-_COLLECTIVE_TARGETS = frozenset({"jax_cpu_mpi_all_reduce", "jax_cpu_mpi_exchange"})
+_COLLECTIVE_TARGETS = frozenset({collectives.ALL_REDUCE_TARGET, collectives.EXCHANGE_TARGET})
 
 
 def keep_psend_operands(module: Any) -> int:
