@@ -173,7 +173,14 @@ def run_mpi(
         "PYTHONUNBUFFERED": "1",
     })
     full_env.update(env or {})
-    output, returncode = communicate_or_kill(command, timeout, env=full_env)
+    # JAX's mpi4py detection (_mpi_common.py) would take the coordinator's port from
+    # hash(hostname) % 4096: two launches running at once share it once in 4096 and abort
+    # each other ("different incarnation"). This port stays held until the job has ended.
+    from jax_cpu_mpi._src.runtime.launchers import reserve_port  # not at import: scripts/
+
+    with reserve_port() as held:
+        full_env.setdefault("JCM_TEST_COORDINATOR_PORT", str(held.getsockname()[1]))
+        output, returncode = communicate_or_kill(command, timeout, env=full_env)
     ranks = {}
     for path in sorted(Path(outdir).glob("rank-*.log")):
         ranks[int(path.stem.split("-")[1])] = path.read_text(errors="replace")

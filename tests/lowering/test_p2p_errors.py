@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 import jax_cpu_mpi
 from conftest import make_mesh, needs_jax_p2p
 from jax_cpu_mpi import config
+from jax_cpu_mpi._src.runtime.launchers import reserve_port
 
 
 def _shmap(mesh, body):
@@ -112,48 +112,33 @@ def test_unmatched_precv_times_out_with_op_and_peer(short_recv_timeout):
         assert part in msg, (part, msg)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-#: What JAX's coordinator prints when its port was taken after :func:`_free_port` gave it up.
-_PORT_TAKEN = "Address already in use"
-
-
 def _run_two_jax_processes(program: Path, timeout: float) -> list[str]:
-    """Each process's exit status and output. The coordinator's port is free when
-    :func:`_free_port` returns, but any process of the machine may take it before process 0
-    binds it (connections of the other worker's tests, or of other suites, get ports of the
-    same range): then process 0 dies and process 1 waits for it until killed, so the pair
-    runs again on another port. Once one process fails, the other gets a short grace before
-    it is killed, instead of the whole timeout."""
+    """Each process's exit status and output. The coordinator's port stays held here until
+    both have ended (``reserve_port``): a port let go could be taken by any process of the
+    machine before process 0 binds it, or be another job's coordinator's too. Once one
+    process fails, the other gets a short grace before it is killed, instead of the whole
+    timeout."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "HYDRA"))}
-    for _attempt in range(3):
-        port = _free_port()
-        with tempfile.TemporaryDirectory() as tmp:
-            logs = [Path(tmp) / f"process-{i}.log" for i in range(2)]
-            procs = []
-            for i, log in enumerate(logs):
-                with log.open("w") as out:
-                    procs.append(subprocess.Popen(
-                        [sys.executable, str(program), str(i), str(port)], env=env,
-                        stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
-            deadline = time.monotonic() + timeout
-            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-                if any(p.returncode not in (None, 0) for p in procs):
-                    deadline = min(deadline, time.monotonic() + 10)
-                time.sleep(0.1)
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
-            outputs = [f"exit {p.returncode}\n{log.read_text(errors='replace')}"
-                       for p, log in zip(procs, logs, strict=True)]
-        if not any(_PORT_TAKEN in out for out in outputs):
-            break
-    return outputs
+    with reserve_port() as held, tempfile.TemporaryDirectory() as tmp:
+        port = held.getsockname()[1]
+        logs = [Path(tmp) / f"process-{i}.log" for i in range(2)]
+        procs = []
+        for i, log in enumerate(logs):
+            with log.open("w") as out:
+                procs.append(subprocess.Popen(
+                    [sys.executable, str(program), str(i), str(port)], env=env,
+                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.returncode not in (None, 0) for p in procs):
+                deadline = min(deadline, time.monotonic() + 10)
+            time.sleep(0.1)
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        return [f"exit {p.returncode}\n{log.read_text(errors='replace')}"
+                for p, log in zip(procs, logs, strict=True)]
 
 
 @pytest.mark.timeout(120)

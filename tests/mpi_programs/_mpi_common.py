@@ -30,6 +30,10 @@ if os.environ.get("JCM_TEST_PLAIN_INITIALIZE") == "1":
     assert "mpi4py.MPI" not in sys.modules
     jax.distributed.initialize()
 else:
+    # The port the launcher holds for this job (tests/mpi_launcher.py), not JAX's
+    # hash(hostname) % 4096 one, which two jobs running at once may share.
+    if "JCM_TEST_COORDINATOR_PORT" in os.environ:
+        os.environ.setdefault("JAX_COORDINATOR_PORT", os.environ["JCM_TEST_COORDINATOR_PORT"])
     jax.distributed.initialize(cluster_detection_method="mpi4py")
 
 import jax_p2p_removal  # noqa: E402

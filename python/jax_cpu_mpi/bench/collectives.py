@@ -282,7 +282,12 @@ def start(devices: int) -> tuple[Any, Any]:
 
     import jax_cpu_mpi  # noqa: F401  (registers the lowerings)
 
-    jax.distributed.initialize(cluster_detection_method="mpi4py")
+    # A held port, not JAX's hash(hostname) % 4096 one that concurrent jobs may share.
+    from jax_cpu_mpi._src.runtime.launchers import coordinator_address
+
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address(os.environ.get("JAX_COORDINATOR_PORT")),
+        cluster_detection_method="mpi4py")
     from mpi4py import MPI
 
     return MPI.COMM_WORLD, jax.make_mesh((jax.device_count(),), ("x",))

@@ -247,6 +247,13 @@ def initialize_distributed(**kwargs) -> str:
         return method
     if method == "mpi4py":
         mpi_runtime.import_mpi4py()  # the ABI check first: JAX imports mpi4py.MPI unchecked
+        if kwargs.get("coordinator_address") is None and not os.environ.get(
+                "JAX_COORDINATOR_ADDRESS"):
+            # JAX's mpi4py detection takes the coordinator's port from hash(hostname) % 4096
+            # (the hash salted per process): two jobs on one host share it once in 4096 and
+            # abort each other ("different incarnation"). Ours is held until it is taken.
+            kwargs["coordinator_address"] = coordinator_address(
+                os.environ.get("JAX_COORDINATOR_PORT"))
         jax.distributed.initialize(cluster_detection_method="mpi4py", **kwargs)
     elif method == "mpirun":
         jax.distributed.initialize(cluster_detection_method=NAME, **kwargs)
@@ -293,16 +300,17 @@ def _variables() -> tuple[str, str, str]:
 _reserved_ports: list[socket.socket] = []
 
 
-def _free_port() -> int:
-    """A TCP port for JAX's coordinator, held by this process until it exits.
+def reserve_port() -> socket.socket:
+    """A socket that holds a free TCP port for a JAX coordinator (the caller closes it once
+    that coordinator has ended, or keeps it while the process lives).
 
     A port found free and let go is free for anyone until the coordinator binds it: another
     job's rank 0 on this host may pick the same one, and since gRPC binds with
     ``SO_REUSEPORT``, both coordinators then listen on it and the two jobs' processes
-    register with either (JAX aborts them with "different incarnation" errors). The socket
-    kept here is bound with ``SO_REUSEPORT`` too, and never listens: gRPC's coordinator joins
-    it on the port and gets every connection, while a bind by anything else (another job's
-    choice of a free port included) is refused.
+    register with either (JAX aborts them with "different incarnation" errors). This socket
+    is bound with ``SO_REUSEPORT`` too, and never listens: gRPC's coordinator joins it on the
+    port and gets every connection, while a bind by anything else (another job's choice of a
+    free port included) is refused.
     """
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
@@ -311,6 +319,13 @@ def _free_port() -> int:
     except OSError:
         s.close()
         raise
+    return s
+
+
+def _free_port() -> int:
+    """A TCP port for JAX's coordinator, held by this process until it exits
+    (:func:`reserve_port`)."""
+    s = reserve_port()
     _reserved_ports.append(s)
     return s.getsockname()[1]
 
@@ -396,4 +411,4 @@ def registered() -> bool:
 __all__ = ["NAME", "Launch", "coordinator_address", "detect", "detect_pmi",
            "initialize_distributed",
            "launcher", "local_process_id", "process_count", "process_id", "register",
-           "registered"]
+           "registered", "reserve_port"]
