@@ -46,6 +46,10 @@ if mode == "slurm-env":
         "SLURM_PROCID": str(expected_index),
         "SLURM_LOCALID": str(expected_index),
     })
+    # JAX's Slurm detection would take the port from the job id % 4096: the launcher's held
+    # one (tests/mpi_launcher.py) instead, which no other job running at once can have.
+    if "JCM_TEST_COORDINATOR_PORT" in os.environ:
+        os.environ["JAX_COORDINATOR_PORT"] = os.environ["JCM_TEST_COORDINATOR_PORT"]
 elif mode in ("ompi-env", "ompi-plain"):
     expected_index = rank
 else:
