@@ -38,8 +38,9 @@ _SLURM = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_NTASKS
           "SLURM_PROCID": "3", "SLURM_LOCALID": "1"}
 
 # Runs JAX's own detection with explicit coordinator/count/id (so nothing is collective),
-# and reports which environment JAX chose and what it filled in: for each case of CASES
-# (name -> [launcher variables, address, count, id]) in turn, with os.environ set to that
+# and reports which environment JAX chose and what it filled in: for each case of BEFORE
+# (before {imports} runs: what the startup hook did alone), then of CASES (after it), in
+# turn (name -> [launcher variables, address, count, id]), with os.environ set to that
 # case's variables and no other launcher's (JAX's and our detection read os.environ when
 # called, nothing is cached).
 # A case that raises reports its traceback, the others still run. ``mpi4py`` says whether
@@ -48,12 +49,13 @@ _SLURM = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_NTASKS
 _DETECT = """
 import json, os, sys, traceback
 import jax
-{imports}
 from jax._src import clusters
-CASES = json.loads({cases!r})
-base = {{k: v for k, v in os.environ.items() if k not in {launch_vars!r}}}
+start = dict(os.environ)
+base = {{k: v for k, v in start.items() if k not in {launch_vars!r}}}
 results = {{}}
-for name, (variables, address, count, pid) in CASES.items():
+
+def run(cases):
+  for name, (variables, address, count, pid) in cases.items():
     os.environ.clear()
     os.environ.update(base, **variables)
     try:
@@ -74,16 +76,25 @@ for name, (variables, address, count, pid) in CASES.items():
     results[name]["mpi4py"] = "mpi4py.MPI" in sys.modules
     for module in [m for m in sys.modules if m == "mpi4py" or m.startswith("mpi4py.")]:
         del sys.modules[module]
+  os.environ.clear()
+  os.environ.update(start)
+
+run(json.loads({before!r}))
+{imports}
+run(json.loads({cases!r}))
 print(json.dumps(results))
 """
 
-#: The detections that only need a fresh process with jax_cpu_mpi imported (whether
-#: mpi4py was imported) run in two processes instead of one each (a fresh interpreter costs
+#: The detections run in three fresh processes instead of one each (a fresh interpreter costs
 #: the import of JAX): those with a launcher's rank variable in a process that started with
 #: one (as a launched process does: where the package is installed, the startup hook
 #: registered our environment before ``import jax_cpu_mpi``), the others in a process that
-#: started without (``import jax_cpu_mpi`` registers it). The startup hook's own cases need
-#: one process each (what it does at interpreter start).
+#: started without (``import jax_cpu_mpi`` registers it). Each of the two first runs a case
+#: before it imports jax_cpu_mpi: what the startup hook did at interpreter start, with a
+#: launcher's variables and without. JAX_CPU_MPI_DISABLE needs a process of its own (read
+#: at interpreter start and at the import).
+_HOOK = {"hook": (_HYDRA, "h:1", 4, 1)}
+_HOOK_UNLAUNCHED = {"hook without a launcher": ({}, "h:1", 4, 1)}
 _BATCH = {
     "hydra": (_HYDRA, "h:1", None, None),
     "prrte": (_PRRTE, "h:1", None, None),
@@ -98,12 +109,14 @@ _BATCH_UNLAUNCHED = {
 
 def _detect_all(cases: dict[str, tuple[dict[str, str], str | None, int | None, int | None]],
                 imports: str = "import jax_cpu_mpi", *,
-                start_env: dict[str, str] | None = None) -> dict[str, dict]:
-    """Each case's detection, in one fresh process started with ``start_env`` set."""
+                start_env: dict[str, str] | None = None,
+                before: dict | None = None) -> dict[str, dict]:
+    """Each case's detection (``before``'s before ``imports``), in one fresh process started
+    with ``start_env`` set."""
     full = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
     full.update(start_env or {})
     code = _DETECT.format(imports=imports, cases=json.dumps(cases),
-                          launch_vars=_LAUNCH_VARS)
+                          before=json.dumps(before or {}), launch_vars=_LAUNCH_VARS)
     proc = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -120,7 +133,8 @@ def _detect(env: dict[str, str], *, address: str | None = "h:1", count: int | No
 
 @pytest.fixture(scope="module")
 def batch() -> dict[str, dict]:
-    return {**_detect_all(_BATCH, start_env=_HYDRA), **_detect_all(_BATCH_UNLAUNCHED)}
+    return {**_detect_all(_BATCH, start_env=_HYDRA, before=_HOOK),
+            **_detect_all(_BATCH_UNLAUNCHED, before=_HOOK_UNLAUNCHED)}
 
 
 def _case(batch: dict[str, dict], name: str) -> dict:
@@ -202,15 +216,18 @@ def _startup_hook_installed() -> bool:
     return (Path(jax_cpu_mpi.__file__).parents[1] / "jax_cpu_mpi-startup.pth").exists()
 
 
-def test_registered_at_start_under_a_launcher_without_import_not_when_disabled():
-    got = _detect(_HYDRA, imports="")
+def test_registered_at_start_under_a_launcher_without_import_not_when_disabled(batch):
+    got = batch["hook"]
+    assert "error" not in got, got["error"]
     if _startup_hook_installed():  # the startup hook registered it, once
         assert got["names"].count(cluster.NAME) == 1 and got["env"] == cluster.NAME, got
         assert (got["count"], got["id"]) == (4, 1), got
     else:
         assert cluster.NAME not in got["names"], got
     # Without a launcher's variables, the hook registers nothing.
-    assert cluster.NAME not in _detect({}, imports="")["names"]
+    got = batch["hook without a launcher"]
+    assert "error" not in got, got["error"]
+    assert cluster.NAME not in got["names"], got
     got = _detect({**_HYDRA, "JAX_CPU_MPI_DISABLE": "1"})
     assert cluster.NAME not in got["names"] and got["env"] is None
 
