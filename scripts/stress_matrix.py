@@ -445,9 +445,11 @@ def report(folder: Path) -> int:
         ["| JAX | process | steps | seconds | ok | resident memory KiB per 10^4 steps (after "
          "the first 10^4) | file descriptors | threads |", "|---|---|---|---|---|---|---|---|",
          *longs]) if longs else "(no long run)"
+    quiet_total = sum(len(r[2]) for r in runs) - total
     summary = (f"{total} launches: {counts['stuck']} stuck, {counts['wrong']} wrong, "
-               f"{counts['late']} late ({sum(len(r[2]) for r in runs) - total} quiet "
-               "launches besides).")
+               f"{counts['late']} late ({quiet_total} quiet launches besides)." if quiet_total
+               else f"{total} launches: {counts['stuck']} stuck, {counts['wrong']} wrong "
+               "(no quiet launches: none judged late or on time).")
     generated = "\n".join([BEGIN, "", table, "", summary, "", "Long run (`mpirun -n 2` x 1 "
                            "device, one jitted round trip 0 -> 1 -> 0 per step):", "",
                            long_table, "", *notes, "", END])
