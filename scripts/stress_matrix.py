@@ -6,9 +6,10 @@ each condition (``quiet``, ``load``: a busy loop on every core, ``oversub``: mor
 devices than cores), it launches the program ``--launches`` times and records, for each
 launch, its time, its exit status, whether its result was right and whether it was
 *stuck*: killed at the hard limit. A launch is *late* when it takes more than twice the
-program's median quiet time. The long run (``--long-steps`` hops, one jitted hop per step,
-under ``mpirun -n 2``) samples resident memory, open file descriptors and threads every
-10^4 steps.
+program's median quiet time (``--quiet-runs 0``: no quiet launches, so no launch is late
+or on time: the tables show ``-``; only stuck and wrong count). The long run
+(``--long-steps`` hops, one jitted hop per step, under ``mpirun -n 2``) samples resident
+memory, open file descriptors and threads every 10^4 steps.
 
     .venv/bin/python scripts/stress_matrix.py --out benchmarks/results/stress/dev-2core
     .venv/bin/python scripts/stress_matrix.py --only jax-tests --conditions load --launches 5
@@ -157,11 +158,15 @@ def launch(case: Case, limit: float) -> dict:
 
 
 class Load:
-    """A busy loop on every core, for the duration of a `with` block."""
+    """``count`` busy loops (default: one on every core), for the duration of a `with`
+    block."""
+
+    def __init__(self, count: int | None = None) -> None:
+        self.count = count or os.cpu_count() or 1
 
     def __enter__(self) -> Load:
         self.procs = [subprocess.Popen([PY, "-c", "while True: pass"])
-                      for _ in range(os.cpu_count() or 1)]
+                      for _ in range(self.count)]
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -239,7 +244,10 @@ def long_run(tmp: Path, steps: int, every: int, limit: float) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--launches", type=int, default=20)
-    ap.add_argument("--quiet-runs", type=int, default=3, help="launches for the quiet time")
+    ap.add_argument("--quiet-runs", type=int, default=3, help="launches for the quiet time "
+                    "(0: none, no launch is judged late)")
+    ap.add_argument("--load-procs", type=int, default=None, help="busy loops of the load "
+                    "condition (default: one per core)")
     ap.add_argument("--only", nargs="*", default=None,
                     help="programs: readme pipeline jax-tests timeline (or one case: "
                     "jax-cycle, jax-two)")
@@ -272,21 +280,23 @@ def main() -> int:
         for cond in args.conditions:
             c = oversubscribed(case) if cond == "oversub" else case
             key = (c.name, c.ranks)
-            if key not in quiet:
+            if key not in quiet and args.quiet_runs > 0:
                 times = [launch(c, args.limit) for _ in range(args.quiet_runs)]
                 records += [dict(r, condition="quiet") for r in times]
                 quiet[key] = statistics.median(r["seconds"] for r in times)
             for i in range(args.launches):
                 if cond == "load":
-                    with Load():
+                    with Load(args.load_procs):
                         r = launch(c, args.limit)
                 else:
                     r = launch(c, args.limit)
-                r.update(condition=cond, late=r["seconds"] > 2 * quiet[key])
+                # No quiet time, no judgement: None (neither late nor on time).
+                r.update(condition=cond, late=r["seconds"] > 2 * quiet[key]
+                         if key in quiet else None)
                 records.append(r)
                 print(f"{c.name:10s} {cond:8s} n={c.ranks}x{c.devices} #{i + 1}: "
-                      f"{r['seconds']:6.2f} s (quiet {quiet[key]:.2f}) rc={r['rc']} "
-                      f"ok={r['ok']}{' LATE' if r['late'] else ''}"
+                      f"{r['seconds']:6.2f} s (quiet {_seconds(quiet.get(key))}) "
+                      f"rc={r['rc']} ok={r['ok']}{' LATE' if r['late'] else ''}"
                       f"{' STUCK' if r['stuck'] else ''}", flush=True)
     long = long_run(tmp, args.long_steps, args.sample_every, 3600) if args.long_steps else None
     if long:
@@ -311,6 +321,18 @@ def main() -> int:
     return 1 if bad or grew else 0
 
 
+def _seconds(value: float | None) -> str:
+    """A time in the tables, ``-`` where there is none (no quiet launches)."""
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _late(rs: list[dict]) -> str:
+    """How many launches were late, ``-`` where none could be judged (no quiet time)."""
+    if all(r.get("late") is None for r in rs):
+        return "-"
+    return str(sum(bool(r.get("late")) for r in rs))
+
+
 def summarize(records: list[dict], quiet: dict, long: dict | None) -> str:
     lines = ["| program | condition | ranks x devices | launches | stuck | wrong | late "
              "(> 2x quiet) | quiet median s | median s | max s |",
@@ -323,7 +345,7 @@ def summarize(records: list[dict], quiet: dict, long: dict | None) -> str:
         t = [r["seconds"] for r in rs]
         lines.append(f"| {name} | {cond} | {ranks} x {devices} | {len(rs)} | "
                      f"{sum(r['stuck'] for r in rs)} | {sum(not r['ok'] for r in rs)} | "
-                     f"{sum(bool(r.get('late')) for r in rs)} | {quiet[(name, ranks)]:.2f} | "
+                     f"{_late(rs)} | {_seconds(quiet.get((name, ranks)))} | "
                      f"{statistics.median(t):.2f} | {max(t):.2f} |")
     if long:
         lines.append("")
@@ -340,15 +362,16 @@ def _from_log(sub: Path) -> tuple[dict, list[dict]]:
     """The launches of a run stopped before it wrote matrix.json, from its printed lines
     (``launches.log``; no load averages, the quiet medians as printed)."""
     records = []
-    line_re = (r"^(\S+)\s+(\S+)\s+n=(\d+)x(\d+) #\d+:\s+([\d.]+) s \(quiet ([\d.]+)\) "
+    line_re = (r"^(\S+)\s+(\S+)\s+n=(\d+)x(\d+) #\d+:\s+([\d.]+) s \(quiet ([\d.]+|-)\) "
                r"rc=(\S+) ok=(\S+)( LATE)?( STUCK)?")
     for m in re.finditer(line_re, (sub / "launches.log").read_text(), re.M):
         name, cond, ranks, devices, secs, quiet, rc, ok, late, stuck = m.groups()
         common = {"case": name, "ranks": int(ranks), "devices": int(devices)}
         records.append({**common, "condition": cond, "seconds": float(secs),
                         "rc": None if rc == "None" else int(rc), "ok": ok == "True",
-                        "late": bool(late), "stuck": bool(stuck)})
-        if not any(r["condition"] == "quiet" and r["case"] == name and
+                        "late": bool(late) if quiet != "-" else None,
+                        "stuck": bool(stuck)})
+        if quiet != "-" and not any(r["condition"] == "quiet" and r["case"] == name and
                    r["ranks"] == int(ranks) for r in records):
             records.append({**common, "condition": "quiet", "seconds": float(quiet),
                             "ok": True, "stuck": False})
@@ -391,6 +414,7 @@ def report(folder: Path) -> int:
             if r["condition"] != "quiet":
                 groups.setdefault((r["case"], r["condition"], r["ranks"], r["devices"]),
                                   []).append(r)
+        quiet_median = {key: statistics.median(t) for key, t in quiet.items()}
         for (name, cond, ranks, devices), rs in groups.items():
             t = [r["seconds"] for r in rs]
             loads = [r["loadavg_1min"] for r in rs if "loadavg_1min" in r]
@@ -402,8 +426,7 @@ def report(folder: Path) -> int:
             counts["late"] += sum(bool(r.get("late")) for r in rs)
             rows.append(f"| {meta['jax']} | {name} | {cond} | {ranks} x {devices} | {len(rs)} | "
                         f"{sum(r['stuck'] for r in rs)} | {sum(not r['ok'] for r in rs)} | "
-                        f"{sum(bool(r.get('late')) for r in rs)} | "
-                        f"{statistics.median(quiet[(name, ranks)]):.2f} | "
+                        f"{_late(rs)} | {_seconds(quiet_median.get((name, ranks)))} | "
                         f"{statistics.median(t):.2f} | {max(t):.2f} | {load_text} |")
         quiet_runs = [r for r in records if r["condition"] == "quiet"]
         quiet_bad = sum(not r["ok"] or r["stuck"] for r in quiet_runs)
@@ -422,9 +445,11 @@ def report(folder: Path) -> int:
         ["| JAX | process | steps | seconds | ok | resident memory KiB per 10^4 steps (after "
          "the first 10^4) | file descriptors | threads |", "|---|---|---|---|---|---|---|---|",
          *longs]) if longs else "(no long run)"
+    quiet_total = sum(len(r[2]) for r in runs) - total
     summary = (f"{total} launches: {counts['stuck']} stuck, {counts['wrong']} wrong, "
-               f"{counts['late']} late ({sum(len(r[2]) for r in runs) - total} quiet "
-               "launches besides).")
+               f"{counts['late']} late ({quiet_total} quiet launches besides)." if quiet_total
+               else f"{total} launches: {counts['stuck']} stuck, {counts['wrong']} wrong "
+               "(no quiet launches: none judged late or on time).")
     generated = "\n".join([BEGIN, "", table, "", summary, "", "Long run (`mpirun -n 2` x 1 "
                            "device, one jitted round trip 0 -> 1 -> 0 per step):", "",
                            long_table, "", *notes, "", END])

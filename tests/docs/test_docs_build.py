@@ -15,6 +15,17 @@ from pathlib import Path
 
 import pytest
 
+from conftest import _newest_tested_series
+
+# The site is made of our sources and docstrings by Sphinx: the JAX version changes nothing
+# in it but through `import jax_cpu_mpi`, which the rest of the suite checks on every JAX.
+# CI runs the suite on the oldest and the newest JAX: the build (tens of CPU-seconds) runs
+# on the newest only, and the CMake configure test (tests/test_packaging.py) on the other.
+pytestmark = pytest.mark.skipif(
+    not _newest_tested_series(),
+    reason="the Sphinx build does not depend on the JAX version: it runs on the newest "
+           "tested JAX series only (CI's second run, the README's command on Python >= 3.12)")
+
 pytest.importorskip("sphinx", reason="the docs extra (sphinx, myst-parser, furo) is missing")
 pytest.importorskip("myst_parser")
 pytest.importorskip("furo")
