@@ -68,8 +68,8 @@ LONGEST_FILES = (
     "pipeline/test_pipeline_keys.py",
     "pipeline/test_pipeline_mpi.py",
     "pipeline/test_pipeline_nnx.py",
-    "runtime/test_cluster.py",
     "runtime/test_stress.py",
+    "runtime/test_cluster.py",
     "lowering/test_p2p_single_process.py",
     "docs/test_docs_build.py",
     # Not long, but it waits for its build (started at collection) if handed out early.
