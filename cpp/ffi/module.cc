@@ -276,6 +276,8 @@ NB_MODULE(_jax_cpu_mpi, m) {
     d["kept_sends_unfinished"] = rt.kept_sends().pending();
     // Channels into this process's devices that a failed call marked: their precvs refuse.
     d["refused_channels"] = rt.suspect_channels().count();
+    // Channels out of this process's devices that a failed call marked: their psends refuse.
+    d["refused_send_channels"] = rt.suspect_channels().send_count();
     // What the polling waits for MPI peers did (Backoff): load changes the times, not these.
     d["wait_yields"] = jcm::WaitYields();
     d["wait_sleeps"] = jcm::WaitSleeps();

@@ -54,6 +54,9 @@ struct OpInfo {
   // its precvs run at most in a call, and with -1 - destination where one may run any
   // number of times); read only when an op fails (failed_runs.h).
   I64Span program_receives;
+  // The pairs of the program's psends (PROGRAM_SENDS), in the same form; read only when an
+  // op fails (failed_runs.h).
+  I64Span program_sends;
   // precv: whether a device that is no destination writes the zeros of its output. False
   // where the program selects the zeros itself (passes/kept_operands.py: the users of the
   // result read it through select(is_destination, result, 0), which XLA fuses into them),
@@ -80,18 +83,19 @@ ffi::Error Malformed(std::string_view op) {
 
 // Unpacks the lowering's `routing` attribute (python/jax_cpu_mpi/_src/ffi/custom_calls.py):
 // the header [num_devices, operand_kept, partitions, pair values, group pair values,
-// zero_fill, program receive values], then the pairs, device_index, device_process,
-// group_pairs and program_receives, one after another. One attribute, not eight: XLA's FFI
-// decodes every attribute of a call, by name, on each call, and a psend and a precv run for
-// every message. Malformed if the sizes do not add up.
+// zero_fill, program receive values, program send values], then the pairs, device_index,
+// device_process, group_pairs, program_receives and program_sends, one after another. One
+// attribute, not nine: XLA's FFI decodes every attribute of a call, by name, on each call,
+// and a psend and a precv run for every message. Malformed if the sizes do not add up.
 ffi::ErrorOr<Routing> Unpack(I64Span routing, std::string_view op, std::string_view operand) {
-  constexpr size_t kHeader = 7;
+  constexpr size_t kHeader = 8;
   if (routing.size() < kHeader) return ffi::Unexpected(Malformed(op));
   const int64_t n = routing[2], n_pairs = routing[3], n_group = routing[4];
-  const int64_t n_receives = routing[6];
-  if (n < 0 || n_pairs < 0 || n_group < 0 || n_receives < 0 ||
+  const int64_t n_receives = routing[6], n_sends = routing[7];
+  if (n < 0 || n_pairs < 0 || n_group < 0 || n_receives < 0 || n_sends < 0 ||
       static_cast<uint64_t>(n_pairs) + 2 * static_cast<uint64_t>(n) +
-              static_cast<uint64_t>(n_group) + static_cast<uint64_t>(n_receives) !=
+              static_cast<uint64_t>(n_group) + static_cast<uint64_t>(n_receives) +
+              static_cast<uint64_t>(n_sends) !=
           routing.size() - kHeader) {
     return ffi::Unexpected(Malformed(op));
   }
@@ -112,6 +116,7 @@ ffi::ErrorOr<Routing> Unpack(I64Span routing, std::string_view op, std::string_v
   r.info.device_process = take(n);
   r.info.group_pairs = take(n_group);
   r.info.program_receives = take(n_receives);
+  r.info.program_sends = take(n_sends);
   return r;
 }
 
@@ -207,6 +212,24 @@ std::string MpiMissing(const OpInfo& info, int64_t me, int64_t peer) {
   return s.str();
 }
 
+// A psend on a channel whose receiver may still wait for a message of a call that failed on
+// this device before its psend there ran (failed_runs.h): refused, naming that failure.
+ffi::Error RefusedSend(const OpInfo& info, int64_t me, int64_t peer, const std::string& why) {
+  std::ostringstream s;
+  s << info.op << " of " << info.operand << " from " << ProcessSuffix(info, me) << " to "
+    << ProcessSuffix(info, peer) << " refused: an earlier call of a program that sends on "
+    << "this channel (device " << info.device_index[me] << " -> device "
+    << info.device_index[peer] << ") failed on this device (" << why << "). XLA runs no "
+    << "further op of a program on a device once one has failed, so that call's psend on "
+    << "this channel may have been skipped while its peer's precv still waits for it: this "
+    << "psend's message would reach that precv, which cannot tell it from its own (it would "
+    << "return this call's bytes as the earlier call's, and this call's precv would wait in "
+    << "vain). Every later psend on this channel in this process is refused: after a failed "
+    << "psend/precv, restart the job, as after a failed NCCL op (catching the error does "
+    << "not make the channels usable again).";
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition, s.str());
+}
+
 ffi::Error Psend(int64_t run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
                  ffi::Result<ffi::Token> /*token*/, const OpInfo& info, int64_t operand_kept) {
   const std::string_view op = info.op, operand = info.operand;
@@ -220,9 +243,17 @@ ffi::Error Psend(int64_t run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partiti
   const size_t bytes = x.size_bytes();
   const int64_t my_dev = device_index[me], peer_dev = device_index[peer];
   const bool kept = operand_kept != 0;
-  if (device_process[peer] == device_process[me]) {
+  const bool local = device_process[peer] == device_process[me];
+  if (rt.suspect_channels().any_sends()) [[unlikely]] {
+    const std::string why = rt.suspect_channels().FindSend(my_dev, peer_dev);
+    // A broken transport's own error goes first, as for a precv (Receive).
+    const std::shared_ptr<MpiTransport> mpi = local ? nullptr : rt.state().mpi;
+    if (!why.empty() && !(mpi && mpi->broken())) return RefusedSend(info, me, peer, why);
+  }
+  if (local) {
     std::shared_ptr<Mailbox::Offer> offer =
         rt.mailbox().Send({my_dev, peer_dev}, x.untyped_data(), bytes, std::string(operand), kept);
+    rt.suspect_channels().NoteSent(my_dev, peer_dev, run_id);
     if (offer) {
       trace::NotePath(trace::Path::kKept);
       rt.kept_sends().Add(x.untyped_data(), run_id, me, operand_kept,
@@ -267,7 +298,8 @@ ffi::Error Psend(int64_t run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partiti
                                            op = std::string(op),
                                            operand = std::string(operand), me, peer,
                                            me_process = device_process[me],
-                                           peer_process = device_process[peer]](
+                                           peer_process = device_process[peer], my_dev,
+                                           peer_dev](
                                               std::chrono::steady_clock::time_point deadline) {
       Runtime::MpiOpScope active;
       Status done = mpi->FinishDirect(in_flight, deadline);
@@ -287,7 +319,13 @@ ffi::Error Psend(int64_t run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partiti
       if (done.code() == StatusCode::kSendTimeout && !Closing()) {
         done = done.WithSuffix(mpi->StallReport(dest, reverse_tag, tag));
       }
-      return done.WithPrefix(what.str());
+      done = done.WithPrefix(what.str());
+      // Counted as sent when its psend ran: its receiver may still wait for it (a send
+      // cancelled), and would take the channel's next message as this one.
+      const std::string& error = done.message();
+      Runtime::Get().suspect_channels().MarkSend(my_dev, peer_dev,
+                                                 error.substr(0, error.find('\n')));
+      return done;
     });
   }
   // Only a staged send left in flight needs the progress thread (the kept send's finish
@@ -300,6 +338,7 @@ ffi::Error Psend(int64_t run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partiti
   // receive), and the peer may be waiting for this send before it gets there: the progress
   // thread watches deferred sends, without a wake-up per psend (Runtime::mpi_send_deferred).
   if (r.ok()) {
+    rt.suspect_channels().NoteSent(my_dev, peer_dev, run_id);
     if (mpi->has_staged_sends()) rt.mpi_send_in_flight();
     else if (in_flight && mpi->has_deferred_sends()) rt.mpi_send_deferred();
   }
@@ -632,6 +671,33 @@ ffi::Error Noted(ffi::Error result) {
   return result;
 }
 
+// The psends of the run that XLA skips on that device leave their peers' precvs waiting
+// (over MPI, in a call that goes on): their channels are marked for psends
+// (failed_runs.h), so that no later psend's message meets such a precv. PROGRAM_SENDS lists
+// each pair as often as its psends run at most in a call, and with -1 - destination where
+// one may run any number of times (a loop); only this device's pairs (as source) count.
+void MarkSkippedSends(const OpInfo& info, int64_t run_id, int64_t me, const std::string& why) {
+  const int64_t n = static_cast<int64_t>(info.device_index.size());
+  struct Sends {
+    int64_t once = 0;     // psends to the destination that run at most once per call
+    bool repeat = false;  // one that may run any number of times
+  };
+  std::map<int64_t, Sends> sends;  // by destination partition
+  for (size_t i = 0; i + 1 < info.program_sends.size(); i += 2) {
+    const int64_t src = info.program_sends[i], dst = info.program_sends[i + 1];
+    if (src != me) continue;
+    if (dst >= 0 && dst < n) ++sends[dst].once;
+    if (dst < 0 && -1 - dst < n) sends[-1 - dst].repeat = true;
+  }
+  SuspectChannels& suspect = Runtime::Get().suspect_channels();
+  const int64_t my_dev = info.device_index[me];
+  for (const auto& [dst, r] : sends) {
+    const int64_t dst_dev = info.device_index[dst];
+    if (!r.repeat && suspect.Sent(my_dev, dst_dev, run_id) >= r.once) continue;
+    suspect.MarkSend(my_dev, dst_dev, why);
+  }
+}
+
 // The precvs of the run that XLA skips on that device may leave their peers' messages in
 // their channels: those channels are marked (failed_runs.h). PROGRAM_RECEIVES lists each
 // pair as often as its precvs run at most in a call, and with -1 - destination where one
@@ -663,6 +729,7 @@ void MarkSkippedReceives(const OpInfo& info, int64_t run_id, int64_t me,
     suspect.Mark(src_dev, my_dev, why);
   }
   if (runs_collectives) suspect.MarkCollectives(why);
+  MarkSkippedSends(info, run_id, me, why);
 }
 
 // A failed op also finishes the sends of its program run and device that later precvs were
@@ -673,7 +740,8 @@ void MarkSkippedReceives(const OpInfo& info, int64_t run_id, int64_t me,
 // reads them afterwards (a precv of another run at the same address finishes none of them).
 // What goes wrong with them is kept for the report at exit (the op's own error stands).
 // It also marks the channels that the skipped precvs may have left messages in
-// (MarkSkippedReceives), where the op's attributes could be read (`info`).
+// (MarkSkippedReceives), and those whose receivers may wait for a skipped psend
+// (MarkSkippedSends), where the op's attributes could be read (`info`).
 ffi::Error Settled(ffi::Error result, int64_t run_id, ffi::Buffer<ffi::U32> partition,
                    const OpInfo* info) {
   if (!result.failure()) [[likely]] return result;

@@ -16,6 +16,15 @@ peer's message in the channel just the same; the next call's precv there took it
 above use 0-3), in process and over MPI in both directions, 8 B, 4 KiB and 1 MiB (in
 process only: see LATE_SIZES).
 
+The sender side (sender_case): a call that fails on the sending device before its psends
+run, while their receivers' precvs in the other process wait; the next call's messages
+reached those precvs, which returned them as the failed call's (``STALE``). Now the next
+call's psends are refused and the waiting precvs time out. Over MPI in both directions, and
+in process (no gap there: a call ends on every device of the process before the next one
+starts, so the receivers timed out already; the psends are refused all the same), 8 B,
+4 KiB, 64 KiB framed and 1 MiB direct, on devices 4 and 7 of the failing rank and 0-3 of
+the other.
+
 Cases: over MPI (devices 0 and 1 on one rank, 2 on the other) in both directions (rank 0
 failing, then rank 1), and in process (all three on one rank, run on each rank at once on
 its own devices), at 8 B (eager), 4 KiB (staged), 64 KiB and 1 MiB one-way (framed from the
@@ -129,6 +138,101 @@ def run_case(name: str, devices: list, n: int, kind: str, *, mine: bool,
         print(f"OTHER {name}: {data[:8]}", flush=True)
 
 
+#: The sender-side cases: one psend of each size from the failing device, each to a receiver
+#: of its own: 8 B (eager), 4 KiB (staged), 64 KiB (a kept one-way send, framed from its
+#: operand) and 1 MiB on the plain path (a psend whose precv does not take its token keeps
+#: no operand: over MPI a direct send into the receiver's output once it is ready).
+SENDER_SIZES = ((8, "kept"), (4 << 10, "kept"), (64 << 10, "kept"), (1 << 20, "plain"))
+#: The receivers' timeout in the sender-side cases: their precv of the failed call waits
+#: that long (the next call comes well before).
+SENDER_TIMEOUT_S = 1.0
+
+
+def sender_programs(devices: list):
+    """F and G on the devices [S, bad, R0, R1, R2, R3]: in F, S's precv from bad fails
+    (float32[2] expected, int32[2] sent), and only then would S's psends to each R run (one
+    per size of SENDER_SIZES: their operands depend on the failed precv's result), so XLA
+    skips them while each R's precv waits. G sends the same hops, with other bytes."""
+    mesh = jax.sharding.Mesh(np.array(devices), ("x",))
+
+    def hops(vs, after):
+        out = []
+        for k, ((_, how), v) in enumerate(zip(SENDER_SIZES, vs, strict=True)):
+            perm = [(0, 2 + k)]
+            token = jax_cpu_mpi.psend(after(v), "x", perm)
+            if how == "plain":
+                token = jax.lax.create_token()  # the precv keeps no operand of the psend
+            y = jax_cpu_mpi.precv(token, jax.ShapeDtypeStruct(v.shape, v.dtype), "x", perm)
+            out.append(jax.lax.pcast(y, "x", to="varying"))
+        return tuple(out)
+
+    def failing(w, *vs):
+        bad = jax_cpu_mpi.precv(jax_cpu_mpi.psend(w, "x", [(1, 0)]),
+                                jax.ShapeDtypeStruct((2,), jnp.float32), "x", [(1, 0)])
+        never = bad[0] == bad[0] + 1  # false for finite values, but XLA cannot know it
+        return hops(vs, lambda v: jnp.where(never, v + 1, v))
+
+    def correct(*vs):
+        return hops(vs, lambda v: v)
+
+    specs = (P("x"),) * len(SENDER_SIZES)
+    f = jax.jit(jax.shard_map(failing, mesh=mesh, in_specs=(P("x"), *specs), out_specs=specs))
+    g = jax.jit(jax.shard_map(correct, mesh=mesh, in_specs=specs, out_specs=specs))
+    return mesh, f, g
+
+
+def received(name: str, call: str, outs, salt: int) -> list[str]:
+    """What each receiver's shard of `outs` holds here: the bytes S sends in the call with
+    `salt` (its own call's, or the other call's), or its error."""
+    found = []
+    for k, ((n, _), out) in enumerate(zip(SENDER_SIZES, outs, strict=True)):
+        for shard in out.addressable_shards:
+            if shard.index[0].start // n != 2 + k:  # R_k's shard
+                continue
+            try:
+                data = np.asarray(shard.data)
+            except jax.errors.JaxRuntimeError as e:
+                found.append(f"{n} bytes: error {str(e).splitlines()[0][:60]}")
+                continue
+            if np.array_equal(data, pattern(n, salt)):
+                found.append(f"{n} bytes: its own")
+            else:
+                other = 50 if salt == 10 else 10
+                what = "the other call's" if np.array_equal(data, pattern(n, other)) else "other"
+                print(f"STALE {name}: {call}'s precv of {n} bytes returned {what} bytes",
+                      flush=True)
+    return found
+
+
+def sender_case(name: str, devices: list) -> None:
+    """A call fails on the sending device S before its psends run, while each receiver's
+    precv of that call waits; the caller calls G (same hops, other bytes). Before the fix the
+    receivers' waiting precvs of F took G's messages and F returned G's bytes there as its
+    own (``STALE``), and G's precvs then timed out. Now S's psends of G are refused (the
+    failed op marked their channels), the receivers' precvs of F time out (and mark their
+    channels) and those of G are refused: no call returns another call's data. Prints
+    "sender F/G err|ok NAME: ..." lines for the test."""
+    mesh, f, g = sender_programs(devices)
+    xs1, xs2 = ([common.global_array(mesh, P("x"), np.concatenate(
+        [pattern(n, salt + p) for p in range(len(devices))])) for n, _ in SENDER_SIZES]
+        for salt in (10, 50))
+    w = common.global_array(mesh, P("x"), np.arange(2 * len(devices), dtype=np.int32))
+    f, g = f.lower(w, *xs1).compile(), g.lower(*xs2).compile()
+    marked = jax_cpu_mpi.stats()["refused_send_channels"]
+    multihost_utils.sync_global_devices(name)
+    for call, run, salt in (("F", lambda: f(w, *xs1), 10), ("G", lambda: g(*xs2), 50)):
+        outs = run()
+        try:
+            jax.block_until_ready(outs)
+        except jax.errors.JaxRuntimeError as e:
+            print(f"sender {call} err {name}: {str(e).splitlines()[0]}", flush=True)
+        else:
+            print(f"sender {call} ok  {name}", flush=True)
+        print(f"sender {call} got {name}: {received(name, call, outs, salt)}", flush=True)
+    marked = jax_cpu_mpi.stats()["refused_send_channels"] - marked
+    print(f"sender marks {name}: {marked}", flush=True)
+
+
 #: How long the late senders wait before their psend, and their receivers' timeout.
 LATE_S, LATE_TIMEOUT_S = 2.0, 1.0
 
@@ -219,6 +323,9 @@ def main() -> None:
             ring = [d for d in local if d != fail]
             bad, peer = ring[0], ring[1 + i // 4]
             run_case(f"in process {n} bytes {kind}", [fail, bad, peer], n, kind, mine=True)
+        # The sender side (sender_case): from device 7 to devices 0-3, bad 4 -> 7.
+        with config.overrides(recv_timeout=SENDER_TIMEOUT_S):
+            sender_case("in process", [local[7], local[4], *local[:4]])
         if jax.process_count() < 2:
             return
         everywhere = sorted(jax.devices(), key=lambda d: d.id)
@@ -232,6 +339,13 @@ def main() -> None:
             name = f"rank {failing_rank} failing {n} bytes {kind}"
             multihost_utils.sync_global_devices(name)
             run_case(name, [fail, bad, peer], n, kind, mine=me == failing_rank)
+        # The sender side over MPI: from the failing rank's device 7 to the other rank's
+        # devices 0-3 (channels no case above used), bad 4 -> 7.
+        with config.overrides(recv_timeout=SENDER_TIMEOUT_S):
+            for failing_rank in (0, 1):
+                mine = [d for d in everywhere if d.process_index == failing_rank]
+                theirs = [d for d in everywhere if d.process_index != failing_rank]
+                sender_case(f"rank {failing_rank} failing", [mine[7], mine[4], *theirs[:4]])
     with config.overrides(gpu_parity=False, recv_timeout=LATE_TIMEOUT_S):
         late_senders(local, None)
         late_senders(local, [[d for d in everywhere if d.process_index == p] for p in (0, 1)],

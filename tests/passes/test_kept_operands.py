@@ -338,11 +338,16 @@ def program_receives(line: str) -> list[int]:
     return routing(line)[_custom_calls.PROGRAM_RECEIVES].tolist()
 
 
+def program_sends(line: str) -> list[int]:
+    return routing(line)[_custom_calls.PROGRAM_SENDS].tolist()
+
+
 def test_every_call_lists_the_programs_receives(monkeypatch):
-    """Every psend/precv carries the pairs of all the program's precvs (an op that fails
-    marks the channels whose precvs did not all take their message: cpp/ffi/failed_runs.h);
-    a precv in a loop's body, which may run any number of times, has its destination as
-    -1 - destination, the others (the shard_map body runs once) as they are."""
+    """Every psend/precv carries the pairs of all the program's precvs and psends (an op
+    that fails marks the channels whose precvs did not all take their message, and those
+    whose psends did not all run: cpp/ffi/failed_runs.h); a precv or psend in a loop's body,
+    which may run any number of times, has its destination as -1 - destination, the others
+    (the shard_map body runs once) as they are."""
     mesh = make_mesh((2, "x"))
     x = sharded(mesh, 4)
 
@@ -355,13 +360,22 @@ def test_every_call_lists_the_programs_receives(monkeypatch):
     assert len(calls) == 4
     for line in calls:
         assert program_receives(line) == [0, 1, 1, -1], line
-    # A program without precvs: nothing listed, and its functions are not walked for them.
+        assert program_sends(line) == [0, 1, 1, -1], line
+    # A program without precvs: no receive listed, its send is.
     walks = []
-    receives_of = _kept_operands._receives_of
-    monkeypatch.setattr(_kept_operands, "_receives_of",
-                        lambda *args: walks.append(args) or receives_of(*args))
+    hops_of = _kept_operands._hops_of
+    monkeypatch.setattr(_kept_operands, "_hops_of",
+                        lambda *args: walks.append(args) or hops_of(*args))
     send_only = spmd(lambda v: (jax_cpu_mpi.psend(v, "x", FORWARD), v)[1], mesh)
-    assert [program_receives(line) for line in custom_calls(send_only, x)] == [[]]
+    assert [(program_receives(line), program_sends(line))
+            for line in custom_calls(send_only, x)] == [([], [0, 1])]
+    # A program that moves no data (only a barrier's ordering calls): nothing listed, and
+    # its functions are not walked.
+    walks.clear()
+    barrier_only = spmd(lambda v: jax.lax.optimization_barrier(
+        (jax.lax.create_token(), v))[1] + 1, mesh)
+    assert [(program_receives(line), program_sends(line))
+            for line in custom_calls(barrier_only, x)] == [([], [])] * 2
     assert walks == []
 
 
@@ -391,3 +405,32 @@ def test_a_failed_call_leaves_a_loops_channel_refused():
         jax.block_until_ready(spmd(lambda v: hop(v, BACKWARD), mesh)(x * 100))
     # The one channel into device 0 (stats() counts it).
     assert jax_cpu_mpi.stats()["refused_channels"] == refused + 1
+
+
+def test_a_call_that_failed_before_its_psend_refuses_the_next_psend(short_recv_timeout):
+    """Device 0 fails (a mismatch) before its psend to device 1 runs. Over MPI the receiver's
+    precv of that call may still wait in its process when the caller calls again, and would
+    take the next call's message as the failed call's own
+    (tests/mpi_programs/stale_after_failure.py): so the failed op marks the channel 0 -> 1
+    for psends, and the next call's psend there is refused, naming the failure. (Here the
+    receiver's precv times out within the failed call; the fixture then forgets the marks:
+    no message was left behind.)"""
+    mesh = make_mesh((2, "x"))
+
+    def failing(v):
+        bad = jax_cpu_mpi.precv(jax_cpu_mpi.psend(v.astype(jnp.int32), "x", BACKWARD),
+                                jax.ShapeDtypeStruct(v.shape, jnp.float32), "x", BACKWARD)
+        never = bad[0] == bad[0] + 1  # false, but XLA cannot know it: the psend comes after
+        return hop(jnp.where(never, v + 1, v), FORWARD)
+
+    x = sharded(mesh, 4)
+    marked = jax_cpu_mpi.stats()["refused_send_channels"]
+    with pytest.raises(jax.errors.JaxRuntimeError):
+        jax.block_until_ready(spmd(failing, mesh)(x))
+    assert jax_cpu_mpi.stats()["refused_send_channels"] == marked + 1
+    with pytest.raises(jax.errors.JaxRuntimeError,
+                       match=r"FAILED_PRECONDITION: psend\(axis_name=\('x',\), perm=\[\(0, 1\)\]\) "
+                       r"of float32\[4\] from partition 0 .* refused: an earlier call of a "
+                       r"program that sends on this channel \(device \d+ -> device \d+\) failed "
+                       r"on this device \(precv.*expected float32\[4\].*restart the job"):
+        jax.block_until_ready(spmd(lambda v: hop(v, FORWARD), mesh)(x * 100))

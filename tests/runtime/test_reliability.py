@@ -622,6 +622,11 @@ STALE_OVER_MPI = ((8, "one-way"), (4 << 10, "one-way"), (1 << 20, "cycle"))
 LATE_SIZES = (8, 4 << 10, 1 << 20)
 LATE_REFUSED = ("refused: FAILED_PRECONDITION: ", "refused: an earlier precv on this channel",
                 "timed out (precv(axis_name=('x',), perm=[(1, 0), (2, 3)])", "waited 1 s")
+#: The sender side (the same program's sender_case): the refusal of the failing device's
+#: next psend, and the receivers' errors.
+SENDER_REFUSED = ("FAILED_PRECONDITION: psend(axis_name=('x',), perm=[(0, ",
+                  "refused: an earlier call of a program that sends on this channel",
+                  "expected float32[2]", "restart the job")
 
 
 @pytest.mark.mpi
@@ -631,7 +636,11 @@ def test_message_of_a_failed_call_is_never_taken_as_a_later_calls():
     the channel: the next call's precv there must refuse, naming the failure, instead of
     returning that message's bytes as its own (it did: ``STALE``), in process and over MPI,
     either rank failing, eager, staged, framed and direct. So does a precv that timed out
-    before its late sender's message came (the next call took that message as its own)."""
+    before its late sender's message came (the next call took that message as its own).
+    The sender side: a call that failed on the sending device before its psends ran left
+    the receivers' precvs waiting in the other process; the next call's psends there must be
+    refused (their messages reached those precvs, which returned them as the failed call's:
+    ``STALE``), and the waiting precvs time out instead."""
     run = run_mpi("stale_after_failure.py", nprocs=2, devices_per_process=8,
                   timeout=STALE_TIMEOUT, env={"JAX_CPU_MPI_RECV_TIMEOUT": "20"})
     assert_mpi_ok(run, 2)
@@ -659,6 +668,18 @@ def test_message_of_a_failed_call_is_never_taken_as_a_later_calls():
         # The failed op finished the send that the skipped precv kept: the peer got it.
         assert (f"ok   rank {1 - rank} failing {1 << 20} bytes cycle: the failed op finished "
                 "the kept send") in out, run.report()
+        # The sender side: the failing device's next psends are refused (in process too),
+        # the 4 channels marked; the other rank's receivers time out, then refuse.
+        for name in ("in process", f"rank {rank} failing"):
+            line = next((x for x in out.splitlines() if x.startswith(f"sender G err {name}:")),
+                        "")
+            assert all(part in line for part in SENDER_REFUSED), (name, run.report())
+            assert f"sender marks {name}: 4" in out, (name, run.report())
+        assert f"sender F err rank {1 - rank} failing: DEADLINE_EXCEEDED: precv" in out, (
+            run.report())
+        assert (f"sender G err rank {1 - rank} failing: FAILED_PRECONDITION: precv") in out, (
+            run.report())
+        assert f"sender marks rank {1 - rank} failing: 0" in out, run.report()
     # The messages stay where they are: the exit names them.
     assert "never taken by a precv here" in everything, run.report()
 

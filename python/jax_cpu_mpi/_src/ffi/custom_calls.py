@@ -43,6 +43,12 @@ GROUP_PAIRS = "group_pairs"
 PROGRAM_RECEIVES = "program_receives"
 #: PROGRAM_RECEIVES' pair of a program that runs collectives of ours.
 RUNS_COLLECTIVES = (-1, -1)
+#: The pairs of the program's psends, as PROGRAM_RECEIVES lists its precvs (``(source, -1 -
+#: destination)`` for one in a loop): an op of the program that fails on a device learns
+#: from them which channels out of that device a skipped psend of that call leaves a precv
+#: waiting on, which the next call's message would reach (cpp/ffi/failed_runs.h). Set by
+#: passes/kept_operands.py.
+PROGRAM_SENDS = "program_sends"
 #: precv: 1 (the lowering's) where a device that is no destination writes zeros into its
 #: output, 0 where it leaves the output unwritten because every user of the result reads it
 #: through ``select(is_destination, result, 0)``, or because the caller never reads it there
@@ -61,14 +67,16 @@ ORDERING_OP = "optimization_barrier ordering (no pairs, moves no data)"
 #: own, through the functions below: ``num_devices`` (devices in the whole job, for MPI
 #: tags), OPERAND_KEPT and ZERO_FILL (integers); ``pairs`` (flat source-target pairs),
 #: ``device_index`` (partition -> dense global device index), ``device_process``
-#: (partition -> ``jax.process_index()``), GROUP_PAIRS and PROGRAM_RECEIVES (arrays).
-#: Layout (unpacked by cpp/ffi/p2p_handlers.cc): [num_devices, operand_kept, partitions,
-#: pair values, group pair values, zero_fill, program receive values], then pairs,
-#: device_index, device_process, group_pairs, program_receives.
+#: (partition -> ``jax.process_index()``), GROUP_PAIRS, PROGRAM_RECEIVES and PROGRAM_SENDS
+#: (arrays). Layout (unpacked by cpp/ffi/p2p_handlers.cc): [num_devices, operand_kept,
+#: partitions, pair values, group pair values, zero_fill, program receive values, program
+#: send values], then pairs, device_index, device_process, group_pairs, program_receives,
+#: program_sends.
 ROUTING = "routing"
 _ROUTING_INTS = ("num_devices", OPERAND_KEPT, ZERO_FILL)
-_ROUTING_ARRAYS = ("pairs", "device_index", "device_process", GROUP_PAIRS, PROGRAM_RECEIVES)
-_ROUTING_HEADER = 7
+_ROUTING_ARRAYS = ("pairs", "device_index", "device_process", GROUP_PAIRS, PROGRAM_RECEIVES,
+                   PROGRAM_SENDS)
+_ROUTING_HEADER = 8
 
 _BACKEND_CONFIG = "mhlo.backend_config"
 
@@ -84,32 +92,34 @@ def attributes(*, pairs: np.ndarray, device_index: np.ndarray, device_process: n
             "num_devices": num_devices, OPERAND_KEPT: 0, ZERO_FILL: 1, "pairs": pairs,
             "device_index": device_index, "device_process": device_process,
             GROUP_PAIRS: np.zeros(0, dtype=np.int64),
-            PROGRAM_RECEIVES: np.zeros(0, dtype=np.int64)}),
+            PROGRAM_RECEIVES: np.zeros(0, dtype=np.int64),
+            PROGRAM_SENDS: np.zeros(0, dtype=np.int64)}),
     }
 
 
 def pack_routing(fields: dict[str, Any]) -> np.ndarray:
     """The ROUTING array of ``fields`` (every name of _ROUTING_INTS and _ROUTING_ARRAYS)."""
     arrays = [np.asarray(fields[name], dtype=np.int64).reshape(-1) for name in _ROUTING_ARRAYS]
-    pair_values, index, process, group, receives = arrays
+    pair_values, index, process, group, receives, sends = arrays
     if index.size != process.size:
         raise ValueError(f"psend/precv routing: device_index has {index.size} partitions, "
                          f"device_process {process.size}")
     header = np.array([int(fields["num_devices"]), int(fields[OPERAND_KEPT]), index.size,
                        pair_values.size, group.size, int(fields.get(ZERO_FILL, 1)),
-                       receives.size], dtype=np.int64)
+                       receives.size, sends.size], dtype=np.int64)
     return np.concatenate([header, *arrays])
 
 
 def unpack_routing(routing: np.ndarray) -> dict[str, Any]:
     """The fields of a ROUTING array (ints, and int64 arrays of their own)."""
-    num_devices, kept, partitions, pair_values, group, zero_fill, receives = (
+    num_devices, kept, partitions, pair_values, group, zero_fill, receives, sends = (
         int(v) for v in routing[:_ROUTING_HEADER])
     fields: dict[str, Any] = {"num_devices": num_devices, OPERAND_KEPT: kept,
                               ZERO_FILL: zero_fill}
     at = _ROUTING_HEADER
     for name, size in zip(_ROUTING_ARRAYS,
-                          (pair_values, partitions, partitions, group, receives), strict=True):
+                          (pair_values, partitions, partitions, group, receives, sends),
+                          strict=True):
         fields[name] = np.array(routing[at:at + size], dtype=np.int64)
         at += size
     return fields
@@ -227,13 +237,21 @@ def set_int_attribute(op: Any, name: str, value: int) -> None:
 def set_array_attribute(op: Any, name: str, values: np.ndarray) -> None:
     """Set (or add) an int64 array attribute (or ROUTING field) of a custom call (as
     GROUP_PAIRS)."""
+    set_array_attributes(op, {name: values})
+
+
+def set_array_attributes(op: Any, arrays: dict[str, np.ndarray]) -> None:
+    """set_array_attribute for each name of ``arrays``, with ROUTING packed once."""
     entries = backend_config(op)
-    values = np.asarray(values, dtype=np.int64).reshape(-1)
-    if name in _ROUTING_ARRAYS and (fields := _routing_fields(entries)) is not None:
-        fields[name] = values
+    fields = _routing_fields(entries)
+    for name, values in arrays.items():
+        values = np.asarray(values, dtype=np.int64).reshape(-1)
+        if name in _ROUTING_ARRAYS and fields is not None:
+            fields[name] = values
+        else:
+            entries[name] = mlir.ir_attribute(values)
+    if fields is not None and any(name in _ROUTING_ARRAYS for name in arrays):
         entries[ROUTING] = mlir.ir_attribute(pack_routing(fields))
-    else:
-        entries[name] = mlir.ir_attribute(values)
     op.attributes[_BACKEND_CONFIG] = ir.DictAttr.get(entries)
 
 

@@ -42,6 +42,7 @@ from jax_cpu_mpi._src.ffi.custom_calls import (
     OPERAND_KEPT,
     PRECV_TARGET,
     PROGRAM_RECEIVES,
+    PROGRAM_SENDS,
     PSEND_TARGET,
     RUNS_COLLECTIVES,
     array_attribute,
@@ -51,6 +52,7 @@ from jax_cpu_mpi._src.ffi.custom_calls import (
     is_private,
     operations,
     set_array_attribute,
+    set_array_attributes,
     set_int_attribute,
     with_extra_operands,
     with_int_attribute,
@@ -216,35 +218,36 @@ def _unique(values: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
 _RUN_ONCE_REGIONS = frozenset({"sdy.manual_computation", "sdy.named_computation"})
 _BRANCHES = frozenset({"stablehlo.case", "stablehlo.if"})
 
-Pair = tuple[int, int]
+#: A pair of one of our calls, by its call target: (target, source, destination).
+Hop = tuple[str, int, int]
 
 
-def _receives_of(ops: Any, funcs: dict[str, Any], calls: list[str]) -> tuple[Counter, set]:
-    """How many precvs of each pair run at most in one run of ``ops`` (a branch op counts its
-    largest branch), and the pairs of precvs that may run more often (in a loop, a recursive
-    call)."""
+def _hops_of(ops: Any, funcs: dict[str, Any], calls: list[str]) -> tuple[Counter, set]:
+    """How many psends and precvs of each pair run at most in one run of ``ops`` (a branch
+    op counts its largest branch), and the pairs of those that may run more often (in a
+    loop, a recursive call), each as (call target, source, destination)."""
     counts: Counter = Counter()
-    repeat: set[Pair] = set()
+    repeat: set[Hop] = set()
     for op in ops:
         op = op.operation
-        if call_target(op) == PRECV_TARGET and _moves_data(op):
+        if (target := call_target(op)) in (PSEND_TARGET, PRECV_TARGET) and _moves_data(op):
             values = array_attribute(op, "pairs").tolist()
-            counts.update(zip(values[::2], values[1::2], strict=True))
+            counts.update((target, src, dst)
+                          for src, dst in zip(values[::2], values[1::2], strict=True))
         elif op.name == "func.call":
             callee = ir.FlatSymbolRefAttr(op.attributes["callee"]).value
             if callee in calls or callee not in funcs:
                 inner, inner_repeat = Counter(), set()
-                if callee in funcs:  # recursion: whatever it receives may repeat
-                    inner, inner_repeat = _receives_of(
+                if callee in funcs:  # recursion: whatever it sends or receives may repeat
+                    inner, inner_repeat = _hops_of(
                         _body(funcs[callee]), funcs, [*calls, callee, callee])
                 repeat |= set(inner) | inner_repeat
             else:
-                inner, inner_repeat = _receives_of(_body(funcs[callee]), funcs,
-                                                   [*calls, callee])
+                inner, inner_repeat = _hops_of(_body(funcs[callee]), funcs, [*calls, callee])
                 counts.update(inner)
                 repeat |= inner_repeat
         elif len(op.regions) > 0:
-            regions = [_receives_of(_region_ops(r), funcs, calls) for r in op.regions]
+            regions = [_hops_of(_region_ops(r), funcs, calls) for r in op.regions]
             if op.name in _RUN_ONCE_REGIONS:
                 for inner, inner_repeat in regions:
                     counts.update(inner)
@@ -267,25 +270,30 @@ def _body(func: Any) -> list[Any]:
     return _region_ops(func.regions[0])
 
 
-def _program_receives(module: Any, runs_collectives: bool) -> np.ndarray:
-    """PROGRAM_RECEIVES of the module: each pair as often as precvs of it run at most in a
-    call (one of a branch counted in its branch), and ``(source, -1 - destination)`` for a
-    pair whose precv may run any number of times (a failed call then leaves its channel
-    suspect however many messages it took); RUNS_COLLECTIVES last where the program runs
-    collectives of ours."""
+def _program_hops(module: Any, runs_collectives: bool) -> tuple[np.ndarray, np.ndarray]:
+    """PROGRAM_RECEIVES and PROGRAM_SENDS of the module: each pair as often as precvs
+    (psends) of it run at most in a call (one of a branch counted in its branch), and
+    ``(source, -1 - destination)`` for a pair whose precv (psend) may run any number of
+    times (a failed call then leaves its channel suspect however many messages went through
+    it); RUNS_COLLECTIVES last in the receives where the program runs collectives of ours."""
     funcs = functions(module)
     entries = [name for name, func in funcs.items() if not is_private(func)]
     counts: Counter = Counter()
-    repeat: set[Pair] = set()
+    repeat: set[Hop] = set()
     for name in entries:
-        inner, inner_repeat = _receives_of(_body(funcs[name]), funcs, [name])
+        inner, inner_repeat = _hops_of(_body(funcs[name]), funcs, [name])
         counts.update(inner)
         repeat |= inner_repeat
-    values = [v for (src, dst), n in sorted(counts.items()) for v in (src, dst) * n]
-    values += [v for src, dst in sorted(repeat) for v in (src, -1 - dst)]
-    if runs_collectives:
-        values += RUNS_COLLECTIVES
-    return np.array(values, dtype=np.int64)
+
+    def listed(target: str) -> list[int]:
+        values = [v for (t, src, dst), n in sorted(counts.items()) if t == target
+                  for v in (src, dst) * n]
+        return values + [v for t, src, dst in sorted(repeat) if t == target
+                         for v in (src, -1 - dst)]
+
+    receives = listed(PRECV_TARGET) + (list(RUNS_COLLECTIVES) if runs_collectives else [])
+    return (np.array(receives, dtype=np.int64),
+            np.array(listed(PSEND_TARGET), dtype=np.int64))
 
 
 #: Our collectives' calls (lowering/collectives.py): a program with one of them lists
@@ -295,20 +303,21 @@ _COLLECTIVE_TARGETS = frozenset({collectives.ALL_REDUCE_TARGET, collectives.EXCH
 
 def keep_psend_operands(module: Any) -> int:
     """Runs the pass on a lowered module; returns how many precvs now keep an operand.
-    Also gives every psend/precv of the module the program's receives (PROGRAM_RECEIVES)."""
+    Also gives every psend/precv of the module the program's receives and sends
+    (PROGRAM_RECEIVES, PROGRAM_SENDS)."""
     rules.emitted_for_pass = 0
     with module.context:
         targets = [(call_target(op), op) for op in operations(module.operation)]
         ours = [op for target, op in targets if target in (PSEND_TARGET, PRECV_TARGET)
                 and int_attribute(op, OPERAND_KEPT) is not None]
         runs_collectives = any(target in _COLLECTIVE_TARGETS for target, _ in targets)
-        # A program with neither a precv that moves data nor a collective of ours: its calls
-        # keep the empty list they were lowered with, and its functions are not walked again.
-        if runs_collectives or any(call_target(op) == PRECV_TARGET and _moves_data(op)
-                                   for op in ours):
-            receives = _program_receives(module, runs_collectives)
+        # A program with neither a psend nor a precv that moves data, nor a collective of
+        # ours: its calls keep the empty lists they were lowered with, and its functions are
+        # not walked again.
+        if runs_collectives or any(_moves_data(op) for op in ours):
+            receives, sends = _program_hops(module, runs_collectives)
             for op in ours:
-                set_array_attribute(op, PROGRAM_RECEIVES, receives)
+                set_array_attributes(op, {PROGRAM_RECEIVES: receives, PROGRAM_SENDS: sends})
         precvs = [op for op in operations(module.operation)
                   if call_target(op) == PRECV_TARGET and int_attribute(op, OPERAND_KEPT) == 0]
         groups = _groups(precvs)
