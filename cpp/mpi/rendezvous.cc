@@ -78,7 +78,7 @@ Status MpiTransport::PostFromOperand(const std::shared_ptr<DirectSend>& send,
     if (rc != MPI_SUCCESS) send->requests.pop_back();
     return rc;
   };
-  int rc = send->header ? post_one(send->header.get(), sizeof(Envelope)) : MPI_SUCCESS;
+  int rc = send->header ? post_one(&*send->header, sizeof(Envelope)) : MPI_SUCCESS;
   for (size_t offset = 0; offset < bytes && rc == MPI_SUCCESS; offset += kDirectChunkBytes) {
     rc = post_one(src + offset, std::min(kDirectChunkBytes, bytes - offset));
   }
@@ -117,18 +117,34 @@ Status MpiTransport::SendDirect(int dest_rank, int tag, const void* data, size_t
   return FinishDirect(send, deadline);
 }
 
-Status MpiTransport::SendFramed(int dest_rank, int tag, const void* data, size_t bytes,
-                                const Desc& desc,
+std::shared_ptr<MpiTransport::DirectSend> MpiTransport::ReuseDirectSend(ChannelState& ch) {
+  // Nothing else holds the spare once its precv finished it and the transport's list of
+  // sends in flight let it go (a deferred send, an abandoned one, a kept entry not yet
+  // finished all hold it): the releases happen before this load (the fence).
+  if (ch.spare_send && ch.spare_send.use_count() == 1) {
+    std::atomic_thread_fence(std::memory_order_acquire);
+    DirectSend& send = *ch.spare_send;
+    std::vector<MPI_Request> requests = std::move(send.requests);
+    requests.clear();  // keeps its capacity
+    send = DirectSend{};
+    send.requests = std::move(requests);
+    return ch.spare_send;
+  }
+  ch.spare_send = std::make_shared<DirectSend>();
+  return ch.spare_send;
+}
+
+Status MpiTransport::SendFramed(ChannelState& ch, int dest_rank, int tag, const void* data,
+                                size_t bytes, const Desc& desc,
                                 std::chrono::steady_clock::time_point deadline,
                                 std::shared_ptr<DirectSend>* kept) {
   // The staged framing, so the receiver takes it as a staged message: the sender notes
   // what the receiver sees (no copy is made, but no direct receive takes it either).
   trace::NotePath(trace::Path::kStaged);
-  auto send = std::make_shared<DirectSend>();
+  std::shared_ptr<DirectSend> send = ReuseDirectSend(ch);
   // The chunk header says how the receiver posts the chunks: one message up to
   // kDirectChunkBytes (MPI moves it in one copy, straight from the operand).
-  send->header = std::make_unique<Envelope>(MakeEnvelope(kChunkMagic, bytes, desc.hash,
-                                                         desc.text));
+  send->header = MakeEnvelope(kChunkMagic, bytes, desc.hash, desc.text);
   send->header->chunk_bytes = std::min(bytes, kDirectChunkBytes);
   if (Status s = PostFromOperand(send, &MPI_Isend, "MPI_Isend", comm_, dest_rank, tag, data,
                                  bytes, deadline);
@@ -276,7 +292,7 @@ Status MpiTransport::SendLarge(ChannelState& ch, uint64_t seq, int dest_rank, in
     // than copying it for a receiver that is not ready yet, leave the send to the receive
     // loops that run until then (ProgressDeferred), which post it straight from the operand once the receiver
     // signals; that precv completes it if it is still deferred (FinishDirect).
-    auto send = std::make_shared<DirectSend>();
+    std::shared_ptr<DirectSend> send = ReuseDirectSend(ch);
     send->deferred = true;
     send->channel = &ch;
     send->seq = seq;
