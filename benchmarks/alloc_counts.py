@@ -11,9 +11,9 @@ called ``--calls`` times, and the difference of their counts divided by the diff
 their steps is what one more psend and precv cost a process (both ranks print): what a call
 costs whatever its length (JAX's dispatch, XLA's run) cancels out. Allocations are counted by
 benchmarks/malloc_count.c (LD_PRELOAD; without it only instructions are counted), the
-instructions by ``perf_event_open`` on every thread of the process (user mode only). The
-instructions include the polling waits' (more where the peer is late): take the lowest of
-``--rounds`` rounds.
+instructions by ``perf_event_open`` on every thread of the process (user mode only; "n/a"
+where the machine exposes no PMU, as a VM may not). The instructions include the polling
+waits' (more where the peer is late): each count is the lowest of ``--rounds`` rounds.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -63,6 +62,10 @@ class _Instructions:
             fd = syscall(_SYS_PERF_EVENT_OPEN, self._buf, int(tid), -1, -1, 0)
             if fd >= 0:
                 self._fds.append(int(fd))
+
+    @property
+    def opened(self) -> bool:
+        return bool(self._fds)
 
     def read(self) -> int:
         return sum(struct.unpack("Q", os.read(fd, 8))[0] for fd in self._fds)
@@ -124,8 +127,9 @@ def main() -> None:
                     best[k] = min(best.get(k, v), v)
             counter.close()
             allocs = f"{best['allocs']:.2f}" if mallocs else "n/a"
+            instr = f"{best['instr']:.0f}" if counter.opened else "n/a (no PMU)"
             lines.append(f"rank {session.rank} {kind} {n} B: per psend + precv: "
-                         f"allocations {allocs}, instructions {best['instr']:.0f}")
+                         f"allocations {allocs}, instructions {instr}")
     gathered = session.comm.gather("\n".join(lines), root=0)
     if session.rank == 0:
         print("\n".join(gathered), flush=True)

@@ -42,7 +42,12 @@ Status MpiTransport::PollReady(ChannelState& ch, uint64_t seq, int dest_rank, in
     }
     // Tiny, so it has arrived whole by now on any MPI we know of; still waited for with a
     // deadline, and owned by the wait in case it has to be abandoned.
-    auto signal = std::make_shared<ReadySignal>();
+    // The channel's buffer, unless an abandoned receive still holds it (send_mu is held).
+    if (!ch.ready_in || ch.ready_in.use_count() != 1) {
+      ch.ready_in = std::make_shared<ReadySignal>();
+    }
+    std::atomic_thread_fence(std::memory_order_acquire);  // as ReuseDirectSend's
+    const std::shared_ptr<ReadySignal>& signal = ch.ready_in;
     if (Status s = ReceiveMatched(&message, signal.get(), sizeof(ReadySignal), deadline,
                                   signal);
         !s.ok()) {
@@ -491,7 +496,9 @@ Status MpiTransport::RecvLarge(ChannelState& ch, uint64_t seq, int source_rank, 
   // rank's copy). MPI_Sendrecv starts its send before it waits for its receive. The peer's
   // direct send (synchronous mode) waits unmatched until our receives are posted, and the
   // ready signals do not depend on them: every rank of a ring signals before it waits.
-  std::vector<MPI_Request> requests;
+  // The channel's list, which keeps its capacity from message to message (recv_mu is held).
+  std::vector<MPI_Request>& requests = ch.recv_requests;
+  requests.clear();
   auto* dst = static_cast<std::byte*>(out);
   auto post_receives = [&]() -> Status {
     requests.reserve(bytes / kDirectChunkBytes + 1);
@@ -519,22 +526,21 @@ Status MpiTransport::RecvLarge(ChannelState& ch, uint64_t seq, int source_rank, 
     if (Status s = post_receives(); !s.ok()) return s;
   }
   {
-    ControlSend control;
-    control.signal = std::make_unique<ReadySignal>();
-    control.signal->seq = seq;
-    control.signal->bytes = bytes;
-    control.signal->desc_hash = desc_hash;
     std::unique_lock<std::mutex> lock(mu_);  // control_sends_ (and MPI if needed)
-    int rc = MPI_Isend(control.signal.get(), sizeof(ReadySignal), MPI_BYTE, source_rank, tag,
+    // Sent from its place in the queue, which stays put until it completes (a deque's
+    // elements do not move as it grows or shrinks at its ends).
+    ControlSend& control = control_sends_.emplace_back();
+    control.signal = ReadySignal{seq, bytes, desc_hash};
+    int rc = MPI_Isend(&control.signal, sizeof(ReadySignal), MPI_BYTE, source_rank, tag,
                        ctrl_comm_, &control.request);
     if (rc != MPI_SUCCESS) {
+      control_sends_.pop_back();
       lock.unlock();
       size_t cancelled = 0;
       bool abandoned = false;
       (void)CancelWithGrace(requests, &cancelled, &abandoned, nullptr);  // as above
       return Status::MpiError("MPI_Isend of the ready signal", rc);
     }
-    control_sends_.push_back(std::move(control));
     ++ch.ready_sent;
     ch.last_ready_sent_seq = seq;
     ch.last_ready_sent_at = std::chrono::steady_clock::now();

@@ -506,6 +506,10 @@ class MpiTransport {
     // header or trailer, and the copy of a small message.
     std::shared_ptr<Envelope> recv_envelope;
     std::shared_ptr<std::vector<std::byte>> recv_scratch;
+    // Under recv_mu: the direct receives of the channel's current rendezvous (RecvLarge).
+    std::vector<MPI_Request> recv_requests;
+    // Under send_mu: the buffer a ready signal is read into (PollReady).
+    std::shared_ptr<ReadySignal> ready_in;
     uint64_t deferred_id = 0;  // under deferred_mu_: when it was deferred (DeferredMark)
     // What StallReport tells of the channel: the ready signals either way, and how its
     // current (or last) receive waits. Written where they happen, read only by the report.
@@ -528,7 +532,7 @@ class MpiTransport {
     bool recv_prefault = true;
   };
   struct ControlSend {
-    std::unique_ptr<ReadySignal> signal;
+    ReadySignal signal;  // sent from here: control_sends_ is a deque, whose elements stay put
     MPI_Request request = MPI_REQUEST_NULL;
   };
 
