@@ -9,18 +9,41 @@ namespace jcm {
 void KeptSends::Add(const void* operand, int64_t run_id, int64_t partition, int64_t keepers,
                     Finish finish) {
   std::lock_guard<std::mutex> lock(mu_);
-  pending_.emplace(operand, Entry{run_id, partition, std::max<int64_t>(keepers, 1),
-                                  std::move(finish)});
+  pending_.push_back(Entry{operand, run_id, partition, std::max<int64_t>(keepers, 1),
+                           std::move(finish)});
   pending_count_.store(pending_.size(), std::memory_order_release);
   ++kept_total_;
 }
 
 namespace {
 
-Status FinishEach(std::vector<KeptSends::Finish>& finishes,
+// The finishes a Release or FinishRun takes, in a list of its thread's that keeps its
+// capacity (no allocation per message); a call made while the thread's list is in use
+// (none is expected: a finish does not release) gets a list of its own.
+class TakenFinishes {
+ public:
+  TakenFinishes() : list_(busy_ ? own_ : shared_) { busy_ = busy_ || &list_ == &shared_; }
+  ~TakenFinishes() {
+    list_.clear();  // drops the sends' records now, so their channel can reuse them
+    if (&list_ == &shared_) busy_ = false;
+  }
+  TakenFinishes(const TakenFinishes&) = delete;
+  TakenFinishes& operator=(const TakenFinishes&) = delete;
+  std::vector<KeptSends::Finish>& list() { return list_; }
+
+ private:
+  static thread_local std::vector<KeptSends::Finish> shared_;
+  static thread_local bool busy_;
+  std::vector<KeptSends::Finish> own_;
+  std::vector<KeptSends::Finish>& list_;
+};
+thread_local std::vector<KeptSends::Finish> TakenFinishes::shared_;
+thread_local bool TakenFinishes::busy_ = false;
+
+Status FinishEach(const std::vector<KeptSends::Finish>& finishes,
                   std::chrono::steady_clock::time_point deadline) {
   Status first_failure;
-  for (KeptSends::Finish& finish : finishes) {  // every one, even after an error
+  for (const KeptSends::Finish& finish : finishes) {  // every one, even after an error
     Status s = finish(deadline);
     if (first_failure.ok()) first_failure = std::move(s);
   }
@@ -29,55 +52,51 @@ Status FinishEach(std::vector<KeptSends::Finish>& finishes,
 
 }  // namespace
 
-// `matches` may change the entry (count a keeper off) before it says.
 template <typename Matches>
-std::vector<KeptSends::Finish> KeptSends::Take(std::multimap<const void*, Entry>::iterator first,
-                                               std::multimap<const void*, Entry>::iterator last,
-                                               Matches matches) {
-  std::vector<Finish> finishes;
-  for (auto it = first; it != last;) {
-    if (!matches(it->second)) {
-      ++it;
-      continue;
+void KeptSends::Take(std::vector<Finish>& out, Matches matches) {
+  size_t kept = 0;
+  for (size_t i = 0; i < pending_.size(); ++i) {
+    if (matches(pending_[i])) {
+      out.push_back(std::move(pending_[i].finish));
+    } else {
+      if (kept != i) pending_[kept] = std::move(pending_[i]);
+      ++kept;
     }
-    finishes.push_back(std::move(it->second.finish));
-    it = pending_.erase(it);
   }
+  pending_.resize(kept);  // shrinks only: no allocation, the capacity stays
   pending_count_.store(pending_.size(), std::memory_order_release);
-  return finishes;
 }
 
 Status KeptSends::ReleaseSlow(
     const void* const* operands, size_t count, int64_t run_id, int64_t partition,
     const std::function<std::chrono::steady_clock::time_point()>& deadline_of) {
-  std::vector<Finish> finishes;
+  TakenFinishes taken;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (size_t i = 0; i < count; ++i) {
       // An address kept twice (one buffer, two values) counts this precv off once.
       if (std::find(operands, operands + i, operands[i]) != operands + i) continue;
-      auto [first, last] = pending_.equal_range(operands[i]);
-      std::vector<Finish> done = Take(first, last, [&](Entry& e) {
-        return e.run_id == run_id && e.partition == partition && --e.keepers == 0;
+      Take(taken.list(), [&](Entry& e) {
+        return e.operand == operands[i] && e.run_id == run_id && e.partition == partition &&
+               --e.keepers == 0;
       });
-      for (Finish& f : done) finishes.push_back(std::move(f));
     }
   }
-  if (finishes.empty()) return Status::Ok();
-  return FinishEach(finishes, deadline_of());
+  if (taken.list().empty()) return Status::Ok();
+  return FinishEach(taken.list(), deadline_of());
 }
 
 Status KeptSends::FinishRun(int64_t run_id, int64_t partition,
                             std::chrono::steady_clock::time_point deadline) {
   if (pending_count_.load(std::memory_order_acquire) == 0) return Status::Ok();
-  std::vector<Finish> finishes;
+  TakenFinishes taken;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    finishes = Take(pending_.begin(), pending_.end(), [&](const Entry& e) {
+    Take(taken.list(), [&](const Entry& e) {
       return e.run_id == run_id && e.partition == partition;
     });
   }
-  return FinishEach(finishes, deadline);
+  return FinishEach(taken.list(), deadline);
 }
 
 size_t KeptSends::pending() const {

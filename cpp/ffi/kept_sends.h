@@ -17,7 +17,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
-#include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -31,13 +31,29 @@ namespace jcm {
 // must not come a whole timeout after the op's, and a send that is just completing still may.
 inline constexpr std::chrono::milliseconds kKeptSendGraceAfterFailure{500};
 
+// How a kept send is finished: a plain function and the few things it needs, not a
+// std::function: this is made for every kept send (every message of an exchange from 16 KiB
+// on), and captures of a std::function that size go to the heap, as did the op's text.
+struct KeptFinish {
+  using Fn = Status (*)(const KeptFinish& self, std::chrono::steady_clock::time_point deadline);
+  Fn fn = nullptr;
+  std::shared_ptr<void> send;   // the send in flight (a mailbox offer, a DirectSend)
+  std::shared_ptr<void> owner;  // what it belongs to and must outlive it (the transport)
+  std::shared_ptr<const void> text;  // what its error names (the op's texts), shared by sends
+  int64_t values[10] = {};      // the rest of that error's details (ranks, tags, partitions)
+
+  // Waits for the send to finish by `deadline`; its status says how it ended.
+  Status operator()(std::chrono::steady_clock::time_point deadline) const {
+    return fn(*this, deadline);
+  }
+};
+
 // Locking:
 //   mu_   pending_ and kept_total_. A Finish runs without it (it may wait for a peer).
 //   pending_count_ mirrors pending_.size() for the lock-free check of Release.
 class KeptSends {
  public:
-  // Waits for the send to finish by `deadline`; its status says how it ended.
-  using Finish = std::function<Status(std::chrono::steady_clock::time_point)>;
+  using Finish = KeptFinish;
 
   // A send still reading from `operand` (a buffer XLA keeps alive until the `keepers`
   // precvs that take it as an operand have run) of the program run `run_id` (XLA's RunId)
@@ -82,22 +98,26 @@ class KeptSends {
                      const std::function<std::chrono::steady_clock::time_point()>& deadline);
 
   struct Entry {
+    const void* operand = nullptr;
     int64_t run_id = 0;
     int64_t partition = 0;
     int64_t keepers = 1;  // precvs of this run that have not counted themselves off yet
     Finish finish;
   };
 
-  // Takes the finishes of the entries in [first, last) that `matches`, under mu_.
+  // Moves the finishes of the entries that `matches` into `out` and erases them (in the
+  // order they were added), under mu_. `matches` may change the entry (count a keeper off)
+  // before it says.
   template <typename Matches>
-  std::vector<Finish> Take(std::multimap<const void*, Entry>::iterator first,
-                           std::multimap<const void*, Entry>::iterator last, Matches matches);
+  void Take(std::vector<Finish>& out, Matches matches);
 
   // pending_.size(), readable without the lock: the precv that finishes a send runs after
   // its psend (it takes the psend's token), so a zero here never hides a send it must finish.
   std::atomic<size_t> pending_count_{0};
   mutable std::mutex mu_;
-  std::multimap<const void*, Entry> pending_;
+  // A few entries at a time (the sends of a step, a window of a stream): a vector that keeps
+  // its capacity, where a map allocated a node per send. In the order they were added.
+  std::vector<Entry> pending_;
   uint64_t kept_total_ = 0;
 };
 

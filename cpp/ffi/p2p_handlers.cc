@@ -230,6 +230,70 @@ ffi::Error RefusedSend(const OpInfo& info, int64_t me, int64_t peer, const std::
   return ffi::Error(ffi::ErrorCode::kFailedPrecondition, s.str());
 }
 
+// A kept psend's finish (KeptFinish: a plain function, the send, and what its error says).
+// A mailbox send: done once the receiver has copied it.
+Status FinishKeptOffer(const KeptFinish& f, Clock::time_point /*deadline*/) {
+  Runtime::Get().mailbox().Finish(std::static_pointer_cast<Mailbox::Offer>(f.send));
+  return Status::Ok();
+}
+
+// What the error of a kept MPI send names: the op's texts, shared by the sends of one call
+// site (KeptTextOf), and in KeptFinish::values:
+enum KeptValue {
+  kDest, kTag, kReverseTag, kMe, kPeer, kMeProcess, kPeerProcess, kMyDev, kPeerDev
+};
+struct KeptText {
+  std::string op, operand;
+};
+
+// The texts of `op` and `operand` for a kept send's error: made once per call site and
+// thread and shared by its sends (a copy per send was an allocation per message). A few
+// sites per thread alternate (a step's ops); a site not among the last few is made again.
+std::shared_ptr<const KeptText> KeptTextOf(std::string_view op, std::string_view operand) {
+  thread_local std::array<std::shared_ptr<const KeptText>, 8> cache;
+  thread_local size_t next = 0;
+  for (const std::shared_ptr<const KeptText>& t : cache) {
+    if (t && t->op == op && t->operand == operand) return t;
+  }
+  auto made = std::make_shared<const KeptText>(KeptText{std::string(op), std::string(operand)});
+  cache[next++ % cache.size()] = made;
+  return made;
+}
+
+// A kept MPI send (MpiTransport::DirectSend: framed, deferred or direct).
+Status FinishKeptMpiSend(const KeptFinish& f, Clock::time_point deadline) {
+  Runtime::MpiOpScope active;
+  MpiTransport& mpi = *static_cast<MpiTransport*>(f.owner.get());
+  const int dest = static_cast<int>(f.values[kDest]);
+  Status done =
+      mpi.FinishDirect(std::static_pointer_cast<MpiTransport::DirectSend>(f.send), deadline);
+  // A deferred send that was staged (here, or by a receive loop or the progress
+  // thread's watch, when its receiver came late) is done for this device, but its copy
+  // may not have moved yet: it moves only while this process calls MPI (over TCP, and
+  // over UCX's shared memory on one node too), and after this precv the device may not
+  // call MPI again (the peer then waited for it until its receive timeout), so the
+  // progress thread takes it on, as after a psend.
+  if (mpi.has_staged_sends()) Runtime::Get().mpi_send_in_flight();
+  if (done.ok()) return done;
+  if (!Closing()) Runtime::Get().note_unreachable_peer(dest);
+  const auto& text = *static_cast<const KeptText*>(f.text.get());
+  std::ostringstream what;
+  what << text.op << " of " << text.operand << " from partition " << f.values[kMe]
+       << " (process " << f.values[kMeProcess] << ") to partition " << f.values[kPeer]
+       << " (process " << f.values[kPeerProcess] << ")" << MpiPeer(dest) << " failed: ";
+  if (done.code() == StatusCode::kSendTimeout && !Closing()) {
+    done = done.WithSuffix(mpi.StallReport(dest, static_cast<int>(f.values[kReverseTag]),
+                                           static_cast<int>(f.values[kTag])));
+  }
+  done = done.WithPrefix(what.str());
+  // Counted as sent when its psend ran: its receiver may still wait for it (a send
+  // cancelled), and would take the channel's next message as this one.
+  const std::string& error = done.message();
+  Runtime::Get().suspect_channels().MarkSend(f.values[kMyDev], f.values[kPeerDev],
+                                             error.substr(0, error.find('\n')));
+  return done;
+}
+
 ffi::Error Psend(int64_t run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition,
                  ffi::Result<ffi::Token> /*token*/, const OpInfo& info, int64_t operand_kept) {
   const std::string_view op = info.op, operand = info.operand;
@@ -256,11 +320,10 @@ ffi::Error Psend(int64_t run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partiti
     rt.suspect_channels().NoteSent(my_dev, peer_dev, run_id);
     if (offer) {
       trace::NotePath(trace::Path::kKept);
-      rt.kept_sends().Add(x.untyped_data(), run_id, me, operand_kept,
-                          [offer](auto /*deadline*/) {
-        Runtime::Get().mailbox().Finish(offer);
-        return Status::Ok();
-      });
+      KeptFinish finish;
+      finish.fn = &FinishKeptOffer;
+      finish.send = std::move(offer);
+      rt.kept_sends().Add(x.untyped_data(), run_id, me, operand_kept, std::move(finish));
     }
     return ffi::Error::Success();
   }
@@ -290,43 +353,23 @@ ffi::Error Psend(int64_t run_id, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partiti
                        kept && receives_too);
   if (in_flight) {
     trace::NotePath(trace::Path::kKept);
-    // Finished by the precv that keeps the operand; its error names this psend. The text
-    // is made only on failure: this runs for every send of an exchange.
-    rt.kept_sends().Add(x.untyped_data(), run_id, me, operand_kept,
-                        [mpi, in_flight, dest, tag = *tag,
-                         reverse_tag = static_cast<int>(PairTag(info, peer_dev, my_dev)),
-                                           op = std::string(op),
-                                           operand = std::string(operand), me, peer,
-                                           me_process = device_process[me],
-                                           peer_process = device_process[peer], my_dev,
-                                           peer_dev](
-                                              std::chrono::steady_clock::time_point deadline) {
-      Runtime::MpiOpScope active;
-      Status done = mpi->FinishDirect(in_flight, deadline);
-      // A deferred send that was staged (here, or by a receive loop or the progress
-      // thread's watch, when its receiver came late) is done for this device, but its copy
-      // may not have moved yet: it moves only while this process calls MPI (over TCP, and
-      // over UCX's shared memory on one node too), and after this precv the device may not
-      // call MPI again (the peer then waited for it until its receive timeout), so the
-      // progress thread takes it on, as after a psend.
-      if (mpi->has_staged_sends()) Runtime::Get().mpi_send_in_flight();
-      if (done.ok()) return done;
-      if (!Closing()) Runtime::Get().note_unreachable_peer(dest);
-      std::ostringstream what;
-      what << op << " of " << operand << " from partition " << me << " (process "
-           << me_process << ") to partition " << peer << " (process " << peer_process << ")"
-           << MpiPeer(dest) << " failed: ";
-      if (done.code() == StatusCode::kSendTimeout && !Closing()) {
-        done = done.WithSuffix(mpi->StallReport(dest, reverse_tag, tag));
-      }
-      done = done.WithPrefix(what.str());
-      // Counted as sent when its psend ran: its receiver may still wait for it (a send
-      // cancelled), and would take the channel's next message as this one.
-      const std::string& error = done.message();
-      Runtime::Get().suspect_channels().MarkSend(my_dev, peer_dev,
-                                                 error.substr(0, error.find('\n')));
-      return done;
-    });
+    // Finished by the precv that keeps the operand; its error names this psend. Its text
+    // is the call site's, made once (KeptTextOf): this runs for every send of an exchange.
+    KeptFinish finish;
+    finish.fn = &FinishKeptMpiSend;
+    finish.send = in_flight;
+    finish.owner = mpi;
+    finish.text = KeptTextOf(op, operand);
+    finish.values[kDest] = dest;
+    finish.values[kTag] = *tag;
+    finish.values[kReverseTag] = PairTag(info, peer_dev, my_dev);
+    finish.values[kMe] = me;
+    finish.values[kPeer] = peer;
+    finish.values[kMeProcess] = device_process[me];
+    finish.values[kPeerProcess] = device_process[peer];
+    finish.values[kMyDev] = my_dev;
+    finish.values[kPeerDev] = peer_dev;
+    rt.kept_sends().Add(x.untyped_data(), run_id, me, operand_kept, std::move(finish));
   }
   // Only a staged send left in flight needs the progress thread (the kept send's finish
   // above wakes it for a deferred send staged later): waking it after every

@@ -2,6 +2,8 @@
 // envelope, or a chunk header and its chunks; mpi/framing.h), and the waits with a
 // deadline that cancel, and abandon what MPI cannot cancel, at that deadline (see the top
 // of mpi/transport.h).
+#include <array>
+#include <atomic>
 #include <climits>
 #include <cstring>
 #include <utility>
@@ -187,6 +189,16 @@ Status MpiTransport::ReceiveMatched(MPI_Message* message, void* buf, int count,
   return WaitAll({&request, 1}, deadline, std::move(keep_alive));
 }
 
+std::shared_ptr<Envelope> MpiTransport::ReusableEnvelope(ChannelState& ch) {
+  if (ch.recv_envelope && ch.recv_envelope.use_count() == 1) {
+    // The last holder's release (a wait that kept it alive) happens before this load.
+    std::atomic_thread_fence(std::memory_order_acquire);
+    return ch.recv_envelope;
+  }
+  ch.recv_envelope = std::make_shared<Envelope>();
+  return ch.recv_envelope;
+}
+
 Status MpiTransport::ReceiveChunks(int source_rank, int tag, std::byte* out, size_t total,
                                    size_t chunk_bytes,
                                    std::chrono::steady_clock::time_point deadline,
@@ -195,25 +207,32 @@ Status MpiTransport::ReceiveChunks(int source_rank, int tag, std::byte* out, siz
     return Status::Invalid("corrupt chunk header (chunk size " + std::to_string(chunk_bytes) +
                            ")");
   }
-  std::vector<MPI_Request> requests;
-  requests.reserve(total / chunk_bytes + 1);
+  // Most messages are one chunk (a framed one up to kDirectChunkBytes): their requests
+  // need no list on the heap.
+  constexpr size_t kInline = 4;
+  std::array<MPI_Request, kInline> inline_requests;
+  std::vector<MPI_Request> heap_requests;
+  const size_t chunks = (total + chunk_bytes - 1) / chunk_bytes;
+  if (chunks > kInline) heap_requests.resize(chunks);
+  std::span<MPI_Request> all = chunks > kInline ? std::span<MPI_Request>(heap_requests)
+                                                : std::span<MPI_Request>(inline_requests);
+  size_t posted = 0;
   {
     std::unique_lock<std::mutex> lock = MpiCallLock();
     for (size_t offset = 0; offset < total; offset += chunk_bytes) {
       const size_t n = std::min(chunk_bytes, total - offset);
-      requests.emplace_back();
       int rc = MPI_Irecv(out + offset, static_cast<int>(n), MPI_BYTE, source_rank, tag, comm_,
-                         &requests.back());
+                         &all[posted]);
       if (rc != MPI_SUCCESS) {
-        requests.pop_back();
         if (lock.owns_lock()) lock.unlock();
         // Cancels what was posted; the Irecv failure is the error to report.
-        (void)WaitAll(requests, std::chrono::steady_clock::now(), keep_alive);
+        (void)WaitAll(all.first(posted), std::chrono::steady_clock::now(), keep_alive);
         return Status::MpiError("MPI_Irecv", rc);
       }
+      ++posted;
     }
   }
-  return WaitAll(requests, deadline, std::move(keep_alive));
+  return WaitAll(all.first(posted), deadline, std::move(keep_alive));
 }
 
 Status MpiTransport::RecvStaged(ChannelState& ch, int source_rank, int tag, void* out,
@@ -264,10 +283,10 @@ Status MpiTransport::RecvStaged(ChannelState& ch, int source_rank, int tag, void
   // before it still gets CancelWithGrace's grace period). Every staged message ends with
   // an Envelope (mpi/framing.h).
   if (static_cast<size_t>(count) != sizeof(Envelope)) {
-    return RecvOneMessage(&message, count, out, bytes, desc_hash, deadline);
+    return RecvOneMessage(ch, &message, count, out, bytes, desc_hash, deadline);
   }
   // A chunk header, or the trailer of an empty payload.
-  auto envelope = std::make_shared<Envelope>();
+  std::shared_ptr<Envelope> envelope = ReusableEnvelope(ch);
   if (Status s = ReceiveMatched(&message, envelope.get(), count, deadline, envelope); !s.ok()) {
     return s;
   }
@@ -293,8 +312,8 @@ Status MpiTransport::RecvStaged(ChannelState& ch, int source_rank, int tag, void
   return Status::Ok();
 }
 
-Status MpiTransport::RecvOneMessage(MPI_Message* message, int count, void* out, size_t bytes,
-                                    uint64_t desc_hash,
+Status MpiTransport::RecvOneMessage(ChannelState& ch, MPI_Message* message, int count,
+                                    void* out, size_t bytes, uint64_t desc_hash,
                                     std::chrono::steady_clock::time_point deadline) {
   if (static_cast<size_t>(count) < sizeof(Envelope)) {
     auto scratch = std::make_shared<PooledBuffer>(
@@ -310,7 +329,7 @@ Status MpiTransport::RecvOneMessage(MPI_Message* message, int count, void* out, 
   if (payload == bytes && bytes >= kScatterMinBytes) {
     // Straight into the output, the trailer into a buffer of its own: one receive with a
     // datatype of two blocks (its setup costs less than copying the payload once more).
-    auto envelope = std::make_shared<Envelope>();
+    std::shared_ptr<Envelope> envelope = ReusableEnvelope(ch);
     MPI_Request request = MPI_REQUEST_NULL;
     {
       std::unique_lock<std::mutex> lock = MpiCallLock();
@@ -331,16 +350,34 @@ Status MpiTransport::RecvOneMessage(MPI_Message* message, int count, void* out, 
     return Arrived(*envelope, payload, bytes, desc_hash);
   }
   // Small (a copy costs less than a datatype), or not the byte count expected (drained to
-  // keep the channel in step): through a buffer of our own.
-  auto scratch = std::make_shared<PooledBuffer>(
-      GlobalBufferPool().Acquire(static_cast<size_t>(count)));
-  if (Status s = ReceiveMatched(message, scratch->data(), count, deadline, scratch); !s.ok()) {
+  // keep the channel in step): through a buffer of our own, the channel's below
+  // kScatterMinBytes (reused from message to message).
+  std::shared_ptr<void> keep_alive;
+  std::byte* scratch = nullptr;
+  if (static_cast<size_t>(count) < kScatterMinBytes + sizeof(Envelope)) {
+    if (!ch.recv_scratch || ch.recv_scratch.use_count() != 1) {
+      ch.recv_scratch = std::make_shared<std::vector<std::byte>>();  // an abandoned one keeps its own
+    }
+    std::atomic_thread_fence(std::memory_order_acquire);  // as ReusableEnvelope's
+    if (ch.recv_scratch->size() < static_cast<size_t>(count)) {
+      ch.recv_scratch->resize(static_cast<size_t>(count));
+    }
+    scratch = ch.recv_scratch->data();
+    keep_alive = ch.recv_scratch;
+  } else {
+    auto pooled = std::make_shared<PooledBuffer>(
+        GlobalBufferPool().Acquire(static_cast<size_t>(count)));
+    scratch = pooled->data();
+    keep_alive = std::move(pooled);
+  }
+  if (Status s = ReceiveMatched(message, scratch, count, deadline, std::move(keep_alive));
+      !s.ok()) {
     return s;
   }
   Envelope trailer;
-  std::memcpy(&trailer, scratch->data() + payload, sizeof(trailer));
+  std::memcpy(&trailer, scratch + payload, sizeof(trailer));
   Status arrived = Arrived(trailer, payload, bytes, desc_hash);
-  if (arrived.ok() && bytes > 0) std::memcpy(out, scratch->data(), bytes);
+  if (arrived.ok() && bytes > 0) std::memcpy(out, scratch, bytes);
   return arrived;
 }
 

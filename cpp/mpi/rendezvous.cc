@@ -42,7 +42,12 @@ Status MpiTransport::PollReady(ChannelState& ch, uint64_t seq, int dest_rank, in
     }
     // Tiny, so it has arrived whole by now on any MPI we know of; still waited for with a
     // deadline, and owned by the wait in case it has to be abandoned.
-    auto signal = std::make_shared<ReadySignal>();
+    // The channel's buffer, unless an abandoned receive still holds it (send_mu is held).
+    if (!ch.ready_in || ch.ready_in.use_count() != 1) {
+      ch.ready_in = std::make_shared<ReadySignal>();
+    }
+    std::atomic_thread_fence(std::memory_order_acquire);  // as ReuseDirectSend's
+    const std::shared_ptr<ReadySignal>& signal = ch.ready_in;
     if (Status s = ReceiveMatched(&message, signal.get(), sizeof(ReadySignal), deadline,
                                   signal);
         !s.ok()) {
@@ -78,7 +83,7 @@ Status MpiTransport::PostFromOperand(const std::shared_ptr<DirectSend>& send,
     if (rc != MPI_SUCCESS) send->requests.pop_back();
     return rc;
   };
-  int rc = send->header ? post_one(send->header.get(), sizeof(Envelope)) : MPI_SUCCESS;
+  int rc = send->header ? post_one(&*send->header, sizeof(Envelope)) : MPI_SUCCESS;
   for (size_t offset = 0; offset < bytes && rc == MPI_SUCCESS; offset += kDirectChunkBytes) {
     rc = post_one(src + offset, std::min(kDirectChunkBytes, bytes - offset));
   }
@@ -117,18 +122,34 @@ Status MpiTransport::SendDirect(int dest_rank, int tag, const void* data, size_t
   return FinishDirect(send, deadline);
 }
 
-Status MpiTransport::SendFramed(int dest_rank, int tag, const void* data, size_t bytes,
-                                const Desc& desc,
+std::shared_ptr<MpiTransport::DirectSend> MpiTransport::ReuseDirectSend(ChannelState& ch) {
+  // Nothing else holds the spare once its precv finished it and the transport's list of
+  // sends in flight let it go (a deferred send, an abandoned one, a kept entry not yet
+  // finished all hold it): the releases happen before this load (the fence).
+  if (ch.spare_send && ch.spare_send.use_count() == 1) {
+    std::atomic_thread_fence(std::memory_order_acquire);
+    DirectSend& send = *ch.spare_send;
+    std::vector<MPI_Request> requests = std::move(send.requests);
+    requests.clear();  // keeps its capacity
+    send = DirectSend{};
+    send.requests = std::move(requests);
+    return ch.spare_send;
+  }
+  ch.spare_send = std::make_shared<DirectSend>();
+  return ch.spare_send;
+}
+
+Status MpiTransport::SendFramed(ChannelState& ch, int dest_rank, int tag, const void* data,
+                                size_t bytes, const Desc& desc,
                                 std::chrono::steady_clock::time_point deadline,
                                 std::shared_ptr<DirectSend>* kept) {
   // The staged framing, so the receiver takes it as a staged message: the sender notes
   // what the receiver sees (no copy is made, but no direct receive takes it either).
   trace::NotePath(trace::Path::kStaged);
-  auto send = std::make_shared<DirectSend>();
+  std::shared_ptr<DirectSend> send = ReuseDirectSend(ch);
   // The chunk header says how the receiver posts the chunks: one message up to
   // kDirectChunkBytes (MPI moves it in one copy, straight from the operand).
-  send->header = std::make_unique<Envelope>(MakeEnvelope(kChunkMagic, bytes, desc.hash,
-                                                         desc.text));
+  send->header = MakeEnvelope(kChunkMagic, bytes, desc.hash, desc.text);
   send->header->chunk_bytes = std::min(bytes, kDirectChunkBytes);
   if (Status s = PostFromOperand(send, &MPI_Isend, "MPI_Isend", comm_, dest_rank, tag, data,
                                  bytes, deadline);
@@ -276,7 +297,7 @@ Status MpiTransport::SendLarge(ChannelState& ch, uint64_t seq, int dest_rank, in
     // than copying it for a receiver that is not ready yet, leave the send to the receive
     // loops that run until then (ProgressDeferred), which post it straight from the operand once the receiver
     // signals; that precv completes it if it is still deferred (FinishDirect).
-    auto send = std::make_shared<DirectSend>();
+    std::shared_ptr<DirectSend> send = ReuseDirectSend(ch);
     send->deferred = true;
     send->channel = &ch;
     send->seq = seq;
@@ -475,7 +496,9 @@ Status MpiTransport::RecvLarge(ChannelState& ch, uint64_t seq, int source_rank, 
   // rank's copy). MPI_Sendrecv starts its send before it waits for its receive. The peer's
   // direct send (synchronous mode) waits unmatched until our receives are posted, and the
   // ready signals do not depend on them: every rank of a ring signals before it waits.
-  std::vector<MPI_Request> requests;
+  // The channel's list, which keeps its capacity from message to message (recv_mu is held).
+  std::vector<MPI_Request>& requests = ch.recv_requests;
+  requests.clear();
   auto* dst = static_cast<std::byte*>(out);
   auto post_receives = [&]() -> Status {
     requests.reserve(bytes / kDirectChunkBytes + 1);
@@ -503,22 +526,21 @@ Status MpiTransport::RecvLarge(ChannelState& ch, uint64_t seq, int source_rank, 
     if (Status s = post_receives(); !s.ok()) return s;
   }
   {
-    ControlSend control;
-    control.signal = std::make_unique<ReadySignal>();
-    control.signal->seq = seq;
-    control.signal->bytes = bytes;
-    control.signal->desc_hash = desc_hash;
     std::unique_lock<std::mutex> lock(mu_);  // control_sends_ (and MPI if needed)
-    int rc = MPI_Isend(control.signal.get(), sizeof(ReadySignal), MPI_BYTE, source_rank, tag,
+    // Sent from its place in the queue, which stays put until it completes (a deque's
+    // elements do not move as it grows or shrinks at its ends).
+    ControlSend& control = control_sends_.emplace_back();
+    control.signal = ReadySignal{seq, bytes, desc_hash};
+    int rc = MPI_Isend(&control.signal, sizeof(ReadySignal), MPI_BYTE, source_rank, tag,
                        ctrl_comm_, &control.request);
     if (rc != MPI_SUCCESS) {
+      control_sends_.pop_back();
       lock.unlock();
       size_t cancelled = 0;
       bool abandoned = false;
       (void)CancelWithGrace(requests, &cancelled, &abandoned, nullptr);  // as above
       return Status::MpiError("MPI_Isend of the ready signal", rc);
     }
-    control_sends_.push_back(std::move(control));
     ++ch.ready_sent;
     ch.last_ready_sent_seq = seq;
     ch.last_ready_sent_at = std::chrono::steady_clock::now();

@@ -30,14 +30,15 @@ Status MpiTransport::Send(int dest_rank, int tag, const void* data, size_t bytes
   trace::NoteSeq(seq);
   const Desc desc{desc_text, DescriptionHash(desc_text)};
   if (SentFramed(kept != nullptr, /*one_way=*/!may_defer, bytes)) {
-    return SendFramed(dest_rank, tag, data, bytes, desc, deadline, kept);
+    return SendFramed(ch, dest_rank, tag, data, bytes, desc, deadline, kept);
   }
   if (bytes >= kRendezvousMinBytes) {
     return SendLarge(ch, seq, dest_rank, tag, data, bytes, desc, max_inflight_bytes, deadline,
                      kept, may_defer);
   }
   trace::NotePath(trace::Path::kStaged);
-  return SendStaged(dest_rank, tag, data, bytes, desc, max_inflight_bytes, deadline);
+  return SendStaged(dest_rank, tag, data, bytes, desc, max_inflight_bytes, deadline,
+                    &ch.spare_staged);
 }
 
 Status MpiTransport::ProgressLocked() {
@@ -121,7 +122,8 @@ Status MpiTransport::ReserveInflight(size_t bytes, uint64_t max_inflight_bytes,
 
 Status MpiTransport::SendStaged(int dest_rank, int tag, const void* data, size_t bytes,
                                 const Desc& desc, uint64_t max_inflight_bytes,
-                                std::chrono::steady_clock::time_point deadline) {
+                                std::chrono::steady_clock::time_point deadline,
+                                PooledBuffer* spare) {
   bool stopped = false;
   static const StopWaiting never = [](bool* stop) {
     *stop = false;
@@ -133,12 +135,16 @@ Status MpiTransport::SendStaged(int dest_rank, int tag, const void* data, size_t
   }
   PendingSend send;
   send.bytes = bytes;
-  send.buffer = GlobalBufferPool().Acquire(StagedBufferBytes(bytes));
+  const size_t staged_bytes = StagedBufferBytes(bytes);
+  send.buffer = spare && spare->size() == staged_bytes
+                    ? std::move(*spare)
+                    : GlobalBufferPool().Acquire(staged_bytes);
   if (bytes > 0) std::memcpy(send.buffer.data(), data, bytes);
-  return IsendStaged(std::move(send), dest_rank, tag, desc);
+  return IsendStaged(std::move(send), dest_rank, tag, desc, spare);
 }
 
-Status MpiTransport::IsendStaged(PendingSend send, int dest_rank, int tag, const Desc& desc) {
+Status MpiTransport::IsendStaged(PendingSend send, int dest_rank, int tag, const Desc& desc,
+                                 PooledBuffer* spare) {
   const size_t bytes = send.bytes;
   send.dest_rank = dest_rank;
   send.tag = tag;
@@ -152,7 +158,27 @@ Status MpiTransport::IsendStaged(PendingSend send, int dest_rank, int tag, const
   if (bytes < kChunkedThreshold) {
     const Envelope trailer = MakeEnvelope(kPayloadMagic, bytes, desc.hash, desc.text);
     std::memcpy(send.buffer.data() + bytes, &trailer, sizeof(trailer));
-    rc = isend(send.buffer.data(), bytes + sizeof(trailer));
+    // One message, which usually leaves at once (eager protocol): its request goes into the
+    // send's list only if it has not (no allocation for one that has), and then its copy
+    // is the channel's spare for the next send.
+    MPI_Request request = MPI_REQUEST_NULL;
+    int done = 0;
+    {
+      std::unique_lock<std::mutex> lock = MpiCallLock();
+      rc = MPI_Isend(send.buffer.data(), static_cast<int>(bytes + sizeof(trailer)), MPI_BYTE,
+                     dest_rank, tag, comm_, &request);
+      if (rc == MPI_SUCCESS && MPI_Test(&request, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) {
+        done = 0;  // a failed test leaves the send to the pending list, whose test reports
+      }
+    }
+    if (rc == MPI_SUCCESS && done) {
+      if (spare) *spare = std::move(send.buffer);
+      std::lock_guard<std::mutex> lock(mu_);
+      inflight_bytes_ -= bytes;
+      ++sends_completed_;
+      return ProgressLocked();  // the other sends, as after every send
+    }
+    send.requests.push_back(request);  // taken off below if the post failed
   } else {
     send.header = std::make_unique<Envelope>(MakeEnvelope(kChunkMagic, bytes, desc.hash,
                                                           desc.text));

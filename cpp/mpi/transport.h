@@ -84,6 +84,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -242,8 +243,9 @@ class MpiTransport {
     std::chrono::steady_clock::time_point deferred_at;
     Status failed;  // under mu_: why a deferred send could not be posted (with done)
     // A one-way send framed from its operand (SendFramed): its chunk header, which its first
-    // request sends; the receiver never signalled for it.
-    std::unique_ptr<Envelope> header;
+    // request sends; the receiver never signalled for it. Held in the record itself (no
+    // allocation of its own).
+    std::optional<Envelope> header;
   };
 
   // `desc` describes the operand ("float32[4]"); the receiver checks it against its own.
@@ -492,6 +494,22 @@ class MpiTransport {
     bool has_early_ready = false;  // a ready signal for a later message
     ReadySignal early_ready;
     std::shared_ptr<DirectSend> deferred;  // a deferred send of this channel, if any
+    // Under send_mu: the record of the channel's latest framed or deferred send, reused by
+    // the next one once nothing else holds it (ReuseDirectSend): one allocation per
+    // channel, not per message.
+    std::shared_ptr<DirectSend> spare_send;
+    // Under send_mu: the staged copy of the channel's latest small send that left at once
+    // (SendStaged), reused by the next one of the same size.
+    PooledBuffer spare_staged;
+    // Under recv_mu: buffers of the channel's receives (RecvStaged, RecvOneMessage),
+    // reused once nothing else holds them (an abandoned receive keeps its own): a chunk
+    // header or trailer, and the copy of a small message.
+    std::shared_ptr<Envelope> recv_envelope;
+    std::shared_ptr<std::vector<std::byte>> recv_scratch;
+    // Under recv_mu: the direct receives of the channel's current rendezvous (RecvLarge).
+    std::vector<MPI_Request> recv_requests;
+    // Under send_mu: the buffer a ready signal is read into (PollReady).
+    std::shared_ptr<ReadySignal> ready_in;
     uint64_t deferred_id = 0;  // under deferred_mu_: when it was deferred (DeferredMark)
     // What StallReport tells of the channel: the ready signals either way, and how its
     // current (or last) receive waits. Written where they happen, read only by the report.
@@ -514,7 +532,7 @@ class MpiTransport {
     bool recv_prefault = true;
   };
   struct ControlSend {
-    std::unique_ptr<ReadySignal> signal;
+    ReadySignal signal;  // sent from here: control_sends_ is a deque, whose elements stay put
     MPI_Request request = MPI_REQUEST_NULL;
   };
 
@@ -563,8 +581,13 @@ class MpiTransport {
   // `ch`: the channel of (source_rank, tag), whose recv_mu the caller (Recv) holds.
   Status RecvStaged(ChannelState& ch, int source_rank, int tag, void* out, size_t bytes,
                     uint64_t desc_hash, std::chrono::steady_clock::time_point deadline);
+  // The channel's Envelope for a receive (ChannelState::recv_envelope) when nothing else
+  // holds it (an abandoned receive keeps its own); else a new one, which becomes the
+  // channel's. Caller holds ch.recv_mu.
+  std::shared_ptr<Envelope> ReusableEnvelope(ChannelState& ch);
   // Receives the matched one-message payload of `count` bytes (payload and Envelope).
-  Status RecvOneMessage(MPI_Message* message, int count, void* out, size_t bytes,
+  Status RecvOneMessage(ChannelState& ch, MPI_Message* message, int count, void* out,
+                        size_t bytes,
                         uint64_t desc_hash, std::chrono::steady_clock::time_point deadline);
 
   // mpi/setup.cc
@@ -574,13 +597,20 @@ class MpiTransport {
 
   // mpi/send_queue.cc
   // Copy-and-Isend (small messages, and large ones to a receiver that is not ready).
+  // `spare`: the channel's spare copy (ChannelState::spare_staged), taken when it has the
+  // size needed and given back when the send leaves at once; null: none.
   Status SendStaged(int dest_rank, int tag, const void* data, size_t bytes, const Desc& desc,
                     uint64_t max_inflight_bytes,
-                    std::chrono::steady_clock::time_point deadline);
+                    std::chrono::steady_clock::time_point deadline,
+                    PooledBuffer* spare = nullptr);
   // Sends the staged copy (header and chunks, or one message: its buffer has
   // StagedBufferBytes(), the Envelope is written behind the payload); the caller reserved
   // the bytes.
-  Status IsendStaged(PendingSend send, int dest_rank, int tag, const Desc& desc);
+  Status IsendStaged(PendingSend send, int dest_rank, int tag, const Desc& desc,
+                     PooledBuffer* spare = nullptr);
+  // The channel's spare DirectSend (ChannelState::spare_send), cleared, when nothing else
+  // holds it any more; else a new one, which becomes the spare. Caller holds ch.send_mu.
+  std::shared_ptr<DirectSend> ReuseDirectSend(ChannelState& ch);
   // Waits until the in-flight bytes leave room for `bytes` (or nothing else is in flight),
   // then reserves them. Stops early, reserving nothing, when `stop` says so.
   Status ReserveInflight(size_t bytes, uint64_t max_inflight_bytes,
@@ -610,7 +640,8 @@ class MpiTransport {
   // precv that keeps the operand (FinishDirect). The receiver (Recv's `sender_kept`)
   // takes it as a staged message: a message and a wait fewer than the rendezvous, and no
   // staging copy for a receiver that comes late.
-  Status SendFramed(int dest_rank, int tag, const void* data, size_t bytes, const Desc& desc,
+  Status SendFramed(ChannelState& ch, int dest_rank, int tag, const void* data, size_t bytes,
+                    const Desc& desc,
                     std::chrono::steady_clock::time_point deadline,
                     std::shared_ptr<DirectSend>* kept);
   // Marks a deferred send that could not be sent as done with `failure` (its precv reports).
