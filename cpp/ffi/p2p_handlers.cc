@@ -714,27 +714,36 @@ ffi::Error Noted(ffi::Error result) {
   return result;
 }
 
+// How often a program's psends or precvs (PROGRAM_SENDS / PROGRAM_RECEIVES: each pair as
+// often as its ops run at most in a call, with -1 - destination where one may run any
+// number of times, a loop) use each channel of partition `me`, by peer partition: as
+// source where `me_is_source`, else as destination. Pairs outside the axis are skipped.
+struct PairRuns {
+  int64_t once = 0;     // ops on the channel that run at most once per call
+  bool repeat = false;  // one that may run any number of times
+};
+std::map<int64_t, PairRuns> RunsByPeer(I64Span pairs, int64_t me, int64_t n, bool me_is_source) {
+  std::map<int64_t, PairRuns> runs;
+  for (size_t i = 0; i + 1 < pairs.size(); i += 2) {
+    const int64_t src = pairs[i];
+    const bool repeat = pairs[i + 1] < 0;
+    const int64_t dst = repeat ? -1 - pairs[i + 1] : pairs[i + 1];
+    if (src < 0 || src >= n || dst >= n || (me_is_source ? src : dst) != me) continue;
+    PairRuns& r = runs[me_is_source ? dst : src];
+    if (repeat) r.repeat = true;
+    else ++r.once;
+  }
+  return runs;
+}
+
 // The psends of the run that XLA skips on that device leave their peers' precvs waiting
 // (over MPI, in a call that goes on): their channels are marked for psends
-// (failed_runs.h), so that no later psend's message meets such a precv. PROGRAM_SENDS lists
-// each pair as often as its psends run at most in a call, and with -1 - destination where
-// one may run any number of times (a loop); only this device's pairs (as source) count.
+// (failed_runs.h), so that no later psend's message meets such a precv.
 void MarkSkippedSends(const OpInfo& info, int64_t run_id, int64_t me, const std::string& why) {
   const int64_t n = static_cast<int64_t>(info.device_index.size());
-  struct Sends {
-    int64_t once = 0;     // psends to the destination that run at most once per call
-    bool repeat = false;  // one that may run any number of times
-  };
-  std::map<int64_t, Sends> sends;  // by destination partition
-  for (size_t i = 0; i + 1 < info.program_sends.size(); i += 2) {
-    const int64_t src = info.program_sends[i], dst = info.program_sends[i + 1];
-    if (src != me) continue;
-    if (dst >= 0 && dst < n) ++sends[dst].once;
-    if (dst < 0 && -1 - dst < n) sends[-1 - dst].repeat = true;
-  }
   SuspectChannels& suspect = Runtime::Get().suspect_channels();
   const int64_t my_dev = info.device_index[me];
-  for (const auto& [dst, r] : sends) {
+  for (const auto& [dst, r] : RunsByPeer(info.program_sends, me, n, /*me_is_source=*/true)) {
     const int64_t dst_dev = info.device_index[dst];
     if (!r.repeat && suspect.Sent(my_dev, dst_dev, run_id) >= r.once) continue;
     suspect.MarkSend(my_dev, dst_dev, why);
@@ -742,31 +751,24 @@ void MarkSkippedSends(const OpInfo& info, int64_t run_id, int64_t me, const std:
 }
 
 // The precvs of the run that XLA skips on that device may leave their peers' messages in
-// their channels: those channels are marked (failed_runs.h). PROGRAM_RECEIVES lists each
-// pair as often as its precvs run at most in a call, and with -1 - destination where one
-// may run any number of times (a loop).
+// their channels: those channels are marked (failed_runs.h). The pair (-1, -1) in
+// PROGRAM_RECEIVES says the program runs collectives (custom_calls.RUNS_COLLECTIVES).
 void MarkSkippedReceives(const OpInfo& info, int64_t run_id, int64_t me,
                          const std::string& error) {
   const int64_t n = static_cast<int64_t>(info.device_index.size());
   if (me < 0 || me >= n) return;
-  struct Receives {
-    int64_t once = 0;     // precvs from the source that run at most once per call
-    bool repeat = false;  // one that may run any number of times
-  };
-  std::map<int64_t, Receives> receives;  // by source partition
-  bool runs_collectives = false;  // the pair (-1, -1): custom_calls.RUNS_COLLECTIVES
+  bool runs_collectives = false;
   for (size_t i = 0; i + 1 < info.program_receives.size(); i += 2) {
-    const int64_t src = info.program_receives[i], dst = info.program_receives[i + 1];
-    if (src == -1 && dst == -1) runs_collectives = true;
-    if (src < 0 || src >= n) continue;
-    if (dst == me) ++receives[src].once;
-    if (dst == -1 - me) receives[src].repeat = true;
+    if (info.program_receives[i] == -1 && info.program_receives[i + 1] == -1) {
+      runs_collectives = true;
+    }
   }
   SuspectChannels& suspect = Runtime::Get().suspect_channels();
   const int64_t my_dev = info.device_index[me];
   const std::string why = std::string(info.op) + " failed on " + ProcessSuffix(info, me) +
                           ": " + error.substr(0, error.find('\n'));
-  for (const auto& [src, r] : receives) {
+  for (const auto& [src, r] :
+       RunsByPeer(info.program_receives, me, n, /*me_is_source=*/false)) {
     const int64_t src_dev = info.device_index[src];
     if (!r.repeat && suspect.Taken(src_dev, my_dev, run_id) >= r.once) continue;
     suspect.Mark(src_dev, my_dev, why);
