@@ -283,11 +283,9 @@ def start(devices: int) -> tuple[Any, Any]:
     import jax_cpu_mpi  # noqa: F401  (registers the lowerings)
 
     # A held port, not JAX's hash(hostname) % 4096 one that concurrent jobs may share.
-    from jax_cpu_mpi._src.runtime.launchers import coordinator_address
+    from jax_cpu_mpi._src.runtime.launchers import initialize_over_mpi4py
 
-    jax.distributed.initialize(
-        coordinator_address=coordinator_address(os.environ.get("JAX_COORDINATOR_PORT")),
-        cluster_detection_method="mpi4py")
+    initialize_over_mpi4py()
     from mpi4py import MPI
 
     return MPI.COMM_WORLD, jax.make_mesh((jax.device_count(),), ("x",))

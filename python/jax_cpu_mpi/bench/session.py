@@ -162,11 +162,9 @@ def start(platform: str, local_devices: int) -> Session:
                 f"jax_cpu_collectives_implementation was {implementation!r}; set to 'gloo'")
     if distributed:
         # A held port, not JAX's hash(hostname) % 4096 one that concurrent jobs may share.
-        from jax_cpu_mpi._src.runtime.launchers import coordinator_address
+        from jax_cpu_mpi._src.runtime.launchers import initialize_over_mpi4py
 
-        jax.distributed.initialize(
-            coordinator_address=coordinator_address(os.environ.get("JAX_COORDINATOR_PORT")),
-            cluster_detection_method="mpi4py")
+        initialize_over_mpi4py()
     if distributed:
         from mpi4py import MPI
 

@@ -232,6 +232,23 @@ def warn_if_jax_runs_alone(op_name: str) -> None:
         "the mesh.", mpi_runtime.MpiSetupWarning, stacklevel=2)
 
 
+def initialize_over_mpi4py(**kwargs) -> None:
+    """``jax.distributed.initialize(cluster_detection_method="mpi4py", **kwargs)``, with the
+    coordinator's address from the port rank 0 holds (:func:`coordinator_address`) unless
+    ``kwargs`` or ``JAX_COORDINATOR_ADDRESS`` give one (``JAX_COORDINATOR_PORT`` honoured).
+
+    JAX's mpi4py detection takes the coordinator's port from ``hash(hostname) % 4096`` (the
+    hash salted per process): two jobs on one host share it once in 4096 and abort each other
+    ("different incarnation"). Ours is held until the coordinator takes it.
+    """
+    mpi_runtime.import_mpi4py()  # the ABI check first: JAX imports mpi4py.MPI unchecked
+    if kwargs.get("coordinator_address") is None and not os.environ.get(
+            "JAX_COORDINATOR_ADDRESS"):
+        kwargs["coordinator_address"] = coordinator_address(
+            os.environ.get("JAX_COORDINATOR_PORT"))
+    jax.distributed.initialize(cluster_detection_method="mpi4py", **kwargs)
+
+
 def initialize_distributed(**kwargs) -> str:
     """Start ``jax.distributed`` the way the launcher of this process calls for.
 
@@ -246,15 +263,7 @@ def initialize_distributed(**kwargs) -> str:
     if method == "none":
         return method
     if method == "mpi4py":
-        mpi_runtime.import_mpi4py()  # the ABI check first: JAX imports mpi4py.MPI unchecked
-        if kwargs.get("coordinator_address") is None and not os.environ.get(
-                "JAX_COORDINATOR_ADDRESS"):
-            # JAX's mpi4py detection takes the coordinator's port from hash(hostname) % 4096
-            # (the hash salted per process): two jobs on one host share it once in 4096 and
-            # abort each other ("different incarnation"). Ours is held until it is taken.
-            kwargs["coordinator_address"] = coordinator_address(
-                os.environ.get("JAX_COORDINATOR_PORT"))
-        jax.distributed.initialize(cluster_detection_method="mpi4py", **kwargs)
+        initialize_over_mpi4py(**kwargs)
     elif method == "mpirun":
         jax.distributed.initialize(cluster_detection_method=NAME, **kwargs)
     else:
@@ -263,7 +272,7 @@ def initialize_distributed(**kwargs) -> str:
 
 
 __all__ = ["Launch", "detect", "detect_pmi", "initialize_distributed",
-           "warn_if_jax_runs_alone"]
+           "initialize_over_mpi4py", "warn_if_jax_runs_alone"]
 
 
 # ---- the cluster environment for MPICH's and Open MPI 5's mpirun
@@ -409,6 +418,6 @@ def registered() -> bool:
 
 
 __all__ = ["NAME", "Launch", "coordinator_address", "detect", "detect_pmi",
-           "initialize_distributed",
+           "initialize_distributed", "initialize_over_mpi4py",
            "launcher", "local_process_id", "process_count", "process_id", "register",
            "registered", "reserve_port"]
