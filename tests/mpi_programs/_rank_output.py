@@ -3,6 +3,7 @@
 Usage (by tests/mpi_launcher.py): ``python _rank_output.py OUTDIR (-f FILE | -m MODULE) ARGS``.
 """
 
+import faulthandler
 import os
 import runpy
 import sys
@@ -15,6 +16,9 @@ fd = os.open(os.path.join(outdir, f"rank-{rank}.log"), os.O_WRONLY | os.O_CREAT 
 os.dup2(fd, 1)
 os.dup2(fd, 2)
 os.close(fd)
+# A rank that crashes (a segfault in a library, an abort) leaves every thread's Python stack in
+# its log, which the failing test prints: without it the log ends at the last line printed.
+faulthandler.enable()
 import jax_p2p_removal  # noqa: E402  (on PYTHONPATH: the mpi_programs folder)
 
 jax_p2p_removal.simulate_if_requested()  # JCM_TEST_JAX_WITHOUT_P2P=1: JAX without psend/precv
