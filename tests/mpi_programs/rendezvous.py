@@ -104,6 +104,8 @@ _TURNS = Path(tempfile.gettempdir()) / (
 #: coordinator port and the ranks' parent (mpirun's proxy on this host).
 LATE_LIMIT = 30.0
 _turn = [0]
+#: Seconds this rank waited, late, for the other rank's word (printed after each case).
+_waited = [0.0]
 
 
 def waiting(before: dict, now: dict) -> bool:
@@ -123,9 +125,10 @@ def in_turn(late: bool, call, ready=waiting):
     _turn[0] += 1
     said = _TURNS.with_name(f"{_TURNS.name}-{_turn[0]}")
     if late:
-        deadline = time.monotonic() + LATE_LIMIT
-        while not said.exists() and time.monotonic() < deadline:
+        start = time.monotonic()
+        while not said.exists() and time.monotonic() < start + LATE_LIMIT:
             time.sleep(0.005)
+        _waited[0] += time.monotonic() - start
         said.unlink(missing_ok=True)
         return call()
     before = jax_cpu_mpi.stats()
@@ -771,6 +774,8 @@ assert "never-received" not in CASES or CASES == ["never-received"], CASES  # it
 for case in CASES:
     print(f"== case {case}: start", flush=True)
     RUN[case]()
+    print(f"turns so far {_turn[0]}, this rank waited late {_waited[0]:.2f} s in all",
+          flush=True)
     print(f"== case {case}: done", flush=True)
     if case != "never-received":
         assert_nothing_left(case)
