@@ -230,6 +230,11 @@ JobCompType=jobcomp/none
 ReturnToService=2
 InactiveLimit=0
 KillWait=5
+# sbatch --wait polls the job after 2 s, then quadruples its sleep (8, 32 s) while the sleep
+# is under half of MinJobAge (300 by default), so it saw a job's end up to 32 s late. At 5
+# it polls every 2 s; slurmctld keeps a finished job's record at least MinJobAge seconds,
+# longer than one poll, so sbatch still reads the job's exit code.
+MinJobAge=5
 MessageTimeout=30
 {nodes}
 PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP

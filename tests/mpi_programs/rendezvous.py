@@ -9,7 +9,7 @@ each rank, ``prefault`` the last). After each case but ``never-received``, every
 that the case left no message that nobody took (``ok   case NAME: every message taken``):
 one left would be taken by a later case's precv of its channel, as its own. The cases:
 
-* ``paths`` (1 device per rank): the receiver ready first and the receiver late by 1.5 s:
+* ``paths`` (1 device per rank): the receiver ready first (waiting) and the receiver late:
   a one-way psend whose operand its precv keeps is framed straight from the operand either
   way (its chunk header, then the payload), without waiting for a ready signal, and
   received as a staged message: the psend returns before it completes (``kept_sends``
@@ -64,8 +64,12 @@ from __future__ import annotations
 
 import functools
 import operator
+import os
 import sys
+import tempfile
+import threading
 import time
+from pathlib import Path
 
 import _mpi_common as common
 import jax
@@ -89,6 +93,59 @@ def local(x: jax.Array) -> np.ndarray:
 
 def barrier(name: str) -> None:
     multihost_utils.sync_global_devices(name)
+
+
+#: Where the rank that goes first tells the late one that it is in its call (a file per
+#: turn): both ranks of these cases run on one host. The launch's coordinator port names it.
+_TURNS = Path(tempfile.gettempdir()) / (
+    f"jcm-rendezvous-{os.environ.get('JCM_TEST_COORDINATOR_PORT', '')}-{os.getppid()}")
+#: The longest a late rank waits for that word (a rank that never says it is waiting is a
+#: failure its checks name); then it goes anyway. The file's name has the launch's
+#: coordinator port and the ranks' parent (mpirun's proxy on this host).
+LATE_LIMIT = 30.0
+_turn = [0]
+#: Seconds this rank waited, late, for the other rank's word (printed after each case).
+_waited = [0.0]
+
+
+def waiting(before: dict, now: dict) -> bool:
+    """This process is waiting in the transport (its waits went on to yield or sleep), or
+    it sent: the peer that comes late comes after that."""
+    return any(now[k] > before[k] for k in ("wait_yields", "wait_sleeps", "mpi_direct_sends",
+                                             "mpi_staged_large_sends", "kept_sends"))
+
+
+def in_turn(late: bool, call, ready=waiting):
+    """``call()`` on this rank, after the peer's own call has got far enough if this rank is
+    ``late``: the peer's rank (not late) watches its transport's counters on a thread while
+    its call runs, and once ``ready(counters before, counters now)`` holds (or its call has
+    returned) says so in a file, which the late rank waits for. Instead of a fixed sleep, so
+    that the order the case asks for holds however loaded the machine, and no longer than
+    it takes. Every rank calls it in the same order (the turn's number names the file)."""
+    _turn[0] += 1
+    said = _TURNS.with_name(f"{_TURNS.name}-{_turn[0]}")
+    if late:
+        start = time.monotonic()
+        while not said.exists() and time.monotonic() < start + LATE_LIMIT:
+            time.sleep(0.005)
+        _waited[0] += time.monotonic() - start
+        said.unlink(missing_ok=True)
+        return call()
+    before = jax_cpu_mpi.stats()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set() and not ready(before, jax_cpu_mpi.stats()):
+            time.sleep(0.002)
+        said.touch()
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        return call()
+    finally:
+        done.set()
+        watcher.join()
 
 
 def counters() -> tuple[int, int, int]:
@@ -139,9 +196,8 @@ def run_paths() -> None:
             # Rank 0 dispatches late (its peer is then waiting in precv), or rank 1 does
             # (rank 0's psend finds nobody, looks for the ready signal while it copies, and
             # sends the copy).
-            if (me == 0) == (mode == "receiver ready first"):
-                time.sleep(1.5)
-            got = local(jax.block_until_ready(f(x)))
+            got = local(in_turn((me == 0) == (mode == "receiver ready first"),
+                                lambda f=f, x=x: jax.block_until_ready(f(x))))
             after = counters()
             if me == 1:
                 np.testing.assert_array_equal(got, pattern(n, salt), err_msg=f"{n} {mode}")
@@ -169,11 +225,9 @@ def run_paths() -> None:
         x = common.global_array(mesh, P("x"), np.ones(2 * send_n, np.uint8))
         f.lower(x).compile()
         barrier(f"mismatch {send_n} {recv_n}")
-        if me == 0:
-            time.sleep(1.5)
         start = time.perf_counter()
         try:
-            jax.block_until_ready(f(x))
+            in_turn(me == 0, lambda f=f, x=x: jax.block_until_ready(f(x)))
         except jax.errors.JaxRuntimeError as e:
             assert me == 1, f"rank 0 must not fail: {e}"
             for part in (f"uint8[{recv_n}]", f"({recv_n} bytes)",
@@ -599,13 +653,23 @@ def assert_nothing_left(case: str) -> None:
     print(f"ok   case {case}: every message taken", flush=True)
 
 
+def output_in_memory(before: dict, now: dict) -> bool:
+    """A waiting precv of the prefault case has its whole output in memory."""
+    return sum(now[k] - before[k] for k in ("prefaulted_bytes", "prefault_present_bytes")) >= (
+        PREFAULT_BYTES)
+
+
+PREFAULT_BYTES = 6 << 20
+
+
 def run_prefault() -> None:
     """A precv that waits for a late sender faults in its large output meanwhile
     (cpp/common/keep_freed_memory.h, OutputPrefault), a huge page per poll, so that MPI's
     copy, once the message comes, takes no page faults: 6 MiB each way, over the one-way
     framed path (a kept psend, received as a staged message) and the plain rendezvous (a
     psend and a precv in programs of their own: ready signal, direct receive), each with
-    the sender late by 1 s (the whole output faulted in or found in memory already:
+    the sender late (it sends once the receiver's whole output was faulted in or found in
+    memory already, which its waiting precv's counters show:
     ``prefaulted_bytes`` and ``prefault_present_bytes`` grow by at least its size together)
     and the receiver late (the message is there: nothing to do). The bytes
     equal ``lax.ppermute``'s, the other device's output is zeros. Then both paths once more
@@ -616,7 +680,7 @@ def run_prefault() -> None:
     a message another case left (which the check after each case would name) cannot be taken
     here as this case's own."""
     mesh = pair_mesh(last=True)
-    n = 6 << 20
+    n = PREFAULT_BYTES
     x = common.global_array(mesh, P("x"), np.concatenate([pattern(n, 30), pattern(n, 31)]))
     like = jax.ShapeDtypeStruct((n,), jnp.uint8)
     for perm, direction in ((FWD, "forward"), (BWD, "backward")):
@@ -671,9 +735,10 @@ def run_prefault() -> None:
             for late in ("sender late", "receiver late"):
                 barrier(f"prefault {direction} {path} {late}")
                 s0 = jax_cpu_mpi.stats()
-                if (me == source) == (late == "sender late"):
-                    time.sleep(1.0)
-                got = local(run())
+                # The sender late: it sends once the receiver has its whole output in
+                # memory (faulted in, or found there), what the check below asks.
+                got = local(in_turn((me == source) == (late == "sender late"), run,
+                                    output_in_memory if late == "sender late" else waiting))
                 s1 = jax_cpu_mpi.stats()
                 prefaulted = s1["prefaulted_bytes"] - s0["prefaulted_bytes"]
                 present = s1["prefault_present_bytes"] - s0["prefault_present_bytes"]
@@ -689,9 +754,8 @@ def run_prefault() -> None:
             w = jax.block_until_ready(written(x))  # every page written: in memory
             barrier(f"prefault {direction} {path} warm")
             s0 = jax_cpu_mpi.stats()
-            if me == source:
-                time.sleep(1.0)
-            got = local(run(w=w))
+            got = local(in_turn(me == source, functools.partial(run, w=w),
+                                output_in_memory))
             s1 = jax_cpu_mpi.stats()
             prefaulted = s1["prefaulted_bytes"] - s0["prefaulted_bytes"]
             present = s1["prefault_present_bytes"] - s0["prefault_present_bytes"]
@@ -710,6 +774,8 @@ assert "never-received" not in CASES or CASES == ["never-received"], CASES  # it
 for case in CASES:
     print(f"== case {case}: start", flush=True)
     RUN[case]()
+    print(f"turns so far {_turn[0]}, this rank waited late {_waited[0]:.2f} s in all",
+          flush=True)
     print(f"== case {case}: done", flush=True)
     if case != "never-received":
         assert_nothing_left(case)
