@@ -31,13 +31,14 @@ TINY = ["--layers", "4", "--width", "16", "--heads", "2", "--seq-len", "16", "--
         "--eval-batches", "1"]
 
 
-#: XLA's backend (LLVM) optimization level for the example's runs in subprocesses. What they
-#: check (a launch across processes trains and checkpoints; a resumed run ends bit for bit
-#: where one that went through did, both built alike) does not depend on how well LLVM
-#: optimizes the fused kernels, and optimizing them is most of the compilation, which is
-#: most of these runs. The in-process --check runs at the level of pytest's process (0 too:
-#: conftest.py).
-LLVM_UNOPTIMIZED = "--xla_backend_optimization_level=0"
+#: XLA's flags for the example's runs in subprocesses: the backend (LLVM) optimization level 0,
+#: and XLA CPU's older fusion emitters (LLVM IR written directly) instead of its MLIR ones,
+#: whose lowering of the fusions through MLIR's passes is most of what is left of the
+#: compilation, which is most of these runs. What they check (a launch across processes
+#: trains and checkpoints; a resumed run ends bit for bit where one that went through did,
+#: all built alike) depends on neither. The in-process --check runs with the flags of
+#: pytest's process (conftest.py).
+LLVM_UNOPTIMIZED = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 
 # Every schedule's keyed gradients are compared with the reference in
