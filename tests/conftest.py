@@ -6,17 +6,19 @@ import os
 import sys
 from pathlib import Path
 
-# Must happen before JAX initializes its CPU backend. This process also compiles without
-# LLVM's optimizations (the flag is taken out again below, once XLA has read it).
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "mpi_programs"))
+
+from mpi_launcher import CHEAP_COMPILE_FLAGS
+
+# Must happen before JAX initializes its CPU backend. This process also compiles cheaply (the
+# flags are taken out again below, once XLA has read them).
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    " --xla_backend_optimization_level=0"
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 "
+    + CHEAP_COMPILE_FLAGS
 )
 # A lost message fails the test quickly instead of waiting the production default.
 os.environ.setdefault("JAX_CPU_MPI_RECV_TIMEOUT", "30")
-
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent / "mpi_programs"))
 
 import jax
 import jax_p2p_removal
@@ -30,15 +32,15 @@ jax_p2p_removal.simulate_if_requested()
 
 import jax_cpu_mpi  # noqa: E402
 
-# Most of the suite's in-process time is compiling small test programs, which LLVM's passes
-# slow and never change in what the tests check (results within a tolerance or against a
-# program compiled the same way, the HLO, our FFI handlers, compiled apart). Only this
-# process: XLA reads XLA_FLAGS once, when JAX first uses it (now), so with the flag taken out
-# the programs and subprocesses the tests start compile as users' do (a test that wants
-# them unoptimized says so itself, e.g. test_transformer_example.py's launches).
+# Most of the suite's in-process time is compiling small test programs: LLVM's passes, and
+# XLA CPU's MLIR fusion emitters (lowering each fusion through MLIR's passes; the older
+# emitters write LLVM IR directly), slow it and never change what the tests check (results
+# within a tolerance or against a program compiled the same way, the HLO, our FFI handlers,
+# compiled apart). Only this process: XLA reads XLA_FLAGS once, when JAX first uses it (now),
+# so with the flags taken out the programs and subprocesses the tests start compile as users'
+# do (a launch that wants them says so, mpi_launcher.llvm_unoptimized()).
 jax.devices()
-os.environ["XLA_FLAGS"] = os.environ["XLA_FLAGS"].replace(
-    " --xla_backend_optimization_level=0", "")
+os.environ["XLA_FLAGS"] = os.environ["XLA_FLAGS"].replace(f" {CHEAP_COMPILE_FLAGS}", "")
 
 if jax_p2p_removal.requested() and not jax_cpu_mpi._src.ops.primitives.OURS:
     raise RuntimeError("JAX's psend/precv removal was simulated, but jax_cpu_mpi binds JAX's")

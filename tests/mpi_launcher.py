@@ -136,15 +136,20 @@ def _watch_or_kill(proc: subprocess.Popen, timeout: float,
 _GIVE_UP_GRACE = 3.0
 
 
+#: XLA's flags for compiling cheaply (llvm_unoptimized(), and pytest's own process).
+CHEAP_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+
+
 def llvm_unoptimized() -> dict[str, str]:
-    """The environment of a launch whose ranks compile without LLVM's optimizations (XLA's
-    ``--xla_backend_optimization_level=0``, on top of this process's flags): for programs
-    whose launch is mostly compiling, and whose checks (results within a tolerance, or equal
-    to another program of the same launch) do not depend on how LLVM optimizes the kernels.
-    Not for a launch that moves gigabytes through XLA's own loops: unoptimized, those run
-    slower than their compilation saves."""
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0"
-    return {"XLA_FLAGS": flags.strip()}
+    """The environment of a launch whose ranks compile cheaply, as pytest's own process does
+    (conftest.py): without LLVM's optimizations (XLA's ``--xla_backend_optimization_level=0``)
+    and with XLA CPU's older fusion emitters (``--xla_cpu_use_fusion_emitters=false``: LLVM IR
+    written directly instead of each fusion lowered through MLIR's passes), on top of this
+    process's flags. For programs whose launch is mostly compiling, and whose checks (results
+    within a tolerance, or equal to another program of the same launch) do not depend on how
+    the kernels are generated. Not for a launch that moves gigabytes through XLA's own loops:
+    unoptimized, those run slower than their compilation saves."""
+    return {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {CHEAP_COMPILE_FLAGS}".strip()}
 
 
 def run_mpi(

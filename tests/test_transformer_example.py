@@ -19,7 +19,7 @@ import pytest
 from jax_p2p_removal import python_prefix
 
 from jax_cpu_mpi._src.runtime import config
-from mpi_launcher import run_mpi
+from mpi_launcher import CHEAP_COMPILE_FLAGS, llvm_unoptimized, run_mpi
 
 pytest.importorskip("flax")
 pytest.importorskip("optax")
@@ -31,14 +31,14 @@ TINY = ["--layers", "4", "--width", "16", "--heads", "2", "--seq-len", "16", "--
         "--eval-batches", "1"]
 
 
-#: XLA's flags for the example's runs in subprocesses: the backend (LLVM) optimization level 0,
-#: and XLA CPU's older fusion emitters (LLVM IR written directly) instead of its MLIR ones,
-#: whose lowering of the fusions through MLIR's passes is most of what is left of the
-#: compilation, which is most of these runs. What they check (a launch across processes
-#: trains and checkpoints; a resumed run ends bit for bit where one that went through did,
-#: all built alike) depends on neither. The in-process --check runs with the flags of
-#: pytest's process (conftest.py).
-LLVM_UNOPTIMIZED = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+#: XLA's flags for the example's runs in subprocesses (mpi_launcher.CHEAP_COMPILE_FLAGS): the
+#: backend (LLVM) optimization level 0, and XLA CPU's older fusion emitters (LLVM IR written
+#: directly) instead of its MLIR ones, whose lowering of the fusions through MLIR's passes is
+#: most of what is left of the compilation, which is most of these runs. What they check (a
+#: launch across processes trains and checkpoints; a resumed run ends bit for bit where one
+#: that went through did, all built alike) depends on neither. The in-process --check runs
+#: with the flags of pytest's process (conftest.py).
+LLVM_UNOPTIMIZED = CHEAP_COMPILE_FLAGS
 
 
 # Every schedule's keyed gradients are compared with the reference in
@@ -233,7 +233,7 @@ def test_mpirun_n2x2devices_trains_and_checkpoints(tmp_path):
                   "interleaved-1f1b", "--layers", "4", "--steps", "2",
                   "--checkpoint", str(tmp_path), "--checkpoint-every", "2",
                   nprocs=2, module=True, timeout=560,
-                  env={"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {LLVM_UNOPTIMIZED}"})
+                  env=llvm_unoptimized())
     assert run.returncode == 0, run.report()
     out = "\n".join(run.by_rank()[0])
     assert ("2 stages x 2 data shards on 2 process(es) x 2 CPU device(s), the data axis "
