@@ -32,12 +32,12 @@ TINY = ["--layers", "4", "--width", "16", "--heads", "2", "--seq-len", "16", "--
 
 
 #: XLA's flags for the example's runs in subprocesses (mpi_launcher.CHEAP_COMPILE_FLAGS): the
-#: backend (LLVM) optimization level 0, and XLA CPU's older fusion emitters (LLVM IR written
-#: directly) instead of its MLIR ones, whose lowering of the fusions through MLIR's passes is
-#: most of what is left of the compilation, which is most of these runs. What they check (a
-#: launch across processes trains and checkpoints; a resumed run ends bit for bit where one
-#: that went through did, all built alike) depends on neither. The in-process --check runs
-#: with the flags of pytest's process (conftest.py).
+#: backend (LLVM) optimization level 0, and (jaxlib 0.10) XLA CPU's older fusion emitters (LLVM
+#: IR written directly) instead of its MLIR ones, whose lowering of the fusions through MLIR's
+#: passes is most of what is left of the compilation, which is most of these runs. What they
+#: check (a launch across processes trains and checkpoints; a resumed run ends bit for bit
+#: where one that went through did, all built alike) depends on neither. The in-process
+#: --check runs with the flags of pytest's process (conftest.py).
 LLVM_UNOPTIMIZED = CHEAP_COMPILE_FLAGS
 
 
