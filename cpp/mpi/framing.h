@@ -15,6 +15,17 @@
 // chunk header from the trailer of an empty payload. Direct messages (mpi/rendezvous.cc)
 // carry none: the receiver's ready signal names its byte count and description hash, and
 // the sender goes direct only when both are its own.
+// A framed message (a kept psend's, sent from its operand: SendFramed, mpi/rendezvous.cc)
+// is a chunk header and its payload in one chunk. Each end of a channel keeps the last
+// chunk header that went by on it (the channel's messages are taken in the order they were
+// sent), so a framed message whose header is that one again (a loop's next step: the same
+// byte count and description) goes *bare*, its payload alone: a message, and on the
+// receiver a receive, fewer a step. The receiver knows a bare payload by its size, the
+// last header's byte count (IsBareFramed), which nothing else on the channel may have:
+// a one-message payload whose size with its trailer is that one goes as a chunk header and
+// its chunk instead (which becomes the last header), and a chunk header is never that size.
+// A bare payload's checks are its header's: the receiver reports the last header's byte
+// count and description when they are not its own.
 #pragma once
 
 #include <cstddef>
@@ -66,6 +77,15 @@ inline Envelope MakeEnvelope(uint64_t magic, size_t total_bytes, uint64_t desc_h
     std::memcpy(e.desc + sizeof(e.desc) - 3, "...", 3);
   }
   return e;
+}
+
+// Whether a message of `count` bytes on a channel whose last chunk header is `last` is a
+// framed payload sent bare (without its header, which is `last`): `last` is the header of
+// one chunk of that many bytes. Both ends decide by it: the sender whether it may leave a
+// header out (or must frame a staged payload of that size), the receiver what it took.
+inline bool IsBareFramed(const Envelope& last, size_t count) {
+  return last.magic == kChunkMagic && last.chunk_bytes == last.total_bytes &&
+         count == last.total_bytes && count != sizeof(Envelope);
 }
 
 // The bytes of the staged copy of a `bytes`-byte message: one-message payloads carry their

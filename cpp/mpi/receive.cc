@@ -283,6 +283,9 @@ Status MpiTransport::RecvStaged(ChannelState& ch, int source_rank, int tag, void
   // before it still gets CancelWithGrace's grace period). Every staged message ends with
   // an Envelope (mpi/framing.h).
   if (static_cast<size_t>(count) != sizeof(Envelope)) {
+    if (IsBareFramed(ch.last_header_received, static_cast<size_t>(count))) {
+      return RecvBare(ch, &message, out, bytes, desc_hash, deadline);
+    }
     return RecvOneMessage(ch, &message, count, out, bytes, desc_hash, deadline);
   }
   // A chunk header, or the trailer of an empty payload.
@@ -292,6 +295,7 @@ Status MpiTransport::RecvStaged(ChannelState& ch, int source_rank, int tag, void
   }
   const Envelope header = *envelope;
   if (header.magic != kChunkMagic) return Arrived(header, 0, bytes, desc_hash);
+  ch.last_header_received = header;  // as the sender's last_header_sent (mpi/framing.h)
   if (header.total_bytes != bytes) {
     // Drain the payload so the channel stays usable, then report.
     auto scratch = std::make_shared<PooledBuffer>(
@@ -308,6 +312,29 @@ Status MpiTransport::RecvStaged(ChannelState& ch, int source_rank, int tag, void
       !s.ok()) {
     return s;
   }
+  if (header.desc_hash != desc_hash) return Status::TypeMismatch(bytes, header.Description());
+  return Status::Ok();
+}
+
+Status MpiTransport::RecvBare(ChannelState& ch, MPI_Message* message, void* out,
+                              size_t bytes, uint64_t desc_hash,
+                              std::chrono::steady_clock::time_point deadline) {
+  bare_receives_.fetch_add(1, std::memory_order_relaxed);
+  // Its header is the channel's last one (IsBareFramed): what the sender said then, it says
+  // again now.
+  const Envelope& header = ch.last_header_received;
+  const int count = static_cast<int>(header.total_bytes);  // one chunk: within an int
+  if (header.total_bytes != bytes) {
+    // Drained so the channel stays usable, then reported, as a header's mismatch is.
+    auto scratch = std::make_shared<PooledBuffer>(GlobalBufferPool().Acquire(header.total_bytes));
+    if (Status s = ReceiveMatched(message, scratch->data(), count, deadline, scratch); !s.ok()) {
+      return s;
+    }
+    return Status::SizeMismatch(header.total_bytes, header.Description());
+  }
+  // Same byte count: into the output even when the description differs, as a framed
+  // message with its header is (RecvStaged).
+  if (Status s = ReceiveMatched(message, out, count, deadline); !s.ok()) return s;
   if (header.desc_hash != desc_hash) return Status::TypeMismatch(bytes, header.Description());
   return Status::Ok();
 }

@@ -83,7 +83,8 @@ Status MpiTransport::PostFromOperand(const std::shared_ptr<DirectSend>& send,
     if (rc != MPI_SUCCESS) send->requests.pop_back();
     return rc;
   };
-  int rc = send->header ? post_one(&*send->header, sizeof(Envelope)) : MPI_SUCCESS;
+  int rc = send->header && !send->bare ? post_one(&*send->header, sizeof(Envelope))
+                                        : MPI_SUCCESS;
   for (size_t offset = 0; offset < bytes && rc == MPI_SUCCESS; offset += kDirectChunkBytes) {
     rc = post_one(src + offset, std::min(kDirectChunkBytes, bytes - offset));
   }
@@ -151,11 +152,16 @@ Status MpiTransport::SendFramed(ChannelState& ch, int dest_rank, int tag, const 
   // kDirectChunkBytes (MPI moves it in one copy, straight from the operand).
   send->header = MakeEnvelope(kChunkMagic, bytes, desc.hash, desc.text);
   send->header->chunk_bytes = std::min(bytes, kDirectChunkBytes);
-  if (Status s = PostFromOperand(send, &MPI_Isend, "MPI_Isend", comm_, dest_rank, tag, data,
-                                 bytes, deadline);
-      !s.ok()) {
-    return s;
-  }
+  // The receiver has this header already when it is the channel's last (mpi/framing.h).
+  const Envelope& last = ch.last_header_sent;
+  send->bare = IsBareFramed(last, bytes) && send->header->chunk_bytes == bytes &&
+               last.desc_hash == desc.hash;
+  Status posted = PostFromOperand(send, &MPI_Isend, "MPI_Isend", comm_, dest_rank, tag, data,
+                                  bytes, deadline);
+  // A header posted is the receiver's last one, even when a later piece failed to post.
+  if (!send->bare && !send->requests.empty()) ch.last_header_sent = *send->header;
+  if (!posted.ok()) return posted;
+  if (send->bare) bare_sends_.fetch_add(1, std::memory_order_relaxed);
   *kept = std::move(send);
   return Status::Ok();
 }
@@ -356,7 +362,7 @@ Status MpiTransport::SendLarge(ChannelState& ch, uint64_t seq, int dest_rank, in
     ++staged_large_sends_;
   }
   if (!into) trace::NotePath(trace::Path::kStaged);
-  Status sent = IsendStaged(std::move(send), dest_rank, tag, desc);
+  Status sent = IsendStaged(ch, std::move(send), dest_rank, tag, desc);
   if (into) {
     // The staged copy carries the message from here: the operand is free.
     std::lock_guard<std::mutex> lock(mu_);
