@@ -19,13 +19,14 @@
 // is a chunk header and its payload in one chunk. Each end of a channel keeps the last
 // chunk header that went by on it (the channel's messages are taken in the order they were
 // sent), so a framed message whose header is that one again (a loop's next step: the same
-// byte count and description) goes *bare*, its payload alone: a message, and on the
-// receiver a receive, fewer a step. The receiver knows a bare payload by its size, the
-// last header's byte count (IsBareFramed), which nothing else on the channel may have:
-// a one-message payload whose size with its trailer is that one goes as a chunk header and
-// its chunk instead (which becomes the last header), and a chunk header is never that size.
-// A bare payload's checks are its header's: the receiver reports the last header's byte
-// count and description when they are not its own.
+// byte count and description) goes *bare*, its payload alone: a message fewer a step.
+// While the last header is one of one chunk (AllowsBare), nothing else goes on the channel
+// but chunk headers and bare payloads (a staged message goes as a header and its chunks,
+// however small), so a receiver that waits for the last header's byte count posts its
+// receive into its output before the message comes, as MPI_Sendrecv does: a bare payload
+// fills it, a header (64 bytes) says what comes next. A bare payload's checks are its
+// header's: the receiver reports the last header's byte count and description when they
+// are not its own.
 #pragma once
 
 #include <cstddef>
@@ -79,13 +80,13 @@ inline Envelope MakeEnvelope(uint64_t magic, size_t total_bytes, uint64_t desc_h
   return e;
 }
 
-// Whether a message of `count` bytes on a channel whose last chunk header is `last` is a
-// framed payload sent bare (without its header, which is `last`): `last` is the header of
-// one chunk of that many bytes. Both ends decide by it: the sender whether it may leave a
-// header out (or must frame a staged payload of that size), the receiver what it took.
-inline bool IsBareFramed(const Envelope& last, size_t count) {
+// Whether a channel whose last chunk header is `last` may carry framed payloads bare
+// (without their header, which is `last`): `last` is the header of one chunk. Both ends
+// decide by it: the sender whether it may leave a header out (and must frame a staged
+// message), the receiver whether a message that is not a header is a bare payload.
+inline bool AllowsBare(const Envelope& last) {
   return last.magic == kChunkMagic && last.chunk_bytes == last.total_bytes &&
-         count == last.total_bytes && count != sizeof(Envelope);
+         last.total_bytes != sizeof(Envelope);
 }
 
 // The bytes of the staged copy of a `bytes`-byte message: one-message payloads carry their

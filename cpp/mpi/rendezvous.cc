@@ -154,8 +154,8 @@ Status MpiTransport::SendFramed(ChannelState& ch, int dest_rank, int tag, const 
   send->header->chunk_bytes = std::min(bytes, kDirectChunkBytes);
   // The receiver has this header already when it is the channel's last (mpi/framing.h).
   const Envelope& last = ch.last_header_sent;
-  send->bare = IsBareFramed(last, bytes) && send->header->chunk_bytes == bytes &&
-               last.desc_hash == desc.hash;
+  send->bare = AllowsBare(last) && last.total_bytes == bytes && last.desc_hash == desc.hash &&
+               send->header->chunk_bytes == bytes;
   Status posted = PostFromOperand(send, &MPI_Isend, "MPI_Isend", comm_, dest_rank, tag, data,
                                   bytes, deadline);
   // A header posted is the receiver's last one, even when a later piece failed to post.

@@ -155,10 +155,10 @@ Status MpiTransport::IsendStaged(ChannelState& ch, PendingSend send, int dest_ra
                      &send.requests.back());
   };
   int rc = MPI_SUCCESS;
-  // One message of the size a bare framed payload would have on this channel would be
-  // taken for one (mpi/framing.h): it goes as a chunk header and its chunk instead.
-  if (bytes < kChunkedThreshold &&
-      !IsBareFramed(ch.last_header_sent, bytes + sizeof(Envelope))) {
+  // Where the channel's last header lets framed payloads go bare, the receiver may have
+  // posted its receive for one (mpi/framing.h): a staged message then goes as a chunk header
+  // and its chunks, however small (its header becomes the last one).
+  if (bytes < kChunkedThreshold && !AllowsBare(ch.last_header_sent)) {
     const Envelope trailer = MakeEnvelope(kPayloadMagic, bytes, desc.hash, desc.text);
     std::memcpy(send.buffer.data() + bytes, &trailer, sizeof(trailer));
     // One message, which usually leaves at once (eager protocol): its request goes into the

@@ -597,8 +597,19 @@ class MpiTransport {
   // holds it (an abandoned receive keeps its own); else a new one, which becomes the
   // channel's. Caller holds ch.recv_mu.
   std::shared_ptr<Envelope> ReusableEnvelope(ChannelState& ch);
+  // A staged receive of the byte count of the channel's last chunk header, which lets framed
+  // payloads come bare (AllowsBare, mpi/framing.h): its receive is posted into the output
+  // before the message comes; a bare payload fills it, a chunk header (its first 64 bytes)
+  // is taken as RecvStaged takes one.
+  Status RecvPostedFirst(ChannelState& ch, int source_rank, int tag, void* out, size_t bytes,
+                         uint64_t desc_hash, std::chrono::steady_clock::time_point deadline);
+  // The chunks of a chunk header just received (which becomes the channel's last one):
+  // into the output, or drained when the byte count is not `bytes`; the mismatches reported.
+  Status TakeChunks(ChannelState& ch, const Envelope& header, int source_rank, int tag,
+                    void* out, size_t bytes, uint64_t desc_hash,
+                    std::chrono::steady_clock::time_point deadline);
   // Receives the matched payload of a framed message sent bare (its header is the channel's
-  // last, ch.last_header_received: IsBareFramed), straight into the output.
+  // last, ch.last_header_received: AllowsBare) whose receiver expected another byte count.
   Status RecvBare(ChannelState& ch, MPI_Message* message, void* out, size_t bytes,
                   uint64_t desc_hash, std::chrono::steady_clock::time_point deadline);
   // Receives the matched one-message payload of `count` bytes (payload and Envelope).

@@ -9,11 +9,15 @@ in-process (never framed: the results alone are checked).
   on the channel has its header, every later one goes bare (the stats count them on both
   ends); a second call's messages are all bare.
 - ``changes``: one loop step sends, on one channel, float32[4096], int32[4096] (the same byte
-  count, another type), float32[8192] (another size), float32[4096] twice and uint8[16320]
-  (a one-message staged payload whose size with its trailer is the bare payload's, sent as
-  a header and a chunk instead), each right.
+  count, another type), float32[8192] (another size), float32[4096] twice, uint8[16320]
+  (staged: sent as a header and a chunk after a framed message, as the receiver may have
+  posted its receive for a bare payload), float32[4096] and uint8[8] twice (the first one
+  staged as a header and a chunk, the second as one message again, from the channel's
+  spare copy, which the first did not give back), each right.
 - ``mismatch``: a bare message the receiver expects as int32 (or half the size) is refused,
   naming the sender's description, and the channel stays usable.
+- ``timeout``: a precv that waits for a bare payload (its receive posted first) that never
+  comes times out, and the channel's next messages arrive right.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from _mpi_common import P
 from jax.experimental import multihost_utils
 
 import jax_cpu_mpi
+from jax_cpu_mpi import config
 
 CASES = sys.argv[1].split(",")
 me = jax.process_index()
@@ -108,7 +113,7 @@ def run_changes() -> None:
     kinds = [jnp.zeros(4096, jnp.float32), jnp.zeros(4096, jnp.int32),
              jnp.zeros(8192, jnp.float32), jnp.zeros(4096, jnp.float32),
              jnp.zeros(4096, jnp.float32), jnp.zeros(16320, jnp.uint8),
-             jnp.zeros(4096, jnp.float32)]
+             jnp.zeros(4096, jnp.float32), jnp.zeros(8, jnp.uint8), jnp.zeros(8, jnp.uint8)]
 
     def make(ours: bool):
         def step(v, _):
@@ -138,10 +143,9 @@ def run_changes() -> None:
         got = common.gather(ours(x))
         after = bare()
         np.testing.assert_array_equal(got, want)
-        # Bare: the second float32[4096] in a row, and the first of a step after the last
-        # of the one before (the first call's first has the header).
+        # Bare: the second float32[4096] in a row, once a step.
         count = after[0] - before[0] if me == 0 else after[1] - before[1]
-        assert count == (2 * STEPS - (call == 1) if OVER_MPI else 0), (call, before, after)
+        assert count == (STEPS if OVER_MPI else 0), (call, before, after)
         print(f"ok   changes call {call}: {count} bare", flush=True)
 
 
@@ -195,8 +199,58 @@ def run_mismatch() -> None:
         print(f"ok   mismatch call {i}: {count} bare", flush=True)
 
 
+def run_timeout() -> None:
+    """A precv of the last header's size that no psend matches (its receive was posted into
+    its output before any message came): it times out, its receive is cancelled, and the
+    channel's next message (bare) arrives right."""
+    n = 8 << 10
+
+    def hop(ours: bool):
+        def body(v):
+            payload = jnp.broadcast_to(v[:1], (n,)) * 3 + jnp.arange(n, dtype=v.dtype)
+            if ours:
+                got = jax_cpu_mpi.precv(jax_cpu_mpi.psend(payload, "x", FWD),
+                                        jax.ShapeDtypeStruct((n,), v.dtype), "x", FWD)
+            else:
+                got = jax.lax.ppermute(payload, "x", FWD)
+            return v + got[:2]
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+
+    def dangling(v):
+        got = jax_cpu_mpi.precv(jax.lax.create_token(), jax.ShapeDtypeStruct((n,), v.dtype),
+                                "x", FWD)
+        return v + got[:2]
+
+    x = common.global_array(mesh, P("x"), np.array([5, 6, 7, 8], dtype=np.float32))
+    want = common.gather(hop(False)(x))
+    ours = hop(True)
+    for i in range(2):  # a header (another size's went last), then bare
+        barrier(f"timeout before {i}")
+        np.testing.assert_array_equal(common.gather(ours(x)), want)
+    barrier("timeout dangling")
+    before = bare()
+    with config.overrides(recv_timeout=2):
+        f = jax.jit(jax.shard_map(dangling, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+        try:
+            f(x).block_until_ready()
+            assert me == 0, "rank 1's precv must time out"
+        except jax.errors.JaxRuntimeError as e:
+            assert me == 1 and "waited 2" in str(e), str(e)
+    barrier("timeout dangling done")
+    jax_cpu_mpi._jax_cpu_mpi.forget_refused_channels()  # nothing was left in the channel
+    for i in range(2):  # bare, both
+        barrier(f"timeout after {i}")
+        np.testing.assert_array_equal(common.gather(ours(x)), want)
+    after = bare()
+    count = after[0] - before[0] if me == 0 else after[1] - before[1]
+    assert count == 2, (before, after)
+    print(f"ok   timeout: {count} bare after it", flush=True)
+
+
 for case in CASES:
-    {"paths": run_paths, "changes": run_changes, "mismatch": run_mismatch}[case]()
+    {"paths": run_paths, "changes": run_changes, "mismatch": run_mismatch,
+     "timeout": run_timeout}[case]()
     barrier(f"after {case}")
 print("framed_header done", flush=True)
 common.ok()
