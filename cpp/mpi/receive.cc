@@ -190,13 +190,7 @@ Status MpiTransport::ReceiveMatched(MPI_Message* message, void* buf, int count,
 }
 
 std::shared_ptr<Envelope> MpiTransport::ReusableEnvelope(ChannelState& ch) {
-  if (ch.recv_envelope && ch.recv_envelope.use_count() == 1) {
-    // The last holder's release (a wait that kept it alive) happens before this load.
-    std::atomic_thread_fence(std::memory_order_acquire);
-    return ch.recv_envelope;
-  }
-  ch.recv_envelope = std::make_shared<Envelope>();
-  return ch.recv_envelope;
+  return ReusableOrNew(ch.recv_envelope);
 }
 
 Status MpiTransport::ReceiveChunks(int source_rank, int tag, std::byte* out, size_t total,
@@ -486,10 +480,7 @@ Status MpiTransport::RecvOneMessage(ChannelState& ch, MPI_Message* message, int 
   std::shared_ptr<void> keep_alive;
   std::byte* scratch = nullptr;
   if (static_cast<size_t>(count) < kScatterMinBytes + sizeof(Envelope)) {
-    if (!ch.recv_scratch || ch.recv_scratch.use_count() != 1) {
-      ch.recv_scratch = std::make_shared<std::vector<std::byte>>();  // an abandoned one keeps its own
-    }
-    std::atomic_thread_fence(std::memory_order_acquire);  // as ReusableEnvelope's
+    ReusableOrNew(ch.recv_scratch);  // an abandoned receive keeps its own
     if (ch.recv_scratch->size() < static_cast<size_t>(count)) {
       ch.recv_scratch->resize(static_cast<size_t>(count));
     }

@@ -43,11 +43,7 @@ Status MpiTransport::PollReady(ChannelState& ch, uint64_t seq, int dest_rank, in
     // Tiny, so it has arrived whole by now on any MPI we know of; still waited for with a
     // deadline, and owned by the wait in case it has to be abandoned.
     // The channel's buffer, unless an abandoned receive still holds it (send_mu is held).
-    if (!ch.ready_in || ch.ready_in.use_count() != 1) {
-      ch.ready_in = std::make_shared<ReadySignal>();
-    }
-    std::atomic_thread_fence(std::memory_order_acquire);  // as ReuseDirectSend's
-    const std::shared_ptr<ReadySignal>& signal = ch.ready_in;
+    const std::shared_ptr<ReadySignal>& signal = ReusableOrNew(ch.ready_in);
     if (Status s = ReceiveMatched(&message, signal.get(), sizeof(ReadySignal), deadline,
                                   signal);
         !s.ok()) {
@@ -126,17 +122,12 @@ Status MpiTransport::SendDirect(int dest_rank, int tag, const void* data, size_t
 std::shared_ptr<MpiTransport::DirectSend> MpiTransport::ReuseDirectSend(ChannelState& ch) {
   // Nothing else holds the spare once its precv finished it and the transport's list of
   // sends in flight let it go (a deferred send, an abandoned one, a kept entry not yet
-  // finished all hold it): the releases happen before this load (the fence).
-  if (ch.spare_send && ch.spare_send.use_count() == 1) {
-    std::atomic_thread_fence(std::memory_order_acquire);
-    DirectSend& send = *ch.spare_send;
-    std::vector<MPI_Request> requests = std::move(send.requests);
-    requests.clear();  // keeps its capacity
-    send = DirectSend{};
-    send.requests = std::move(requests);
-    return ch.spare_send;
-  }
-  ch.spare_send = std::make_shared<DirectSend>();
+  // finished all hold it).
+  DirectSend& send = *ReusableOrNew(ch.spare_send);
+  std::vector<MPI_Request> requests = std::move(send.requests);
+  requests.clear();  // keeps its capacity
+  send = DirectSend{};
+  send.requests = std::move(requests);
   return ch.spare_send;
 }
 
