@@ -76,8 +76,7 @@ Status MpiTransport::ProgressLocked() {
                          MPI_STATUSES_IGNORE);
     if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Testall", rc);
     if (done) {
-      inflight_bytes_ -= it->bytes;
-      ++sends_completed_;
+      CompleteStagedLocked(it->bytes);
       it = pending_.erase(it);
     } else {
       ++it;
@@ -177,8 +176,7 @@ Status MpiTransport::IsendStaged(ChannelState& ch, PendingSend send, int dest_ra
     if (rc == MPI_SUCCESS && done) {
       if (spare) *spare = std::move(send.buffer);
       std::lock_guard<std::mutex> lock(mu_);
-      inflight_bytes_ -= bytes;
-      ++sends_completed_;
+      CompleteStagedLocked(bytes);
       return ProgressLocked();  // the other sends, as after every send
     }
     send.requests.push_back(request);  // taken off below if the post failed
@@ -203,8 +201,7 @@ Status MpiTransport::IsendStaged(ChannelState& ch, PendingSend send, int dest_ra
     }
     if (done) {
       std::lock_guard<std::mutex> lock(mu_);
-      inflight_bytes_ -= bytes;
-      ++sends_completed_;
+      CompleteStagedLocked(bytes);
       return ProgressLocked();  // the other sends, as after every send
     }
   }

@@ -648,6 +648,13 @@ class MpiTransport {
                          const StopWaiting& stop, bool* stopped);
   // Frees completed sends; caller holds mu_.
   Status ProgressLocked();
+  // A staged send of `bytes` that completed (found by ProgressLocked, or one that left at
+  // once in IsendStaged): its bytes leave the in-flight count, and it counts as completed.
+  // Caller holds mu_.
+  void CompleteStagedLocked(size_t bytes) {
+    inflight_bytes_ -= bytes;
+    ++sends_completed_;
+  }
   // mpi/stall_report.cc. The sends of this process still in flight, one per line ("uint8[8]
   // (8 bytes) to MPI rank 1 on tag 4, staged"), at most `limit` of them and a count of the
   // rest: what the exit names of the sends its peers never received. Caller holds mu_.
