@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 namespace jcm {
@@ -20,7 +21,12 @@ class BufferPool;
 class PooledBuffer {
  public:
   PooledBuffer() = default;
-  PooledBuffer(PooledBuffer&&) noexcept = default;
+  // Leaves `other` empty (size 0), as the move assignment does: a moved-from buffer that
+  // still said its size would pass for one of that size with no memory behind it.
+  PooledBuffer(PooledBuffer&& other) noexcept
+      : pool_(std::exchange(other.pool_, nullptr)),
+        data_(std::move(other.data_)),
+        size_(std::exchange(other.size_, 0)) {}
   PooledBuffer& operator=(PooledBuffer&&) noexcept;
   PooledBuffer(const PooledBuffer&) = delete;
   PooledBuffer& operator=(const PooledBuffer&) = delete;

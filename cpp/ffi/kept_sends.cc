@@ -70,17 +70,27 @@ void KeptSends::Take(std::vector<Finish>& out, Matches matches) {
 Status KeptSends::ReleaseSlow(
     const void* const* operands, size_t count, int64_t run_id, int64_t partition,
     const std::function<std::chrono::steady_clock::time_point()>& deadline_of) {
+  // One pass over the pending entries, each looked up among the operands (sorted, when
+  // there are more than a few), not a pass per operand. An entry reads from one operand, so
+  // an address kept twice (one buffer, two values) still counts this precv off once.
+  constexpr size_t kFewOperands = 8;
+  thread_local std::vector<const void*> sorted;  // keeps its capacity
+  const bool few = count <= kFewOperands;
+  if (!few) {
+    sorted.assign(operands, operands + count);
+    std::sort(sorted.begin(), sorted.end());
+  }
+  auto kept = [&](const void* operand) {
+    return few ? std::find(operands, operands + count, operand) != operands + count
+               : std::binary_search(sorted.begin(), sorted.end(), operand);
+  };
   TakenFinishes taken;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (size_t i = 0; i < count; ++i) {
-      // An address kept twice (one buffer, two values) counts this precv off once.
-      if (std::find(operands, operands + i, operands[i]) != operands + i) continue;
-      Take(taken.list(), [&](Entry& e) {
-        return e.operand == operands[i] && e.run_id == run_id && e.partition == partition &&
-               --e.keepers == 0;
-      });
-    }
+    Take(taken.list(), [&](Entry& e) {
+      return e.run_id == run_id && e.partition == partition && kept(e.operand) &&
+             --e.keepers == 0;
+    });
   }
   if (taken.list().empty()) return Status::Ok();
   return FinishEach(taken.list(), deadline_of());

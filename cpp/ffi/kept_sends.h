@@ -63,8 +63,9 @@ class KeptSends {
 
   // Called by a precv with the operands it keeps (`operands[0..count)`, each address once
   // however often it comes): counts this precv off every send of its run and partition
-  // still reading from one of them, and finishes those it was the last keeper of by the
-  // time `deadline()` returns; returns the first failure, or ok. Every keeper of a send
+  // still reading from one of them, and finishes those it was the last keeper of (in the
+  // order they were added) by the time `deadline()` returns; returns the first failure, or
+  // ok. Every keeper of a send
   // runs after its psend (it reads the psend's u32 result: passes/kept_operands.py), so
   // none is missed, and a send is finished while its operand is alive. `deadline` is
   // called only when there is a send to finish (not on the path of a precv whose psend

@@ -271,6 +271,9 @@ NB_MODULE(_jax_cpu_mpi, m) {
     d["mpi_peak_inflight_bytes"] = mpi ? mpi->peak_inflight_bytes() : 0;
     d["mpi_direct_sends"] = mpi ? mpi->direct_sends() : 0;
     d["mpi_staged_large_sends"] = mpi ? mpi->staged_large_sends() : 0;
+    // Framed messages sent, and received, without their chunk header (the channel's last).
+    d["mpi_bare_sends"] = mpi ? mpi->bare_sends() : 0;
+    d["mpi_bare_receives"] = mpi ? mpi->bare_receives() : 0;
     // psends that returned with their operand still being read, finished by a later precv.
     d["kept_sends"] = rt.kept_sends().kept_total();
     d["kept_sends_unfinished"] = rt.kept_sends().pending();

@@ -15,6 +15,18 @@
 // chunk header from the trailer of an empty payload. Direct messages (mpi/rendezvous.cc)
 // carry none: the receiver's ready signal names its byte count and description hash, and
 // the sender goes direct only when both are its own.
+// A framed message (a kept psend's, sent from its operand: SendFramed, mpi/rendezvous.cc)
+// is a chunk header and its payload in one chunk. Each end of a channel keeps the last
+// chunk header that went by on it (the channel's messages are taken in the order they were
+// sent), so a framed message whose header is that one again (a loop's next step: the same
+// byte count and description) goes *bare*, its payload alone: a message fewer a step.
+// While the last header is one of one chunk (AllowsBare), nothing else goes on the channel
+// but chunk headers and bare payloads (a staged message goes as a header and its chunks,
+// however small), so a receiver that waits for the last header's byte count posts its
+// receive into its output before the message comes, as MPI_Sendrecv does: a bare payload
+// fills it, a header (64 bytes) says what comes next. A bare payload's checks are its
+// header's: the receiver reports the last header's byte count and description when they
+// are not its own.
 #pragma once
 
 #include <cstddef>
@@ -66,6 +78,15 @@ inline Envelope MakeEnvelope(uint64_t magic, size_t total_bytes, uint64_t desc_h
     std::memcpy(e.desc + sizeof(e.desc) - 3, "...", 3);
   }
   return e;
+}
+
+// Whether a channel whose last chunk header is `last` may carry framed payloads bare
+// (without their header, which is `last`): `last` is the header of one chunk. Both ends
+// decide by it: the sender whether it may leave a header out (and must frame a staged
+// message), the receiver whether a message that is not a header is a bare payload.
+inline bool AllowsBare(const Envelope& last) {
+  return last.magic == kChunkMagic && last.chunk_bytes == last.total_bytes &&
+         last.total_bytes != sizeof(Envelope);
 }
 
 // The bytes of the staged copy of a `bytes`-byte message: one-message payloads carry their

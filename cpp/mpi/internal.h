@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <thread>
 
 #include "common/config.h"
@@ -40,6 +41,22 @@ inline bool MpiIsUsable() {
   if (MPI_Initialized(&initialized) != MPI_SUCCESS) return false;
   if (MPI_Finalized(&finalized) != MPI_SUCCESS) return false;
   return initialized && !finalized;
+}
+
+// A channel's buffer for the next message (a record, an envelope, a copy, a signal): `slot`'s
+// object when nothing else holds it any more, else a new one, which becomes the slot's. An
+// abandoned request keeps its own buffer alive (it may still be written), and so may a
+// send in flight or a kept entry not finished yet: the next message must not use that one.
+// The last other holder's release happens before the use-count load (the acquire fence), so
+// its accesses are done with. Caller holds the lock that guards `slot` (the channel's).
+template <typename T>
+const std::shared_ptr<T>& ReusableOrNew(std::shared_ptr<T>& slot) {
+  if (slot && slot.use_count() == 1) {
+    std::atomic_thread_fence(std::memory_order_acquire);
+    return slot;
+  }
+  slot = std::make_shared<T>();
+  return slot;
 }
 
 inline constexpr const char* kMpiNotUsable = "MPI is not initialized or already finalized";

@@ -190,13 +190,7 @@ Status MpiTransport::ReceiveMatched(MPI_Message* message, void* buf, int count,
 }
 
 std::shared_ptr<Envelope> MpiTransport::ReusableEnvelope(ChannelState& ch) {
-  if (ch.recv_envelope && ch.recv_envelope.use_count() == 1) {
-    // The last holder's release (a wait that kept it alive) happens before this load.
-    std::atomic_thread_fence(std::memory_order_acquire);
-    return ch.recv_envelope;
-  }
-  ch.recv_envelope = std::make_shared<Envelope>();
-  return ch.recv_envelope;
+  return ReusableOrNew(ch.recv_envelope);
 }
 
 Status MpiTransport::ReceiveChunks(int source_rank, int tag, std::byte* out, size_t total,
@@ -239,6 +233,11 @@ Status MpiTransport::RecvStaged(ChannelState& ch, int source_rank, int tag, void
                                 size_t bytes, uint64_t desc_hash,
                                 std::chrono::steady_clock::time_point deadline) {
   trace::NotePath(trace::Path::kStaged);
+  const Envelope& last = ch.last_header_received;
+  if (AllowsBare(last) && last.total_bytes == bytes) {
+    // Only chunk headers and bare payloads come on the channel now (mpi/framing.h).
+    return RecvPostedFirst(ch, source_rank, tag, out, bytes, desc_hash, deadline);
+  }
   MPI_Message message = MPI_MESSAGE_NULL;
   MPI_Status status;
   Backoff backoff;
@@ -283,6 +282,9 @@ Status MpiTransport::RecvStaged(ChannelState& ch, int source_rank, int tag, void
   // before it still gets CancelWithGrace's grace period). Every staged message ends with
   // an Envelope (mpi/framing.h).
   if (static_cast<size_t>(count) != sizeof(Envelope)) {
+    if (AllowsBare(last) && static_cast<size_t>(count) == last.total_bytes) {
+      return RecvBare(ch, &message, out, bytes, desc_hash, deadline);
+    }
     return RecvOneMessage(ch, &message, count, out, bytes, desc_hash, deadline);
   }
   // A chunk header, or the trailer of an empty payload.
@@ -292,6 +294,13 @@ Status MpiTransport::RecvStaged(ChannelState& ch, int source_rank, int tag, void
   }
   const Envelope header = *envelope;
   if (header.magic != kChunkMagic) return Arrived(header, 0, bytes, desc_hash);
+  return TakeChunks(ch, header, source_rank, tag, out, bytes, desc_hash, deadline);
+}
+
+Status MpiTransport::TakeChunks(ChannelState& ch, const Envelope& header, int source_rank,
+                                int tag, void* out, size_t bytes, uint64_t desc_hash,
+                                std::chrono::steady_clock::time_point deadline) {
+  ch.last_header_received = header;  // as the sender's last_header_sent (mpi/framing.h)
   if (header.total_bytes != bytes) {
     // Drain the payload so the channel stays usable, then report.
     auto scratch = std::make_shared<PooledBuffer>(
@@ -308,6 +317,122 @@ Status MpiTransport::RecvStaged(ChannelState& ch, int source_rank, int tag, void
       !s.ok()) {
     return s;
   }
+  if (header.desc_hash != desc_hash) return Status::TypeMismatch(bytes, header.Description());
+  return Status::Ok();
+}
+
+Status MpiTransport::RecvPostedFirst(ChannelState& ch, int source_rank, int tag, void* out,
+                                     size_t bytes, uint64_t desc_hash,
+                                     std::chrono::steady_clock::time_point deadline) {
+  MPI_Request request = MPI_REQUEST_NULL;
+  {
+    std::unique_lock<std::mutex> lock = MpiCallLock();
+    if (Status s = Usable(); !s.ok()) return s;
+    int rc = MPI_Irecv(out, static_cast<int>(bytes), MPI_BYTE, source_rank, tag, comm_,
+                       &request);
+    if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Irecv", rc);
+  }
+  // At a failure or the deadline the receive, which points into the output, is cancelled;
+  // one that already matched gets the grace period to complete (then it is taken as if in
+  // time), and is abandoned if it does not (its sender stopped mid-message).
+  MPI_Status status;
+  auto give_up = [&](Status why) -> Status {
+    {
+      std::unique_lock<std::mutex> lock = MpiCallLock();
+      (void)MPI_Cancel(&request);
+    }
+    const auto grace_end = std::chrono::steady_clock::now() + kCancelGrace;
+    Backoff grace;
+    while (true) {
+      int done = 0, cancelled = 0;
+      {
+        std::unique_lock<std::mutex> lock = MpiCallLock();
+        if (MPI_Test(&request, &done, &status) != MPI_SUCCESS) done = 0;
+        if (done && MPI_Test_cancelled(&status, &cancelled) != MPI_SUCCESS) cancelled = 1;
+      }
+      if (done) return cancelled ? why : Status::Ok();  // Ok: it completed after all
+      if (std::chrono::steady_clock::now() > grace_end) {
+        Abandon({&request, 1}, nullptr);
+        return Status::Timeout("the message started to arrive but did not complete in time");
+      }
+      grace.Pause();
+    }
+  };
+  {
+    Backoff backoff;
+    OutputPrefault prefault(out, ch.recv_prefault ? bytes : 0);
+    thread_local AdaptiveSpin adaptive;  // as RecvStaged's wait
+    AdaptedPause pause(adaptive, backoff, PointToPointSpinAdapts(backoff));
+    uint64_t polls = 0;
+    while (true) {
+      int done = 0;
+      int rc = MPI_SUCCESS;
+      {
+        std::unique_lock<std::mutex> lock = MpiCallLock();
+        rc = MPI_Test(&request, &done, &status);
+      }
+      if (rc != MPI_SUCCESS) {
+        if (Status s = give_up(Status::MpiError("MPI_Test", rc)); !s.ok()) return s;
+        break;
+      }
+      if (done) break;
+      Status failed = ProgressDeferred(deadline);
+      if (failed.ok() && (++polls & 63) == 0) {
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          failed = ProgressLocked();
+        }
+        if (failed.ok() && Expired(deadline)) failed = Status::Timeout();
+      }
+      if (!failed.ok()) {
+        if (Status s = give_up(std::move(failed)); !s.ok()) return s;
+        break;
+      }
+      PrefaultOrPause(prefault, pause);
+    }
+  }
+  ch.staged_matched = true;  // for StallReport (recv_mu is held)
+  int count = 0;
+  if (int rc = MPI_Get_count(&status, MPI_BYTE, &count); rc != MPI_SUCCESS) {
+    return Status::MpiError("MPI_Get_count", rc);
+  }
+  const Envelope& last = ch.last_header_received;
+  if (static_cast<size_t>(count) == bytes) {  // a bare payload: its header is the last
+    bare_receives_.fetch_add(1, std::memory_order_relaxed);
+    if (last.desc_hash != desc_hash) return Status::TypeMismatch(bytes, last.Description());
+    return Status::Ok();
+  }
+  if (static_cast<size_t>(count) != sizeof(Envelope)) {
+    return Status::Invalid("corrupt message of " + std::to_string(count) +
+                           " bytes (neither a chunk header nor a payload of " +
+                           std::to_string(bytes) + " bytes)");
+  }
+  // A chunk header, in the output's first bytes: what comes next.
+  Envelope header;
+  std::memcpy(&header, out, sizeof(header));
+  if (header.magic != kChunkMagic) return Arrived(header, 0, bytes, desc_hash);
+  return TakeChunks(ch, header, source_rank, tag, out, bytes, desc_hash, deadline);
+}
+
+Status MpiTransport::RecvBare(ChannelState& ch, MPI_Message* message, void* out,
+                              size_t bytes, uint64_t desc_hash,
+                              std::chrono::steady_clock::time_point deadline) {
+  bare_receives_.fetch_add(1, std::memory_order_relaxed);
+  // Its header is the channel's last one (AllowsBare): what the sender said then, it says
+  // again now.
+  const Envelope& header = ch.last_header_received;
+  const int count = static_cast<int>(header.total_bytes);  // one chunk: within an int
+  if (header.total_bytes != bytes) {
+    // Drained so the channel stays usable, then reported, as a header's mismatch is.
+    auto scratch = std::make_shared<PooledBuffer>(GlobalBufferPool().Acquire(header.total_bytes));
+    if (Status s = ReceiveMatched(message, scratch->data(), count, deadline, scratch); !s.ok()) {
+      return s;
+    }
+    return Status::SizeMismatch(header.total_bytes, header.Description());
+  }
+  // Same byte count: into the output even when the description differs, as a framed
+  // message with its header is (RecvStaged).
+  if (Status s = ReceiveMatched(message, out, count, deadline); !s.ok()) return s;
   if (header.desc_hash != desc_hash) return Status::TypeMismatch(bytes, header.Description());
   return Status::Ok();
 }
@@ -355,10 +480,7 @@ Status MpiTransport::RecvOneMessage(ChannelState& ch, MPI_Message* message, int 
   std::shared_ptr<void> keep_alive;
   std::byte* scratch = nullptr;
   if (static_cast<size_t>(count) < kScatterMinBytes + sizeof(Envelope)) {
-    if (!ch.recv_scratch || ch.recv_scratch.use_count() != 1) {
-      ch.recv_scratch = std::make_shared<std::vector<std::byte>>();  // an abandoned one keeps its own
-    }
-    std::atomic_thread_fence(std::memory_order_acquire);  // as ReusableEnvelope's
+    ReusableOrNew(ch.recv_scratch);  // an abandoned receive keeps its own
     if (ch.recv_scratch->size() < static_cast<size_t>(count)) {
       ch.recv_scratch->resize(static_cast<size_t>(count));
     }

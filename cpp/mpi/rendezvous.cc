@@ -43,11 +43,7 @@ Status MpiTransport::PollReady(ChannelState& ch, uint64_t seq, int dest_rank, in
     // Tiny, so it has arrived whole by now on any MPI we know of; still waited for with a
     // deadline, and owned by the wait in case it has to be abandoned.
     // The channel's buffer, unless an abandoned receive still holds it (send_mu is held).
-    if (!ch.ready_in || ch.ready_in.use_count() != 1) {
-      ch.ready_in = std::make_shared<ReadySignal>();
-    }
-    std::atomic_thread_fence(std::memory_order_acquire);  // as ReuseDirectSend's
-    const std::shared_ptr<ReadySignal>& signal = ch.ready_in;
+    const std::shared_ptr<ReadySignal>& signal = ReusableOrNew(ch.ready_in);
     if (Status s = ReceiveMatched(&message, signal.get(), sizeof(ReadySignal), deadline,
                                   signal);
         !s.ok()) {
@@ -83,7 +79,8 @@ Status MpiTransport::PostFromOperand(const std::shared_ptr<DirectSend>& send,
     if (rc != MPI_SUCCESS) send->requests.pop_back();
     return rc;
   };
-  int rc = send->header ? post_one(&*send->header, sizeof(Envelope)) : MPI_SUCCESS;
+  int rc = send->header && !send->bare ? post_one(&*send->header, sizeof(Envelope))
+                                        : MPI_SUCCESS;
   for (size_t offset = 0; offset < bytes && rc == MPI_SUCCESS; offset += kDirectChunkBytes) {
     rc = post_one(src + offset, std::min(kDirectChunkBytes, bytes - offset));
   }
@@ -125,17 +122,12 @@ Status MpiTransport::SendDirect(int dest_rank, int tag, const void* data, size_t
 std::shared_ptr<MpiTransport::DirectSend> MpiTransport::ReuseDirectSend(ChannelState& ch) {
   // Nothing else holds the spare once its precv finished it and the transport's list of
   // sends in flight let it go (a deferred send, an abandoned one, a kept entry not yet
-  // finished all hold it): the releases happen before this load (the fence).
-  if (ch.spare_send && ch.spare_send.use_count() == 1) {
-    std::atomic_thread_fence(std::memory_order_acquire);
-    DirectSend& send = *ch.spare_send;
-    std::vector<MPI_Request> requests = std::move(send.requests);
-    requests.clear();  // keeps its capacity
-    send = DirectSend{};
-    send.requests = std::move(requests);
-    return ch.spare_send;
-  }
-  ch.spare_send = std::make_shared<DirectSend>();
+  // finished all hold it).
+  DirectSend& send = *ReusableOrNew(ch.spare_send);
+  std::vector<MPI_Request> requests = std::move(send.requests);
+  requests.clear();  // keeps its capacity
+  send = DirectSend{};
+  send.requests = std::move(requests);
   return ch.spare_send;
 }
 
@@ -151,11 +143,16 @@ Status MpiTransport::SendFramed(ChannelState& ch, int dest_rank, int tag, const 
   // kDirectChunkBytes (MPI moves it in one copy, straight from the operand).
   send->header = MakeEnvelope(kChunkMagic, bytes, desc.hash, desc.text);
   send->header->chunk_bytes = std::min(bytes, kDirectChunkBytes);
-  if (Status s = PostFromOperand(send, &MPI_Isend, "MPI_Isend", comm_, dest_rank, tag, data,
-                                 bytes, deadline);
-      !s.ok()) {
-    return s;
-  }
+  // The receiver has this header already when it is the channel's last (mpi/framing.h).
+  const Envelope& last = ch.last_header_sent;
+  send->bare = AllowsBare(last) && last.total_bytes == bytes && last.desc_hash == desc.hash &&
+               send->header->chunk_bytes == bytes;
+  Status posted = PostFromOperand(send, &MPI_Isend, "MPI_Isend", comm_, dest_rank, tag, data,
+                                  bytes, deadline);
+  // A header posted is the receiver's last one, even when a later piece failed to post.
+  if (!send->bare && !send->requests.empty()) ch.last_header_sent = *send->header;
+  if (!posted.ok()) return posted;
+  if (send->bare) bare_sends_.fetch_add(1, std::memory_order_relaxed);
   *kept = std::move(send);
   return Status::Ok();
 }
@@ -356,7 +353,7 @@ Status MpiTransport::SendLarge(ChannelState& ch, uint64_t seq, int dest_rank, in
     ++staged_large_sends_;
   }
   if (!into) trace::NotePath(trace::Path::kStaged);
-  Status sent = IsendStaged(std::move(send), dest_rank, tag, desc);
+  Status sent = IsendStaged(ch, std::move(send), dest_rank, tag, desc);
   if (into) {
     // The staged copy carries the message from here: the operand is free.
     std::lock_guard<std::mutex> lock(mu_);

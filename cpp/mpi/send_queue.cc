@@ -37,7 +37,7 @@ Status MpiTransport::Send(int dest_rank, int tag, const void* data, size_t bytes
                      kept, may_defer);
   }
   trace::NotePath(trace::Path::kStaged);
-  return SendStaged(dest_rank, tag, data, bytes, desc, max_inflight_bytes, deadline,
+  return SendStaged(ch, dest_rank, tag, data, bytes, desc, max_inflight_bytes, deadline,
                     &ch.spare_staged);
 }
 
@@ -76,8 +76,7 @@ Status MpiTransport::ProgressLocked() {
                          MPI_STATUSES_IGNORE);
     if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Testall", rc);
     if (done) {
-      inflight_bytes_ -= it->bytes;
-      ++sends_completed_;
+      CompleteStagedLocked(it->bytes);
       it = pending_.erase(it);
     } else {
       ++it;
@@ -120,8 +119,8 @@ Status MpiTransport::ReserveInflight(size_t bytes, uint64_t max_inflight_bytes,
   return Status::Ok();
 }
 
-Status MpiTransport::SendStaged(int dest_rank, int tag, const void* data, size_t bytes,
-                                const Desc& desc, uint64_t max_inflight_bytes,
+Status MpiTransport::SendStaged(ChannelState& ch, int dest_rank, int tag, const void* data,
+                                size_t bytes, const Desc& desc, uint64_t max_inflight_bytes,
                                 std::chrono::steady_clock::time_point deadline,
                                 PooledBuffer* spare) {
   bool stopped = false;
@@ -140,11 +139,11 @@ Status MpiTransport::SendStaged(int dest_rank, int tag, const void* data, size_t
                     ? std::move(*spare)
                     : GlobalBufferPool().Acquire(staged_bytes);
   if (bytes > 0) std::memcpy(send.buffer.data(), data, bytes);
-  return IsendStaged(std::move(send), dest_rank, tag, desc, spare);
+  return IsendStaged(ch, std::move(send), dest_rank, tag, desc, spare);
 }
 
-Status MpiTransport::IsendStaged(PendingSend send, int dest_rank, int tag, const Desc& desc,
-                                 PooledBuffer* spare) {
+Status MpiTransport::IsendStaged(ChannelState& ch, PendingSend send, int dest_rank, int tag,
+                                 const Desc& desc, PooledBuffer* spare) {
   const size_t bytes = send.bytes;
   send.dest_rank = dest_rank;
   send.tag = tag;
@@ -155,7 +154,10 @@ Status MpiTransport::IsendStaged(PendingSend send, int dest_rank, int tag, const
                      &send.requests.back());
   };
   int rc = MPI_SUCCESS;
-  if (bytes < kChunkedThreshold) {
+  // Where the channel's last header lets framed payloads go bare, the receiver may have
+  // posted its receive for one (mpi/framing.h): a staged message then goes as a chunk header
+  // and its chunks, however small (its header becomes the last one).
+  if (bytes < kChunkedThreshold && !AllowsBare(ch.last_header_sent)) {
     const Envelope trailer = MakeEnvelope(kPayloadMagic, bytes, desc.hash, desc.text);
     std::memcpy(send.buffer.data() + bytes, &trailer, sizeof(trailer));
     // One message, which usually leaves at once (eager protocol): its request goes into the
@@ -174,8 +176,7 @@ Status MpiTransport::IsendStaged(PendingSend send, int dest_rank, int tag, const
     if (rc == MPI_SUCCESS && done) {
       if (spare) *spare = std::move(send.buffer);
       std::lock_guard<std::mutex> lock(mu_);
-      inflight_bytes_ -= bytes;
-      ++sends_completed_;
+      CompleteStagedLocked(bytes);
       return ProgressLocked();  // the other sends, as after every send
     }
     send.requests.push_back(request);  // taken off below if the post failed
@@ -183,6 +184,7 @@ Status MpiTransport::IsendStaged(PendingSend send, int dest_rank, int tag, const
     send.header = std::make_unique<Envelope>(MakeEnvelope(kChunkMagic, bytes, desc.hash,
                                                           desc.text));
     rc = isend(send.header.get(), sizeof(Envelope));
+    if (rc == MPI_SUCCESS) ch.last_header_sent = *send.header;  // the receiver's last one too
     for (size_t offset = 0; offset < bytes && rc == MPI_SUCCESS; offset += kChunkBytes) {
       rc = isend(send.buffer.data() + offset, std::min(kChunkBytes, bytes - offset));
     }
@@ -199,8 +201,7 @@ Status MpiTransport::IsendStaged(PendingSend send, int dest_rank, int tag, const
     }
     if (done) {
       std::lock_guard<std::mutex> lock(mu_);
-      inflight_bytes_ -= bytes;
-      ++sends_completed_;
+      CompleteStagedLocked(bytes);
       return ProgressLocked();  // the other sends, as after every send
     }
   }

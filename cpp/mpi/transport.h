@@ -246,6 +246,9 @@ class MpiTransport {
     // request sends; the receiver never signalled for it. Held in the record itself (no
     // allocation of its own).
     std::optional<Envelope> header;
+    // With `header`: sent without it (bare), the header being the channel's last one, which
+    // the receiver kept (ChannelState::last_header_sent, mpi/framing.h).
+    bool bare = false;
   };
 
   // `desc` describes the operand ("float32[4]"); the receiver checks it against its own.
@@ -304,6 +307,9 @@ class MpiTransport {
   // Sends of the rendezvous path that went straight from the operand / through a copy.
   uint64_t direct_sends() const;
   uint64_t staged_large_sends() const;
+  // Framed messages sent, and received, without their chunk header (mpi/framing.h).
+  uint64_t bare_sends() const { return bare_sends_.load(std::memory_order_relaxed); }
+  uint64_t bare_receives() const { return bare_receives_.load(std::memory_order_relaxed); }
 
   // mpi/stall_report.cc. What this process knows of its exchanges with MPI rank
   // `peer_rank` (every peer if -1), for the error of an op that timed out, so that a rare
@@ -510,6 +516,12 @@ class MpiTransport {
     std::vector<MPI_Request> recv_requests;
     // Under send_mu: the buffer a ready signal is read into (PollReady).
     std::shared_ptr<ReadySignal> ready_in;
+    // The channel's last chunk header, as each end saw it go by (mpi/framing.h: a framed
+    // message whose header is this one goes bare, without it): under send_mu the last one
+    // sent, under recv_mu the last one received. Both ends see the same messages in the
+    // same order, so the two are equal between messages; magic 0 until the first header.
+    Envelope last_header_sent;
+    Envelope last_header_received;
     uint64_t deferred_id = 0;  // under deferred_mu_: when it was deferred (DeferredMark)
     // What StallReport tells of the channel: the ready signals either way, and how its
     // current (or last) receive waits. Written where they happen, read only by the report.
@@ -585,6 +597,21 @@ class MpiTransport {
   // holds it (an abandoned receive keeps its own); else a new one, which becomes the
   // channel's. Caller holds ch.recv_mu.
   std::shared_ptr<Envelope> ReusableEnvelope(ChannelState& ch);
+  // A staged receive of the byte count of the channel's last chunk header, which lets framed
+  // payloads come bare (AllowsBare, mpi/framing.h): its receive is posted into the output
+  // before the message comes; a bare payload fills it, a chunk header (its first 64 bytes)
+  // is taken as RecvStaged takes one.
+  Status RecvPostedFirst(ChannelState& ch, int source_rank, int tag, void* out, size_t bytes,
+                         uint64_t desc_hash, std::chrono::steady_clock::time_point deadline);
+  // The chunks of a chunk header just received (which becomes the channel's last one):
+  // into the output, or drained when the byte count is not `bytes`; the mismatches reported.
+  Status TakeChunks(ChannelState& ch, const Envelope& header, int source_rank, int tag,
+                    void* out, size_t bytes, uint64_t desc_hash,
+                    std::chrono::steady_clock::time_point deadline);
+  // Receives the matched payload of a framed message sent bare (its header is the channel's
+  // last, ch.last_header_received: AllowsBare) whose receiver expected another byte count.
+  Status RecvBare(ChannelState& ch, MPI_Message* message, void* out, size_t bytes,
+                  uint64_t desc_hash, std::chrono::steady_clock::time_point deadline);
   // Receives the matched one-message payload of `count` bytes (payload and Envelope).
   Status RecvOneMessage(ChannelState& ch, MPI_Message* message, int count, void* out,
                         size_t bytes,
@@ -599,14 +626,17 @@ class MpiTransport {
   // Copy-and-Isend (small messages, and large ones to a receiver that is not ready).
   // `spare`: the channel's spare copy (ChannelState::spare_staged), taken when it has the
   // size needed and given back when the send leaves at once; null: none.
-  Status SendStaged(int dest_rank, int tag, const void* data, size_t bytes, const Desc& desc,
+  Status SendStaged(ChannelState& ch, int dest_rank, int tag, const void* data, size_t bytes,
+                    const Desc& desc,
                     uint64_t max_inflight_bytes,
                     std::chrono::steady_clock::time_point deadline,
                     PooledBuffer* spare = nullptr);
   // Sends the staged copy (header and chunks, or one message: its buffer has
   // StagedBufferBytes(), the Envelope is written behind the payload); the caller reserved
-  // the bytes.
-  Status IsendStaged(PendingSend send, int dest_rank, int tag, const Desc& desc,
+  // the bytes. `ch`: the channel, whose send_mu the caller holds (its last chunk header:
+  // one message the size of a bare framed payload goes as a header and a chunk instead).
+  Status IsendStaged(ChannelState& ch, PendingSend send, int dest_rank, int tag,
+                     const Desc& desc,
                      PooledBuffer* spare = nullptr);
   // The channel's spare DirectSend (ChannelState::spare_send), cleared, when nothing else
   // holds it any more; else a new one, which becomes the spare. Caller holds ch.send_mu.
@@ -618,6 +648,13 @@ class MpiTransport {
                          const StopWaiting& stop, bool* stopped);
   // Frees completed sends; caller holds mu_.
   Status ProgressLocked();
+  // A staged send of `bytes` that completed (found by ProgressLocked, or one that left at
+  // once in IsendStaged): its bytes leave the in-flight count, and it counts as completed.
+  // Caller holds mu_.
+  void CompleteStagedLocked(size_t bytes) {
+    inflight_bytes_ -= bytes;
+    ++sends_completed_;
+  }
   // mpi/stall_report.cc. The sends of this process still in flight, one per line ("uint8[8]
   // (8 bytes) to MPI rank 1 on tag 4, staged"), at most `limit` of them and a count of the
   // rest: what the exit names of the sends its peers never received. Caller holds mu_.
@@ -639,7 +676,8 @@ class MpiTransport {
   // operand, at once, without waiting for a ready signal; left in flight in *kept for the
   // precv that keeps the operand (FinishDirect). The receiver (Recv's `sender_kept`)
   // takes it as a staged message: a message and a wait fewer than the rendezvous, and no
-  // staging copy for a receiver that comes late.
+  // staging copy for a receiver that comes late. A header that is the channel's last one
+  // is left out (bare, mpi/framing.h): a loop's steps send their payload alone.
   Status SendFramed(ChannelState& ch, int dest_rank, int tag, const void* data, size_t bytes,
                     const Desc& desc,
                     std::chrono::steady_clock::time_point deadline,
@@ -710,6 +748,9 @@ class MpiTransport {
   // Sends a direct receive took (not framed ones: their receiver takes them staged).
   uint64_t direct_sends_ = 0;
   uint64_t staged_large_sends_ = 0;
+  // Framed messages sent and received bare (without their chunk header, mpi/framing.h).
+  std::atomic<uint64_t> bare_sends_{0};
+  std::atomic<uint64_t> bare_receives_{0};
   std::deque<ControlSend> control_sends_;  // ready signals not yet completed
   std::vector<std::shared_ptr<DirectSend>> direct_in_flight_;  // left in flight
   std::vector<Abandoned> abandoned_;  // never tested again, never freed
