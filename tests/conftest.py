@@ -64,9 +64,9 @@ LONGEST_FILES = (
     "runtime/test_across_hosts.py",
     "compat/test_jaxlib_versions.py",  # waits for its build (started at collection)
     "test_packaging.py",
-    "runtime/test_slurm.py",
     "runtime/test_p2p_mpi.py",
     "compat/test_compat.py",
+    "runtime/test_slurm.py",  # its batch jobs are seen done within 2 s now (MinJobAge)
     "pipeline/test_pipeline_keys.py",
     "pipeline/test_pipeline_mpi.py",
     "pipeline/test_pipeline_nnx.py",
