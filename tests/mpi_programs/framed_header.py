@@ -52,6 +52,17 @@ def bare() -> tuple[int, int]:
     return s["mpi_bare_sends"], s["mpi_bare_receives"]
 
 
+def bare_during(f, x, want, label: str) -> tuple[int, int]:
+    """The messages sent and received bare while ``f(x)`` ran (all ranks start it together),
+    once its result has been checked against ``want`` bit for bit."""
+    barrier(label)
+    before = bare()
+    got = common.gather(f(x))
+    after = bare()
+    np.testing.assert_array_equal(got, want)
+    return after[0] - before[0], after[1] - before[1]
+
+
 def stepped(perm, ours: bool):
     """STEPS steps of: v <- 3 v + (v from the peer), int32 (wraps: every bit counts)."""
 
@@ -85,11 +96,7 @@ def run_paths() -> None:
         want = common.gather(ref(x))
         ours.lower(x).compile()
         for call in (1, 2):
-            barrier(f"paths {perm} {n} {call}")
-            before = bare()
-            got = common.gather(ours(x))
-            after = bare()
-            np.testing.assert_array_equal(got, want)
+            sent, received = bare_during(ours, x, want, f"paths {perm} {n} {call}")
             # The messages this rank sent and received, framed (a cycle's from 256 KiB on
             # defer instead).
             framed = OVER_MPI and (4 * n < (256 << 10) if perm == BOTH else True)
@@ -98,11 +105,10 @@ def run_paths() -> None:
             # Each size's first call starts with a header (the channel's last was another
             # size's); its second call starts where the first left off.
             first = 1 if call == 1 else 0
-            assert after[0] - before[0] == max(sends - first, 0), (perm, n, call, before, after)
-            assert after[1] - before[1] == max(receives - first, 0), (perm, n, call, before,
-                                                                      after)
-            print(f"ok   paths {perm} {4 * n} B call {call}: bare {after[0] - before[0]} sent,"
-                  f" {after[1] - before[1]} received", flush=True)
+            assert sent == max(sends - first, 0), (perm, n, call, sent, received)
+            assert received == max(receives - first, 0), (perm, n, call, sent, received)
+            print(f"ok   paths {perm} {4 * n} B call {call}: bare {sent} sent,"
+                  f" {received} received", flush=True)
 
 
 def run_changes() -> None:
@@ -138,14 +144,10 @@ def run_changes() -> None:
     want = common.gather(make(False)(x))
     ours = make(True)
     for call in (1, 2):
-        barrier(f"changes {call}")
-        before = bare()
-        got = common.gather(ours(x))
-        after = bare()
-        np.testing.assert_array_equal(got, want)
+        n_sent, n_received = bare_during(ours, x, want, f"changes {call}")
         # Bare: the second float32[4096] in a row, once a step.
-        count = after[0] - before[0] if me == 0 else after[1] - before[1]
-        assert count == (STEPS if OVER_MPI else 0), (call, before, after)
+        count = n_sent if me == 0 else n_received
+        assert count == (STEPS if OVER_MPI else 0), (call, n_sent, n_received)
         print(f"ok   changes call {call}: {count} bare", flush=True)
 
 
