@@ -87,7 +87,7 @@ Status MpiTransport::WaitAll(std::span<MPI_Request> requests,
 
 Status MpiTransport::CancelWithGrace(std::span<MPI_Request> requests, size_t* cancelled,
                                      bool* abandoned, std::shared_ptr<void> keep_alive,
-                                     bool cancel) {
+                                     bool cancel, MPI_Status* completed) {
   *cancelled = 0;
   *abandoned = false;
   Status failure;
@@ -120,7 +120,11 @@ Status MpiTransport::CancelWithGrace(std::span<MPI_Request> requests, size_t* ca
         }
         int was_cancelled = 0;
         note("MPI_Test_cancelled", MPI_Test_cancelled(&status, &was_cancelled));
-        if (was_cancelled) ++*cancelled;
+        if (was_cancelled) {
+          ++*cancelled;
+        } else if (completed) {
+          *completed = status;
+        }
       }
     }
     if (open == 0) return failure;
@@ -334,29 +338,19 @@ Status MpiTransport::RecvPostedFirst(ChannelState& ch, int source_rank, int tag,
   }
   // At a failure or the deadline the receive, which points into the output, is cancelled;
   // one that already matched gets the grace period to complete (then it is taken as if in
-  // time), and is abandoned if it does not (its sender stopped mid-message).
+  // time: `status` is its own), and is abandoned if it does not (its sender stopped
+  // mid-message).
   MPI_Status status;
   auto give_up = [&](Status why) -> Status {
-    {
-      std::unique_lock<std::mutex> lock = MpiCallLock();
-      (void)MPI_Cancel(&request);
+    size_t cancelled = 0;
+    bool abandoned = false;
+    Status s = CancelWithGrace({&request, 1}, &cancelled, &abandoned, nullptr,
+                               /*cancel=*/true, &status);
+    if (abandoned) {
+      return Status::Timeout("the message started to arrive but did not complete in time");
     }
-    const auto grace_end = std::chrono::steady_clock::now() + kCancelGrace;
-    Backoff grace;
-    while (true) {
-      int done = 0, cancelled = 0;
-      {
-        std::unique_lock<std::mutex> lock = MpiCallLock();
-        if (MPI_Test(&request, &done, &status) != MPI_SUCCESS) done = 0;
-        if (done && MPI_Test_cancelled(&status, &cancelled) != MPI_SUCCESS) cancelled = 1;
-      }
-      if (done) return cancelled ? why : Status::Ok();  // Ok: it completed after all
-      if (std::chrono::steady_clock::now() > grace_end) {
-        Abandon({&request, 1}, nullptr);
-        return Status::Timeout("the message started to arrive but did not complete in time");
-      }
-      grace.Pause();
-    }
+    if (!s.ok()) return s;
+    return cancelled ? why : Status::Ok();  // Ok: it completed after all
   };
   {
     Backoff backoff;

@@ -576,10 +576,12 @@ class MpiTransport {
   // (the others completed), and *abandoned tells that some never completed: Abandon took
   // them. A failed MPI call is returned after every request was dealt with. With `cancel`
   // false the requests are only tested for the grace period: for sends whose MPI_Cancel the
-  // MPI library cannot take (SendFramed's).
+  // MPI library cannot take (SendFramed's). `completed`, where given, gets the status of a
+  // request that completed with its message (the last one tested), left as it was if none
+  // did: a receive of unknown length taken after all needs its count.
   Status CancelWithGrace(std::span<MPI_Request> requests, size_t* cancelled,
                          bool* abandoned, std::shared_ptr<void> keep_alive,
-                         bool cancel = true);
+                         bool cancel = true, MPI_Status* completed = nullptr);
   // Keeps the open requests of `requests` (never to be waited on) and marks the transport
   // broken; leaves `requests` all MPI_REQUEST_NULL.
   void Abandon(std::span<MPI_Request> requests, std::shared_ptr<void> keep_alive);
