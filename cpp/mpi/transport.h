@@ -512,6 +512,9 @@ class MpiTransport {
     // header or trailer, and the copy of a small message.
     std::shared_ptr<Envelope> recv_envelope;
     std::shared_ptr<std::vector<std::byte>> recv_scratch;
+    // Under send_mu: the chunk header of the channel's staged sends (IsendStaged), reused
+    // once no send in flight holds it.
+    std::shared_ptr<Envelope> send_envelope;
     // Under recv_mu: the direct receives of the channel's current rendezvous (RecvLarge).
     std::vector<MPI_Request> recv_requests;
     // Under send_mu: the buffer a ready signal is read into (PollReady).
@@ -550,7 +553,7 @@ class MpiTransport {
 
   struct PendingSend {
     PooledBuffer buffer;
-    std::unique_ptr<Envelope> header;  // chunked messages only
+    std::shared_ptr<Envelope> header;  // chunked messages only: the channel's send_envelope
     size_t bytes = 0;
     int dest_rank = 0, tag = 0;  // for the exit's report of sends never received
     std::vector<MPI_Request> requests;  // header and chunks, or the one message
