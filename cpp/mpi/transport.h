@@ -29,9 +29,8 @@
 // sender takes exactly one of the two paths per message. A byte-count or description
 // mismatch is always sent staged, so the receiver reports it as on the plain path.
 // A psend of an op in which its device also receives (an exchange, a ring) does not stage
-// for a receiver that is not ready: a kept one is framed up to kCycleFramedMaxBytes (see
-// SentFramed), and beyond that, or not kept, from kRendezvousMinBytes on it defers the send
-// (DirectSend), and the receive loops
+// for a receiver that is not ready: from kRendezvousMinBytes on it defers the send
+// (DirectSend; below that it is framed, see SentFramed), and the receive loops
 // post it straight from the operand when the ready signal comes (ProgressDeferred), so both
 // directions move at once; the precv that keeps the operand stages what is still deferred.
 // A receive made while a send of ours is deferred (to its peer, or in a ring to the next
@@ -40,7 +39,7 @@
 // started.
 // A kept psend whose device receives nothing in the op's group (one-way: a hop, a stream, a
 // pipeline's first stage) takes none of these paths from kKeptRendezvousMinBytes on, nor
-// does a kept psend of a cycle up to kCycleFramedMaxBytes (SentFramed): it sends the staged
+// does a kept psend of a cycle below kRendezvousMinBytes (SentFramed): it sends the staged
 // framing (a chunk header, then the payload) straight from its operand at once, without
 // looking for a ready signal (SendFramed), and the receiver, which knows from the op's
 // group that its sender is one-way (in a cycle, from the size), takes it the staged way
@@ -257,7 +256,7 @@ class MpiTransport {
   // direct send may be left in flight: *kept is then set, else left null.
   // `may_defer` (with `kept`): the psend's own precv receives too (an exchange, a ring), so a
   // send of kRendezvousMinBytes or more whose receiver is not ready yet is deferred (see
-  // DirectSend) rather than staged, unless framed from the operand (SentFramed). A kept
+  // DirectSend) rather than staged; a smaller kept one is framed from the operand. A kept
   // send without it is one-way: framed from the operand (SendFramed; SentFramed says when).
   Status Send(int dest_rank, int tag, const void* data, size_t bytes, std::string_view desc,
               uint64_t max_inflight_bytes, std::chrono::steady_clock::time_point deadline,
@@ -274,7 +273,7 @@ class MpiTransport {
   // kSizeMismatch or kTypeMismatch (with the sender's byte count and description) when the
   // message is not a `desc` ("int32[4]") of `bytes` bytes; the message is consumed anyway.
   // `sender_kept`: the sender's psend has its operand kept (Send's `kept`; the op's precvs
-  // finish it, and in a cycle it defers beyond kCycleFramedMaxBytes), so from
+  // finish it, and in a cycle it defers from kRendezvousMinBytes on), so from
   // kKeptRendezvousMinBytes on it frames the message from its operand where SentFramed
   // says so, and the receive takes it the staged way, without a ready signal. Both ends
   // must agree, or ready signals pile up unread (or never come).
@@ -435,34 +434,29 @@ class MpiTransport {
   // A psend whose operand is kept (`kept`: the precv that takes its token finishes the
   // send; Recv's `sender_kept`) sends straight from its operand from this size on, not from
   // kRendezvousMinBytes. From kRendezvousMinBytes on, in a cycle (a psend whose op also
-  // receives: may_defer) beyond kCycleFramedMaxBytes the psend defers, each receiver posts
-  // its receive into its output and signals, and the receive loops then post the sends
-  // straight from the operands: neither end copies, no send waits in a probe's
-  // unexpected-message handshake. One-way, and in a cycle up to kCycleFramedMaxBytes, the
-  // send is framed from the operand (SendFramed, SentFramed): MPICH sends such a message by
-  // its own rendezvous (a single copy from 8 KiB on shared memory,
-  // MPIR_CVAR_CH4_IPC_CMA_P2P_THRESHOLD), so no end copies; the send stays in flight for the
-  // kept operand's precv, and no progress thread is woken, as a staged send wakes it.
+  // receives: may_defer) the psend defers, each receiver posts its receive into its output
+  // and signals, and the receive loops then post the sends straight from the operands, as
+  // MPI_Sendrecv posts its receive before its send: neither end copies, no send waits in a
+  // probe's unexpected-message handshake. One-way, and in a cycle below
+  // kRendezvousMinBytes, the send is framed from the operand (SendFramed, SentFramed):
+  // MPICH sends such a message by its own rendezvous (a single copy from 8 KiB on shared
+  // memory, MPIR_CVAR_CH4_IPC_CMA_P2P_THRESHOLD), so no end copies; the send stays in
+  // flight for the kept operand's precv, and no progress thread is woken, as a staged send
+  // wakes it.
   static constexpr size_t kKeptRendezvousMinBytes = size_t{16} << 10;
   // Whether a psend frames its message from its operand (SendFramed) rather than taking
   // the rendezvous or the staged path; both ends decide by it, the receiver from the op's
   // group (Recv's `sender_kept`, `sender_one_way`). A kept one-way send from
-  // kKeptRendezvousMinBytes on, and a kept send of a cycle (an exchange, a ring) from
-  // kKeptRendezvousMinBytes up to kCycleFramedMaxBytes: the deferred rendezvous put the
-  // ready signal's trip, a probe for it, the post of the send and its synchronous mode's
-  // acknowledgement between each precv's start and the transfer, while a framed send is
-  // under way before either precv runs, and from a loop's second step on goes bare into the
-  // receive its receiver posted first (mpi/framing.h), as MPI_Sendrecv's: one MPI_Isend and
-  // one MPI_Irecv a message, MPICH's single copy (docs/benchmarks.md, issue 37: the
-  // deferral was thought to cost little against the copy from 256 KiB on).
+  // kKeptRendezvousMinBytes on, and a kept send of a cycle (an exchange, a ring) below
+  // kRendezvousMinBytes: there the deferred rendezvous put the ready signal's trip, a probe
+  // for it and the post of the send between each precv's start and the transfer, a large
+  // share of a step this size, while a framed send is under way before either precv runs
+  // (MPICH's own rendezvous moves it in one copy, into the receive posted once its chunk
+  // header is read), as MPI_Sendrecv's. From kRendezvousMinBytes on a cycle still defers:
+  // there the trip is small against the copy.
   static bool SentFramed(bool kept, bool one_way, size_t bytes) {
-    return kept && bytes >= kKeptRendezvousMinBytes &&
-           (one_way || bytes <= kCycleFramedMaxBytes);
+    return kept && bytes >= kKeptRendezvousMinBytes && (one_way || bytes < kRendezvousMinBytes);
   }
-  // The largest message of a cycle framed (SentFramed): counted at 1 MiB (docs/benchmarks.md,
-  // issue 37); beyond it the deferral stays, not compared with the framing on a quiet
-  // machine (and the ring's deferral, tests/mpi_programs/rendezvous.py, runs at 8 MiB).
-  static constexpr size_t kCycleFramedMaxBytes = size_t{4} << 20;
   static constexpr size_t kStageStepBytes = size_t{128} << 10;
   // Smallest one-message payload received straight into the output (with its trailer
   // scattered apart by a datatype); smaller ones go through a buffer and one more copy.
@@ -681,7 +675,7 @@ class MpiTransport {
                    std::chrono::steady_clock::time_point deadline,
                    std::shared_ptr<DirectSend>* kept, bool may_defer = false,
                    std::shared_ptr<DirectSend> into = nullptr);
-  // A kept one-way send, or a kept send of a cycle up to kCycleFramedMaxBytes (SentFramed):
+  // A kept one-way send, or a kept send of a cycle below kRendezvousMinBytes (SentFramed):
   // the staged framing (a chunk
   // header, then the payload in chunks of kDirectChunkBytes) sent straight from the
   // operand, at once, without waiting for a ready signal; left in flight in *kept for the

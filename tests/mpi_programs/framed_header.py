@@ -4,7 +4,7 @@ cross MPI; with two (``paths`` and ``changes`` only) they are devices 0 and 1 of
 in-process (never framed: the results alone are checked).
 
 - ``paths``: a one-way kept hop from 16 KiB up to direct sizes (16 MiB), each way, and a
-  cycle's exchange of 16 to 512 KiB (framed: a cycle's kept psend defers only beyond 4 MiB), in a loop
+  cycle's exchange of 16 to 128 KiB (framed) and 512 KiB (deferred: never bare), in a loop
   of STEPS: equal to ``lax.ppermute`` bit for bit; the first message of a run of one header
   on the channel has its header, every later one goes bare (the stats count them on both
   ends); a second call's messages are all bare.
@@ -97,9 +97,9 @@ def run_paths() -> None:
         ours.lower(x).compile()
         for call in (1, 2):
             sent, received = bare_during(ours, x, want, f"paths {perm} {n} {call}")
-            # The messages this rank sent and received, framed (a cycle's beyond 4 MiB
+            # The messages this rank sent and received, framed (a cycle's from 256 KiB on
             # defer instead).
-            framed = OVER_MPI and (4 * n <= (4 << 20) if perm == BOTH else True)
+            framed = OVER_MPI and (4 * n < (256 << 10) if perm == BOTH else True)
             sends = STEPS if any(s == me for s, _ in perm) and framed else 0
             receives = STEPS if any(d == me for _, d in perm) and framed else 0
             # Each size's first call starts with a header (the channel's last was another

@@ -33,9 +33,9 @@ one left would be taken by a later case's precv of its channel, as its own. The 
   rounds; every message carries (source, destination, round).
 * ``exchange`` (1 device per rank): both ranks send and receive in the same step, one op
   with the cycle [(0, 1), (1, 0)] (GPU parity off) and two ops in opposite directions, in a
-  ``lax.scan`` of 4 steps, at 8 B and 4 KiB (staged), 16 KiB, 100 KiB + 8 B, 256 KiB and
-  1 MiB (up to 4 MiB: every kept psend framed from its operand, as a one-way one, no
-  direct receive, no staging copy: counted), and 8 MiB + 4 KiB: a psend
+  ``lax.scan`` of 4 steps, at 8 B and 4 KiB (staged), 16 KiB and 100 KiB + 8 B (below the
+  plain rendezvous size: every kept psend framed from its operand, as a one-way one, no
+  direct receive, no staging copy: counted), 256 KiB, 1 MiB and 8 MiB + 4 KiB: a psend
   of the cycle that finds its receiver not ready defers its send to the receive loops, which
   post it straight from the operand once the ready signal comes (two ops: staged or direct,
   as one-way sends); every byte checked, each step's bytes differ. The two ops once more
@@ -167,8 +167,8 @@ def one_way(mesh, n: int, recv_n: int | None = None):
 
 
 #: Where a kept psend's message is framed from its operand (one-way from the first; in a
-#: cycle up to the second, beyond which it defers: mpi/transport.h, SentFramed).
-FRAMED_MIN, CYCLE_FRAMED_MAX = 16 << 10, 4 << 20
+#: cycle up to the second, from which it defers: mpi/transport.h, SentFramed).
+FRAMED_MIN, RENDEZVOUS_MIN = 16 << 10, 256 << 10
 
 
 def pair_mesh(*, last: bool = False) -> jax.sharding.Mesh:
@@ -391,8 +391,8 @@ def run_exchange() -> None:
                     # Four swaps bring each device its own bytes back, each step adding 1.
                     mine = pattern(n, 5 if me == 0 else 6)
                     np.testing.assert_array_equal(got, mine + np.uint8(4), err_msg=(name, n))
-                    if FRAMED_MIN <= n <= CYCLE_FRAMED_MAX:
-                        # Up to 4 MiB a cycle's kept psend is framed
+                    if FRAMED_MIN <= n < RENDEZVOUS_MIN:
+                        # Below the plain rendezvous size a cycle's kept psend is framed
                         # from its operand at once, as a one-way one: no ready signal, no
                         # deferral, neither a direct receive nor a staging copy; each of
                         # the 4 steps' psends kept, and finished by its precv.
@@ -439,9 +439,8 @@ def run_exchange() -> None:
     # Mismatches in a cycle: nobody may wait for a ready signal that never comes.
     # Across the cycle's rendezvous size too: a deferring psend into a staged precv, a staged
     # psend into a precv that signals, and two that signal different sizes.
-    # (2 MiB framed into an 8 MiB precv that signals: across the cycle's framed size.)
-    for send_n, recv_n in ((8 << 20, 8), (1 << 20, 2 << 20), (2 << 20, 8 << 20), (64 << 10, 8),
-                           (8, 64 << 10), (16 << 10, 32 << 10)):
+    for send_n, recv_n in ((8 << 20, 8), (1 << 20, 2 << 20), (64 << 10, 8), (8, 64 << 10),
+                           (16 << 10, 32 << 10)):
         def body(v, recv_n=recv_n):
             like = jax.ShapeDtypeStruct((recv_n,), v.dtype)
             return jax_cpu_mpi.precv(jax_cpu_mpi.psend(v, "x", cycle), like, "x", cycle)[:8]
