@@ -152,8 +152,11 @@ Status MpiTransport::IsendStaged(ChannelState& ch, PendingSend send, int dest_ra
   // A send that has left at once (eager protocol) needs no entry in the pending list, and
   // its buffer goes back when this function returns, or becomes the channel's spare copy
   // for its next send. A failed test leaves the send to the pending list, whose test
-  // reports the error.
+  // reports the error; so does a send that StopMidSendForTest watches (its check comes
+  // before the send's first test).
   auto left_at_once = [&](std::span<MPI_Request> requests) -> bool {
+    send.posted_for_test = StopMidSendForTest::Posted(bytes);
+    if (send.posted_for_test != StopMidSendForTest::Clock::time_point{}) return false;
     int done = 0;
     {
       std::unique_lock<std::mutex> lock = MpiCallLock();
@@ -213,7 +216,8 @@ Status MpiTransport::IsendStaged(ChannelState& ch, PendingSend send, int dest_ra
       }
     }
     if (posted > 0) ch.last_header_sent = *send.header;  // the receiver's last one too
-    if (rc == MPI_SUCCESS && left_at_once(all)) return completed();
+    // Only a message of one chunk is tested here: a larger one is rarely gone at once.
+    if (rc == MPI_SUCCESS && chunks <= 1 && left_at_once(all)) return completed();
     // Requests already started keep referring to the buffer and the header: the pending
     // list keeps both until they complete.
     if (chunks > 1) {
