@@ -5,7 +5,8 @@
         python benchmarks/alloc_counts.py --sizes 8,64K,16M --kinds hop,exchange
 
 For each pattern (``hop``: the one-way hops of ``--pattern pingpong``, a message one way per
-hop; ``exchange``: the two-way step of ``--pattern exchange`` as one op) and size, two
+hop; ``exchange``: the two-way step of ``--pattern exchange`` as one op; ``mixed``: the hop of
+the size, then an 8-byte hop on the same channel, both ways) and size, two
 programs that differ only in their number of steps (``--short`` and ``--long``) are each
 called ``--calls`` times, and the difference of their counts divided by the difference of
 their steps is what one more psend and precv cost a process (both ranks print): what a call
@@ -81,6 +82,10 @@ def _programs(session: Any, kind: str, n: int, steps: int) -> tuple[Callable[[],
     x = jax.make_array_from_callback((session.nranks * n,), NamedSharding(mesh, P(programs.AXIS)),
                                      lambda index: value)
     with overrides(gpu_parity=False):
+        if kind == "mixed":
+            fn = _mixed_scan(mesh, steps)
+            # a round trip per two steps: a process sends two messages and receives two in it
+            return (lambda: jax.block_until_ready(fn(x))), steps
         if kind == "hop":
             fn = programs.pingpong_scan(mesh, "psend", steps)
             # a round trip per two hops: a process sends one message and receives one
@@ -89,6 +94,30 @@ def _programs(session: Any, kind: str, n: int, steps: int) -> tuple[Callable[[],
                                     steps).lower(x).compile()
     # every step, a process sends one message and receives one
     return (lambda: jax.block_until_ready(fn(x))), steps
+
+
+def _mixed_scan(mesh: Any, steps: int) -> Callable:
+    """Round trips of an ``n``-byte hop followed by an 8-byte hop on the same channel, each way:
+    a framed message (from 16 KiB), then a staged one on a channel whose last header lets
+    framed payloads go bare, so the staged one goes as a chunk header and its chunk
+    (cpp/mpi/framing.h)."""
+
+    def hops(z, perm):
+        y = programs._hop("psend", z, perm)
+        small = programs._hop("psend", y[:8], perm)
+        return y.at[:8].set(small)
+
+    def body(x):
+        def round_trip(z):
+            y = hops(z, programs.FORWARD)
+            return hops(y, programs.BACKWARD), y
+
+        first = round_trip(x)
+        (z, y), _ = jax.lax.scan(lambda carry, _: (round_trip(carry[0]), None), first, None,
+                                 length=max(steps // 2 - 1, 1))
+        return z, y
+
+    return programs._spmd(mesh, body, 2)
 
 
 def main() -> None:

@@ -54,6 +54,25 @@ Status Arrived(const Envelope& e, size_t payload_bytes, size_t bytes, uint64_t d
   return Status::Ok();
 }
 
+// The payload of a message whose chunk header is `header` (sent with it, or bare: the
+// channel's last one), received by `receive(buffer, keep_alive)`: into the output when its
+// byte count is `bytes`, even when the description differs (an error then, whatever the
+// output holds), which keeps the channel in step; else drained into a pooled scratch, so
+// the channel stays usable. Then the mismatches reported.
+template <typename Receive>
+Status TakePayload(const Envelope& header, void* out, size_t bytes, uint64_t desc_hash,
+                   Receive&& receive) {
+  if (header.total_bytes != bytes) {
+    auto scratch = std::make_shared<PooledBuffer>(
+        GlobalBufferPool().Acquire(header.total_bytes));
+    if (Status s = receive(scratch->data(), scratch); !s.ok()) return s;
+    return Status::SizeMismatch(header.total_bytes, header.Description());
+  }
+  if (Status s = receive(static_cast<std::byte*>(out), nullptr); !s.ok()) return s;
+  if (header.desc_hash != desc_hash) return Status::TypeMismatch(bytes, header.Description());
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status MpiTransport::WaitAll(std::span<MPI_Request> requests,
@@ -87,7 +106,7 @@ Status MpiTransport::WaitAll(std::span<MPI_Request> requests,
 
 Status MpiTransport::CancelWithGrace(std::span<MPI_Request> requests, size_t* cancelled,
                                      bool* abandoned, std::shared_ptr<void> keep_alive,
-                                     bool cancel) {
+                                     bool cancel, MPI_Status* completed) {
   *cancelled = 0;
   *abandoned = false;
   Status failure;
@@ -120,7 +139,11 @@ Status MpiTransport::CancelWithGrace(std::span<MPI_Request> requests, size_t* ca
         }
         int was_cancelled = 0;
         note("MPI_Test_cancelled", MPI_Test_cancelled(&status, &was_cancelled));
-        if (was_cancelled) ++*cancelled;
+        if (was_cancelled) {
+          ++*cancelled;
+        } else if (completed) {
+          *completed = status;
+        }
       }
     }
     if (open == 0) return failure;
@@ -301,24 +324,12 @@ Status MpiTransport::TakeChunks(ChannelState& ch, const Envelope& header, int so
                                 int tag, void* out, size_t bytes, uint64_t desc_hash,
                                 std::chrono::steady_clock::time_point deadline) {
   ch.last_header_received = header;  // as the sender's last_header_sent (mpi/framing.h)
-  if (header.total_bytes != bytes) {
-    // Drain the payload so the channel stays usable, then report.
-    auto scratch = std::make_shared<PooledBuffer>(
-        GlobalBufferPool().Acquire(header.total_bytes));
-    Status s = ReceiveChunks(source_rank, tag, scratch->data(), header.total_bytes,
-                             header.chunk_bytes, deadline, scratch);
-    if (!s.ok()) return s;
-    return Status::SizeMismatch(header.total_bytes, header.Description());
-  }
-  // Same byte count: taken into the output even when the description differs (an error
-  // then, whatever the output holds), which keeps the channel in step.
-  if (Status s = ReceiveChunks(source_rank, tag, static_cast<std::byte*>(out), bytes,
-                               header.chunk_bytes, deadline);
-      !s.ok()) {
-    return s;
-  }
-  if (header.desc_hash != desc_hash) return Status::TypeMismatch(bytes, header.Description());
-  return Status::Ok();
+  return TakePayload(header, out, bytes, desc_hash,
+                     [&](std::byte* buffer, std::shared_ptr<void> keep_alive) {
+                       return ReceiveChunks(source_rank, tag, buffer, header.total_bytes,
+                                            header.chunk_bytes, deadline,
+                                            std::move(keep_alive));
+                     });
 }
 
 Status MpiTransport::RecvPostedFirst(ChannelState& ch, int source_rank, int tag, void* out,
@@ -334,29 +345,19 @@ Status MpiTransport::RecvPostedFirst(ChannelState& ch, int source_rank, int tag,
   }
   // At a failure or the deadline the receive, which points into the output, is cancelled;
   // one that already matched gets the grace period to complete (then it is taken as if in
-  // time), and is abandoned if it does not (its sender stopped mid-message).
+  // time: `status` is its own), and is abandoned if it does not (its sender stopped
+  // mid-message).
   MPI_Status status;
   auto give_up = [&](Status why) -> Status {
-    {
-      std::unique_lock<std::mutex> lock = MpiCallLock();
-      (void)MPI_Cancel(&request);
+    size_t cancelled = 0;
+    bool abandoned = false;
+    Status s = CancelWithGrace({&request, 1}, &cancelled, &abandoned, nullptr,
+                               /*cancel=*/true, &status);
+    if (abandoned) {
+      return Status::Timeout("the message started to arrive but did not complete in time");
     }
-    const auto grace_end = std::chrono::steady_clock::now() + kCancelGrace;
-    Backoff grace;
-    while (true) {
-      int done = 0, cancelled = 0;
-      {
-        std::unique_lock<std::mutex> lock = MpiCallLock();
-        if (MPI_Test(&request, &done, &status) != MPI_SUCCESS) done = 0;
-        if (done && MPI_Test_cancelled(&status, &cancelled) != MPI_SUCCESS) cancelled = 1;
-      }
-      if (done) return cancelled ? why : Status::Ok();  // Ok: it completed after all
-      if (std::chrono::steady_clock::now() > grace_end) {
-        Abandon({&request, 1}, nullptr);
-        return Status::Timeout("the message started to arrive but did not complete in time");
-      }
-      grace.Pause();
-    }
+    if (!s.ok()) return s;
+    return cancelled ? why : Status::Ok();  // Ok: it completed after all
   };
   {
     Backoff backoff;
@@ -422,19 +423,11 @@ Status MpiTransport::RecvBare(ChannelState& ch, MPI_Message* message, void* out,
   // again now.
   const Envelope& header = ch.last_header_received;
   const int count = static_cast<int>(header.total_bytes);  // one chunk: within an int
-  if (header.total_bytes != bytes) {
-    // Drained so the channel stays usable, then reported, as a header's mismatch is.
-    auto scratch = std::make_shared<PooledBuffer>(GlobalBufferPool().Acquire(header.total_bytes));
-    if (Status s = ReceiveMatched(message, scratch->data(), count, deadline, scratch); !s.ok()) {
-      return s;
-    }
-    return Status::SizeMismatch(header.total_bytes, header.Description());
-  }
-  // Same byte count: into the output even when the description differs, as a framed
-  // message with its header is (RecvStaged).
-  if (Status s = ReceiveMatched(message, out, count, deadline); !s.ok()) return s;
-  if (header.desc_hash != desc_hash) return Status::TypeMismatch(bytes, header.Description());
-  return Status::Ok();
+  return TakePayload(header, out, bytes, desc_hash,
+                     [&](std::byte* buffer, std::shared_ptr<void> keep_alive) {
+                       return ReceiveMatched(message, buffer, count, deadline,
+                                             std::move(keep_alive));
+                     });
 }
 
 Status MpiTransport::RecvOneMessage(ChannelState& ch, MPI_Message* message, int count,

@@ -1,7 +1,9 @@
 // Staged sends of the MPI transport: the copy-and-Isend path, the bound on the bytes of
 // undelivered sends, and the progress that frees completed sends.
 #include <algorithm>
+#include <array>
 #include <cstring>
+#include <span>
 
 #include "mpi/internal.h"
 #include "mpi/stop_for_test.h"
@@ -147,11 +149,29 @@ Status MpiTransport::IsendStaged(ChannelState& ch, PendingSend send, int dest_ra
   const size_t bytes = send.bytes;
   send.dest_rank = dest_rank;
   send.tag = tag;
-  auto isend = [&](const void* buf, size_t count) -> int {
-    std::unique_lock<std::mutex> lock = MpiCallLock();
-    send.requests.emplace_back();
-    return MPI_Isend(buf, static_cast<int>(count), MPI_BYTE, dest_rank, tag, comm_,
-                     &send.requests.back());
+  // A send that has left at once (eager protocol) needs no entry in the pending list, and
+  // its buffer goes back when this function returns, or becomes the channel's spare copy
+  // for its next send. A failed test leaves the send to the pending list, whose test
+  // reports the error; so does a send that StopMidSendForTest watches (its check comes
+  // before the send's first test).
+  auto left_at_once = [&](std::span<MPI_Request> requests) -> bool {
+    send.posted_for_test = StopMidSendForTest::Posted(bytes);
+    if (send.posted_for_test != StopMidSendForTest::Clock::time_point{}) return false;
+    int done = 0;
+    {
+      std::unique_lock<std::mutex> lock = MpiCallLock();
+      if (MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
+                      MPI_STATUSES_IGNORE) != MPI_SUCCESS) {
+        done = 0;
+      }
+    }
+    if (done && spare && bytes < kChunkedThreshold) *spare = std::move(send.buffer);
+    return done;
+  };
+  auto completed = [&] {
+    std::lock_guard<std::mutex> lock(mu_);
+    CompleteStagedLocked(bytes);
+    return ProgressLocked();  // the other sends, as after every send
   };
   int rc = MPI_SUCCESS;
   // Where the channel's last header lets framed payloads go bare, the receiver may have
@@ -160,61 +180,59 @@ Status MpiTransport::IsendStaged(ChannelState& ch, PendingSend send, int dest_ra
   if (bytes < kChunkedThreshold && !AllowsBare(ch.last_header_sent)) {
     const Envelope trailer = MakeEnvelope(kPayloadMagic, bytes, desc.hash, desc.text);
     std::memcpy(send.buffer.data() + bytes, &trailer, sizeof(trailer));
-    // One message, which usually leaves at once (eager protocol): its request goes into the
-    // send's list only if it has not (no allocation for one that has), and then its copy
-    // is the channel's spare for the next send.
+    // One message: its request goes into the send's list only if it has not left at once
+    // (no allocation for one that has).
     MPI_Request request = MPI_REQUEST_NULL;
-    int done = 0;
     {
       std::unique_lock<std::mutex> lock = MpiCallLock();
       rc = MPI_Isend(send.buffer.data(), static_cast<int>(bytes + sizeof(trailer)), MPI_BYTE,
                      dest_rank, tag, comm_, &request);
-      if (rc == MPI_SUCCESS && MPI_Test(&request, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) {
-        done = 0;  // a failed test leaves the send to the pending list, whose test reports
+    }
+    if (rc == MPI_SUCCESS && left_at_once({&request, 1})) return completed();
+    if (rc == MPI_SUCCESS) send.requests.push_back(request);
+  } else {
+    // A chunk header and its chunks. The header is the channel's envelope, reused once no
+    // earlier send still holds it (ReusableOrNew); a message of one chunk keeps its two
+    // requests on the stack until it is known not to have left at once.
+    send.header = ReusableOrNew(ch.send_envelope);
+    *send.header = MakeEnvelope(kChunkMagic, bytes, desc.hash, desc.text);
+    const size_t chunks = (bytes + kChunkBytes - 1) / kChunkBytes;
+    std::array<MPI_Request, 2> inline_requests;
+    if (chunks > 1) send.requests.resize(1 + chunks);
+    std::span<MPI_Request> all = chunks > 1 ? std::span<MPI_Request>(send.requests)
+                                            : std::span<MPI_Request>(inline_requests).first(
+                                                  1 + chunks);
+    size_t posted = 0;
+    {
+      std::unique_lock<std::mutex> lock = MpiCallLock();
+      rc = MPI_Isend(send.header.get(), sizeof(Envelope), MPI_BYTE, dest_rank, tag, comm_,
+                     &all[0]);
+      if (rc == MPI_SUCCESS) ++posted;
+      for (size_t offset = 0; offset < bytes && rc == MPI_SUCCESS; offset += kChunkBytes) {
+        rc = MPI_Isend(send.buffer.data() + offset,
+                       static_cast<int>(std::min(kChunkBytes, bytes - offset)), MPI_BYTE,
+                       dest_rank, tag, comm_, &all[posted]);
+        if (rc == MPI_SUCCESS) ++posted;
       }
     }
-    if (rc == MPI_SUCCESS && done) {
-      if (spare) *spare = std::move(send.buffer);
-      std::lock_guard<std::mutex> lock(mu_);
-      CompleteStagedLocked(bytes);
-      return ProgressLocked();  // the other sends, as after every send
-    }
-    send.requests.push_back(request);  // taken off below if the post failed
-  } else {
-    send.header = std::make_unique<Envelope>(MakeEnvelope(kChunkMagic, bytes, desc.hash,
-                                                          desc.text));
-    rc = isend(send.header.get(), sizeof(Envelope));
-    if (rc == MPI_SUCCESS) ch.last_header_sent = *send.header;  // the receiver's last one too
-    for (size_t offset = 0; offset < bytes && rc == MPI_SUCCESS; offset += kChunkBytes) {
-      rc = isend(send.buffer.data() + offset, std::min(kChunkBytes, bytes - offset));
+    if (posted > 0) ch.last_header_sent = *send.header;  // the receiver's last one too
+    // Only a message of one chunk is tested here: a larger one is rarely gone at once.
+    if (rc == MPI_SUCCESS && chunks <= 1 && left_at_once(all)) return completed();
+    // Requests already started keep referring to the buffer and the header: the pending
+    // list keeps both until they complete.
+    if (chunks > 1) {
+      send.requests.resize(posted);
+    } else {
+      send.requests.assign(all.begin(), all.begin() + posted);
     }
   }
   send.posted_for_test = StopMidSendForTest::Posted(bytes);
-  if (rc == MPI_SUCCESS && send.requests.size() == 1) {
-    // A small message usually leaves at once (eager protocol): then it needs no entry in the
-    // pending list, and its buffer goes back when this function returns. A failed test
-    // leaves the send to the pending list, whose test reports the error.
-    int done = 0;
-    {
-      std::unique_lock<std::mutex> lock = MpiCallLock();
-      if (MPI_Test(&send.requests[0], &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) done = 0;
-    }
-    if (done) {
-      std::lock_guard<std::mutex> lock(mu_);
-      CompleteStagedLocked(bytes);
-      return ProgressLocked();  // the other sends, as after every send
-    }
-  }
   std::lock_guard<std::mutex> lock(mu_);
-  if (rc != MPI_SUCCESS) {
-    // Requests already started keep referring to the buffer: keep it until they complete.
-    send.requests.pop_back();
-    pending_.push_back(std::move(send));
-    has_pending_.store(true, std::memory_order_release);
-    return Status::MpiError("MPI_Isend", rc);
-  }
+  // A send whose first post failed goes in too (no requests): its test there completes it,
+  // which releases its reservation.
   pending_.push_back(std::move(send));
   has_pending_.store(true, std::memory_order_release);
+  if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Isend", rc);
   // Small messages often complete at once (eager protocol): free them now.
   return ProgressLocked();
 }

@@ -512,6 +512,9 @@ class MpiTransport {
     // header or trailer, and the copy of a small message.
     std::shared_ptr<Envelope> recv_envelope;
     std::shared_ptr<std::vector<std::byte>> recv_scratch;
+    // Under send_mu: the chunk header of the channel's staged sends (IsendStaged), reused
+    // once no send in flight holds it.
+    std::shared_ptr<Envelope> send_envelope;
     // Under recv_mu: the direct receives of the channel's current rendezvous (RecvLarge).
     std::vector<MPI_Request> recv_requests;
     // Under send_mu: the buffer a ready signal is read into (PollReady).
@@ -550,7 +553,7 @@ class MpiTransport {
 
   struct PendingSend {
     PooledBuffer buffer;
-    std::unique_ptr<Envelope> header;  // chunked messages only
+    std::shared_ptr<Envelope> header;  // chunked messages only: the channel's send_envelope
     size_t bytes = 0;
     int dest_rank = 0, tag = 0;  // for the exit's report of sends never received
     std::vector<MPI_Request> requests;  // header and chunks, or the one message
@@ -576,10 +579,12 @@ class MpiTransport {
   // (the others completed), and *abandoned tells that some never completed: Abandon took
   // them. A failed MPI call is returned after every request was dealt with. With `cancel`
   // false the requests are only tested for the grace period: for sends whose MPI_Cancel the
-  // MPI library cannot take (SendFramed's).
+  // MPI library cannot take (SendFramed's). `completed`, where given, gets the status of a
+  // request that completed with its message (the last one tested), left as it was if none
+  // did: a receive of unknown length taken after all needs its count.
   Status CancelWithGrace(std::span<MPI_Request> requests, size_t* cancelled,
                          bool* abandoned, std::shared_ptr<void> keep_alive,
-                         bool cancel = true);
+                         bool cancel = true, MPI_Status* completed = nullptr);
   // Keeps the open requests of `requests` (never to be waited on) and marks the transport
   // broken; leaves `requests` all MPI_REQUEST_NULL.
   void Abandon(std::span<MPI_Request> requests, std::shared_ptr<void> keep_alive);
