@@ -11,6 +11,7 @@
 #   QUICK=1 scripts/sanitize.sh         # only the smoke tests and one stress test
 #   WORK=DIR BUILD_ONLY=1 scripts/sanitize.sh   # build into DIR (kept) and stop
 #   WORK=DIR scripts/sanitize.sh        # reuse DIR's build (CMake rebuilds what changed)
+#   UNITY=OFF scripts/sanitize.sh       # compile file by file, not as a unity build
 #
 # The installed package is left alone: a sitecustomize.py on PYTHONPATH makes Python (and
 # every child process) import jax_cpu_mpi from the throwaway directory instead of the
@@ -40,8 +41,10 @@ generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 # -O1 -g1 (line tables, enough for the reports' stacks): the sanitizers' usual level, and the
 # build costs about two thirds of RelWithDebInfo's (-O2 -g) CPU time. CXXFLAGS overrides it.
+# A unity build (CMakeLists.txt says why): the sanitizers instrument the same code, and their
+# reports still name each source file and line. UNITY=OFF compiles file by file.
 cmake -S "$root" -B "$work/build" "${generator[@]}" -DCMAKE_BUILD_TYPE=None \
-  -DCMAKE_CXX_FLAGS="${CXXFLAGS:--O1 -g1}" \
+  -DCMAKE_CXX_FLAGS="${CXXFLAGS:--O1 -g1}" -DCMAKE_UNITY_BUILD="${UNITY:-ON}" \
   -DJAX_CPU_MPI_SANITIZE=ON -DPython_EXECUTABLE="$python" >"$work/cmake.log" 2>&1 \
   || { cat "$work/cmake.log"; exit 1; }
 cmake --build "$work/build" -j "$(nproc)" >>"$work/cmake.log" 2>&1 \
