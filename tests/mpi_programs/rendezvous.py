@@ -96,12 +96,12 @@ def barrier(name: str) -> None:
 
 
 #: Where the rank that goes first tells the late one that it is in its call (a file per
-#: turn): both ranks of these cases run on one host. The launch's coordinator port names it.
+#: turn): both ranks of these cases run on one host. The file's name has the launch's
+#: coordinator port and the ranks' parent (mpirun's proxy on this host).
 _TURNS = Path(tempfile.gettempdir()) / (
     f"jcm-rendezvous-{os.environ.get('JCM_TEST_COORDINATOR_PORT', '')}-{os.getppid()}")
 #: The longest a late rank waits for that word (a rank that never says it is waiting is a
-#: failure its checks name); then it goes anyway. The file's name has the launch's
-#: coordinator port and the ranks' parent (mpirun's proxy on this host).
+#: failure its checks name); then it goes anyway.
 LATE_LIMIT = 30.0
 _turn = [0]
 #: Seconds this rank waited, late, for the other rank's word (printed after each case).
