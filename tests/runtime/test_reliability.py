@@ -26,7 +26,7 @@ import jax_cpu_mpi
 from concurrent_launches import Finished, Launches, mpi_launch
 from conftest import make_mesh
 from jax_cpu_mpi import config
-from mpi_launcher import PROGRAMS, MpiRun, assert_mpi_ok, run_mpi
+from mpi_launcher import PROGRAMS, MpiRun, assert_mpi_ok, llvm_unoptimized, run_mpi
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -488,8 +488,11 @@ RENDEZVOUS_TIMEOUT = 400
 
 @pytest.fixture(scope="module")
 def rendezvous_run() -> MpiRun:
+    # Compiled cheaply (llvm_unoptimized(), as the ring's and stale_after_failure.py's
+    # launches): their ranks compile a hundred small programs, and what they check (which
+    # path a message took, its bytes, the errors) is our handlers' work, not XLA's kernels'.
     return run_mpi("rendezvous.py", ",".join(RENDEZVOUS_CASES), nprocs=2,
-                   devices_per_process=4, timeout=RENDEZVOUS_TIMEOUT)
+                   devices_per_process=4, timeout=RENDEZVOUS_TIMEOUT, env=llvm_unoptimized())
 
 
 def _case_output(run: MpiRun, case: str, rank: int) -> str:
@@ -574,7 +577,8 @@ def test_rendezvous_in_a_ring_of_three_ranks():
     """A ring of 3 ranks (each sends to the next, receives from the previous; one op with
     the cycle, one op per pair): a receive's own deferred send goes to another rank than
     the one it receives from, which 2 ranks never reach; every byte arrives, some direct."""
-    run = run_mpi("rendezvous.py", "ring", nprocs=3, devices_per_process=1, timeout=200)
+    run = run_mpi("rendezvous.py", "ring", nprocs=3, devices_per_process=1, timeout=200,
+                  env=llvm_unoptimized())
     assert_mpi_ok(run, 3)
     for rank in range(3):
         out = _case_output(run, "ring", rank)
@@ -642,7 +646,8 @@ def test_message_of_a_failed_call_is_never_taken_as_a_later_calls():
     refused (their messages reached those precvs, which returned them as the failed call's:
     ``STALE``), and the waiting precvs time out instead."""
     run = run_mpi("stale_after_failure.py", nprocs=2, devices_per_process=8,
-                  timeout=STALE_TIMEOUT, env={"JAX_CPU_MPI_RECV_TIMEOUT": "20"})
+                  timeout=STALE_TIMEOUT,
+                  env={"JAX_CPU_MPI_RECV_TIMEOUT": "20", **llvm_unoptimized()})
     assert_mpi_ok(run, 2)
     everything = run.launcher_output + "".join(run.rank_output.values())
     assert "STALE" not in everything and "FRESH" not in everything, run.report()
@@ -693,7 +698,7 @@ def test_a_framed_send_nobody_takes_is_abandoned_without_a_crash():
     once the other rank's transport was broken. The send is now abandoned: every call after
     it fails with an error, and both ranks get to the end of the program."""
     run = run_mpi("stale_after_failure.py", "framed", nprocs=2, devices_per_process=4,
-                  timeout=STALE_TIMEOUT)
+                  timeout=STALE_TIMEOUT, env=llvm_unoptimized())
     everything = run.launcher_output + "".join(run.rank_output.values())
     assert "Segmentation fault" not in everything and "signal 11" not in everything, (
         run.report())
