@@ -299,10 +299,11 @@ if LARGE:
     print("recycledhuge " + json.dumps(recycled_operand_huge_pages(40 << 20)), flush=True)
 
 
-# Above the chunking threshold (4 MiB), with a ragged last chunk.
+# Just above the chunking threshold (4 MiB, cpp/mpi/framing.h), with a ragged last chunk: the
+# chunked path of any larger size, for fewer bytes.
 if LARGE:
-    check("chunked 9 MiB + 12 B messages", cases.permute_vs_ppermute(
-        mesh, unmoved, axis="x", perm=ring, dtype=np.float32, block=((9 << 18) + 3,)))
+    check("chunked 4 MiB + 12 B messages", cases.permute_vs_ppermute(
+        mesh, unmoved, axis="x", perm=ring, dtype=np.float32, block=((1 << 20) + 3,)))
 # 64 KiB and 16 KiB: a cycle's messages from 16 KiB take the rendezvous path (hops in the
 # process and over MPI in one ring when a process has several devices).
 check("ring of 64 KiB messages", cases.permute_vs_ppermute(
@@ -322,8 +323,8 @@ for count in (2, 1 << 17) if LARGE else (2,):  # 8 B and 512 KiB: eager/staged a
         check(f"pytree leaves in place, {4 * count} B, trial {trial}", pair)
 check("fifo on one pair", cases.fifo_same_pair(mesh, gather))
 if LARGE:
-    check("fifo on one pair, chunked then small",
-          cases.fifo_same_pair(mesh, gather, counts=(3 << 20, 5)))
+    check("fifo on one pair, chunked (4 MiB + 12 B) then small",
+          cases.fifo_same_pair(mesh, gather, counts=((1 << 20) + 3, 5)))
 
 if n >= 4:
     mesh2 = jax.make_mesh((2, n // 2), ("x", "y"))
@@ -354,8 +355,11 @@ with config.overrides(poison_uninitialized=True):
             check(f"two-op exchange in a scan, {form}, {nbytes} B",
                   cases.two_op_exchange_in_scan(cross, gather, count=nbytes // 4, form=form))
 if LARGE:
-    check("two-way 32 MiB exchange, sends first",
-          cases.two_way_exchange(cross, unmoved, nbytes=32 << 20))
+    # Chunked, just above its threshold, as the ring above: what a larger exchange adds, a
+    # fresh map (32 MiB), the one-way case at the end has, and a message too large for TCP's
+    # buffers the late receivers' (32 MiB too).
+    check("two-way 4 MiB + 12 B exchange, sends first",
+          cases.two_way_exchange(cross, unmoved, nbytes=(4 << 20) + 12))
     # The two-op exchange in a scan, 4 MiB + 4 KiB + 12 B and 9 MiB + 12 B per message: a
     # precv that is no destination and fills (the first step's, before the loop, in the
     # carried form) gives its output's whole huge pages back and writes the rest; three calls
