@@ -396,6 +396,7 @@ if LARGE:
         got = one_way(cases.put(cross, jax.sharding.PartitionSpec("x"), value))
         check(f"one way at 32 MiB + 4 KiB + 12 B, zeros on device 0, call {call}",
               (got, np.concatenate([np.zeros(big, np.float32), value[:big]])))
+        del got  # freed before the next call, which may then get its pages
 
 
 def long_wait(delay_s: float = 0.5) -> dict:
