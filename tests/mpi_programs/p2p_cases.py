@@ -71,6 +71,31 @@ def permute_vs_ppermute(mesh, gather: Gather, *, axis, perm: Perm, dtype=np.floa
     return got, want
 
 
+def permute_vs_ppermute_per_dtype(mesh, gather: Gather, *, axis, perm: Perm, dtypes,
+                                  block=(3,)) -> list[tuple[np.ndarray, np.ndarray]]:
+    """:func:`permute_vs_ppermute` for each of ``dtypes``, the same input per dtype, with two
+    compiled programs instead of two per dtype: one psend/precv of the list of the dtypes'
+    blocks (a pytree: one psend and one precv per leaf, each leaf's after the one before it,
+    so that every leaf is its own message on every pair), one ``lax.ppermute`` per block.
+    A ``(got, want)`` pair per dtype, in the order of ``dtypes``."""
+    spec = P(tuple(mesh.axis_names))
+    n = mesh.devices.size
+    xs = [put(mesh, spec, sample((n * block[0], *block[1:]), dtype)) for dtype in dtypes]
+
+    def ours(*vs):
+        tokens = jax_cpu_mpi.psend(list(vs), axis, perm)
+        like = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in vs]
+        return tuple(jax_cpu_mpi.precv(tokens, like, axis, perm))
+
+    def reference(*vs):
+        return tuple(jax.lax.ppermute(v, axis, perm) for v in vs)
+
+    specs = (spec,) * len(xs)
+    got, want = (jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=specs))(*xs)
+                 for fn in (ours, reference))
+    return [(gather(g), gather(w)) for g, w in zip(got, want, strict=True)]
+
+
 def scalar_blocks(mesh, gather: Gather, *, dtype=np.float32):
     """0-d arrays: each device sends one scalar around a ring."""
     n = mesh.devices.size
@@ -344,6 +369,12 @@ def send_compute_send_back(mesh, gather: Gather):
 
 
 def pytree_leaves_in_place(mesh, gather: Gather, *, count: int):
+    """:func:`pytree_leaves_in_place_calls`, one call."""
+    return pytree_leaves_in_place_calls(mesh, gather, count=count, calls=1)[0]
+
+
+def pytree_leaves_in_place_calls(mesh, gather: Gather, *, count: int,
+                                 calls: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """A psend/precv of a pytree with two leaves of one shape (and a complex one), along an
     open chain: each leaf must arrive in its own place, as ``lax.ppermute`` of each leaf.
 
@@ -351,7 +382,9 @@ def pytree_leaves_in_place(mesh, gather: Gather, *, count: int):
     leaves (which precv accepts): nothing but the leaves' own ordering then keeps the two
     float32 messages of a pair from being matched the wrong way round (before it was
     ordered, they arrived swapped on every run on jaxlib 0.10.2). ``count`` float32 per
-    device and leaf: small ones take the queue, 256 KiB and more the direct paths.
+    device and leaf: small ones take the queue, 256 KiB and more the direct paths. A
+    ``(got, want)`` pair for each of ``calls`` calls of one compiled program (and one
+    reference program).
     """
     axis = mesh.axis_names[0]
     n = mesh.shape[axis]
@@ -380,9 +413,12 @@ def pytree_leaves_in_place(mesh, gather: Gather, *, count: int):
     def reference(a, b, c):
         return [jax.lax.ppermute(v, axis, chain) for v in skew(a, b, c)]
 
-    def run(fn):
-        f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(axis), out_specs=P(axis)))
+    def run(f):
         out = [gather(v) for v in f(*xs)]
         return np.concatenate([out[0], out[1], out[2].real, out[2].imag])
 
-    return run(body), run(reference)
+    # Each call a run of the same two compiled programs: which leaf's op XLA runs first is
+    # decided at run time, call by call.
+    ours, ppermute = (jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(axis), out_specs=P(axis)))
+                      for fn in (body, reference))
+    return [(run(ours), run(ppermute)) for _ in range(calls)]
