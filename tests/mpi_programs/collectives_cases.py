@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from jax.sharding import PartitionSpec as P
-from mpi4py import MPI
 
 import jax_cpu_mpi
 from jax_cpu_mpi import _jax_cpu_mpi, config
@@ -57,16 +56,9 @@ def parks() -> int:
     return int(jax_cpu_mpi.stats()["collective_parks"])
 
 
-def gather(x: jax.Array) -> np.ndarray:
-    """The full value of a (multi-process) global array, on every process, through mpi4py:
-    multihost_utils.process_allgather (common.gather) compiles a program of its own, a gloo
-    all-gather, for each shape and dtype, which were 40 % of this launch's compilations."""
-    shards = [(s.index, np.asarray(s.data)) for s in x.addressable_shards]
-    out = np.empty(x.shape, x.dtype)
-    for theirs in MPI.COMM_WORLD.allgather(shards):
-        for index, data in theirs:
-            out[index] = data
-    return out
+#: The results' gather: process_allgather (common.gather) compiles a gloo program for each
+#: shape and dtype of result, a large part of this launch's compilations.
+gather = common.gather_over_mpi
 
 
 def _same_bits(a, b) -> bool:
