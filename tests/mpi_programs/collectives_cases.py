@@ -999,19 +999,21 @@ meeting(MODES[0])
 
 
 def permuted(setting: str) -> dict:
+    """Every case's ppermute in one program (a program per case cost a compilation each)."""
     config.configure(collectives=setting)
-    out = {}
+    cases = {}
     for name, perm in (("ring", [(i, (i + 1) % n) for i in range(n)]),
                        ("reverse pair", [(n - 1, 0)])):
         for shape in ((2,), (1 << 18,)):
-            v = values("int32", shape, 5)
-            f = jax.jit(jax.shard_map(
-                functools.partial(jax.lax.ppermute, axis_name="x", perm=perm), mesh=mesh,
-                in_specs=P("x"), out_specs=P("x")))
-            x = common.global_array(mesh, P("x"), v)
-            key = f"ppermute {name} int32{list(shape)}"
-            out[key] = (run_in(setting, key, lambda f=f, x=x: gather(f(x))), v, perm)
-    return out
+            cases[f"ppermute {name} int32{list(shape)}"] = (values("int32", shape, 5), perm)
+
+    def body(tree):
+        return {k: jax.lax.ppermute(tree[k], "x", cases[k][1]) for k in sorted(tree)}
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    xs = {k: common.global_array(mesh, P("x"), v) for k, (v, _) in cases.items()}
+    got = run_in(setting, "ppermutes", lambda: {k: gather(r) for k, r in f(xs).items()})
+    return {k: (got[k], v, perm) for k, (v, perm) in cases.items()}
 
 
 p_mpi, p_gloo = permuted("mpi"), permuted("gloo")
