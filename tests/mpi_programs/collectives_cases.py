@@ -458,38 +458,22 @@ if ("psum_invariant", "float32") not in over_mpi:
 
 
 def transformed(setting: str) -> dict:
+    """The cases in two programs (one per case cost a compilation each): those under
+    check_vma, and psum_p itself and pmax/pmin without it."""
     config.configure(collectives=setting)
     x = common.global_array(mesh, P("x"), values("float32", (6,), 7))
-    out = {}
-
-    def keep(key, f, arg):
-        out[key] = run_in(setting, key, lambda: gather(f(arg)))
+    xa = common.global_array(mesh, P("x"), values("float32", (2 * n,), 8))
 
     def loss(v):
         return jnp.sum(jax.lax.psum(v * v, "x") * jnp.arange(6.0, dtype=jnp.float32))
 
-    g = jax.jit(jax.shard_map(jax.grad(loss), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-    keep("grad", g, x)
-
     def vmapped(v):  # a batch of 3 psums
         return jax.vmap(lambda r: jax.lax.psum(r, "x"))(jnp.stack([v, 2 * v, v + 1]))
-
-    vm = jax.jit(jax.shard_map(vmapped, mesh=mesh, in_specs=P("x"), out_specs=P(None, "x")))
-    keep("vmap", vm, x)
 
     def scanned(v):
         def step(c, _):
             return jax.lax.pmean(c, "x") * 0.5 + c, None
         return jax.lax.scan(step, v, None, length=5)[0]
-
-    sc = jax.jit(jax.shard_map(scanned, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-    keep("scan", sc, x)
-    nv = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "x"), mesh=mesh, in_specs=P("x"),
-                               out_specs=P("x"), check_vma=False))
-    keep("psum_p (check_vma=False)", nv, x)
-    mx = jax.jit(jax.shard_map(lambda v: jax.lax.pmax(v, "x") - jax.lax.pmin(v, "x"),
-                               mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
-    keep("pmax-pmin (check_vma=False)", mx, x)
 
     # all_gather's transpose is psum_scatter; all_to_all under vmap (a batch of 2).
     w = jnp.arange(6.0 * n, dtype=jnp.float32).reshape(n, 6)
@@ -497,14 +481,28 @@ def transformed(setting: str) -> dict:
     def gather_loss(v):
         return jnp.sum(jax.lax.all_gather(v, "x", tiled=True) * w)
 
-    gg = jax.jit(jax.shard_map(jax.grad(gather_loss), mesh=mesh, in_specs=P("x"),
-                               out_specs=P("x")))
-    keep("grad of all_gather", gg, x)
-    xa = common.global_array(mesh, P("x"), values("float32", (2 * n,), 8))
-    va = jax.jit(jax.shard_map(
-        lambda v: jax.vmap(lambda r: jax.lax.all_to_all(r, "x", 1, 1, tiled=True))(
-            jnp.stack([v, 3 * v])), mesh=mesh, in_specs=P("x"), out_specs=P(None, "x")))
-    keep("vmap of all_to_all", va, xa)
+    def checked(v, va):
+        return {"grad": jax.grad(loss)(v), "vmap": vmapped(v), "scan": scanned(v),
+                "grad of all_gather": jax.grad(gather_loss)(v),
+                "vmap of all_to_all": jax.vmap(
+                    lambda r: jax.lax.all_to_all(r, "x", 1, 1, tiled=True))(
+                        jnp.stack([va, 3 * va]))}
+
+    batched = P(None, "x")
+    f = jax.jit(jax.shard_map(checked, mesh=mesh, in_specs=P("x"), out_specs={
+        "grad": P("x"), "vmap": batched, "scan": P("x"), "grad of all_gather": P("x"),
+        "vmap of all_to_all": batched}))
+    out = run_in(setting, "grad, vmap, scan",
+                 lambda: {k: gather(r) for k, r in f(x, xa).items()})
+
+    def unchecked(v):
+        return {"psum_p (check_vma=False)": jax.lax.psum(v, "x"),
+                "pmax-pmin (check_vma=False)": jax.lax.pmax(v, "x") - jax.lax.pmin(v, "x")}
+
+    nv = jax.jit(jax.shard_map(unchecked, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
+                               check_vma=False))
+    out.update(run_in(setting, "without check_vma",
+                      lambda: {k: gather(r) for k, r in nv(x).items()}))
     return out
 
 
