@@ -21,7 +21,7 @@ from jax_cpu_mpi import _jax_cpu_mpi as ext
 from jax_cpu_mpi.bench import methods as bench_methods
 from jax_cpu_mpi.bench import options, patterns, report, runner, targets
 from jax_cpu_mpi.bench.stats import Measurement
-from mpi_launcher import run_mpi
+from mpi_launcher import llvm_unoptimized, run_mpi
 
 SIZES = [8, 4096]
 
@@ -185,8 +185,14 @@ def test_core_to_core_round_trip_probe():
         assert os.sched_getaffinity(0) == set(cpus), "the caller's CPUs are restored"
 
 
+#: The benchmarks' launches here compile cheaply (llvm_unoptimized()): they are mostly
+#: compiling their many small programs, and what is checked (every received byte, the
+#: tables' and JSON's form, times finite and positive) does not depend on code generation.
+_CHEAP = llvm_unoptimized()
+
+
 def _bench(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    env = dict(os.environ, JAX_CPU_MPI_RECV_TIMEOUT="60")
+    env = dict(os.environ, JAX_CPU_MPI_RECV_TIMEOUT="60", **_CHEAP)
     for var in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK"):
         env.pop(var, None)
     return subprocess.run([sys.executable, "-m", "jax_cpu_mpi.bench", *args],
@@ -226,7 +232,7 @@ def test_two_ranks_run_every_method(tmp_path):
     # psend2/scan, mpi4py and gloo/scan, and check every received byte.
     run = run_mpi("jax_cpu_mpi.bench", "--quick", "--sizes", "8,4K", "--out", str(tmp_path),
                   "--pattern", ",".join(options.PATTERNS), "--no-progress", nprocs=2,
-                  timeout=270, module=True)
+                  timeout=270, module=True, env=_CHEAP)
     assert run.returncode == 0, run.report()
     header, results, notes = _read_outputs(tmp_path)
     assert header["ranks"] == 2
@@ -254,7 +260,7 @@ def test_two_ranks_run_the_collectives_benchmark(tmp_path):
     run = run_mpi("jax_cpu_mpi.bench.collectives", "--devices", "1", "--min-bytes", "8",
                   "--max-bytes", str(sizes[-1]), "--factor", str(sizes[-1] // 8),
                   "--iters", "3", "--rounds", "2", "--warmup", "1", "--out", str(tmp_path),
-                  nprocs=2, timeout=120, module=True)
+                  nprocs=2, timeout=120, module=True, env=_CHEAP)
     assert run.returncode == 0, run.report()
     printed = run.by_rank()[0]
     columns = ["size (B)", "count", "type", "gloo us", "gloo busbw", "MPI (ours) us",

@@ -33,6 +33,7 @@ import pytest
 from jax_cpu_mpi._src import compat as _compat
 from jax_cpu_mpi._src.compat import versions as _versions
 from jax_cpu_mpi._src.lowering.barrier_tokens import ORDERING_OP
+from mpi_launcher import CHEAP_COMPILE_FLAGS
 
 PROBE = Path(__file__).parents[1] / "mpi_programs" / "compat_probe.py"
 ZYGOTE = PROBE.with_name("compat_zygote.py")
@@ -84,7 +85,10 @@ NAMES = _compat.names()
 def _probe_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("JAX_CPU_MPI_DISABLE", "XLA_FLAGS"))}
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    # Compiled cheaply (mpi_launcher.llvm_unoptimized()'s flags): a probe's time is mostly
+    # compiling its few programs, and what it reports (which features are on, whether the
+    # programs ran and equal their references) does not depend on code generation.
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=4 {CHEAP_COMPILE_FLAGS}"
     return env
 
 

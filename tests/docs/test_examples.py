@@ -22,7 +22,7 @@ import doc_blocks
 import pytest
 from doc_blocks import ROOT, Block, Run
 
-from mpi_launcher import run_mpi
+from mpi_launcher import CHEAP_COMPILE_FLAGS, run_mpi
 
 HERE = Path(__file__).resolve().parent
 BLOCKS = doc_blocks.all_blocks()
@@ -61,9 +61,15 @@ def _run_group(key: tuple, run: Run) -> dict:
     paths = [_file(b) for b in members]
     results_path = _WORK / f"results-{abs(hash(key))}.json"
     timeout = sum(r.timeout for b in members for r in b.runs if _group(b, r) == key)
+    # Compiled cheaply (mpi_launcher.llvm_unoptimized()): these interpreters are mostly
+    # compiling the blocks' programs, and what the blocks print (booleans of comparisons
+    # within a tolerance, shapes, exact small values) does not depend on how the kernels
+    # are generated.
+    env = _env(run.devices)
+    env["XLA_FLAGS"] = f"{env['XLA_FLAGS']} {CHEAP_COMPILE_FLAGS}"
     try:
         proc = subprocess.run([sys.executable, str(HERE / "_exec_blocks.py"), str(results_path),
-                               *paths], env=_env(run.devices), capture_output=True, text=True,
+                               *paths], env=env, capture_output=True, text=True,
                               timeout=timeout, cwd=_WORK)
     except subprocess.TimeoutExpired as e:
         return {p: {"error": f"timed out after {timeout} s (a deadlock?); stderr:\n"

@@ -32,23 +32,67 @@ mesh = jax.make_mesh((n,), ("x",))
 failures: list[str] = []
 
 
-#: With 2 devices per process, how a device that does not lead its process's meeting waits
-#: in this launch (tests/runtime/test_collectives_mpi.py runs the matrix both ways, on any
-#: machine): JAX_CPU_MPI_PARK=on parks (its call returns a pending future) in every program
-#: that allows it, off waits in the meeting.
-PARK = os.environ.get("JAX_CPU_MPI_PARK", "off")
-MODE = {"off": 0, "auto": 1, "on": 2}[PARK]
+#: With 2 devices per process, the ways a device that does not lead its process's meeting
+#: waits, in turn (tests/runtime/test_collectives_mpi.py runs the matrix both ways in one
+#: launch, on any machine: JCM_TEST_PARK_MODES=on,off): "on" parks (its call returns a
+#: pending future) in every program that allows it, "off" waits in the meeting. The mode is
+#: read when a program runs (set_meeting_handoff), not when it is compiled: each program is
+#: compiled once and run in each mode (each_mode). Otherwise JAX_CPU_MPI_PARK's mode alone.
+MODES = os.environ.get("JCM_TEST_PARK_MODES",
+                       os.environ.get("JAX_CPU_MPI_PARK", "off")).split(",")
+_HANDOFF = {"off": 0, "auto": 1, "on": 2}
+#: Calls that parked in each mode so far (each_mode).
+PARKED = dict.fromkeys(MODES, 0)
 
 
-def meeting(mode: int) -> None:
+def meeting(mode: str) -> None:
     """Set how a non-leading device waits for the programs that follow (2 devices)."""
     if jax.local_device_count() > 1:
-        _jax_cpu_mpi.set_meeting_handoff(mode)
+        _jax_cpu_mpi.set_meeting_handoff(_HANDOFF[mode])
 
 
 def parks() -> int:
     """Collective calls of this process that parked so far."""
     return int(jax_cpu_mpi.stats()["collective_parks"])
+
+
+#: The results' gather: process_allgather (common.gather) compiles a gloo program for each
+#: shape and dtype of result, a large part of this launch's compilations.
+gather = common.gather_over_mpi
+
+
+def _same_bits(a, b) -> bool:
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(
+        np.asarray(x).dtype == np.asarray(y).dtype and np.array_equal(
+            np.atleast_1d(np.asarray(x)).view(np.uint8),
+            np.atleast_1d(np.asarray(y)).view(np.uint8)) for x, y in zip(la, lb, strict=True))
+
+
+def each_mode(name: str, call):
+    """``call()`` (which gathers or blocks on what it returns) in each of MODES, the first
+    mode's result returned, the mode left at the first. A later mode's result must equal it
+    bit for bit, so it passes every check the first one passes (2 devices per process reduce
+    in the same order either way: the meeting's leader reduces the operands by position);
+    where not, the failure names the program and the mode."""
+    results = []
+    for mode in MODES:
+        meeting(mode)
+        before = parks()
+        results.append(jax.block_until_ready(call()))
+        PARKED[mode] += parks() - before
+    meeting(MODES[0])
+    for mode, got in zip(MODES[1:], results[1:], strict=True):
+        if not _same_bits(got, results[0]):
+            failures.append(f"{name} (park {mode})")
+            print(f"FAIL {name} (park {mode}): differs from park {MODES[0]}'s result",
+                  flush=True)
+    return results[0]
+
+
+def run_in(setting: str, name: str, call):
+    """``call()``: in each park mode where ``setting`` lowers the collectives over MPI."""
+    return each_mode(name, call) if setting == "mpi" else call()
 
 
 OPS = {"psum": jax.lax.psum, "pmax": jax.lax.pmax, "pmin": jax.lax.pmin,
@@ -98,7 +142,12 @@ def run_packed(setting: str, m, operands: dict, fn_of_key) -> dict:
 
     f = jax.jit(jax.shard_map(body, mesh=m, in_specs=P(axis), out_specs=P(axis)))
     arrays = {k: common.global_array(m, P(axis), v) for k, v in operands.items()}
-    flat = common.gather(f(arrays))
+    if setting == "mpi":
+        first = min(operands)
+        flat = each_mode(f"the program of {first} and {len(operands) - 1} more",
+                         lambda: gather(f(arrays)))
+    else:
+        flat = gather(f(arrays))
     out, at = {}, 0
     for k, (shape, dtype) in layout.items():
         size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -313,10 +362,9 @@ if n == 4:
     devs = np.array(jax.devices())
     order = sorted(range(n), key=lambda i: (i % 2, i))  # positions 0, 2 / 1, 3 per process
     meshes[" interleaved"] = jax.sharding.Mesh(devs[np.argsort(order)], ("x",))
-meeting(MODE)
-parked_by_mesh: dict[str, int] = {}
+parked_by_mesh: dict[str, dict[str, int]] = {mode: {} for mode in MODES}
 for label, m in meshes.items():
-    parked_before = parks()
+    parked_before = dict(PARKED)
     # NumPy checks every case; gloo (a compilation of its own, slow) the float32 and large
     # ones; the interleaved mesh runs the int8 and large ones.
     cases = EXCHANGES if not label else {
@@ -364,20 +412,23 @@ for label, m in meshes.items():
         except AssertionError as e:
             failures.append(name)
             print(f"FAIL {name}: {e}", flush=True)
-    parked_by_mesh[label or " in device order"] = parks() - parked_before
+    for mode in MODES:
+        parked_by_mesh[mode][label or " in device order"] = PARKED[mode] - parked_before[mode]
 
 # The matrix took the path this launch asked for, on each mesh (the interleaved one's
 # meetings stage their operands for MPI: parked devices must find their results there
 # too): parked calls on, none off.
-if jax.local_device_count() == 2 and PARK in ("on", "off"):
+for mode in MODES if jax.local_device_count() == 2 else ():
+    if mode not in ("on", "off"):
+        continue
     try:
-        assert all((c > 0) == (PARK == "on") for c in parked_by_mesh.values()), (
-            PARK, parked_by_mesh)
-        print(f"ok   mpi  the matrix's devices {'parked' if PARK == 'on' else 'waited'} "
-              f"(parked calls by mesh: {parked_by_mesh})", flush=True)
+        assert all((c > 0) == (mode == "on") for c in parked_by_mesh[mode].values()), (
+            mode, parked_by_mesh[mode])
+        print(f"ok   mpi  the matrix's devices {'parked' if mode == 'on' else 'waited'} "
+              f"(park {mode}: parked calls by mesh: {parked_by_mesh[mode]})", flush=True)
     except AssertionError as e:
-        failures.append("parked path")
-        print(f"FAIL parked path: {e}", flush=True)
+        failures.append(f"parked path (park {mode})")
+        print(f"FAIL parked path (park {mode}): {e}", flush=True)
 
 # ---- the lowerings that did not go over MPI say why
 decided = lowering.decisions()
@@ -407,35 +458,22 @@ if ("psum_invariant", "float32") not in over_mpi:
 
 
 def transformed(setting: str) -> dict:
+    """The cases in two programs (one per case cost a compilation each): those under
+    check_vma, and psum_p itself and pmax/pmin without it."""
     config.configure(collectives=setting)
     x = common.global_array(mesh, P("x"), values("float32", (6,), 7))
-    out = {}
+    xa = common.global_array(mesh, P("x"), values("float32", (2 * n,), 8))
 
     def loss(v):
         return jnp.sum(jax.lax.psum(v * v, "x") * jnp.arange(6.0, dtype=jnp.float32))
 
-    g = jax.jit(jax.shard_map(jax.grad(loss), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-    out["grad"] = common.gather(g(x))
-
     def vmapped(v):  # a batch of 3 psums
         return jax.vmap(lambda r: jax.lax.psum(r, "x"))(jnp.stack([v, 2 * v, v + 1]))
-
-    vm = jax.jit(jax.shard_map(vmapped, mesh=mesh, in_specs=P("x"), out_specs=P(None, "x")))
-    out["vmap"] = common.gather(vm(x))
 
     def scanned(v):
         def step(c, _):
             return jax.lax.pmean(c, "x") * 0.5 + c, None
         return jax.lax.scan(step, v, None, length=5)[0]
-
-    sc = jax.jit(jax.shard_map(scanned, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-    out["scan"] = common.gather(sc(x))
-    nv = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "x"), mesh=mesh, in_specs=P("x"),
-                               out_specs=P("x"), check_vma=False))
-    out["psum_p (check_vma=False)"] = common.gather(nv(x))
-    mx = jax.jit(jax.shard_map(lambda v: jax.lax.pmax(v, "x") - jax.lax.pmin(v, "x"),
-                               mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
-    out["pmax-pmin (check_vma=False)"] = common.gather(mx(x))
 
     # all_gather's transpose is psum_scatter; all_to_all under vmap (a batch of 2).
     w = jnp.arange(6.0 * n, dtype=jnp.float32).reshape(n, 6)
@@ -443,14 +481,28 @@ def transformed(setting: str) -> dict:
     def gather_loss(v):
         return jnp.sum(jax.lax.all_gather(v, "x", tiled=True) * w)
 
-    gg = jax.jit(jax.shard_map(jax.grad(gather_loss), mesh=mesh, in_specs=P("x"),
-                               out_specs=P("x")))
-    out["grad of all_gather"] = common.gather(gg(x))
-    xa = common.global_array(mesh, P("x"), values("float32", (2 * n,), 8))
-    va = jax.jit(jax.shard_map(
-        lambda v: jax.vmap(lambda r: jax.lax.all_to_all(r, "x", 1, 1, tiled=True))(
-            jnp.stack([v, 3 * v])), mesh=mesh, in_specs=P("x"), out_specs=P(None, "x")))
-    out["vmap of all_to_all"] = common.gather(va(xa))
+    def checked(v, va):
+        return {"grad": jax.grad(loss)(v), "vmap": vmapped(v), "scan": scanned(v),
+                "grad of all_gather": jax.grad(gather_loss)(v),
+                "vmap of all_to_all": jax.vmap(
+                    lambda r: jax.lax.all_to_all(r, "x", 1, 1, tiled=True))(
+                        jnp.stack([va, 3 * va]))}
+
+    batched = P(None, "x")
+    f = jax.jit(jax.shard_map(checked, mesh=mesh, in_specs=P("x"), out_specs={
+        "grad": P("x"), "vmap": batched, "scan": P("x"), "grad of all_gather": P("x"),
+        "vmap of all_to_all": batched}))
+    out = run_in(setting, "grad, vmap, scan",
+                 lambda: {k: gather(r) for k, r in f(x, xa).items()})
+
+    def unchecked(v):
+        return {"psum_p (check_vma=False)": jax.lax.psum(v, "x"),
+                "pmax-pmin (check_vma=False)": jax.lax.pmax(v, "x") - jax.lax.pmin(v, "x")}
+
+    nv = jax.jit(jax.shard_map(unchecked, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
+                               check_vma=False))
+    out.update(run_in(setting, "without check_vma",
+                      lambda: {k: gather(r) for k, r in nv(x).items()}))
     return out
 
 
@@ -493,7 +545,7 @@ x_nested = common.global_array(mesh, P("x"), v_nested)
 text = f_nested.lower(x_nested).as_text()
 sites = [line.split("site = ")[1].split(" ")[0] for line in text.splitlines()
          if "jax_cpu_mpi_all_reduce" in line]
-got_nested = common.gather(f_nested(x_nested))
+got_nested = each_mode("nested psums", lambda: gather(f_nested(x_nested)))
 looped = v_nested.copy()
 for _ in range(3):
     looped = looped + looped.sum(0) * 0.5
@@ -538,8 +590,15 @@ v_siblings = values("float32", (256,), 37)
 x_siblings = common.global_array(mesh, P("x"), v_siblings)
 lowered = f_siblings.lower(x_siblings)
 compiled = lowered.compile()
-for _ in range(20):
-    got_siblings = jax.block_until_ready(compiled(x_siblings))
+
+
+def _twenty_rounds() -> list:
+    for _ in range(20):
+        got = jax.block_until_ready(compiled(x_siblings))
+    return [gather(g) for g in got]
+
+
+got_siblings = each_mode("sibling shard_maps", _twenty_rounds)
 # Every psum but the first reads the one before it (an extra operand), in the module and
 # after XLA's compilation.
 operand_counts = [len(args.split(", ")) for args in re.findall(
@@ -552,8 +611,7 @@ try:
     assert sorted(compiled_counts) == [2, 3, 3, 3], f"compiled psum operands {compiled_counts}"
     total = v_siblings.sum(0)
     for got, scale in zip(got_siblings, (1, 3), strict=True):
-        np.testing.assert_allclose(common.gather(got),
-                                   np.broadcast_to((n + 1) * scale * total, (n, 256)),
+        np.testing.assert_allclose(got, np.broadcast_to((n + 1) * scale * total, (n, 256)),
                                    rtol=1e-5, atol=1e-3)
     print("ok   mpi  psums of two sibling shard_maps, chained, 20 rounds vs numpy", flush=True)
 except AssertionError as e:
@@ -577,8 +635,8 @@ if jax.local_device_count() == 2:
     v_swap = values("uint32", (8,), 41)
     f_swap = jax.jit(jax.shard_map(_psum_then_swap, mesh=mesh, in_specs=P("x"),
                                    out_specs=P("x"), check_vma=False))
-    got_swap = common.gather(jax.block_until_ready(
-        f_swap(common.global_array(mesh, P("x"), v_swap.reshape(-1)))))
+    x_swap = common.global_array(mesh, P("x"), v_swap.reshape(-1))
+    got_swap = each_mode("psum then ppermute", lambda: gather(f_swap(x_swap)))
     want_swap = v_swap.copy()
     for _ in range(300):
         total = want_swap.sum(0, dtype=np.uint32)
@@ -608,16 +666,20 @@ if jax.local_device_count() == 2:
                                   out_specs=P("x"), check_vma=False))
     x_rep = common.global_array(mesh, P("x"), v_rep.reshape(-1))
     want_rep = np.tile(n * v_rep.sum(0) + n * (n - 1) / 2, n).astype(np.float32)
-    before_rep = parks()
-    try:
-        for _ in range(40):  # one call in flight at a time: psend/precv's rule
-            np.testing.assert_array_equal(common.gather(f_rep(x_rep)), want_rep)
-        assert parks() == before_rep, ("parked", parks() - before_rep)
-        print("ok   mpi  psum, ppermute within the process, psum of float32[32768]: the "
-              "waiting path, 40 calls vs numpy", flush=True)
-    except Exception as e:  # a deadlock ends in the meeting's timeout error
-        failures.append("psum ppermute psum")
-        print(f"FAIL psum ppermute psum: {type(e).__name__}: {str(e)[:400]}", flush=True)
+    for mode in MODES:  # the parking mode's is the case this guards
+        meeting(mode)
+        before_rep = parks()
+        try:
+            for _ in range(40):  # one call in flight at a time: psend/precv's rule
+                np.testing.assert_array_equal(gather(f_rep(x_rep)), want_rep)
+            assert parks() == before_rep, ("parked", parks() - before_rep)
+            print("ok   mpi  psum, ppermute within the process, psum of float32[32768]: the "
+                  f"waiting path, 40 calls vs numpy (park {mode})", flush=True)
+        except Exception as e:  # a deadlock ends in the meeting's timeout error
+            failures.append(f"psum ppermute psum (park {mode})")
+            print(f"FAIL psum ppermute psum (park {mode}): {type(e).__name__}: "
+                  f"{str(e)[:400]}", flush=True)
+    meeting(MODES[0])
 
 # ---- The psum after a loop or a conditional of psums waits for it, in the compiled program
 # too: a loop that starts the chain (no psum before it: its trip counter, the first result,
@@ -671,8 +733,9 @@ for what, op, c_want, before_want in (
         assert _reads_a_token_of(compiled_after.as_text(), op), (
             f"no psum after the {what} reads its token in the compiled program")
         want = 3.0 * total_after + c_want + before_want
-        for _ in range(10):
-            got_after = common.gather(jax.block_until_ready(compiled_after(x_after)))
+        rounds = each_mode(f"psum after a {what}", lambda c=compiled_after: [
+            gather(jax.block_until_ready(c(x_after))) for _ in range(10)])
+        for got_after in rounds:
             np.testing.assert_allclose(got_after, np.broadcast_to(want, (n, 64)), rtol=1e-5,
                                        atol=1e-3)
         print(f"ok   mpi  the psum after a {what} reads its token, 10 rounds vs numpy",
@@ -713,9 +776,9 @@ def grouped_and_scanned(setting: str) -> list:
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
                               check_vma=False))  # psum with groups needs check_vma=False
-    outs = f(common.global_array(mesh, P("x"), v_grp),
-             common.global_array(mesh, P("x"), v_scan))
-    return [common.gather(o) for o in outs]
+    args = (common.global_array(mesh, P("x"), v_grp), common.global_array(mesh, P("x"), v_scan))
+    return run_in(setting, "axis_index_groups and scan",
+                  lambda: [gather(o) for o in f(*args)])
 
 
 before = lowering.decisions()
@@ -770,7 +833,8 @@ def scanned_all_to_all() -> np.ndarray:
         return jax.lax.scan(step, c[0], None, length=3)[0][None]
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-    return common.gather(f(common.global_array(mesh, P("x"), v_a2a)))
+    x = common.global_array(mesh, P("x"), v_a2a)
+    return each_mode("scan of in-place all_to_all", lambda: gather(f(x)))
 
 
 a2a_want = v_a2a.copy()
@@ -823,8 +887,8 @@ if jax.local_device_count() == 1 and jax.process_count() == 2:
         return jax.lax.scan(step, c0, None, length=3)[0]
 
     try:
-        got = common.gather(jax.jit(jax.shard_map(_staged, mesh=mesh, in_specs=P("x"),
-                                                  out_specs=P("x")))(
+        got = gather(jax.jit(jax.shard_map(_staged, mesh=mesh, in_specs=P("x"),
+                                           out_specs=P("x")))(
             common.global_array(mesh, P("x"), np.arange(2, dtype=np.int32) * 1000)))
         blocks = [np.split(np.arange(stage_count, dtype=np.int32) + 1000 * d, n)
                   for d in range(n)]
@@ -845,14 +909,16 @@ if n == 4:
     mesh2 = jax.make_mesh((2, 2), ("p", "d"))
     v = values("int32", (2, 3), 11).reshape(2, 2, 2, 3)
 
-    def two_d(setting, axes):
-        config.configure(collectives=setting)
-        f = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, axes), mesh=mesh2,
-                                  in_specs=P("p", "d"), out_specs=P("p", "d")))
-        return common.gather(f(common.global_array(mesh2, P("p", "d"), v)))
+    psum_axes = ("p", "d", ("p", "d"))
 
-    for axes in ("p", "d", ("p", "d")):
-        got, ref = two_d("mpi", axes), two_d("gloo", axes)
+    def two_d(setting):  # the psum over each axis and both, in one program
+        config.configure(collectives=setting)
+        f = jax.jit(jax.shard_map(lambda a: tuple(jax.lax.psum(a, ax) for ax in psum_axes),
+                                  mesh=mesh2, in_specs=P("p", "d"), out_specs=P("p", "d")))
+        x = common.global_array(mesh2, P("p", "d"), v)
+        return run_in(setting, "2-D psums", lambda: [gather(r) for r in f(x)])
+
+    for axes, got, ref in zip(psum_axes, two_d("mpi"), two_d("gloo"), strict=True):
         axis_ix = {"p": (0,), "d": (1,), ("p", "d"): (0, 1)}[axes]
         want = np.broadcast_to(v.sum(axis_ix, keepdims=True, dtype=np.int32), v.shape)
         check(f"2-D psum over {axes} vs numpy", got[None], want.astype(np.int32), True)
@@ -875,36 +941,44 @@ if n == 4:
 
         f = jax.jit(jax.shard_map(body, mesh=mesh2, in_specs=P("p", "d"),
                                   out_specs=P("p", "d")))
-        return [common.gather(r) for r in f(common.global_array(mesh2, P("p", "d"), v))]
+        x = common.global_array(mesh2, P("p", "d"), v)
+        return run_in(setting, "2-D exchanges", lambda: [gather(r) for r in f(x)])
 
     names = ["all_gather p", "all_gather (p, d) tiled", "psum_scatter p",
              "psum_scatter (p, d)", "all_to_all p", "all_to_all (p, d)"]
-    for name, got, ref in zip(names, two_d_exchanges("mpi"), two_d_exchanges("gloo"),
-                              strict=True):
+    exchanged = two_d_exchanges("mpi")
+    for name, got, ref in zip(names, exchanged, two_d_exchanges("gloo"), strict=True):
         check(f"2-D {name} vs gloo", got[None], ref, True)
     # NumPy: the gather over p of device (p, d) is v[:, d] stacked.
-    got = two_d_exchanges("mpi")[0]
+    got = exchanged[0]
     check("2-D all_gather p vs numpy", got[None, 0, 1],
           np.stack([v[0, 1], v[1, 1]]), True)
 
-# ---- the timeline: each collective over MPI is a slice with its bytes and wait
-with tempfile.TemporaryDirectory() as tmp:
-    directory = os.path.join(tmp, "trace")
-    config.configure(collectives="mpi")
-    def four(v):  # one of each kind of slice: all_reduce, all_gather, all_to_all, reduce_scatter
-        g = jax.lax.all_gather(v, "x", tiled=True)
-        return (jax.lax.psum(v, "x"), g, jax.lax.all_to_all(g, "x", 0, 0, tiled=True),
-                jax.lax.psum_scatter(g, "x", tiled=True))
+# ---- the timeline: each collective over MPI is a slice with its bytes and wait (in each
+# park mode: a parked call's slice is written when it completes)
+config.configure(collectives="mpi")
 
-    traced = jax.jit(jax.shard_map(four, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
-                                   check_vma=False))
-    xt = common.global_array(mesh, P("x"), np.ones((n, 6), np.float32))
-    jax.block_until_ready(traced(xt))
-    with jax_cpu_mpi.trace(directory):
-        jax.block_until_ready(traced(xt))
-    mine = [e for f in glob.glob(os.path.join(directory, "*.json"))
-            for e in json.load(open(f))["traceEvents"]
-            if e.get("cat") == "collective" and e["pid"] == jax.process_index()]
+
+def four(v):  # one of each kind of slice: all_reduce, all_gather, all_to_all, reduce_scatter
+    g = jax.lax.all_gather(v, "x", tiled=True)
+    return (jax.lax.psum(v, "x"), g, jax.lax.all_to_all(g, "x", 0, 0, tiled=True),
+            jax.lax.psum_scatter(g, "x", tiled=True))
+
+
+traced = jax.jit(jax.shard_map(four, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
+                               check_vma=False))
+xt = common.global_array(mesh, P("x"), np.ones((n, 6), np.float32))
+jax.block_until_ready(traced(xt))
+for mode in MODES:
+    meeting(mode)
+    tag = f" (park {mode})" if len(MODES) > 1 else ""
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = os.path.join(tmp, "trace")
+        with jax_cpu_mpi.trace(directory):
+            jax.block_until_ready(traced(xt))
+        mine = [e for f in glob.glob(os.path.join(directory, "*.json"))
+                for e in json.load(open(f))["traceEvents"]
+                if e.get("cat") == "collective" and e["pid"] == jax.process_index()]
     # bytes: the operand's, or the result's where larger (24 B per device, n x 24 B gathered)
     want = {"all_reduce": 24, "all_gather": 24 * n, "all_to_all": 24 * n,
             "reduce_scatter": 24 * n}
@@ -912,28 +986,32 @@ with tempfile.TemporaryDirectory() as tmp:
     if any(len(by_name[k]) != jax.local_device_count() or any(
             e["args"]["bytes"] != b or e["args"]["wait_us"] < 0 or not e["args"]["ok"]
             for e in by_name[k]) for k, b in want.items()):
-        failures.append("timeline")
-        print(f"FAIL timeline: {mine}", flush=True)
+        failures.append(f"timeline{tag}")
+        print(f"FAIL timeline{tag}: {mine}", flush=True)
     else:
-        print(f"ok   timeline: {jax.local_device_count()} slice(s) each of "
+        print(f"ok   timeline{tag}: {jax.local_device_count()} slice(s) each of "
               f"{', '.join(want)}", flush=True)
+meeting(MODES[0])
 
 # ---- ppermute between processes: precv(psend(x)) over MPI, against gloo, 8 B to 1 MiB
 
 
 def permuted(setting: str) -> dict:
+    """Every case's ppermute in one program (a program per case cost a compilation each)."""
     config.configure(collectives=setting)
-    out = {}
+    cases = {}
     for name, perm in (("ring", [(i, (i + 1) % n) for i in range(n)]),
                        ("reverse pair", [(n - 1, 0)])):
         for shape in ((2,), (1 << 18,)):
-            v = values("int32", shape, 5)
-            f = jax.jit(jax.shard_map(
-                functools.partial(jax.lax.ppermute, axis_name="x", perm=perm), mesh=mesh,
-                in_specs=P("x"), out_specs=P("x")))
-            out[f"ppermute {name} int32{list(shape)}"] = (
-                common.gather(f(common.global_array(mesh, P("x"), v))), v, perm)
-    return out
+            cases[f"ppermute {name} int32{list(shape)}"] = (values("int32", shape, 5), perm)
+
+    def body(tree):
+        return {k: jax.lax.ppermute(tree[k], "x", cases[k][1]) for k in sorted(tree)}
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    xs = {k: common.global_array(mesh, P("x"), v) for k, (v, _) in cases.items()}
+    got = run_in(setting, "ppermutes", lambda: {k: gather(r) for k, r in f(xs).items()})
+    return {k: (got[k], v, perm) for k, (v, perm) in cases.items()}
 
 
 p_mpi, p_gloo = permuted("mpi"), permuted("gloo")
@@ -963,11 +1041,13 @@ if n == 2 * jax.local_device_count() and jax.local_device_count() > 1:
     for setting in ("mpi", "gloo"):
         config.configure(collectives=setting)
         before = lowering.decisions()
-        for name in ("psum", "pmax"):
-            f = jax.jit(jax.shard_map(functools.partial(OPS[name], axis_name="l"), mesh=mesh2,
-                                      in_specs=P(("p", "l")), out_specs=P(("p", "l"))))
-            got[setting, name] = common.gather(
-                f(common.global_array(mesh2, P(("p", "l")), v)))
+        # psum and pmax in one program
+        f = jax.jit(jax.shard_map(lambda a: (OPS["psum"](a, "l"), OPS["pmax"](a, "l")),
+                                  mesh=mesh2, in_specs=P(("p", "l")), out_specs=P(("p", "l"))))
+        x = common.global_array(mesh2, P(("p", "l")), v)
+        got[setting, "psum"], got[setting, "pmax"] = run_in(
+            setting, "psum and pmax over the in-process axis",
+            lambda f=f, x=x: [gather(r) for r in f(x)])
         new = {k: c - before.get(k, 0) for k, c in lowering.decisions().items()}
         how = {h for (_, d, h), c in new.items() if c and d == "float32"}
         if setting == "mpi" and how != {"mpi"}:
@@ -1007,7 +1087,9 @@ try:
     assert lowering.ALL_REDUCE_TARGET in text and "all_reduce" in text.replace(
         lowering.ALL_REDUCE_TARGET, ""), "not both platforms' psum"
     assert lowering.END_TARGET not in text, "collectives_end outside the CPU branch"
-    got = common.gather(exported.call(common.global_array(mesh, P("x"), v_both.reshape(-1))))
+    call_both = jax.jit(exported.call)
+    x_both = common.global_array(mesh, P("x"), v_both.reshape(-1))
+    got = each_mode("exported for cpu and cuda", lambda: gather(call_both(x_both)))
     check("mpi  exported for cpu and cuda: psum vs numpy", got.reshape(n, 4), v_both.sum(0),
           False)
 except Exception as e:
@@ -1031,7 +1113,7 @@ def partly_manual(setting: str) -> list:
 
     f = jax.jit(jax.shard_map(body, mesh=mesh_pd, in_specs=P("p"), out_specs=P("p"),
                               axis_names={"p"}))
-    return [common.gather(r) for r in f(common.global_array(mesh_pd, P("p"), v))]
+    return [gather(r) for r in f(common.global_array(mesh_pd, P("p"), v))]
 
 
 before = lowering.decisions()
@@ -1071,7 +1153,8 @@ def tree_program(setting: str, combine: int):
     f = jax.jit(jax.shard_map(tree_step, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
     args = [common.global_array(mesh, P("x"), v) for v in tree_operands]
     calls = f.lower(*args).as_text().count("@jax_cpu_mpi_all_reduce(")
-    return calls, [common.gather(r) for r in f(*args)]
+    return calls, run_in(setting, f"merged all-reduces, combine_bytes={combine}",
+                         lambda: [gather(r) for r in f(*args)])
 
 
 tree_operands = [values("float32", (3, 5), 201), values("float32", (1,), 202),

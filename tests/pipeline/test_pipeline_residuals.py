@@ -4,6 +4,7 @@ keeps them in place (no copy of the kept residuals or of the gradients per tick)
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -312,28 +313,38 @@ def scanned_layers(p, x):
     return softsign(x)
 
 
+def _mse(y, t):
+    return jnp.mean((y - t) ** 2)
+
+
+@functools.cache
+def _scanned_problem(P: int = 2, M: int = 3):
+    """Parameters, microbatches, targets and the reference's loss, gradients and input
+    gradients: the same for every schedule and remat, so computed (op by op) once."""
+    rng = np.random.default_rng(1)
+    params = {"w": jnp.asarray(rng.normal(0, 0.4, (P, 2, WIDTH, WIDTH)), jnp.float32),
+              "b": jnp.asarray(rng.normal(0, 0.1, (P, 2, WIDTH)), jnp.float32)}
+    xs = jnp.asarray(rng.normal(size=(M, BATCH, WIDTH)), jnp.float32)
+    ys = jnp.asarray(rng.normal(size=(M, BATCH, WIDTH)), jnp.float32)
+    want = pl.reference_value_and_grad(scanned_layers, _mse, params, xs, ys,
+                                       return_input_grads=True)
+    return params, xs, ys, want
+
+
 @pytest.mark.parametrize("remat", [True, False], ids=["remat", "kept"])
 @pytest.mark.parametrize("schedule", [pl.OneFOneB(), pl.ZeroBubble()],
                          ids=lambda s: type(s).__name__)
 def test_stages_with_scan_checkpoint_and_custom_vjp(schedule, remat):
     """Such a stage runs (its scan's carry, the activation, typed as varying over the stage
     axis like the layers' parameters make it) and, with remat=False, keeps its residuals."""
-    P, M = 2, 3
-    rng = np.random.default_rng(1)
-    params = {"w": jnp.asarray(rng.normal(0, 0.4, (P, 2, WIDTH, WIDTH)), jnp.float32),
-              "b": jnp.asarray(rng.normal(0, 0.1, (P, 2, WIDTH)), jnp.float32)}
-    xs = jnp.asarray(rng.normal(size=(M, BATCH, WIDTH)), jnp.float32)
-    ys = jnp.asarray(rng.normal(size=(M, BATCH, WIDTH)), jnp.float32)
+    P = 2
+    params, xs, ys, (want_loss, want_grads, want_dx) = _scanned_problem(P)
     mesh = jax.make_mesh((P,), ("stage",), devices=jax.devices()[:P])
-    mse = lambda y, t: jnp.mean((y - t) ** 2)  # noqa: E731
-    got = jax.jit(pl.shard_value_and_grad(scanned_layers, mse, mesh, schedule,
+    got = jax.jit(pl.shard_value_and_grad(scanned_layers, _mse, mesh, schedule,
                                           return_input_grads=True, remat=remat))(params, xs, ys)
-    want_loss, want_grads = pl.reference_value_and_grad(scanned_layers, mse, params, xs, ys)
     np.testing.assert_allclose(got[0], want_loss, rtol=1e-6)
     for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-6)
-    want_dx = pl.reference_value_and_grad(scanned_layers, mse, params, xs, ys,
-                                          return_input_grads=True)[2]
     np.testing.assert_allclose(got[2], want_dx, rtol=2e-5, atol=1e-7)
 
 

@@ -11,36 +11,30 @@ from mpi_launcher import assert_mpi_ok, llvm_unoptimized, run_mpi
 pytestmark = pytest.mark.mpi
 
 
-@pytest.fixture(scope="module")
-def compilation_cache(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """JAX's persistent compilation cache, one for this file's launches. The park mode is
-    read at run time (set_meeting_handoff), not when a program is lowered or compiled, so
-    the 2-device launches compile the same programs: the second loads the first's. What is
-    compared (results, which path the devices took) happens when the programs run."""
-    # Compiled cheaply (llvm_unoptimized()): the launch is mostly compiling its hundreds of
-    # small programs, and what it checks (MPI's results equal to gloo's in the same
-    # launch, and to NumPy's) does not depend on how the kernels are generated.
-    return {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax-cache")),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1", **llvm_unoptimized()}
-
-
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("devices_per_process", "park"), [(1, "auto"), (2, "on"), (2, "off")])
-def test_collectives_over_mpi_equal_gloo_and_numpy(devices_per_process, park,
-                                                    compilation_cache):
+@pytest.mark.parametrize("devices_per_process", [1, 2])
+def test_collectives_over_mpi_equal_gloo_and_numpy(devices_per_process):
     # With 2 devices per rank, both ways a device that does not lead its process's meeting
     # waits for the leader: parked (its call returns a pending future) and waiting in it.
+    # The mode is read when a program runs (set_meeting_handoff), so one launch compiles
+    # each program once and runs it in both modes, "on" first (collectives_cases.each_mode).
+    # Compiled cheaply (llvm_unoptimized()): the launch is mostly compiling its hundreds of
+    # small programs, and what it checks (MPI's results equal to gloo's in the same launch,
+    # and to NumPy's) does not depend on how the kernels are generated.
+    park = {"JAX_CPU_MPI_PARK": "auto"} if devices_per_process == 1 else {
+        "JAX_CPU_MPI_PARK": "on", "JCM_TEST_PARK_MODES": "on,off"}
     run = run_mpi("collectives_cases.py", nprocs=2, devices_per_process=devices_per_process,
-                  timeout=220, env={"JAX_CPU_MPI_PARK": park, **compilation_cache})
+                  timeout=220, env={**park, **llvm_unoptimized()})
     assert_mpi_ok(run, 2)
     lines = [line for lines in run.by_rank().values() for line in lines]
     assert not any(line.startswith("FAIL") for line in lines), run.report()
     assert sum(line.startswith("ok ") for line in lines) >= 2 * 100, run.report()
     if devices_per_process == 2:
-        took = "parked" if park == "on" else "waited"
-        assert any(f"the matrix's devices {took}" in line for line in lines), run.report()
-        assert any("the waiting path, 40 calls" in line for line in lines), run.report()
+        for mode, took in (("on", "parked"), ("off", "waited")):
+            assert sum(f"the matrix's devices {took} (park {mode}" in line
+                       for line in lines) == 2, (mode, run.report())
+            assert sum(f"the waiting path, 40 calls vs numpy (park {mode})" in line
+                       for line in lines) == 2, (mode, run.report())
 
 
 @pytest.mark.timeout(150)
