@@ -261,6 +261,11 @@ Status MpiTransport::RecvStaged(ChannelState& ch, int source_rank, int tag, void
     // Only chunk headers and bare payloads come on the channel now (mpi/framing.h).
     return RecvPostedFirst(ch, source_rank, tag, out, bytes, desc_hash, deadline);
   }
+  if (!AllowsBare(last) && bytes < kScatterMinBytes) {
+    // No bare payload can come: every message ends with an Envelope, and none is larger
+    // than the channel's room.
+    return RecvSmallPostedFirst(ch, source_rank, tag, out, bytes, desc_hash, deadline);
+  }
   MPI_Message message = MPI_MESSAGE_NULL;
   MPI_Status status;
   Backoff backoff;
@@ -332,18 +337,19 @@ Status MpiTransport::TakeChunks(ChannelState& ch, const Envelope& header, int so
                      });
 }
 
-Status MpiTransport::RecvPostedFirst(ChannelState& ch, int source_rank, int tag, void* out,
-                                     size_t bytes, uint64_t desc_hash,
-                                     std::chrono::steady_clock::time_point deadline) {
+Status MpiTransport::PostAndWait(ChannelState& ch, int source_rank, int tag, std::byte* buffer,
+                                 size_t capacity, std::shared_ptr<void> keep_alive, void* out,
+                                 size_t bytes, std::chrono::steady_clock::time_point deadline,
+                                 size_t* count) {
   MPI_Request request = MPI_REQUEST_NULL;
   {
     std::unique_lock<std::mutex> lock = MpiCallLock();
     if (Status s = Usable(); !s.ok()) return s;
-    int rc = MPI_Irecv(out, static_cast<int>(bytes), MPI_BYTE, source_rank, tag, comm_,
+    int rc = MPI_Irecv(buffer, static_cast<int>(capacity), MPI_BYTE, source_rank, tag, comm_,
                        &request);
     if (rc != MPI_SUCCESS) return Status::MpiError("MPI_Irecv", rc);
   }
-  // At a failure or the deadline the receive, which points into the output, is cancelled;
+  // At a failure or the deadline the receive, which points into `buffer`, is cancelled;
   // one that already matched gets the grace period to complete (then it is taken as if in
   // time: `status` is its own), and is abandoned if it does not (its sender stopped
   // mid-message).
@@ -351,7 +357,7 @@ Status MpiTransport::RecvPostedFirst(ChannelState& ch, int source_rank, int tag,
   auto give_up = [&](Status why) -> Status {
     size_t cancelled = 0;
     bool abandoned = false;
-    Status s = CancelWithGrace({&request, 1}, &cancelled, &abandoned, nullptr,
+    Status s = CancelWithGrace({&request, 1}, &cancelled, &abandoned, keep_alive,
                                /*cancel=*/true, &status);
     if (abandoned) {
       return Status::Timeout("the message started to arrive but did not complete in time");
@@ -393,17 +399,30 @@ Status MpiTransport::RecvPostedFirst(ChannelState& ch, int source_rank, int tag,
     }
   }
   ch.staged_matched = true;  // for StallReport (recv_mu is held)
-  int count = 0;
-  if (int rc = MPI_Get_count(&status, MPI_BYTE, &count); rc != MPI_SUCCESS) {
+  int received = 0;
+  if (int rc = MPI_Get_count(&status, MPI_BYTE, &received); rc != MPI_SUCCESS) {
     return Status::MpiError("MPI_Get_count", rc);
   }
+  *count = static_cast<size_t>(received);
+  return Status::Ok();
+}
+
+Status MpiTransport::RecvPostedFirst(ChannelState& ch, int source_rank, int tag, void* out,
+                                     size_t bytes, uint64_t desc_hash,
+                                     std::chrono::steady_clock::time_point deadline) {
+  size_t count = 0;
+  if (Status s = PostAndWait(ch, source_rank, tag, static_cast<std::byte*>(out), bytes,
+                             nullptr, out, bytes, deadline, &count);
+      !s.ok()) {
+    return s;
+  }
   const Envelope& last = ch.last_header_received;
-  if (static_cast<size_t>(count) == bytes) {  // a bare payload: its header is the last
+  if (count == bytes) {  // a bare payload: its header is the last
     bare_receives_.fetch_add(1, std::memory_order_relaxed);
     if (last.desc_hash != desc_hash) return Status::TypeMismatch(bytes, last.Description());
     return Status::Ok();
   }
-  if (static_cast<size_t>(count) != sizeof(Envelope)) {
+  if (count != sizeof(Envelope)) {
     return Status::Invalid("corrupt message of " + std::to_string(count) +
                            " bytes (neither a chunk header nor a payload of " +
                            std::to_string(bytes) + " bytes)");
@@ -413,6 +432,34 @@ Status MpiTransport::RecvPostedFirst(ChannelState& ch, int source_rank, int tag,
   std::memcpy(&header, out, sizeof(header));
   if (header.magic != kChunkMagic) return Arrived(header, 0, bytes, desc_hash);
   return TakeChunks(ch, header, source_rank, tag, out, bytes, desc_hash, deadline);
+}
+
+Status MpiTransport::RecvSmallPostedFirst(ChannelState& ch, int source_rank, int tag,
+                                          void* out, size_t bytes, uint64_t desc_hash,
+                                          std::chrono::steady_clock::time_point deadline) {
+  // An abandoned receive keeps its own room (ReusableOrNew).
+  const std::shared_ptr<PostedRoom> room = ReusableOrNew(ch.recv_room);
+  std::byte* const buffer = room->bytes.get();
+  size_t count = 0;
+  if (Status s = PostAndWait(ch, source_rank, tag, buffer, kPostedRoomBytes, room, out, bytes,
+                             deadline, &count);
+      !s.ok()) {
+    return s;
+  }
+  // Every message that can come here ends with an Envelope (mpi/framing.h).
+  if (count < sizeof(Envelope)) {
+    return Status::Invalid("corrupt message of " + std::to_string(count) +
+                           " bytes (shorter than its envelope)");
+  }
+  Envelope trailer;
+  std::memcpy(&trailer, buffer + count - sizeof(Envelope), sizeof(trailer));
+  if (count == sizeof(Envelope) && trailer.magic == kChunkMagic) {  // a chunk header
+    return TakeChunks(ch, trailer, source_rank, tag, out, bytes, desc_hash, deadline);
+  }
+  const size_t payload = count - sizeof(Envelope);
+  Status arrived = Arrived(trailer, payload, bytes, desc_hash);
+  if (arrived.ok() && bytes > 0) std::memcpy(out, buffer, bytes);
+  return arrived;
 }
 
 Status MpiTransport::RecvBare(ChannelState& ch, MPI_Message* message, void* out,

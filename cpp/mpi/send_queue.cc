@@ -149,84 +149,83 @@ Status MpiTransport::IsendStaged(ChannelState& ch, PendingSend send, int dest_ra
   const size_t bytes = send.bytes;
   send.dest_rank = dest_rank;
   send.tag = tag;
-  // A send that has left at once (eager protocol) needs no entry in the pending list, and
-  // its buffer goes back when this function returns, or becomes the channel's spare copy
-  // for its next send. A failed test leaves the send to the pending list, whose test
-  // reports the error; so does a send that StopMidSendForTest watches (its check comes
-  // before the send's first test).
-  auto left_at_once = [&](std::span<MPI_Request> requests) -> bool {
-    send.posted_for_test = StopMidSendForTest::Posted(bytes);
-    if (send.posted_for_test != StopMidSendForTest::Clock::time_point{}) return false;
-    int done = 0;
-    {
-      std::unique_lock<std::mutex> lock = MpiCallLock();
-      if (MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
-                      MPI_STATUSES_IGNORE) != MPI_SUCCESS) {
-        done = 0;
-      }
-    }
-    if (done && spare && bytes < kChunkedThreshold) *spare = std::move(send.buffer);
-    return done;
-  };
-  auto completed = [&] {
-    std::lock_guard<std::mutex> lock(mu_);
-    CompleteStagedLocked(bytes);
-    return ProgressLocked();  // the other sends, as after every send
-  };
   int rc = MPI_SUCCESS;
+  // What the tail below takes from either framing: the requests posted (on the stack for a
+  // message of one chunk, no allocation if it has left at once), and whether to test them
+  // at once (a larger message is rarely gone at once; a failed post is not tested).
+  std::array<MPI_Request, 2> inline_requests{MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+  std::span<MPI_Request> posted;
+  bool test_now = false;
   // Where the channel's last header lets framed payloads go bare, the receiver may have
   // posted its receive for one (mpi/framing.h): a staged message then goes as a chunk header
   // and its chunks, however small (its header becomes the last one).
   if (bytes < kChunkedThreshold && !AllowsBare(ch.last_header_sent)) {
     const Envelope trailer = MakeEnvelope(kPayloadMagic, bytes, desc.hash, desc.text);
     std::memcpy(send.buffer.data() + bytes, &trailer, sizeof(trailer));
-    // One message: its request goes into the send's list only if it has not left at once
-    // (no allocation for one that has).
-    MPI_Request request = MPI_REQUEST_NULL;
     {
       std::unique_lock<std::mutex> lock = MpiCallLock();
       rc = MPI_Isend(send.buffer.data(), static_cast<int>(bytes + sizeof(trailer)), MPI_BYTE,
-                     dest_rank, tag, comm_, &request);
+                     dest_rank, tag, comm_, &inline_requests[0]);
     }
-    if (rc == MPI_SUCCESS && left_at_once({&request, 1})) return completed();
-    if (rc == MPI_SUCCESS) send.requests.push_back(request);
+    posted = std::span<MPI_Request>(inline_requests).first(rc == MPI_SUCCESS ? 1 : 0);
+    test_now = rc == MPI_SUCCESS;
   } else {
     // A chunk header and its chunks. The header is the channel's envelope, reused once no
-    // earlier send still holds it (ReusableOrNew); a message of one chunk keeps its two
-    // requests on the stack until it is known not to have left at once.
+    // earlier send still holds it (ReusableOrNew).
     send.header = ReusableOrNew(ch.send_envelope);
     *send.header = MakeEnvelope(kChunkMagic, bytes, desc.hash, desc.text);
     const size_t chunks = (bytes + kChunkBytes - 1) / kChunkBytes;
-    std::array<MPI_Request, 2> inline_requests;
     if (chunks > 1) send.requests.resize(1 + chunks);
     std::span<MPI_Request> all = chunks > 1 ? std::span<MPI_Request>(send.requests)
                                             : std::span<MPI_Request>(inline_requests).first(
                                                   1 + chunks);
-    size_t posted = 0;
+    size_t count = 0;
     {
       std::unique_lock<std::mutex> lock = MpiCallLock();
       rc = MPI_Isend(send.header.get(), sizeof(Envelope), MPI_BYTE, dest_rank, tag, comm_,
                      &all[0]);
-      if (rc == MPI_SUCCESS) ++posted;
+      if (rc == MPI_SUCCESS) ++count;
       for (size_t offset = 0; offset < bytes && rc == MPI_SUCCESS; offset += kChunkBytes) {
         rc = MPI_Isend(send.buffer.data() + offset,
                        static_cast<int>(std::min(kChunkBytes, bytes - offset)), MPI_BYTE,
-                       dest_rank, tag, comm_, &all[posted]);
-        if (rc == MPI_SUCCESS) ++posted;
+                       dest_rank, tag, comm_, &all[count]);
+        if (rc == MPI_SUCCESS) ++count;
       }
     }
-    if (posted > 0) ch.last_header_sent = *send.header;  // the receiver's last one too
-    // Only a message of one chunk is tested here: a larger one is rarely gone at once.
-    if (rc == MPI_SUCCESS && chunks <= 1 && left_at_once(all)) return completed();
-    // Requests already started keep referring to the buffer and the header: the pending
-    // list keeps both until they complete.
-    if (chunks > 1) {
-      send.requests.resize(posted);
-    } else {
-      send.requests.assign(all.begin(), all.begin() + posted);
+    if (count > 0) ch.last_header_sent = *send.header;  // the receiver's last one too
+    posted = all.first(count);
+    test_now = rc == MPI_SUCCESS && chunks <= 1;
+  }
+  // The test hook is consulted once per send, before its first test (a send it watches is
+  // left to the pending list untested, so that its check there comes first).
+  send.posted_for_test = StopMidSendForTest::Posted(bytes);
+  if (test_now && send.posted_for_test == StopMidSendForTest::Clock::time_point{}) {
+    // A send that has left at once (eager protocol) needs no entry in the pending list, and
+    // its buffer goes back when this function returns, or becomes the channel's spare copy
+    // for its next send. A failed test leaves the send to the pending list, whose test
+    // reports the error.
+    int done = 0;
+    {
+      std::unique_lock<std::mutex> lock = MpiCallLock();
+      if (MPI_Testall(static_cast<int>(posted.size()), posted.data(), &done,
+                      MPI_STATUSES_IGNORE) != MPI_SUCCESS) {
+        done = 0;
+      }
+    }
+    if (done) {
+      if (spare && bytes < kChunkedThreshold) *spare = std::move(send.buffer);
+      std::lock_guard<std::mutex> lock(mu_);
+      CompleteStagedLocked(bytes);
+      return ProgressLocked();  // the other sends, as after every send
     }
   }
-  send.posted_for_test = StopMidSendForTest::Posted(bytes);
+  // Requests already started keep referring to the buffer and the header: the pending list
+  // keeps both until they complete.
+  if (posted.data() == send.requests.data()) {
+    send.requests.resize(posted.size());
+  } else {
+    send.requests.assign(posted.begin(), posted.end());
+  }
   std::lock_guard<std::mutex> lock(mu_);
   // A send whose first post failed goes in too (no requests): its test there completes it,
   // which releases its reservation.

@@ -5,10 +5,12 @@
 // owns and returns without waiting for the receiver, so that two devices that both send
 // before they receive never deadlock, whatever the message size. The bytes of undelivered
 // sends are bounded (Config::max_inflight_bytes). Large staged messages are framed in
-// chunks (mpi/framing.h). Receives probe with a deadline (MPI_Improbe) so a receive that
-// nothing matches fails instead of hanging, and check the byte count and the sender's
-// description of its operand (dtype and shape: every staged message carries a hash of it,
-// mpi/framing.h), so that a float32[4] never lands in an int32[4] as garbage.
+// chunks (mpi/framing.h). Receives probe with a deadline (MPI_Improbe), or post their receive
+// first where no message can be larger than its room (a small receive: RecvSmallPostedFirst)
+// and cancel it at the deadline, so a receive that nothing matches fails instead of hanging,
+// and check the byte count and the sender's description of its operand (dtype and shape:
+// every staged message carries a hash of it, mpi/framing.h), so that a float32[4] never
+// lands in an int32[4] as garbage.
 //
 // Messages of kRendezvousMinBytes or more may skip the copy (rendezvous), and those of
 // kKeptRendezvousMinBytes or more whose psend's operand is kept go framed below (see Send and
@@ -479,6 +481,17 @@ class MpiTransport {
   // from a live peer finishes (a message matched just before the deadline is not failed).
   static constexpr std::chrono::milliseconds kCancelGrace{1000};
 
+  // Where a small staged receive is posted before its message comes (RecvSmallPostedFirst):
+  // room for any message that can come on a channel whose last header allows no bare
+  // payload, a one-message payload below kChunkedThreshold with its trailer or a chunk
+  // header, so that a message of another byte count still arrives whole and its trailer
+  // says what it is, as after a probe. Its bytes are allocated, never written: only what a
+  // message fills is touched.
+  static constexpr size_t kPostedRoomBytes = kChunkedThreshold - 1 + sizeof(Envelope);
+  struct PostedRoom {
+    std::unique_ptr<std::byte[]> bytes{new std::byte[kPostedRoomBytes]};  // not zeroed
+  };
+
   struct ReadySignal {
     uint64_t seq = 0;        // which message of the channel the receiver waits for
     uint64_t bytes = 0;      // the receiver's byte count
@@ -512,6 +525,9 @@ class MpiTransport {
     // header or trailer, and the copy of a small message.
     std::shared_ptr<Envelope> recv_envelope;
     std::shared_ptr<std::vector<std::byte>> recv_scratch;
+    // Under recv_mu: the room a small receive is posted into (RecvSmallPostedFirst), reused
+    // as recv_scratch is.
+    std::shared_ptr<PostedRoom> recv_room;
     // Under send_mu: the chunk header of the channel's staged sends (IsendStaged), reused
     // once no send in flight holds it.
     std::shared_ptr<Envelope> send_envelope;
@@ -608,6 +624,23 @@ class MpiTransport {
   // is taken as RecvStaged takes one.
   Status RecvPostedFirst(ChannelState& ch, int source_rank, int tag, void* out, size_t bytes,
                          uint64_t desc_hash, std::chrono::steady_clock::time_point deadline);
+  // A staged receive below kScatterMinBytes on a channel whose last header allows no bare
+  // payload: its receive is posted into the channel's room (PostedRoom) before the message
+  // comes, as MPI_Sendrecv posts its own, instead of probing for it; a one-message payload
+  // is then copied out of the room, a chunk header (or an empty payload's trailer) taken
+  // as RecvStaged takes one.
+  Status RecvSmallPostedFirst(ChannelState& ch, int source_rank, int tag, void* out,
+                              size_t bytes, uint64_t desc_hash,
+                              std::chrono::steady_clock::time_point deadline);
+  // RecvPostedFirst's and RecvSmallPostedFirst's receive: posted into `buffer` (room for
+  // `capacity` bytes; `keep_alive` owns it unless it is the output) and waited for by
+  // `deadline` while `out` (`bytes`) is faulted in; at a failure or the deadline cancelled,
+  // with CancelWithGrace's grace for one already matched (then taken as if in time).
+  // `*count`: the bytes that came.
+  Status PostAndWait(ChannelState& ch, int source_rank, int tag, std::byte* buffer,
+                     size_t capacity, std::shared_ptr<void> keep_alive, void* out,
+                     size_t bytes, std::chrono::steady_clock::time_point deadline,
+                     size_t* count);
   // The chunks of a chunk header just received (which becomes the channel's last one):
   // into the output, or drained when the byte count is not `bytes`; the mismatches reported.
   Status TakeChunks(ChannelState& ch, const Envelope& header, int source_rank, int tag,
