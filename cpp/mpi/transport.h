@@ -489,7 +489,8 @@ class MpiTransport {
   // message fills is touched.
   static constexpr size_t kPostedRoomBytes = kChunkedThreshold - 1 + sizeof(Envelope);
   struct PostedRoom {
-    std::unique_ptr<std::byte[]> bytes{new std::byte[kPostedRoomBytes]};  // not zeroed
+    std::unique_ptr<std::byte[]> bytes =
+        std::make_unique_for_overwrite<std::byte[]>(kPostedRoomBytes);  // not zeroed
   };
 
   struct ReadySignal {
