@@ -18,7 +18,6 @@ import p2p_cases as cases
 from jax_cpu_mpi import _jax_cpu_mpi as ext
 from jax_cpu_mpi import config
 from jax_cpu_mpi import stats as jax_cpu_mpi_stats
-from jax_cpu_mpi._src.runtime import mpi as mpi_runtime
 
 config.configure(gpu_parity=False)
 #: JCM_TEST_SMALL_MESSAGES_ONLY=1 (tests/ops/test_without_jax_p2p.py's rerun without JAX's
@@ -43,16 +42,7 @@ def gather(x: jax.Array) -> np.ndarray:
     shape, dtype and mesh: a third of this launch's compiles, none of them what it checks."""
     if x.nbytes >= GATHERED_BY_JAX_BYTES:
         return common.gather(x)
-    mpi = mpi_runtime.import_mpi4py()
-    out = np.empty(x.shape, x.dtype)
-    covered = np.zeros(x.shape, bool)
-    local = [(s.index, np.asarray(s.data)) for s in x.addressable_shards if s.replica_id == 0]
-    for shards in mpi.COMM_WORLD.allgather(local):
-        for index, data in shards:
-            out[index] = data
-            covered[index] = True
-    assert covered.all(), f"the shards of {x.shape} gathered leave elements out"
-    return out
+    return common.gather_over_mpi(x)
 
 
 failures = []
